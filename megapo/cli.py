@@ -1,0 +1,55 @@
+"""The `megapo` console script.
+
+Each subcommand lives in the module that owns the feature; this file only lists them. A command
+module exposes `add_arguments(parser)` and `run(args) -> int`, and is imported only when its
+command runs, so `megapo objectives` does not pay for importing Megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "objectives": ("megapo.algorithms.cli", "list every objective, estimator and correction"),
+    "tiny-model": ("megapo.models.tiny", "write a tiny random-weight HF model with its own tokenizer"),
+    "logprobs": ("megapo.learner.logprobs_cmd", "log-probs of given tokens from the Megatron learner"),
+    "sft": ("megapo.trainer.sft", "supervised warm start on a built-in task"),
+    "train": ("megapo.trainer.cli", "RL training: megapo train CONFIG.yaml [dotted.overrides=...]"),
+    "plot": ("megapo.trainer.plot", "draw reward/length/KL curves of a run to PNG"),
+    "convert": ("tools.convert", "HF <-> Megatron checkpoint conversion"),
+    "launch": ("launch.cli", "launch a run (local or Slurm)"),
+    "bench": ("tools.bench.cli", "benchmarks (train step, packing, weight sync, scaling)"),
+    "serve": ("megapo.engines.serve", "start an inference server megapo can use as an engine"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megapo", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser = build_parser()
+        if argv and argv[0] not in ("-h", "--help"):
+            parser.error(f"unknown command {argv[0]!r}; choose from: {', '.join(COMMANDS)}")
+        parser.print_help()
+        return 0
+    name = argv[0]
+    module_name, help_text = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"megapo {name}", description=help_text)
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Check a parallel layout against a model before any process starts.
+
+Used by every entry point that starts learner processes (logprobs, train, convert, launch slurm),
+so an impossible layout is refused with the numbers that do not fit, not by a hang or a shape
+error inside Megatron minutes later.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megapo.config import ConfigError, ParallelConfig
+
+
+class LayoutError(ConfigError):
+    pass
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise LayoutError("model", f"no config.json in {model_dir}")
+    return json.loads(path.read_text())
+
+
+def num_experts(hf: dict) -> int:
+    """Experts per MoE layer, 0 for a dense model (field names differ between families)."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if hf.get(key):
+            return int(hf[key])
+    return 0
+
+
+def check_layout(parallel: ParallelConfig, hf: dict, world_size: int | None = None) -> None:
+    """Raise LayoutError naming the numbers when `parallel` cannot run the model described by `hf`."""
+    parallel.validate()
+    tp, pp, ep = parallel.tp, parallel.pp, parallel.ep
+    heads = hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    layers = hf["num_hidden_layers"]
+    experts = num_experts(hf)
+    if heads % tp:
+        raise LayoutError("parallel.tp", f"tp={tp} does not divide num_attention_heads={heads}")
+    if kv_heads % tp:
+        raise LayoutError("parallel.tp", f"tp={tp} does not divide num_key_value_heads={kv_heads}")
+    if layers % pp:
+        raise LayoutError("parallel.pp", f"pp={pp} does not divide num_hidden_layers={layers}")
+    ffn = hf.get("intermediate_size")
+    if ffn and ffn % tp:
+        raise LayoutError("parallel.tp", f"tp={tp} does not divide intermediate_size={ffn}")
+    if experts:
+        if experts % ep:
+            raise LayoutError("parallel.ep", f"ep={ep} does not divide the number of experts ({experts})")
+    elif ep > 1:
+        raise LayoutError("parallel.ep", f"ep={ep} but the model is dense (no experts)")
+    if world_size is not None and world_size != parallel.world_size:
+        raise LayoutError(
+            "parallel",
+            f"world size {world_size} != tp*pp*dp = {tp}*{pp}*{parallel.dp} = {parallel.world_size}",
+        )

@@ -1,0 +1,148 @@
+"""`megapo tiny-model`: a tiny random-weight model with its own tokenizer, in Hugging Face layout.
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained here on a small built-in corpus
+(digits always split one per token, as Qwen's tokenizer does, so arithmetic tasks stay learnable),
+and the weights come from transformers' own initialisation with a fixed seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+FAMILIES = ("qwen3_moe", "qwen2", "mixtral")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "question: what is the sum of two numbers? answer: the sum is",
+    "mixture of experts models route each token to a few experts",
+    "reinforcement learning from verifiable rewards improves reasoning",
+    "user assistant system you are a helpful assistant",
+    "add subtract multiply divide equals plus minus times",
+    "0123456789 + - * / = ( ) . , : ? ! \n",
+]
+
+
+def build_tokenizer(vocab_size: int):
+    """Train a byte-level BPE tokenizer of exactly `vocab_size` entries (or fewer merges if the corpus runs out)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_config(family: str, *, vocab_size: int, hidden: int, layers: int, experts: int, topk: int,
+                 heads: int, kv_heads: int, head_dim: int, ffn: int, moe_ffn: int, eos_id: int, pad_id: int,
+                 max_positions: int = 512):
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
+        pad_token_id=pad_id,
+        torch_dtype="float32",
+    )
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            head_dim=head_dim, intermediate_size=ffn, moe_intermediate_size=moe_ffn, num_experts=experts,
+            num_experts_per_tok=topk, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+            output_router_logits=False, router_aux_loss_coef=0.001, attention_bias=False, **common)
+    if family == "qwen2":
+        return transformers.Qwen2Config(intermediate_size=ffn, use_sliding_window=False, **common)
+    if family == "mixtral":
+        return transformers.MixtralConfig(
+            head_dim=head_dim, intermediate_size=moe_ffn, num_local_experts=experts, num_experts_per_tok=topk,
+            output_router_logits=False, router_aux_loss_coef=0.001, **common)
+    raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+
+
+def write_tiny_model(out: str | Path, family: str = "qwen3_moe", *, layers: int = 2, experts: int = 8, topk: int = 2,
+                     hidden: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int = 32, ffn: int = 128,
+                     moe_ffn: int = 128, vocab: int = 512, seed: int = 0, init_std: float = 0.02) -> Path:
+    """Write config.json, model.safetensors and tokenizer files to `out`; return the folder."""
+    import torch
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"--family must be one of {', '.join(FAMILIES)}, got {family!r}")
+    if family != "qwen2" and not 1 <= topk <= experts:
+        raise ValueError(f"--topk must be between 1 and --experts ({experts}), got {topk}")
+    if vocab < 300:
+        raise ValueError(f"--vocab must be >= 300 (256 byte symbols + specials + merges), got {vocab}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab)
+    config = build_config(
+        family, vocab_size=vocab, hidden=hidden, layers=layers, experts=experts, topk=topk, heads=heads,
+        kv_heads=kv_heads, head_dim=head_dim, ffn=ffn, moe_ffn=moe_ffn,
+        eos_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_id=tokenizer.pad_token_id)
+    config.initializer_range = init_std
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.do_sample = True
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="output folder (HF layout)")
+    parser.add_argument("--family", default="qwen3_moe", choices=FAMILIES)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32, help="32/64/... (vLLM on CPU needs one of 32, 64, 80, ...)")
+    parser.add_argument("--ffn", type=int, default=128, help="dense MLP width")
+    parser.add_argument("--moe-ffn", type=int, default=128, help="expert MLP width")
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = write_tiny_model(
+        args.out, args.family, layers=args.layers, experts=args.experts, topk=args.topk, hidden=args.hidden,
+        heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, ffn=args.ffn, moe_ffn=args.moe_ffn,
+        vocab=args.vocab, seed=args.seed)
+    cfg = json.loads((out / "config.json").read_text())
+    params = sum(1 for _ in out.glob("*.safetensors"))
+    print(f"wrote {args.family} model to {out} ({cfg['num_hidden_layers']} layers, vocab {cfg['vocab_size']}, "
+          f"{params} safetensors file(s))")
+    return 0
