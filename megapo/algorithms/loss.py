@@ -1,0 +1,133 @@
+"""`policy_loss`: the one entry point the learner calls (docs/CONTRACTS.md).
+
+    loss, metrics = policy_loss("gspo", logp, old_logp, adv, mask, loss_agg="seq-mean-token-mean",
+                                global_seqs=n_seqs_all_ranks)
+
+Steps: check and bring the inputs to the padded view (batch.py) → the objective's per-token loss
+(objectives.py) → × the mismatch correction weights (corrections.py) → aggregate (aggregation.py)
+→ + KL and entropy terms aggregated the same way (kl.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megapo.algorithms import batch as batch_mod
+from megapo.algorithms import corrections
+from megapo.algorithms.aggregation import Norm, aggregate
+from megapo.algorithms.kl import kl_penalty
+from megapo.algorithms.registry import get
+
+# options policy_loss itself understands; everything else goes to the objective's options
+_COMMON = ("correction", "correction_options", "max_len", "ref_logp", "kl_coef", "kl_estimator",
+           "entropy", "entropy_coef")
+
+
+def _positive(name: str, value) -> float | Tensor | None:
+    if value is None:
+        return None
+    v = float(value)
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name}: must be a positive finite number, got {value!r}")
+    return value
+
+
+def policy_loss(
+    name: str,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    rollout_logp: Tensor | None = None,
+    *,
+    cu_seqlens: Tensor | None = None,
+    loss_agg: str = "token-mean",
+    global_tokens: int | float | None = None,
+    global_seqs: int | float | None = None,
+    **options: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Loss of objective `name` and its metrics (detached 0-d tensors, local to this shard).
+
+    Common options: correction (a correction name) and correction_options (dict); max_len (for
+    loss_agg="seq-mean-token-sum-norm"); ref_logp + kl_coef (+ kl_estimator, default "k3") for a
+    KL loss term; entropy (per-token entropies, differentiable) + entropy_coef for an entropy
+    bonus. Any other keyword is an option of the objective (see `megapo objectives`).
+    """
+    entry = get("objective", name)
+    get("aggregation", loss_agg, argument="loss_agg")
+    common = {k: options.pop(k) for k in _COMMON if k in options}
+    obj_opts = entry.make_options(options)
+    norm = Norm(
+        global_tokens=_positive("global_tokens", global_tokens),
+        global_seqs=_positive("global_seqs", global_seqs),
+        max_len=_positive("max_len", common.get("max_len")),
+    )
+    kl_coef = float(common.get("kl_coef", 0.0))
+    entropy_coef = float(common.get("entropy_coef", 0.0))
+    ref_logp = common.get("ref_logp")
+    entropy = common.get("entropy")
+    if kl_coef and ref_logp is None:
+        raise ValueError("ref_logp: required when kl_coef is non-zero")
+    if entropy_coef and entropy is None:
+        raise ValueError("entropy: required when entropy_coef is non-zero")
+    correction = common.get("correction")
+    if correction is not None and rollout_logp is None:
+        raise ValueError(f"rollout_logp: required by correction={correction!r}")
+    if correction is None and common.get("correction_options"):
+        raise ValueError("correction_options: given without a correction")
+
+    extra = {}
+    if ref_logp is not None:
+        extra["ref_logp"] = ref_logp.detach() if isinstance(ref_logp, Tensor) else ref_logp
+    if entropy is not None:
+        extra["entropy"] = entropy
+    b, _ = batch_mod.build(logp, old_logp, advantages, mask, rollout_logp, cu_seqlens, extra)
+
+    out = entry.fn(b, obj_opts)
+    token_loss = out.loss
+    metrics: dict[str, Tensor] = {}
+    if correction is not None:
+        weights, corr_metrics = corrections.apply(correction, b, common.get("correction_options"))
+        token_loss = token_loss * weights
+        metrics.update(corr_metrics)
+
+    pg_loss = aggregate(token_loss, b, loss_agg, norm)
+    loss = pg_loss
+    metrics["pg_loss"] = pg_loss.detach()
+    if ref_logp is not None:
+        kl = kl_penalty(b.logp, b.extra["ref_logp"], common.get("kl_estimator", "k3"))
+        kl_loss = aggregate(kl, b, loss_agg, norm)
+        metrics["kl"] = b.token_mean(kl).detach()
+        if kl_coef:
+            loss = loss + kl_coef * kl_loss
+    if entropy is not None:
+        metrics["entropy"] = b.token_mean(b.extra["entropy"]).detach()
+        if entropy_coef:
+            loss = loss - entropy_coef * aggregate(b.extra["entropy"], b, loss_agg, norm)
+
+    metrics.update(_ratio_metrics(b, out))
+    if b.rollout_logp is not None:
+        metrics.update(corrections.mismatch_from_batch(b))
+    return loss, metrics
+
+
+def _ratio_metrics(b: batch_mod.TokenBatch, out) -> dict[str, Tensor]:
+    ratio = out.ratio.detach()
+    valid = b.mask
+    zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+
+    def frac(flags):
+        return zero if flags is None else b.token_mean(flags.to(ratio.dtype)).detach()
+
+    return {
+        "clipfrac_low": frac(out.clip_low),
+        "clipfrac_high": frac(out.clip_high),
+        "clipfrac_dual": frac(out.clip_dual),
+        "ratio_mean": b.token_mean(ratio).detach(),
+        "ratio_min": ratio[valid].min(),
+        "ratio_max": ratio[valid].max(),
+    }

@@ -1,0 +1,361 @@
+"""Policy-gradient objectives, each as a per-token loss on the padded [S, T] view.
+
+Every objective returns an `ObjectiveOut`: the per-token loss (aggregation over tokens and
+sequences is done afterwards by `loss_agg`, see aggregation.py), the ratio it clips (for the ratio
+metrics) and boolean maps of where it clipped. Notation: r_t = π_θ(y_t)/π_old(y_t) (token ratio),
+A_t the advantage, sg[·] stop-gradient, |y| the sequence's number of valid tokens.
+
+Sequence-level objectives (gspo, gmpo, vespo) compute one value per sequence and give it to each
+of its tokens, so with loss_agg="seq-mean-token-mean" the loss is exactly the paper's per-sequence
+objective averaged over sequences. They use A_t token by token; the caller broadcasts a
+per-sequence advantage (docs/CONTRACTS.md), which is the case the papers cover.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megapo.algorithms.batch import TokenBatch
+from megapo.algorithms.registry import register
+
+
+@dataclass
+class ObjectiveOut:
+    loss: Tensor  # [S, T] per-token loss (padding positions are ignored by the aggregation)
+    ratio: Tensor  # [S, T] the ratio the objective acts on (metrics only)
+    clip_low: Tensor | None = None  # [S, T] bool
+    clip_high: Tensor | None = None
+    clip_dual: Tensor | None = None
+
+
+def _check_nonneg(**values: float) -> None:
+    for key, value in values.items():
+        if value is None or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{key}: must be a finite number >= 0, got {value!r}")
+
+
+def _log_ratio(b: TokenBatch) -> Tensor:
+    # padding holds 0 in both, so its log-ratio is 0 (ratio 1) and sums over rows stay exact
+    return (b.logp - b.old_logp) * b.fmask
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """PPO's pessimistic surrogate as a loss: max(-A·ρ, -A·clip(ρ, 1-ε_low, 1+ε_high))."""
+    return torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))
+
+
+# ----------------------------------------------------------------------------------------- ppo
+
+
+@dataclass
+class PPOOptions:
+    eps_low: float = 0.2
+    eps_high: float = 0.2  # DAPO's clip-higher sets 0.28
+    dual_clip: float | None = None  # c > 1: bound the loss of A<0 tokens by -c·A
+
+    def __post_init__(self):
+        _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high)
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"dual_clip: must be > 1, got {self.dual_clip!r}")
+
+
+@register(
+    "ppo", "objective", "token",
+    "Schulman et al. 2017, PPO (arXiv:1707.06347); clip-higher: DAPO, Yu et al. 2025 "
+    "(arXiv:2503.14476); dual clip: Ye et al. 2020 (arXiv:1912.09729)",
+    PPOOptions,
+)
+def ppo(b: TokenBatch, o: PPOOptions) -> ObjectiveOut:
+    """loss_t = max(-A_t·r_t, -A_t·clip(r_t, 1-ε_low, 1+ε_high)); with dual clip c and A_t<0:
+    loss_t = min(loss_t, -c·A_t)."""
+    adv = b.advantages
+    ratio = torch.exp(_log_ratio(b))
+    loss = _clipped_surrogate(ratio, adv, o.eps_low, o.eps_high)
+    dual = torch.zeros_like(b.mask)
+    if o.dual_clip is not None:
+        bound = -o.dual_clip * adv
+        dual = (adv < 0) & (ratio > o.dual_clip)
+        loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
+    return ObjectiveOut(
+        loss, ratio,
+        clip_low=(adv < 0) & (ratio < 1 - o.eps_low),
+        clip_high=(adv > 0) & (ratio > 1 + o.eps_high),
+        clip_dual=dual,
+    )
+
+
+# ----------------------------------------------------------------------------------------- gspo
+
+
+@dataclass
+class GSPOOptions:
+    eps_low: float = 3e-4
+    eps_high: float = 4e-4
+
+    def __post_init__(self):
+        _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high)
+
+
+def _seq_ratio_clip(b: TokenBatch, s: Tensor, o) -> ObjectiveOut:
+    adv = b.advantages
+    loss = _clipped_surrogate(s, adv, o.eps_low, o.eps_high)
+    return ObjectiveOut(
+        loss, s,
+        clip_low=(adv < 0) & (s < 1 - o.eps_low) & b.mask,
+        clip_high=(adv > 0) & (s > 1 + o.eps_high) & b.mask,
+    )
+
+
+@register(
+    "gspo", "objective", "sequence",
+    "Zheng et al. 2025, Group Sequence Policy Optimization (arXiv:2507.18071)",
+    GSPOOptions,
+)
+def gspo(b: TokenBatch, o: GSPOOptions) -> ObjectiveOut:
+    """s_i = exp((1/|y_i|)·Σ_t log r_{i,t}); loss = max(-A·s_i, -A·clip(s_i, 1-ε_low, 1+ε_high)),
+    the same value on every token of sequence i (use loss_agg="seq-mean-token-mean" for the paper's
+    1/G Σ_i form)."""
+    s = torch.exp(b.seq_mean(_log_ratio(b)))[:, None].expand_as(b.logp)
+    return _seq_ratio_clip(b, s, o)
+
+
+@register(
+    "gspo_token", "objective", "token",
+    "Zheng et al. 2025, Group Sequence Policy Optimization (arXiv:2507.18071), GSPO-token",
+    GSPOOptions,
+)
+def gspo_token(b: TokenBatch, o: GSPOOptions) -> ObjectiveOut:
+    """s_{i,t} = sg[s_i]·π_θ(y_t)/sg[π_θ(y_t)] (value s_i, gradient s_i·∇log π_θ(y_t));
+    loss_t = max(-A_t·s_{i,t}, -A_t·clip(s_{i,t}, 1-ε_low, 1+ε_high))."""
+    log_s = b.seq_mean(_log_ratio(b)).detach()[:, None]
+    s = torch.exp(log_s + b.logp - b.logp.detach())
+    return _seq_ratio_clip(b, s, o)
+
+
+# ----------------------------------------------------------------------------------------- gmpo
+
+
+@dataclass
+class GMPOOptions:
+    eps_low: float = 0.4  # log-space: ratio bounds [e^-0.4, e^0.4]
+    eps_high: float = 0.4
+
+    def __post_init__(self):
+        _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high)
+
+
+@register(
+    "gmpo", "objective", "sequence",
+    "Zhao et al. 2025, Geometric-Mean Policy Optimization (arXiv:2507.20673)",
+    GMPOOptions,
+)
+def gmpo(b: TokenBatch, o: GMPOOptions) -> ObjectiveOut:
+    """ℓ_t = log r_t, c_t = clip(ℓ_t, -ε_low, ε_high), sgn = sign(A_t);
+    ℓ'_t = sgn·min(sgn·ℓ_t, sgn·c_t)  (pessimistic: A>0 clips only from above, A<0 from below);
+    ρ_i = exp((1/|y_i|)·Σ_t ℓ'_t) (geometric mean of the clipped token ratios); loss = -A·ρ_i."""
+    adv = b.advantages
+    log_r = _log_ratio(b)
+    sgn = torch.sign(adv)
+    clipped = log_r.clamp(-o.eps_low, o.eps_high)
+    log_final = sgn * torch.minimum(sgn * log_r, sgn * clipped)
+    rho = torch.exp(b.seq_mean(log_final))[:, None].expand_as(b.logp)
+    return ObjectiveOut(
+        -adv * rho, rho,
+        clip_low=(adv < 0) & (log_r < -o.eps_low),
+        clip_high=(adv > 0) & (log_r > o.eps_high),
+    )
+
+
+# ----------------------------------------------------------------------------------------- sapo
+
+
+@dataclass
+class SAPOOptions:
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+
+    def __post_init__(self):
+        for key in ("tau_pos", "tau_neg"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{key}: must be > 0, got {value!r}")
+
+
+@register(
+    "sapo", "objective", "token",
+    "Gao et al. 2025, Soft Adaptive Policy Optimization (arXiv:2511.20347)",
+    SAPOOptions,
+)
+def sapo(b: TokenBatch, o: SAPOOptions) -> ObjectiveOut:
+    """f(r) = σ(τ·(r-1))·4/τ with τ = τ_pos if A_t > 0 else τ_neg; loss_t = -f(r_t)·A_t.
+    f'(1) = 1, so on-policy the gradient is REINFORCE's; far from 1 it decays smoothly."""
+    adv = b.advantages
+    ratio = torch.exp(_log_ratio(b))
+    tau = torch.where(adv > 0, torch.full_like(adv, o.tau_pos), torch.full_like(adv, o.tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+    return ObjectiveOut(-gate * adv, ratio)
+
+
+# ----------------------------------------------------------------------------------------- cispo
+
+
+@dataclass
+class CISPOOptions:
+    eps_low: float = 1.0  # 1.0: no lower bound on the weight, as in the paper's experiments
+    eps_high: float = 0.28
+
+    def __post_init__(self):
+        _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high)
+
+
+@register(
+    "cispo", "objective", "token",
+    "MiniMax 2025, MiniMax-M1 (arXiv:2506.13585), CISPO",
+    CISPOOptions,
+)
+def cispo(b: TokenBatch, o: CISPOOptions) -> ObjectiveOut:
+    """loss_t = -sg[clip(r_t, 1-ε_low, 1+ε_high)]·A_t·log π_θ(y_t); every token keeps a gradient."""
+    ratio = torch.exp(_log_ratio(b))
+    weight = ratio.clamp(1 - o.eps_low, 1 + o.eps_high).detach()
+    return ObjectiveOut(
+        -weight * b.advantages * b.logp, ratio,
+        clip_low=(ratio < 1 - o.eps_low) & b.mask,
+        clip_high=(ratio > 1 + o.eps_high) & b.mask,
+    )
+
+
+# ----------------------------------------------------------------------------------------- vespo
+
+
+@dataclass
+class VESPOOptions:
+    k: float = 2.0
+    lam: float = 2.0  # φ peaks at W = k/λ; k = λ keeps the on-policy weight φ(1) = 1 at the peak
+
+    def __post_init__(self):
+        _check_nonneg(k=self.k, lam=self.lam)
+
+
+@register(
+    "vespo", "objective", "sequence",
+    "Shen et al. 2026, VESPO: Variational Sequence-level Soft Policy Optimization (arXiv:2602.10693)",
+    VESPOOptions,
+)
+def vespo(b: TokenBatch, o: VESPOOptions) -> ObjectiveOut:
+    """W_i = Π_t r_{i,t} (no length normalisation), computed as log W_i = Σ_t log r_{i,t};
+    φ(W) = e^λ·W^k·e^{-λW} = exp(λ + k·log W - λ·W) (φ(1) = 1);
+    loss_t = -sg[φ(W_i)]·A_t·log π_θ(y_t): the importance-weighted policy gradient with W replaced
+    by the reshaped weight φ(W). Its value is a surrogate; only its gradient is meaningful. Use
+    loss_agg="seq-mean-token-sum" for the paper's Σ_t log π per sequence."""
+    log_w = b.seq_sum(_log_ratio(b))
+    # W = e^{log W} may overflow to inf: then -λW = -inf and φ = 0, which is the kernel's limit
+    log_phi = o.lam + o.k * log_w - o.lam * torch.exp(log_w)
+    phi = torch.exp(log_phi).detach()[:, None]
+    w = torch.exp(log_w)[:, None].expand_as(b.logp)
+    return ObjectiveOut(-phi * b.advantages * b.logp, w)
+
+
+# ----------------------------------------------------------------------------------------- ctpo
+
+
+@dataclass
+class CTPOOptions:
+    eps_low: float = 0.2  # log-space bound at t = 1; at position t it is ε·√t
+    eps_high: float = 0.2
+    detach_prefix: bool = True  # gradient ρ_{≤t}·∇log π_t (the paper's token-level PG term)
+
+    def __post_init__(self):
+        _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high)
+
+
+@register(
+    "ctpo", "objective", "token",
+    "Zhang et al. 2026, Rethinking Importance Sampling in LLM Policy Optimization: "
+    "A Cumulative Token Perspective (arXiv:2605.07331), CTPO",
+    CTPOOptions,
+)
+def ctpo(b: TokenBatch, o: CTPOOptions) -> ObjectiveOut:
+    """c_t = Σ_{s≤t} log r_s (cumulative token log-ratio; with detach_prefix the prefix Σ_{s<t} is
+    sg[·], so the gradient is ρ_{≤t}·∇log π_t); ρ_{≤t} = e^{c_t};
+    bounds in log space: [-ε_low·√t, ε_high·√t], t = 1-based position among valid tokens;
+    loss_t = max(-A_t·e^{c_t}, -A_t·e^{clip(c_t, -ε_low√t, ε_high√t)})."""
+    adv = b.advantages
+    log_r = _log_ratio(b)
+    cum = torch.cumsum(log_r, -1)
+    if o.detach_prefix:
+        cum = (cum - log_r).detach() + log_r
+    sqrt_t = torch.sqrt(b.positions.clamp(min=1))
+    lo, hi = -o.eps_low * sqrt_t, o.eps_high * sqrt_t
+    ratio = torch.exp(cum)
+    clipped = torch.exp(torch.minimum(torch.maximum(cum, lo), hi))
+    loss = torch.maximum(-adv * ratio, -adv * clipped)
+    return ObjectiveOut(
+        loss, ratio,
+        clip_low=(adv < 0) & (cum < lo) & b.mask,
+        clip_high=(adv > 0) & (cum > hi) & b.mask,
+    )
+
+
+# ----------------------------------------------------------------------------------------- minirl
+
+
+@dataclass
+class MiniRLOptions:
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    mismatch_cap: float | None = None  # optional truncation C of the mismatch weight π_old/μ
+
+    def __post_init__(self):
+        _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high)
+        if self.mismatch_cap is not None and not self.mismatch_cap > 0:
+            raise ValueError(f"mismatch_cap: must be > 0, got {self.mismatch_cap!r}")
+
+
+@register(
+    "minirl", "objective", "token",
+    "Zheng et al. 2025, Stabilizing Reinforcement Learning with LLMs: Formulation and Practices "
+    "(arXiv:2512.01374), MiniRL",
+    MiniRLOptions,
+)
+def minirl(b: TokenBatch, o: MiniRLOptions) -> ObjectiveOut:
+    """w_t = sg[π_θ/μ] = sg[r_t]·sg[π_old/μ] (staleness × train-inference mismatch; μ = the engine's
+    rollout_logp, mismatch factor 1 when it is not given, optionally capped at C);
+    M_t = 0 when A_t > 0 and r_t > 1+ε_high, or A_t < 0 and r_t < 1-ε_low, else 1;
+    loss_t = -M_t·w_t·A_t·log π_θ(y_t)."""
+    adv = b.advantages
+    ratio = torch.exp(_log_ratio(b))
+    if b.rollout_logp is None:
+        mismatch = torch.ones_like(ratio)
+    else:
+        mismatch = torch.exp((b.old_logp - b.rollout_logp) * b.fmask)
+        if o.mismatch_cap is not None:
+            mismatch = mismatch.clamp(max=o.mismatch_cap)
+    high = (adv > 0) & (ratio > 1 + o.eps_high)
+    low = (adv < 0) & (ratio < 1 - o.eps_low)
+    keep = (~(high | low)).to(ratio.dtype)
+    weight = (ratio * mismatch).detach()
+    return ObjectiveOut(-keep * weight * adv * b.logp, ratio, clip_low=low, clip_high=high)
+
+
+# ----------------------------------------------------------------------------------------- reinforce
+
+
+@dataclass
+class ReinforceOptions:
+    importance_weight: bool = False  # multiply by sg[r_t] (off-policy correction to π_old)
+
+
+@register(
+    "reinforce", "objective", "token",
+    "Williams 1992, Simple statistical gradient-following algorithms (REINFORCE)",
+    ReinforceOptions,
+)
+def reinforce(b: TokenBatch, o: ReinforceOptions) -> ObjectiveOut:
+    """loss_t = -A_t·log π_θ(y_t), or -sg[r_t]·A_t·log π_θ(y_t) with importance_weight."""
+    ratio = torch.exp(_log_ratio(b))
+    weight = ratio.detach() if o.importance_weight else torch.ones_like(ratio)
+    return ObjectiveOut(-weight * b.advantages * b.logp, ratio)
