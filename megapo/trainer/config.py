@@ -1,0 +1,370 @@
+"""The run config of `megapo train`: typed sections and the one `validate()` with the cross-field rules.
+
+    cfg = load_config(RunConfig, "megapo/configs/tiny_moe_addition.yaml", ["train.steps=10"])
+
+Every rule raises ConfigError naming the dotted field, before any process, file or tensor is made.
+Checks that need the model folder (layout, tokenizer files) or the data files (empty file,
+malformed row) read only small files: config.json, the tokenizer's file names, the jsonl rows or
+the parquet footer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megapo.config import ConfigError, OptimConfig, ParallelConfig
+
+# Kept in sync with megapo.algorithms while that registry is written; `_registry()` prefers the
+# registry itself when it can be imported.
+OBJECTIVES = ("ppo", "grpo", "gspo", "dapo", "cispo", "reinforce", "gmpo", "sapo")
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # need >= 2 samples per prompt
+LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+MISMATCH_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq-tis", "seq-mis")
+ROUTING_REPLAY = ("off", "r2", "r3")
+ENGINES = ("embedded", "vllm", "sglang")
+WEIGHT_SYNC = ("tensor", "disk", "broadcast")
+# Which weight-sync paths each engine offers: the embedded engine lives in the trainer's process
+# (tensors are handed over directly); servers load from disk or join a broadcast group.
+ENGINE_SYNC = {"embedded": ("tensor", "disk"), "vllm": ("disk", "broadcast"), "sglang": ("tensor", "disk", "broadcast")}
+MODES = ("sync", "async")
+LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _registry(kind: str, fallback: tuple[str, ...]) -> tuple[str, ...]:
+    """Names known to megapo.algorithms for `kind` ("objectives", "estimators", "corrections"), or the fallback."""
+    try:
+        algorithms = importlib.import_module("megapo.algorithms")
+    except ImportError:
+        return fallback
+    lister = getattr(algorithms, f"list_{kind}", None)
+    if callable(lister):
+        return tuple(lister())
+    table = getattr(algorithms, kind.upper(), None)
+    if isinstance(table, dict) and table:
+        return tuple(table)
+    return fallback
+
+
+def engine_returns_routes(engine: str) -> tuple[bool, str]:
+    """Whether `engine` can return the experts each token was routed to (needed by R3), and why not."""
+    if engine in ("embedded", "sglang"):
+        return True, ""
+    if engine == "vllm":
+        import torch
+
+        if torch.cuda.is_available():
+            return True, ""
+        return False, "vLLM returns routed experts only with model runner V2, which needs Triton (a GPU)"
+    return False, f"unknown engine {engine!r}"
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+@dataclass
+class TinyModelConfig:
+    """Arguments of megapo.models.tiny.write_tiny_model; the model is written to model.path if absent."""
+
+    family: str = "qwen3_moe"
+    layers: int = 2
+    experts: int = 8
+    topk: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    ffn: int = 128
+    moe_ffn: int = 128
+    vocab: int = 512
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # HF folder (config.json, safetensors, tokenizer)
+    tiny: TinyModelConfig | None = None  # create a tiny model at `path` when it does not exist yet
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm start on the built-in task before RL (see megapo.trainer.sft)."""
+
+    enabled: bool = False
+    examples: int = 2000  # fixed training examples (fewer are memorised, more solve the task outright)
+    lr: float = 2e-3
+    batch_size: int = 128
+    threshold: float = 0.2  # stop when validation exact-match reaches this
+    check_every: int = 20
+    max_steps: int = 2000
+    seed: int = 0
+
+
+@dataclass
+class AlgorithmConfig:
+    objective: str = "gspo"
+    objective_options: dict[str, Any] = field(default_factory=dict)  # e.g. clip_low, clip_high
+    advantage: str = "grpo"
+    advantage_options: dict[str, Any] = field(default_factory=dict)
+    loss_agg: str = "token-mean"
+    kl_coef: float = 0.0
+    kl_estimator: str = "low_var_kl"
+    entropy_coef: float = 0.0
+    mismatch: str = "none"  # rollout/learner mismatch correction
+    mismatch_options: dict[str, Any] = field(default_factory=dict)
+    routing_replay: str = "off"  # off | r2 (replay learner's own old routes) | r3 (replay the engine's routes)
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "embedded"
+    servers: list[str] = field(default_factory=list)  # host:port of running vLLM/SGLang servers
+    host: str = "127.0.0.1"
+    n_samples: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    weight_sync: str = "tensor"
+    bucket_mb: int = 512
+
+
+@dataclass
+class OverlongConfig:
+    enabled: bool = False
+    buffer: int = 16  # tokens before max_new_tokens where the penalty starts
+    penalty: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    task: str = ""  # built-in task ("addition"); empty when train_files are given
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    chat_template: bool = False
+    max_prompt_tokens: int = 512
+    prompts_per_step: int = 64
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4  # dynamic sampling: rounds of refills before training on fewer groups
+    reward: str = "exact_match"
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    updates_per_rollout: int = 1  # passes over each rollout batch
+    mini_batches: int = 1  # optimizer steps per pass
+    micro_batch_tokens: int = 4096
+    mode: str = "sync"
+    staleness: int = 1  # async: the newest rollouts may come from weights this many versions old
+    seed: int = 0
+    eval_every: int = 50
+    eval_prompts: int = 1000
+    ckpt_every: int = 0  # 0: only at the end
+    keep_last: int = 2
+    output_dir: str = "runs/run"
+    log: list[str] = field(default_factory=lambda: ["jsonl"])
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    def validate(self) -> None:
+        """All cross-field rules; the first violated one raises ConfigError naming its field."""
+        self.parallel.validate()
+        self.optim.validate()
+        self._validate_algorithm()
+        self._validate_rollout()
+        self._validate_train()
+        self._validate_data()
+        self._validate_sft()
+        self._validate_model()  # reads config.json / tokenizer file names: last, after the cheap checks
+
+    # --- sections -------------------------------------------------------------------------------
+
+    def _validate_algorithm(self) -> None:
+        a = self.algorithm
+        objectives = _registry("objectives", OBJECTIVES)
+        if a.objective not in objectives:
+            raise ConfigError("algorithm.objective", f"unknown objective {a.objective!r}; known: {', '.join(objectives)}")
+        estimators = _registry("estimators", ADVANTAGE_ESTIMATORS)
+        if a.advantage not in estimators:
+            raise ConfigError("algorithm.advantage", f"unknown advantage estimator {a.advantage!r}; known: {', '.join(estimators)}")
+        if a.loss_agg not in LOSS_AGGS:
+            raise ConfigError("algorithm.loss_agg", f"must be one of {', '.join(LOSS_AGGS)}, got {a.loss_agg!r}")
+        if a.kl_coef < 0:
+            raise ConfigError("algorithm.kl_coef", f"must be >= 0, got {a.kl_coef}")
+        if a.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError("algorithm.kl_estimator", f"must be one of {', '.join(KL_ESTIMATORS)}, got {a.kl_estimator!r}")
+        if a.entropy_coef < 0:
+            raise ConfigError("algorithm.entropy_coef", f"must be >= 0, got {a.entropy_coef}")
+        corrections = _registry("corrections", MISMATCH_CORRECTIONS)
+        if a.mismatch not in corrections and a.mismatch != "none":
+            raise ConfigError("algorithm.mismatch", f"unknown correction {a.mismatch!r}; known: {', '.join(corrections)}")
+        if a.routing_replay not in ROUTING_REPLAY:
+            raise ConfigError("algorithm.routing_replay", f"must be off, r2 or r3, got {a.routing_replay!r}")
+
+    def _validate_rollout(self) -> None:
+        r = self.rollout
+        if r.engine not in ENGINES:
+            raise ConfigError("rollout.engine", f"unknown engine {r.engine!r}; choose from {', '.join(ENGINES)}")
+        if r.engine != "embedded":
+            for i, server in enumerate(r.servers):
+                host, sep, port = server.rpartition(":")
+                if not sep or not host or not port.isdigit():
+                    raise ConfigError(f"rollout.servers[{i}]", f"expected host:port, got {server!r}")
+        if r.n_samples < 1:
+            raise ConfigError("rollout.n_samples", f"must be >= 1, got {r.n_samples}")
+        if r.n_samples == 1 and self.algorithm.advantage in GROUP_ESTIMATORS:
+            raise ConfigError("rollout.n_samples", f"advantage {self.algorithm.advantage!r} compares samples within a "
+                              "group; it needs n_samples >= 2, got 1")
+        if not r.temperature > 0:
+            raise ConfigError("rollout.temperature", f"must be > 0, got {r.temperature}")
+        if not 0 < r.top_p <= 1:
+            raise ConfigError("rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+        if r.max_new_tokens < 1:
+            raise ConfigError("rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
+        if r.weight_sync not in WEIGHT_SYNC:
+            raise ConfigError("rollout.weight_sync", f"must be one of {', '.join(WEIGHT_SYNC)}, got {r.weight_sync!r}")
+        if r.weight_sync not in ENGINE_SYNC[r.engine]:
+            raise ConfigError("rollout.weight_sync", f"engine {r.engine!r} supports {', '.join(ENGINE_SYNC[r.engine])}, "
+                              f"not {r.weight_sync!r}")
+        if r.bucket_mb <= 0:
+            raise ConfigError("rollout.bucket_mb", f"must be > 0, got {r.bucket_mb}")
+        if self.algorithm.routing_replay == "r3":
+            ok, why = engine_returns_routes(r.engine)
+            if not ok:
+                raise ConfigError("algorithm.routing_replay", f"r3 replays the engine's routes, but {why}; use r2")
+
+    def _validate_train(self) -> None:
+        t = self.train
+        if t.steps <= 0:
+            raise ConfigError("train.steps", f"must be > 0, got {t.steps}")
+        if t.updates_per_rollout < 1:
+            raise ConfigError("train.updates_per_rollout", f"must be >= 1, got {t.updates_per_rollout}")
+        if t.mini_batches < 1:
+            raise ConfigError("train.mini_batches", f"must be >= 1, got {t.mini_batches}")
+        if self.data.prompts_per_step % t.mini_batches:
+            raise ConfigError("train.mini_batches", f"must divide data.prompts_per_step={self.data.prompts_per_step} "
+                              "(a mini-batch holds whole groups)")
+        seq_len = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        if t.micro_batch_tokens < seq_len:
+            raise ConfigError("train.micro_batch_tokens", f"{t.micro_batch_tokens} cannot hold one sequence of up to "
+                              f"max_prompt_tokens + max_new_tokens = {seq_len} tokens")
+        if t.mode not in MODES:
+            raise ConfigError("train.mode", f"must be sync or async, got {t.mode!r}")
+        if t.staleness < 0:
+            raise ConfigError("train.staleness", f"must be >= 0, got {t.staleness}")
+        if t.eval_every < 0:
+            raise ConfigError("train.eval_every", f"must be >= 0 (0 disables), got {t.eval_every}")
+        if t.eval_prompts < 0:
+            raise ConfigError("train.eval_prompts", f"must be >= 0, got {t.eval_prompts}")
+        if t.ckpt_every < 0:
+            raise ConfigError("train.ckpt_every", f"must be >= 0 (0: only at the end), got {t.ckpt_every}")
+        if t.keep_last < 1:
+            raise ConfigError("train.keep_last", f"must be >= 1, got {t.keep_last}")
+        if not t.output_dir:
+            raise ConfigError("train.output_dir", "must be set")
+        for i, backend in enumerate(t.log):
+            if backend not in LOG_BACKENDS:
+                raise ConfigError(f"train.log[{i}]", f"unknown backend {backend!r}; choose from {', '.join(LOG_BACKENDS)}")
+
+    def _validate_data(self) -> None:
+        from megapo.trainer import data, rewards
+
+        d = self.data
+        if d.prompts_per_step < 1:
+            raise ConfigError("data.prompts_per_step", f"must be >= 1, got {d.prompts_per_step}")
+        if d.prompts_per_step % self.parallel.dp:
+            raise ConfigError("data.prompts_per_step", f"{d.prompts_per_step} is not divisible by parallel.dp={self.parallel.dp}")
+        if d.max_prompt_tokens < 1:
+            raise ConfigError("data.max_prompt_tokens", f"must be >= 1, got {d.max_prompt_tokens}")
+        if d.dynamic_sampling and self.rollout.n_samples < 2:
+            raise ConfigError("data.dynamic_sampling", "drops groups whose samples agree; needs rollout.n_samples >= 2")
+        if d.max_sampling_rounds < 1:
+            raise ConfigError("data.max_sampling_rounds", f"must be >= 1, got {d.max_sampling_rounds}")
+        if d.overlong.enabled and not 0 < d.overlong.buffer < self.rollout.max_new_tokens:
+            raise ConfigError("data.overlong.buffer", f"must be in (0, rollout.max_new_tokens={self.rollout.max_new_tokens}), "
+                              f"got {d.overlong.buffer}")
+        if d.task and d.train_files:
+            raise ConfigError("data.task", "give either a built-in task or train_files, not both")
+        if d.task:
+            if d.task not in data.BUILTIN_TASKS:
+                raise ConfigError("data.task", f"unknown task {d.task!r}; built-in: {', '.join(data.BUILTIN_TASKS)}")
+        elif not d.train_files:
+            raise ConfigError("data.train_files", "no data: set data.task or data.train_files")
+        else:
+            data.check_data_files(d.train_files, d.prompt_key, d.answer_key, "data.train_files")
+            if d.val_files:
+                data.check_data_files(d.val_files, d.prompt_key, d.answer_key, "data.val_files")
+        rewards.get_reward(d.reward, "data.reward")
+
+    def _validate_sft(self) -> None:
+        s = self.sft
+        if not s.enabled:
+            return
+        if not self.data.task:
+            raise ConfigError("sft.enabled", "the warm start trains on a built-in task; set data.task")
+        for name in ("examples", "batch_size", "check_every", "max_steps"):
+            if getattr(s, name) < 1:
+                raise ConfigError(f"sft.{name}", f"must be >= 1, got {getattr(s, name)}")
+        if not s.lr > 0:
+            raise ConfigError("sft.lr", f"must be > 0, got {s.lr}")
+        if not 0 < s.threshold <= 1:
+            raise ConfigError("sft.threshold", f"must be in (0, 1], got {s.threshold}")
+
+    def _validate_model(self) -> None:
+        from megapo.layout import check_layout, num_experts
+
+        m = self.model
+        if not m.path:
+            raise ConfigError("model.path", "must be set (an HF folder, or where model.tiny writes one)")
+        path = Path(m.path)
+        if not (path / "config.json").is_file():
+            if m.tiny is not None:
+                hf = _tiny_hf_shape(m.tiny)  # the model will be created: check the layout against its shape
+            else:
+                raise ConfigError("model.path", f"{m.path} has no config.json (and no model.tiny block to create one)")
+        else:
+            hf = json.loads((path / "config.json").read_text())
+            if not any((path / f).is_file() for f in TOKENIZER_FILES):
+                raise ConfigError("model.path", f"{m.path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+            if self.data.chat_template and not _has_chat_template(path):
+                raise ConfigError("data.chat_template", f"the tokenizer in {m.path} has no chat template")
+        check_layout(self.parallel, hf)
+        if self.algorithm.routing_replay != "off" and not num_experts(hf):
+            raise ConfigError("algorithm.routing_replay", "routing replay needs an MoE model; this one is dense")
+
+
+def _has_chat_template(path: Path) -> bool:
+    if (path / "chat_template.jinja").is_file():
+        return True
+    cfg = path / "tokenizer_config.json"
+    return cfg.is_file() and bool(json.loads(cfg.read_text()).get("chat_template"))
+
+
+def _tiny_hf_shape(t: TinyModelConfig) -> dict:
+    """The config.json fields check_layout reads, for a tiny model not written yet."""
+    hf = {"num_attention_heads": t.heads, "num_key_value_heads": t.kv_heads, "num_hidden_layers": t.layers,
+          "intermediate_size": t.ffn if t.family != "mixtral" else t.moe_ffn}
+    if t.family == "qwen3_moe":
+        hf["num_experts"] = t.experts
+    elif t.family == "mixtral":
+        hf["num_local_experts"] = t.experts
+    return hf

@@ -1,0 +1,114 @@
+"""Held-out accuracy by greedy decoding, from an HF model folder / module or from a rollout engine.
+
+    acc = evaluate("runs/x/sft", task="addition", split="test")            # HF folder
+    acc = evaluate(engine, task="addition", split="test", tokenizer=tok)    # any megapo Engine
+
+A response counts when it decodes (special tokens removed) to exactly the reference answer and
+the sequence ended with end-of-sequence, not the length limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from megapo.tasks.base import Example
+
+GenerateFn = Callable[[list[list[int]]], list[tuple[list[int], bool]]]  # prompts -> (output ids, ended with eos)
+
+
+@dataclass
+class EvalResult:
+    accuracy: float
+    correct: int
+    total: int
+    mean_response_len: float
+
+
+@torch.no_grad()
+def hf_greedy(model, tokenizer, max_new_tokens: int, batch_size: int = 256) -> GenerateFn:
+    """Greedy generation with an HF causal LM (left-padded batches, KV cache)."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+
+    def generate(prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
+        model.eval()
+        out: list[tuple[list[int], bool]] = []
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start:start + batch_size]
+            width = max(len(p) for p in chunk)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=pad)
+            for row in gen[:, width:].tolist():
+                if eos in row:
+                    out.append((row[:row.index(eos)], True))
+                else:
+                    out.append((row, False))
+        return out
+
+    return generate
+
+
+def engine_greedy(engine, eos_token_id: int, max_new_tokens: int) -> GenerateFn:
+    """Greedy-equivalent generation through a megapo Engine (tiny temperature, top_p 1, one sample)."""
+    from megapo.engines import SamplingParams  # type: ignore  # lands with the engines package
+
+    params = SamplingParams(n=1, temperature=1e-6, top_p=1.0, max_new_tokens=max_new_tokens,
+                            stop_token_ids=(eos_token_id,), seed=0)
+
+    def generate(prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
+        out = []
+        for group in engine.generate(prompts, params):
+            s = group[0]
+            ids = list(s.output_ids)
+            ended = bool(ids) and ids[-1] == eos_token_id
+            out.append((ids[:-1] if ended else ids, ended))
+        return out
+
+    return generate
+
+
+def score(generate: GenerateFn, tokenizer, examples: Sequence[Example], prompt_ids: Sequence[list[int]],
+          verify: Callable[[Example, str], float]) -> EvalResult:
+    outputs = generate(list(prompt_ids))
+    correct = 0
+    lengths = 0
+    for ex, (ids, ended) in zip(examples, outputs):
+        lengths += len(ids) + int(ended)
+        if ended and verify(ex, tokenizer.decode(ids, skip_special_tokens=True)) > 0.5:
+            correct += 1
+    total = len(examples)
+    return EvalResult(correct / max(total, 1), correct, total, lengths / max(total, 1))
+
+
+def evaluate(model_or_engine, task: str = "addition", split: str = "test", *, n: int | None = None,
+             tokenizer=None, chat_template: bool = False, max_new_tokens: int = 8, batch_size: int = 256) -> EvalResult:
+    """Greedy exact-match accuracy on a built-in task's split.
+
+    `model_or_engine`: an HF folder path, an HF model (then pass `tokenizer`), or a megapo Engine
+    (anything with `.generate(prompts, params)`; pass `tokenizer`)."""
+    from megapo.trainer.data import encode_prompt, task_examples
+    from megapo.tasks import addition
+
+    if task != "addition":
+        raise ValueError(f"task must be 'addition', got {task!r}")
+    model = model_or_engine
+    if isinstance(model, (str, Path)):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    if tokenizer is None:
+        raise ValueError("tokenizer is required when model_or_engine is not a folder")
+    examples = task_examples(task, split, n)
+    prompts = [encode_prompt(tokenizer, ex.prompt, chat_template) for ex in examples]
+    if hasattr(model, "generate") and isinstance(model, torch.nn.Module):
+        gen = hf_greedy(model, tokenizer, max_new_tokens, batch_size)
+    else:
+        gen = engine_greedy(model, tokenizer.eos_token_id, max_new_tokens)
+    return score(gen, tokenizer, examples, prompts, addition.verify)

@@ -1,0 +1,139 @@
+"""Run metrics: one JSON line per step always (`metrics.jsonl`), TensorBoard when installed, W&B optional.
+
+    logger = MetricsLogger(run_dir, backends=["jsonl", "tensorboard"], config=cfg_dict)
+    timer = StepTimer()
+    with timer("generate"): ...
+    logger.log(step, {"reward": 0.5, "kl": 0.01, **timer.pop()}, tokens=n_tokens)
+
+A requested backend that is not installed is reported once (logging.WARNING), never silently dropped.
+Key names the plotter reads: reward, response_len, kl, eval/accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
+
+
+def _plain(value: Any) -> Any:
+    """Python scalars for JSON (0-d tensors and numpy scalars become floats)."""
+    if hasattr(value, "item") and callable(value.item):
+        try:
+            return value.item()
+        except (ValueError, RuntimeError):
+            return value
+    return value
+
+
+class StepTimer:
+    """Wall-clock seconds per named phase of a step: `with timer("generate"): ...`."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+    def pop(self) -> dict[str, float]:
+        out = {f"time/{k}": v for k, v in self.times.items()}
+        out["time/step"] = sum(self.times.values())
+        self.times = {}
+        return out
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | Path, backends: list[str] | tuple[str, ...] = ("jsonl",),
+                 config: dict | None = None, total_steps: int | None = None, print_fn=print):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.total_steps = total_steps
+        self.print_fn = print_fn
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._tb = None
+        self._wandb = None
+        if "tensorboard" in backends:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            except ImportError:
+                log.warning("metrics: tensorboard requested but not installed; logging to metrics.jsonl only")
+        if "wandb" in backends:
+            try:
+                import wandb  # type: ignore
+
+                self._wandb = wandb.init(project="megapo", dir=str(self.run_dir), config=config or {})
+            except ImportError:
+                log.warning("metrics: wandb requested but not installed; logging to metrics.jsonl only")
+        self.active = ["jsonl"] + (["tensorboard"] if self._tb else []) + (["wandb"] if self._wandb else [])
+
+    def log(self, step: int, metrics: dict[str, Any], tokens: int | None = None, progress: bool = True) -> dict:
+        row = {k: _plain(v) for k, v in metrics.items()}
+        if tokens is not None and row.get("time/step"):
+            row["tokens_per_s"] = tokens / row["time/step"]
+        row = {"step": step, "time": time.time(), **row}
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+        if progress:
+            self.print_fn(progress_line(step, row, self.total_steps))
+        return row
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _fmt(value: float) -> str:
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return str(value)
+    if abs(value) >= 1000:
+        return f"{value / 1000:.1f}k"
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def progress_line(step: int, row: dict, total: int | None = None) -> str:
+    """`step 12/300 | reward 0.531 | kl 0.0012 | 5.2k tok/s | gen 0.10s train 0.12s ...`"""
+    parts = [f"step {step}/{total}" if total else f"step {step}"]
+    for key, label in (("reward", "reward"), ("kl", "kl"), ("response_len", "len"), ("eval/accuracy", "eval acc")):
+        if key in row and isinstance(row[key], (int, float)):
+            parts.append(f"{label} {_fmt(row[key])}")
+    if "tokens_per_s" in row:
+        parts.append(f"{_fmt(row['tokens_per_s'])} tok/s")
+    times = [f"{k[5:]} {v:.2f}s" for k, v in row.items() if k.startswith("time/") and k != "time/step"]
+    if times:
+        parts.append(" ".join(times))
+    return " | ".join(parts)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            line = line.strip()
+            if line:
+                rows.append(json.loads(line))
+    return rows

@@ -1,0 +1,180 @@
+"""RunConfig: the shipped config loads, and each bad config is refused with a ConfigError naming its field."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megapo.config import ConfigError, load_config
+from megapo.trainer.config import RunConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _base(model_dir) -> dict:
+    return {
+        "model": {"path": str(model_dir)},
+        "algorithm": {"objective": "gspo", "advantage": "grpo", "routing_replay": "r3"},
+        "rollout": {"engine": "embedded", "n_samples": 4, "max_new_tokens": 8},
+        "data": {"task": "addition", "max_prompt_tokens": 16, "prompts_per_step": 8},
+        "train": {"steps": 3, "output_dir": "/tmp/unused"},
+    }
+
+
+def _set(d: dict, dotted: str, value) -> dict:
+    node = d
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    return d
+
+
+def _load(tmp_path, data: dict) -> RunConfig:
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_config(RunConfig, path)
+
+
+def test_shipped_config_loads(tmp_path, tiny_moe):
+    cfg = load_config(RunConfig, REPO / "megapo/configs/tiny_moe_addition.yaml", [f"model.path={tmp_path}/new"])
+    assert cfg.algorithm.routing_replay in ("r2", "r3")
+    assert cfg.data.task == "addition" and cfg.sft.enabled and cfg.model.tiny.family == "qwen3_moe"
+    # an existing model folder also passes, and overrides reach the dataclasses
+    cfg = load_config(RunConfig, REPO / "megapo/configs/tiny_moe_addition.yaml",
+                      [f"model.path={tiny_moe}", "train.steps=7", "rollout.temperature=0.7"])
+    assert cfg.train.steps == 7 and cfg.rollout.temperature == 0.7
+
+
+def test_valid_base(tmp_path, tiny_moe):
+    cfg = _load(tmp_path, _base(tiny_moe))
+    assert cfg.rollout.bucket_mb == 512 and cfg.rollout.host == "127.0.0.1"
+
+
+def _jsonl(tmp_path, name, lines):
+    p = tmp_path / name
+    p.write_text("\n".join(lines) + "\n")
+    return str(p)
+
+
+def _model_without_tokenizer(tmp_path, tiny_moe):
+    d = tmp_path / "notok"
+    d.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(Path(tiny_moe) / f, d / f)
+    return str(d)
+
+
+def _bad_module(tmp_path):
+    return "megapo_no_such_module_xyz:score"
+
+
+# (field expected in the error, function tmp_path, model -> list of (dotted, value) edits)
+BAD = [
+    ("algorithm.objective", lambda t, m: [("algorithm.objective", "no-such-objective")]),
+    ("algorithm.advantage", lambda t, m: [("algorithm.advantage", "magic")]),
+    ("parallel.tp", lambda t, m: [("parallel.tp", 3)]),  # 4 heads / 2 kv heads
+    ("parallel.ep", lambda t, m: [("parallel.ep", 3), ("parallel.dp", 3), ("data.prompts_per_step", 9)]),  # 8 experts
+    ("parallel.pp", lambda t, m: [("parallel.pp", 4)]),  # 2 layers
+    ("model.path", lambda t, m: [("model.path", _model_without_tokenizer(t, m))]),
+    ("model.path", lambda t, m: [("model.path", str(t / "does-not-exist"))]),
+    ("data.train_files[0]", lambda t, m: [("data.task", ""), ("data.train_files", [_jsonl(t, "empty.jsonl", [])])]),
+    ("data.train_files[0]", lambda t, m: [("data.task", ""), ("data.train_files",
+                                          [_jsonl(t, "bad.jsonl", ['{"prompt": "1+1=", "answer": "2"}', '{"question": "x"}'])])]),
+    ("data.train_files[0]", lambda t, m: [("data.task", ""), ("data.train_files", [_jsonl(t, "nojson.jsonl", ["{oops"])])]),
+    ("data.train_files", lambda t, m: [("data.task", "")]),
+    ("rollout.n_samples", lambda t, m: [("rollout.n_samples", 1)]),
+    ("train.staleness", lambda t, m: [("train.staleness", -1), ("train.mode", "async")]),
+    ("rollout.bucket_mb", lambda t, m: [("rollout.bucket_mb", 0)]),
+    ("rollout.engine", lambda t, m: [("rollout.engine", "tgi")]),
+    ("algorithm.routing_replay", lambda t, m: [("rollout.engine", "vllm"), ("rollout.weight_sync", "disk")]),
+    ("algorithm.routing_replay", lambda t, m: [("algorithm.routing_replay", "r4")]),
+    ("rollout.temperature", lambda t, m: [("rollout.temperature", 0.0)]),
+    ("rollout.temperature", lambda t, m: [("rollout.temperature", -1.0)]),
+    ("rollout.top_p", lambda t, m: [("rollout.top_p", 0.0)]),
+    ("rollout.top_p", lambda t, m: [("rollout.top_p", 1.5)]),
+    ("train.steps", lambda t, m: [("train.steps", 0)]),
+    ("data.reward", lambda t, m: [("data.reward", "megapo_no_such_module_xyz:score")]),
+    ("data.reward", lambda t, m: [("data.reward", "megapo.trainer.rewards:no_such_fn")]),
+    ("data.reward", lambda t, m: [("data.reward", "fuzzy")]),
+    ("data.prompts_per_step", lambda t, m: [("parallel.dp", 2), ("data.prompts_per_step", 7)]),
+    ("rollout.weight_sync", lambda t, m: [("rollout.weight_sync", "broadcast")]),  # embedded is in-process
+    ("rollout.weight_sync", lambda t, m: [("rollout.weight_sync", "pigeon")]),
+    ("rollout.servers[1]", lambda t, m: [("rollout.engine", "sglang"), ("rollout.servers", ["127.0.0.1:30000", "nohost"])]),
+    ("train.mode", lambda t, m: [("train.mode", "eventually")]),
+    ("train.mini_batches", lambda t, m: [("train.mini_batches", 3)]),
+    ("train.micro_batch_tokens", lambda t, m: [("train.micro_batch_tokens", 20)]),
+    ("train.keep_last", lambda t, m: [("train.keep_last", 0)]),
+    ("train.log[1]", lambda t, m: [("train.log", ["jsonl", "mlflow"])]),
+    ("algorithm.loss_agg", lambda t, m: [("algorithm.loss_agg", "sum")]),
+    ("algorithm.kl_coef", lambda t, m: [("algorithm.kl_coef", -0.1)]),
+    ("algorithm.kl_estimator", lambda t, m: [("algorithm.kl_estimator", "k9")]),
+    ("data.dynamic_sampling", lambda t, m: [("data.dynamic_sampling", True), ("rollout.n_samples", 1),
+                                            ("algorithm.advantage", "reinforce_pp")]),
+    ("data.overlong.buffer", lambda t, m: [("data.overlong", {"enabled": True, "buffer": 8})]),
+    ("data.task", lambda t, m: [("data.task", "sudoku")]),
+    ("sft.threshold", lambda t, m: [("sft.enabled", True), ("sft.threshold", 0.0)]),
+    ("optim.lr", lambda t, m: [("optim.lr", 0.0)]),
+]
+
+
+@pytest.mark.parametrize("field,edits", BAD, ids=[f"{i}-{f}" for i, (f, _) in enumerate(BAD)])
+def test_bad_config_names_field(tmp_path, tiny_moe, field, edits):
+    data = _base(tiny_moe)
+    for dotted, value in edits(tmp_path, tiny_moe):
+        _set(data, dotted, value)
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, data)
+    assert err.value.field == field, str(err.value)
+    assert str(err.value).startswith(field)
+
+
+def test_r3_with_dense_model_refused(tmp_path, tiny_dense):
+    data = _base(tiny_dense)
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, data)
+    assert err.value.field == "algorithm.routing_replay"
+    _set(data, "algorithm.routing_replay", "off")
+    assert _load(tmp_path, data).model.path == str(tiny_dense)
+
+
+def test_chat_template_needs_tokenizer_template(tmp_path, tiny_moe):
+    d = tmp_path / "nochat"
+    shutil.copytree(tiny_moe, d)
+    (d / "chat_template.jinja").unlink()
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc.pop("chat_template", None)
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    data = _set(_base(d), "data.chat_template", True)
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, data)
+    assert err.value.field == "data.chat_template"
+    assert _load(tmp_path, _set(_base(tiny_moe), "data.chat_template", True)).data.chat_template
+
+
+def test_good_jsonl_and_parquet_accepted(tmp_path, tiny_moe):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    j = _jsonl(tmp_path, "ok.jsonl", ['{"q": "1+1=", "a": "2"}', '{"q": "2+2=", "a": 4}'])
+    pq.write_table(pa.table({"q": ["3+3="], "a": ["6"]}), tmp_path / "ok.parquet")
+    for files in ([j], [str(tmp_path / "ok.parquet")]):
+        data = _base(tiny_moe)
+        data["data"] = {"train_files": files, "prompt_key": "q", "answer_key": "a", "prompts_per_step": 8,
+                        "max_prompt_tokens": 16}
+        assert _load(tmp_path, data).data.train_files == files
+    data["data"]["answer_key"] = "solution"
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, data)
+    assert err.value.field == "data.answer_key"
+
+
+def test_unknown_field_suggests(tmp_path, tiny_moe):
+    data = _base(tiny_moe)
+    data["rollout"]["temprature"] = 1.0
+    with pytest.raises(ConfigError, match="did you mean 'temperature'") as err:
+        _load(tmp_path, data)
+    assert err.value.field == "rollout.temprature"
