@@ -1,0 +1,108 @@
+"""The rollout Engine interface (docs/CONTRACTS.md) shared by the embedded engine, vLLM, SGLang and the router.
+
+Conventions every engine keeps:
+- Token in, token out: prompts are lists of token ids; nothing is decoded or re-tokenised.
+- `stop_token_ids` is the complete set of ids that end a sample; an engine adds none of its own (no implicit
+  EOS), so every engine stops at the same tokens. The stop token is the last output token.
+- `logprobs[i]` is the log-probability of `output_ids[i]` under the distribution the token was sampled from,
+  before top-p truncation: log_softmax(logits / temperature). At temperature 1 this is exactly log pi(token) of
+  the policy; at temperature 0 (greedy) it is the temperature-1 log-prob.
+- `routes` (when `return_routes`) holds, for every position fed to the model (prompt and every output token but
+  the last, which is never fed), the top-k expert ids each MoE layer chose: int [len(prompt)+len(output)-1,
+  num_moe_layers, topk], in layer order and the router's top-k order.
+- `weight_version` of a Sample is the version of the weights that produced all of its tokens.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    return_routes: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]  # one per output token
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: int
+    routes: np.ndarray | None = field(default=None, repr=False)  # int [len(prompt)+len(output)-1, layers, topk]
+
+
+def check_prompts(prompts: list[list[int]], vocab_size: int | None = None) -> None:
+    """Clear errors for malformed prompts, before any work starts."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or not p:
+            raise ValueError(f"prompts[{i}] must be a non-empty list of token ids")
+        if vocab_size is not None:
+            bad = [t for t in p if not 0 <= int(t) < vocab_size]
+            if bad:
+                raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")
+
+
+class Engine(abc.ABC):
+    """Generates samples and takes new weights. All methods are blocking."""
+
+    weight_version: int = 0
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        """n samples per prompt, in prompt order."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load HF-named tensors (any subset of the model) and set weight_version = version."""
+
+    @abc.abstractmethod
+    def update_weights_from_disk(self, path: str, version: int) -> None:
+        """Load an HF folder of safetensors and set weight_version = version."""
+
+    @abc.abstractmethod
+    def pause(self) -> None: ...
+
+    @abc.abstractmethod
+    def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    def health(self) -> bool: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

