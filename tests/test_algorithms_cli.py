@@ -1,0 +1,39 @@
+"""`megapo objectives` lists every registry entry with its kind, granularity and paper."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from megapo.algorithms import entries
+from megapo.cli import main
+
+
+def _rows(text):
+    return {tuple(line.split()[:3]) for line in text.splitlines()[1:] if line and not line.startswith(" ")}
+
+
+def test_objectives_lists_every_entry(capsys):
+    assert main(["objectives"]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    all_entries = entries()
+    assert len(all_entries) >= 30
+    for e in all_entries:
+        assert (e.name, e.kind, e.granularity) in rows, e.name
+        assert e.paper in out
+        assert e.formula, f"{e.name} has no formula docstring"
+    kinds = {e.kind for e in all_entries}
+    assert kinds == {"objective", "advantage", "correction", "aggregation", "kl", "shaping"}
+    names = {e.name for e in entries("objective")}
+    assert {"ppo", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "vespo", "ctpo", "minirl", "reinforce"} <= names
+
+
+def test_objectives_console_script_with_formulas():
+    """Through the real entry point, in a fresh interpreter."""
+    out = subprocess.run([sys.executable, "-m", "megapo.cli", "objectives", "--kind", "objective", "--formulas"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    for e in entries("objective"):
+        assert e.name in out
+        assert e.formula.splitlines()[0].strip() in out
+    assert {kind for _, kind, _ in _rows(out)} == {"objective"}
