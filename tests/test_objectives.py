@@ -381,3 +381,27 @@ def test_bad_cu_seqlens(cu, n):
     cu_t = None if cu is None else torch.tensor(cu)
     with pytest.raises(ValueError, match=r"^cu_seqlens"):
         policy_loss("ppo", x, x, x, torch.ones(n), cu_seqlens=cu_t)
+
+
+@pytest.mark.parametrize(
+    "name, opts, adv",
+    [("ppo", {}, 1.0), ("ppo", {"dual_clip": 3.0}, -1.0), ("gspo", {}, 1.0), ("gspo_token", {}, 1.0),
+     ("ctpo", {}, 1.0), ("sapo", {}, 1.0), ("sapo", {}, -1.0), ("gmpo", {}, 1.0), ("vespo", {}, 1.0),
+     ("cispo", {}, 1.0)],
+)
+def test_overflowing_ratio_gives_finite_loss_and_gradient(name, opts, adv):
+    """float32 ratio e^100 overflows; a clipped (or saturated) token must not produce NaN grads."""
+    lp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    old = lp.detach() - torch.tensor([[100.0, 0.1, 0.0]])
+    loss, _ = policy_loss(name, lp, old, torch.full((1, 3), adv), torch.ones(1, 3), **opts)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.isfinite(lp.grad).all()
+
+
+def test_bad_coefficients():
+    a = _args()
+    with pytest.raises(ValueError, match="^kl_coef"):
+        policy_loss(**a, ref_logp=a["old_logp"], kl_coef="big")
+    with pytest.raises(ValueError, match="^entropy"):
+        policy_loss(**a, entropy_coef=0.1)

@@ -36,6 +36,16 @@ def _positive(name: str, value) -> float | Tensor | None:
     return value
 
 
+def _coef(name: str, value) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected a number, got {value!r}") from None
+    if not math.isfinite(v):
+        raise ValueError(f"{name}: must be finite, got {value!r}")
+    return v
+
+
 def policy_loss(
     name: str,
     logp: Tensor,
@@ -66,8 +76,8 @@ def policy_loss(
         global_seqs=_positive("global_seqs", global_seqs),
         max_len=_positive("max_len", common.get("max_len")),
     )
-    kl_coef = float(common.get("kl_coef", 0.0))
-    entropy_coef = float(common.get("entropy_coef", 0.0))
+    kl_coef = _coef("kl_coef", common.get("kl_coef", 0.0))
+    entropy_coef = _coef("entropy_coef", common.get("entropy_coef", 0.0))
     ref_logp = common.get("ref_logp")
     entropy = common.get("entropy")
     if kl_coef and ref_logp is None:

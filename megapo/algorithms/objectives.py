@@ -43,9 +43,27 @@ def _log_ratio(b: TokenBatch) -> Tensor:
     return (b.logp - b.old_logp) * b.fmask
 
 
-def _clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """PPO's pessimistic surrogate as a loss: max(-A·ρ, -A·clip(ρ, 1-ε_low, 1+ε_high))."""
-    return torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))
+def _log_bounds(eps_low: float, eps_high: float) -> tuple[float, float]:
+    """Ratio bounds [1-ε_low, 1+ε_high] in log space (ε_low >= 1: no lower bound)."""
+    return (math.log(1 - eps_low) if eps_low < 1 else -math.inf), math.log1p(eps_high)
+
+
+def _pessimistic(log_ratio: Tensor, adv: Tensor, lo, hi, neg_cap: float | None = None) -> Tensor:
+    """PPO's pessimistic surrogate as a loss, from the log-ratio ℓ and log-space bounds [lo, hi]:
+    max(-A·e^ℓ, -A·e^{clip(ℓ, lo, hi)}).
+
+    For A > 0 the unclipped branch only wins while ℓ <= hi, so it is computed from min(ℓ, hi)
+    (same value and gradient where it matters); likewise ℓ is capped at `neg_cap` for A < 0 when a
+    dual clip bounds the loss there. Without the caps a ratio that overflows to inf gives 0·inf =
+    NaN gradients even though the token is clipped.
+    """
+    top = log_ratio.clamp(max=hi)
+    if neg_cap is None:
+        capped = torch.where(adv > 0, top, log_ratio)
+    else:
+        capped = torch.where(adv > 0, top, log_ratio.clamp(max=neg_cap))
+    clipped = torch.clamp(log_ratio, min=lo, max=hi)
+    return torch.maximum(-adv * torch.exp(capped), -adv * torch.exp(clipped))
 
 
 # ----------------------------------------------------------------------------------------- ppo
@@ -73,8 +91,11 @@ def ppo(b: TokenBatch, o: PPOOptions) -> ObjectiveOut:
     """loss_t = max(-A_t·r_t, -A_t·clip(r_t, 1-ε_low, 1+ε_high)); with dual clip c and A_t<0:
     loss_t = min(loss_t, -c·A_t)."""
     adv = b.advantages
-    ratio = torch.exp(_log_ratio(b))
-    loss = _clipped_surrogate(ratio, adv, o.eps_low, o.eps_high)
+    log_r = _log_ratio(b)
+    ratio = torch.exp(log_r)
+    lo, hi = _log_bounds(o.eps_low, o.eps_high)
+    neg_cap = None if o.dual_clip is None else math.log(o.dual_clip)
+    loss = _pessimistic(log_r, adv, lo, hi, neg_cap)
     dual = torch.zeros_like(b.mask)
     if o.dual_clip is not None:
         bound = -o.dual_clip * adv
@@ -100,9 +121,11 @@ class GSPOOptions:
         _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high)
 
 
-def _seq_ratio_clip(b: TokenBatch, s: Tensor, o) -> ObjectiveOut:
+def _seq_ratio_clip(b: TokenBatch, log_s: Tensor, o) -> ObjectiveOut:
     adv = b.advantages
-    loss = _clipped_surrogate(s, adv, o.eps_low, o.eps_high)
+    lo, hi = _log_bounds(o.eps_low, o.eps_high)
+    loss = _pessimistic(log_s, adv, lo, hi)
+    s = torch.exp(log_s.detach())
     return ObjectiveOut(
         loss, s,
         clip_low=(adv < 0) & (s < 1 - o.eps_low) & b.mask,
@@ -119,8 +142,8 @@ def gspo(b: TokenBatch, o: GSPOOptions) -> ObjectiveOut:
     """s_i = exp((1/|y_i|)·Σ_t log r_{i,t}); loss = max(-A·s_i, -A·clip(s_i, 1-ε_low, 1+ε_high)),
     the same value on every token of sequence i (use loss_agg="seq-mean-token-mean" for the paper's
     1/G Σ_i form)."""
-    s = torch.exp(b.seq_mean(_log_ratio(b)))[:, None].expand_as(b.logp)
-    return _seq_ratio_clip(b, s, o)
+    log_s = b.seq_mean(_log_ratio(b))[:, None].expand_as(b.logp)
+    return _seq_ratio_clip(b, log_s, o)
 
 
 @register(
@@ -131,9 +154,8 @@ def gspo(b: TokenBatch, o: GSPOOptions) -> ObjectiveOut:
 def gspo_token(b: TokenBatch, o: GSPOOptions) -> ObjectiveOut:
     """s_{i,t} = sg[s_i]·π_θ(y_t)/sg[π_θ(y_t)] (value s_i, gradient s_i·∇log π_θ(y_t));
     loss_t = max(-A_t·s_{i,t}, -A_t·clip(s_{i,t}, 1-ε_low, 1+ε_high))."""
-    log_s = b.seq_mean(_log_ratio(b)).detach()[:, None]
-    s = torch.exp(log_s + b.logp - b.logp.detach())
-    return _seq_ratio_clip(b, s, o)
+    log_s = b.seq_mean(_log_ratio(b)).detach()[:, None] + b.logp - b.logp.detach()
+    return _seq_ratio_clip(b, log_s, o)
 
 
 # ----------------------------------------------------------------------------------------- gmpo
@@ -195,8 +217,11 @@ def sapo(b: TokenBatch, o: SAPOOptions) -> ObjectiveOut:
     f'(1) = 1, so on-policy the gradient is REINFORCE's; far from 1 it decays smoothly."""
     adv = b.advantages
     ratio = torch.exp(_log_ratio(b))
+    # the gate is flat (σ' = 0 in floating point) long before e^20; capping there keeps an
+    # overflowing ratio from turning 0·inf into a NaN gradient
+    gate_ratio = torch.exp(_log_ratio(b).clamp(max=20.0))
     tau = torch.where(adv > 0, torch.full_like(adv, o.tau_pos), torch.full_like(adv, o.tau_neg))
-    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+    gate = torch.sigmoid(tau * (gate_ratio - 1)) * 4 / tau
     return ObjectiveOut(-gate * adv, ratio)
 
 
@@ -290,11 +315,9 @@ def ctpo(b: TokenBatch, o: CTPOOptions) -> ObjectiveOut:
         cum = (cum - log_r).detach() + log_r
     sqrt_t = torch.sqrt(b.positions.clamp(min=1))
     lo, hi = -o.eps_low * sqrt_t, o.eps_high * sqrt_t
-    ratio = torch.exp(cum)
-    clipped = torch.exp(torch.minimum(torch.maximum(cum, lo), hi))
-    loss = torch.maximum(-adv * ratio, -adv * clipped)
+    loss = _pessimistic(cum, adv, lo, hi)
     return ObjectiveOut(
-        loss, ratio,
+        loss, torch.exp(cum.detach()),
         clip_low=(adv < 0) & (cum < lo) & b.mask,
         clip_high=(adv > 0) & (cum > hi) & b.mask,
     )
