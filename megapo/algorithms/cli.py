@@ -4,6 +4,8 @@ estimator and shaping, with granularity and source paper (`--formulas` adds each
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from megapo.algorithms.registry import KINDS, entries
 
@@ -14,6 +16,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        _print_table(args)
+    except BrokenPipeError:  # `megapo objectives | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _print_table(args: argparse.Namespace) -> None:
     rows = [(e.name, e.kind, e.granularity, e.paper, e) for e in entries(args.kind)]
     header = ("name", "kind", "granularity", "paper")
     widths = [max(len(header[i]), *(len(r[i]) for r in rows)) for i in range(3)]
@@ -27,4 +37,3 @@ def run(args: argparse.Namespace) -> int:
                 print("    " + text.strip())
             if entry.option_names():
                 print(f"    options: {entry.option_names()}")
-    return 0
