@@ -132,16 +132,18 @@ def ref_token_losses(name, seqs, opts=None, lp_of=None, frozen_of=None):
         elif name == "ctpo":
             el, eh = opts.get("eps_low", 0.2), opts.get("eps_high", 0.2)
             for t in range(n):
-                c = sum(fz[u] - old[u] for u in range(t)) + (lp[t] - old[t])
+                prefix = fz if opts.get("detach_prefix", True) else lp
+                c = sum(prefix[u] - old[u] for u in range(t)) + (lp[t] - old[t])
                 lo, hi = -el * math.sqrt(t + 1), eh * math.sqrt(t + 1)
                 a = adv[t]
                 losses.append(max(-a * math.exp(c), -a * math.exp(clip(c, lo, hi))))
         elif name == "minirl":
             el, eh = opts.get("eps_low", 0.2), opts.get("eps_high", 0.28)
-            use_roll = opts.get("_roll", True)
+            use_roll, cap = opts.get("_roll", True), opts.get("mismatch_cap")
             for t in range(n):
                 r = math.exp(fz[t] - old[t])
                 m = math.exp(old[t] - roll[t]) if use_roll else 1.0
+                m = min(m, cap) if cap is not None else m
                 a = adv[t]
                 dropped = (a > 0 and r > 1 + eh) or (a < 0 and r < 1 - el)
                 losses.append(0.0 if dropped else -(r * m) * a * lp[t])
@@ -405,3 +407,21 @@ def test_bad_coefficients():
         policy_loss(**a, ref_logp=a["old_logp"], kl_coef="big")
     with pytest.raises(ValueError, match="^entropy"):
         policy_loss(**a, entropy_coef=0.1)
+
+
+@pytest.mark.parametrize(
+    "name, opts, with_roll",
+    [("ctpo", dict(eps_low=0.15, eps_high=0.25, detach_prefix=False), True),
+     ("minirl", dict(eps_low=0.2, eps_high=0.28), False),
+     ("minirl", dict(eps_low=0.2, eps_high=0.28, mismatch_cap=1.1), True)],
+)
+def test_variants_match_reference_and_finite_differences(name, opts, with_roll):
+    seqs = make_seqs(seed=8, lengths=(3, 4, 2))
+    ref_opts = dict(opts, _roll=with_roll)
+    for agg in ("token-mean", "seq-mean-token-sum"):
+        loss, grad, _ = lib_loss(name, padded(seqs), opts, agg, with_roll=with_roll)
+        assert loss.item() == pytest.approx(ref_aggregate(ref_token_losses(name, seqs, ref_opts), agg), rel=1e-10)
+        fd = _fd_grad(name, seqs, ref_opts, agg)
+        for i, row in enumerate(fd):
+            for t, g in enumerate(row):
+                assert grad[i, t].item() == pytest.approx(g, rel=1e-6, abs=1e-8), (name, agg, i, t)
