@@ -1,0 +1,249 @@
+"""Every CPU workaround megapo needs to run Megatron-core without a GPU, in one place.
+
+Megatron-core assumes CUDA: it allocates on `torch.cuda.current_device()`, keeps its RNG tracker in
+CUDA generators, synchronises streams, writes `device="cuda"` literals and checks `Tensor.type()`
+strings. On the CPU test machines `apply()` redirects exactly those spots; on a machine where CUDA
+is available it does nothing, so GPU runs use Megatron unmodified.
+
+`apply()` is idempotent. `CHANGES` lists what it changed (one line each, with the reason), and
+`applied()` tells whether it is active. Nothing else in megapo may monkey-patch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+CHANGES: list[str] = []  # "what: why", filled by apply()
+_STATE = {"applied": False}
+
+
+def applied() -> bool:
+    return _STATE["applied"]
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def apply() -> list[str]:
+    """Install the CPU redirects (no-op when CUDA is available); return the list of changes."""
+    if cuda_available() or _STATE["applied"]:
+        return list(CHANGES)
+    _STATE["applied"] = True
+    _patch_torch_cuda()
+    _install_device_mode()
+    _patch_megatron()
+    return list(CHANGES)
+
+
+def _set(owner, name: str, value, why: str) -> None:
+    setattr(owner, name, value)
+    label = getattr(owner, "__name__", type(owner).__name__)
+    CHANGES.append(f"{label}.{name}: {why}")
+
+
+# ----------------------------------------------------------------------------- torch.cuda
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream/Event: CPU work is synchronous, so waiting is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args):
+        pass
+
+    def wait_event(self, *args):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NullStream()
+
+    def record(self, *args):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def wait(self, *args):
+        pass
+
+    def elapsed_time(self, *args):
+        return 0.0
+
+    def __eq__(self, other):
+        return isinstance(other, _NullStream)
+
+    def __hash__(self):
+        return 0
+
+
+_NULL_STREAM = _NullStream()
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    _set(cuda, "current_device", lambda: "cpu",
+         why="layers allocate on torch.cuda.current_device(); 'cpu' is a valid device argument")
+    _set(cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state(),
+         why="tensor-parallel RNG tracker saves/restores CUDA generator state; use the CPU generator")
+    _set(cuda, "set_rng_state", lambda state, device="cuda": torch.set_rng_state(state),
+         why="see get_rng_state")
+    _set(cuda, "manual_seed", lambda seed: torch.manual_seed(seed),
+         why="model_parallel_cuda_manual_seed / RNG tracker seed CUDA generators")
+    _set(cuda, "synchronize", lambda device=None: None, why="CPU ops are synchronous")
+    _set(cuda, "Stream", _NullStream, why="dispatchers/DDP create side streams; nothing to overlap on CPU")
+    _set(cuda, "Event", _NullStream, why="events pair with streams (see Stream)")
+    _set(cuda, "current_stream", lambda device=None: _NULL_STREAM, why="see Stream")
+    _set(cuda, "default_stream", lambda device=None: _NULL_STREAM, why="see Stream")
+    _set(cuda, "stream", lambda s=None: contextlib.nullcontext(), why="see Stream")
+    _set(cuda, "empty_cache", lambda: None, why="no CUDA caching allocator")
+    for stat in ("memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved"):
+        _set(cuda, stat, lambda device=None: 0, why="memory stats are logged by Megatron; report 0 on CPU")
+    _set(torch.Tensor, "record_stream", lambda self, stream: None,
+         why="record_stream keeps CUDA memory alive across streams; meaningless on CPU")
+
+
+# ----------------------------------------------------------------------------- device="cuda" literals
+
+_FACTORIES = {
+    torch.empty, torch.zeros, torch.ones, torch.full, torch.tensor, torch.arange, torch.randn, torch.rand,
+    torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.as_tensor,
+}
+_TENSOR_METHODS = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type}
+
+
+def _is_cuda_device(dev) -> bool:
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites device='cuda' (and int device indices) to 'cpu' in tensor factories and `.to()`,
+    turns `.cuda()` into a no-op, and answers Megatron's `Tensor.type()` string checks
+    ('torch.cuda.FloatTensor') as if the tensor were on a GPU (only for callers inside megatron)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _FACTORIES:
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+        elif func in _TENSOR_METHODS:
+            if func is torch.Tensor.cuda:
+                return args[0]
+            if func is torch.Tensor.to:
+                if _is_cuda_device(kwargs.get("device")):
+                    kwargs["device"] = "cpu"
+                args = tuple("cpu" if i > 0 and _is_cuda_device(a) else a for i, a in enumerate(args))
+            elif func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                name = func(*args)
+                caller = sys._getframe(1).f_globals.get("__name__", "")
+                if caller.startswith("megatron.") and name.startswith("torch.") and ".cuda." not in name:
+                    return "torch.cuda." + name[len("torch."):]
+                return name
+        return func(*args, **kwargs)
+
+
+def _install_device_mode() -> None:
+    # Entered once and never exited: it must also be active when autograd runs backward (and the
+    # forward recompute inside it) on this thread.
+    mode = _CudaToCpu()
+    mode.__enter__()
+    _STATE["mode"] = mode
+    CHANGES.append("TorchFunctionMode _CudaToCpu: optimizer, grad clipping, schedules and "
+                   "dist_checkpointing write device='cuda' literals, .cuda() and Tensor.type() checks")
+
+
+# ----------------------------------------------------------------------------- megatron-core
+
+
+def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer import torch_norm
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    _set(tp_random, "_set_cuda_rng_state",
+         lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state),
+         why="RNG tracker fork() swaps CUDA generator states; swap the CPU generator state instead")
+    _set(tp_random, "_get_cuda_rng_state",
+         lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state(),
+         why="see _set_cuda_rng_state")
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        _set(moe_utils, "te_general_gemm", None,
+             why="referenced by the router GEMM but only defined when Transformer Engine imports")
+
+    original_move = moe_utils.maybe_move_tensor_to_cpu
+
+    def move_to_cpu(tensor, as_numpy=False, record_stream=False):
+        # Megatron converts only CUDA tensors; on CPU the split sizes would stay tensors, which
+        # all_to_all_single rejects as split sizes. Convert CPU tensors the same way.
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    _set(token_dispatcher, "maybe_move_tensor_to_cpu", move_to_cpu,
+         why="alltoall dispatcher: split sizes must become host lists, not CPU tensors")
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def norm_new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                 normalization="LayerNorm"):
+        # torch norms assert `not sequence_parallel`, but MoE with TP>1 requires sequence parallel.
+        # A norm is elementwise over the sequence, so it works on sequence shards unchanged; its
+        # weight grads are partial per TP rank and must be all-reduced over TP, which
+        # finalize_model_grads does for params marked `sequence_parallel` (as TE marks them).
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma,
+                                normalization)
+        import dataclasses
+
+        plain = dataclasses.replace(config, sequence_parallel=False)
+        module = original_new(cls, plain, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        for param in module.parameters():
+            param.sequence_parallel = True
+        return module
+
+    _set(torch_norm.WrappedTorchNorm, "__new__", norm_new,
+         why="torch norm refuses sequence_parallel, which MoE+TP requires; mark its params instead")
+
+    from megatron.core.tensor_parallel import mappings
+
+    original_gather = mappings._gather_along_first_dim
+    original_scatter = mappings._reduce_scatter_along_first_dim
+
+    def gather_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        # gloo's all_gather needs equal sizes: pad every shard to the largest, gather, then trim.
+        if output_split_sizes is None or group.size() == 1:
+            return original_gather(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        torch.distributed.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, output_split_sizes)], dim=0)
+
+    def scatter_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        # gloo has no uneven reduce_scatter: all-reduce the whole tensor and keep this rank's slice.
+        if input_split_sizes is None or group.size() == 1:
+            return original_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return total[start: start + input_split_sizes[group.rank()]].contiguous()
+
+    _set(mappings, "_gather_along_first_dim", gather_first_dim,
+         why="alltoall dispatcher with TP>1 gathers uneven shards, which gloo rejects")
+    _set(mappings, "_reduce_scatter_along_first_dim", scatter_first_dim,
+         why="alltoall dispatcher with TP>1 reduce-scatters uneven shards, which gloo rejects")

@@ -1,0 +1,351 @@
+"""The Megatron learner: an HF model loaded into Megatron-core under TP/PP/EP/DP, giving log-probs of
+given tokens, an RL train step (policy objective from megapo.algorithms), HF-named weights for sync,
+and dist_checkpointing save/load. One instance per process; every rank calls every method.
+
+    learner = Learner("tiny_moe/", ParallelConfig(tp=2), OptimConfig(lr=1e-5))
+    logps = learner.logprobs([[1, 2, 3], [4, 5]])            # [tensor(2), tensor(1)] on every rank
+    metrics = learner.train_step(samples, "ppo", "token-mean", clip_eps=0.2)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from megapo import compat
+from megapo.config import OptimConfig, ParallelConfig
+from megapo.layout import check_layout, read_hf_config
+from megapo.learner import model as model_lib
+from megapo.learner import packing, weights
+from megapo.learner.logprobs import vocab_parallel_logprobs
+from megapo.learner.rope import set_positions
+from megapo.models.family import family_for
+
+
+@dataclass
+class MicroBatch:
+    row: packing.PackedRow
+    tokens: torch.Tensor  # [1, W]
+    position_ids: torch.Tensor  # [1, W]
+    attention_mask: torch.Tensor | None  # local spec: [1, 1, W, W] True = masked
+    packed_seq_params: object | None  # TE: PackedSeqParams (THD)
+    samples: list[dict] | None = None  # train step: the samples of row.indices
+
+
+class Learner:
+    def __init__(self, model_dir, parallel: ParallelConfig, optim: OptimConfig | None = None, *, seed: int = 0,
+                 micro_batch_tokens: int = 4096, total_steps: int | None = None, routing_replay: bool = False,
+                 loss_fn: Callable | None = None):
+        optim = optim or OptimConfig()
+        optim.validate()
+        if micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+        self.model_dir = Path(model_dir)
+        hf = read_hf_config(model_dir)
+        check_layout(parallel, hf)
+        self.family = family_for(hf)
+        self.spec = self.family.spec(hf)
+        self.parallel = parallel
+        self.optim = optim
+        self.micro_batch_tokens = micro_batch_tokens
+        self.pad_id = int(hf.get("pad_token_id") or 0)
+        self.backend = model_lib.detect_backend()
+        self.device = self.backend.device
+        # `loss_fn` replaces megapo.algorithms.policy_loss (same signature); for tests and experiments.
+        self._loss_fn = loss_fn
+        self.route_hook = None  # routing replay plugs in here (see megapo/replay)
+        self.step = 0
+
+        from megatron.core import tensor_parallel
+        from megatron.core.distributed import finalize_model_grads
+
+        tensor_parallel.get_cuda_rng_tracker().reset()
+        model_lib.init_distributed(parallel, self.backend, seed)
+        self.config = model_lib.transformer_config(self.spec, parallel, self.backend, routing_replay=routing_replay)
+        self.model = model_lib.build_model(self.spec, parallel, self.backend, self.config)
+        weights.load_hf_weights(self.module, self.family, self.spec, model_dir)
+        # Without it, norm/router grads are not summed over TP and TP>1 drifts from TP=1.
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = None
+        self.optimizer, self.scheduler = self._build_optimizer(total_steps)
+
+    # ------------------------------------------------------------------------------------- helpers
+
+    @property
+    def module(self):
+        return model_lib.unwrap(self.model)
+
+    def _groups(self):
+        from megatron.core import parallel_state as ps
+
+        return ps
+
+    def _build_optimizer(self, total_steps: int | None):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o = self.optim
+        config = OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.grad_clip, bf16=False, fp16=False,
+            params_dtype=torch.float32, use_distributed_optimizer=self.parallel.distributed_optimizer)
+        optimizer = get_megatron_optimizer(config, [self.model])
+        decay_steps = max(total_steps or 1, o.warmup_steps + 1)
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=min(o.min_lr, o.lr),
+            lr_warmup_steps=o.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=o.lr_schedule,
+            start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+        return optimizer, scheduler
+
+    def _micro_batches(self, sequences: list[list[int]], samples: list[dict] | None = None) -> list[MicroBatch]:
+        ps = self._groups()
+        lengths = [len(s) for s in sequences]
+        rows = packing.plan(lengths, dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+                            budget=self.micro_batch_tokens, pad_multiple=self.parallel.tp,
+                            equal_width=not model_lib.variable_seq_lengths(self.spec, self.parallel)
+                            and self.parallel.pp > 1)
+        out = []
+        for row in rows:
+            tokens, positions, segments = packing.row_tensors(row, sequences, self.pad_id)
+            mask, packed = None, None
+            if self.backend.use_te:
+                from megatron.core.packed_seq_params import PackedSeqParams
+
+                cu = packing.cu_seqlens(row).to(self.device)
+                longest = int((cu[1:] - cu[:-1]).max())
+                packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                         max_seqlen_q=longest, max_seqlen_kv=longest)
+            else:
+                mask = packing.block_causal_mask(segments).to(self.device)
+            out.append(MicroBatch(row, tokens.to(self.device), positions.to(self.device), mask, packed,
+                                  [samples[i] for i in row.indices] if samples is not None else None))
+        return out
+
+    def _forward_step(self, loss_func, data_iterator, model):
+        mb: MicroBatch = next(data_iterator)
+        if self.route_hook is not None:
+            self.route_hook.before_forward(mb)
+        set_positions(model, mb.position_ids)
+        kwargs = {"packed_seq_params": mb.packed_seq_params} if mb.packed_seq_params is not None else {}
+        output = model(mb.tokens, mb.position_ids, mb.attention_mask, **kwargs)
+        return output, partial(loss_func, mb)
+
+    def _row_logprobs(self, mb: MicroBatch, logits: torch.Tensor, with_entropy: bool):
+        """Per-position log p(token[j+1] | row[:j+1]) over the row; logits [1, W, V/tp]."""
+        targets = torch.roll(mb.tokens[0], shifts=-1)
+        return vocab_parallel_logprobs(logits[0], targets, vocab_size=self.spec.vocab_size, with_entropy=with_entropy)
+
+    def _run(self, micro_batches: list[MicroBatch], loss_func, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        fb = get_forward_backward_func()
+        return fb(
+            forward_step_func=partial(self._forward_step, loss_func),
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=max(mb.row.width for mb in micro_batches),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    def _share_results(self, local: list) -> list:
+        """Results computed on the last pipeline stage of each DP rank -> the same list on every rank."""
+        ps = self._groups()
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            group = ps.get_pipeline_model_parallel_group()
+            ranks = torch.distributed.get_process_group_ranks(group)
+            box = [local if ps.is_pipeline_last_stage() else None]
+            torch.distributed.broadcast_object_list(box, src=ranks[-1], group=group)
+            local = box[0]
+        if ps.get_data_parallel_world_size() > 1:
+            gathered = [None] * ps.get_data_parallel_world_size()
+            torch.distributed.all_gather_object(gathered, local, group=ps.get_data_parallel_group())
+            local = [item for part in gathered for item in part]
+        return local
+
+    # ------------------------------------------------------------------------------------- API
+
+    def logprobs(self, sequences: list[list[int]], routes=None, with_entropy: bool = False):
+        """log p(seq[t] | seq[:t]) for t = 1..len-1 of every sequence, on every rank (fp32, CPU).
+        With with_entropy, returns (logprobs, entropies)."""
+        for i, seq in enumerate(sequences):
+            if len(seq) < 2:
+                raise ValueError(f"sequences[{i}]: needs at least 2 tokens, got {len(seq)}")
+            if min(seq) < 0 or max(seq) >= self.spec.vocab_size:
+                raise ValueError(f"sequences[{i}]: token ids must be in [0, {self.spec.vocab_size})")
+        if routes is not None and self.route_hook is None:
+            raise ValueError("routes: given, but this learner has no routing replay hook (routing_replay=True)")
+        if self.route_hook is not None:
+            self.route_hook.set_routes(routes)
+        micro_batches = self._micro_batches(sequences)
+
+        def collect(mb: MicroBatch, logits: torch.Tensor):
+            logp, entropy = self._row_logprobs(mb, logits.detach(), with_entropy)
+            out = []
+            for i, at, n in zip(mb.row.indices, mb.row.offsets, mb.row.lengths):
+                item = (i, logp[at:at + n - 1].cpu(), entropy[at:at + n - 1].cpu() if with_entropy else None)
+                out.append(item)
+            return logits.new_zeros(()), {"items": out}
+
+        self.model.eval()
+        with torch.no_grad():
+            stored = self._run(micro_batches, collect, forward_only=True)
+        self.model.train()
+        items = self._share_results([item for d in stored for item in d["items"]])
+        by_index = {i: (lp, ent) for i, lp, ent in items}
+        logps = [by_index[i][0] for i in range(len(sequences))]
+        if with_entropy:
+            return logps, [by_index[i][1] for i in range(len(sequences))]
+        return logps
+
+    def train_step(self, batch: list[dict], objective: str, loss_agg: str = "token-mean", **options) -> dict:
+        """One optimizer step on `batch` (the full batch, identical on every rank; each DP rank takes
+        its share). Returns metrics: loss, grad_norm, lr, entropy, tokens_per_s, objective metrics."""
+        from megatron.core import parallel_state as ps
+
+        if not batch:
+            raise ValueError("batch: empty")
+        for i, s in enumerate(batch):
+            _check_sample(i, s, self.spec.vocab_size)
+        loss_fn = self._loss_fn
+        if loss_fn is None:
+            from megapo.algorithms import policy_loss as loss_fn
+        start = time.perf_counter()
+        sequences = [list(s["tokens"]) for s in batch]
+        micro_batches = self._micro_batches(sequences, batch)
+        global_tokens = sum(len(s["tokens"]) - s["prompt_len"] for s in batch)
+        scale = len(micro_batches) * ps.get_data_parallel_world_size()  # undo the schedule's /M and DDP's /dp
+        want_entropy = True
+
+        def loss_func(mb: MicroBatch, logits: torch.Tensor):
+            if not mb.row.indices:  # an empty row (DP balancing): no loss, but keep the graph connected
+                return logits.sum() * 0.0, {"tokens": 0, "metrics": {}, "loss": 0.0, "entropy_sum": 0.0}
+            logp_row, ent_row = self._row_logprobs(mb, logits, want_entropy)
+            pieces = {"logp": [], "ent": [], "old": [], "adv": [], "roll": [], "ref": []}
+            cu = [0]
+            for sample, at, n in zip(mb.samples, mb.row.offsets, mb.row.lengths):
+                p = sample["prompt_len"]
+                sl = slice(at + p - 1, at + n - 1)  # logits at t-1 predict response token t
+                r = n - p
+                pieces["logp"].append(logp_row[sl])
+                pieces["ent"].append(ent_row[sl])
+                pieces["old"].append(_per_token(sample["old_logp"], r, "old_logp"))
+                adv = sample["advantage"]
+                pieces["adv"].append(_per_token(adv, r, "advantage") if isinstance(adv, (list, tuple))
+                                     else torch.full((r,), float(adv)))
+                if sample.get("rollout_logp") is not None:
+                    pieces["roll"].append(_per_token(sample["rollout_logp"], r, "rollout_logp"))
+                if sample.get("ref_logp") is not None:
+                    pieces["ref"].append(_per_token(sample["ref_logp"], r, "ref_logp"))
+                cu.append(cu[-1] + r)
+            dev = logits.device
+            logp = torch.cat(pieces["logp"])
+            entropy = torch.cat(pieces["ent"])
+            extra = dict(options)
+            if pieces["ref"]:
+                extra["ref_logp"] = torch.cat(pieces["ref"]).to(dev)
+            if extra.get("entropy_coef"):
+                extra["entropy"] = entropy
+            loss, metrics = loss_fn(
+                objective, logp, torch.cat(pieces["old"]).to(dev), torch.cat(pieces["adv"]).to(dev),
+                torch.ones_like(logp), torch.cat(pieces["roll"]).to(dev) if pieces["roll"] else None,
+                cu_seqlens=torch.tensor(cu, device=dev), loss_agg=loss_agg,
+                global_tokens=global_tokens, global_seqs=len(batch), **extra)
+            metrics = {k: float(v) for k, v in metrics.items()}
+            return loss * scale, {"tokens": int(logp.numel()), "metrics": metrics, "loss": float(loss.detach()),
+                                  "entropy_sum": float(entropy.detach().sum())}
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        stored = self._run(micro_batches, loss_func, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step(increment=1)
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        metrics = self._reduce_metrics(stored)
+        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
+                       update_ok=bool(ok), step_time_s=elapsed,
+                       tokens_per_s=sum(len(s) for s in sequences) / max(elapsed, 1e-9))
+        return metrics
+
+    def _reduce_metrics(self, stored: list[dict]) -> dict:
+        """Token-weighted means over micro-batches and DP ranks; the loss is summed (shares of the batch)."""
+        local = {"tokens": 0.0, "loss": 0.0, "entropy_sum": 0.0, "weighted": {}}
+        for d in stored:
+            local["tokens"] += d["tokens"]
+            local["loss"] += d["loss"]
+            local["entropy_sum"] += d["entropy_sum"]
+            for k, v in d["metrics"].items():
+                local["weighted"][k] = local["weighted"].get(k, 0.0) + v * d["tokens"]
+        parts = self._share_results([local])
+        tokens = sum(p["tokens"] for p in parts)
+        out = {"loss": sum(p["loss"] for p in parts), "entropy": sum(p["entropy_sum"] for p in parts) / max(tokens, 1),
+               "response_tokens": tokens}
+        keys = {k for p in parts for k in p["weighted"]}
+        for k in sorted(keys):
+            if k not in out:
+                out[k] = sum(p["weighted"].get(k, 0.0) for p in parts) / max(tokens, 1)
+        return out
+
+    def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named fp32 tensors, gathered over TP/EP/PP, on every rank (collective)."""
+        return weights.hf_state_dict(self.module, self.family, self.spec)
+
+    def save(self, ckpt_dir) -> None:
+        from megatron.core import dist_checkpointing
+
+        ckpt_dir = Path(ckpt_dir)
+        ckpt_dir.mkdir(parents=True, exist_ok=True)  # dist_checkpointing needs an existing folder
+        state = self._sharded_state()
+        dist_checkpointing.save(state, str(ckpt_dir))
+
+    def load(self, ckpt_dir) -> None:
+        from megatron.core import dist_checkpointing
+
+        if not Path(ckpt_dir).is_dir():
+            raise FileNotFoundError(f"ckpt_dir: {ckpt_dir} is not a folder")
+        loaded = dist_checkpointing.load(self._sharded_state(), str(ckpt_dir))
+        self.module.load_state_dict(loaded["model"], strict=False)
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self.scheduler.load_state_dict(loaded["scheduler"])
+        self.step = int(loaded["step"])
+
+    def _sharded_state(self) -> dict:
+        model_sd = self.module.sharded_state_dict()
+        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd),
+                "scheduler": self.scheduler.state_dict(), "step": self.step}
+
+    def close(self) -> None:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+
+
+def _per_token(values, n: int, name: str) -> torch.Tensor:
+    t = torch.as_tensor(values, dtype=torch.float32)
+    if t.numel() != n:
+        raise ValueError(f"{name}: expected {n} values (one per response token), got {t.numel()}")
+    return t
+
+
+def _check_sample(i: int, s: dict, vocab: int) -> None:
+    for key in ("tokens", "prompt_len", "advantage", "old_logp"):
+        if key not in s:
+            raise ValueError(f"batch[{i}].{key}: missing")
+    n, p = len(s["tokens"]), s["prompt_len"]
+    if not 1 <= p < n:
+        raise ValueError(f"batch[{i}].prompt_len: must be in [1, {n - 1}] for {n} tokens, got {p}")
+    if min(s["tokens"]) < 0 or max(s["tokens"]) >= vocab:
+        raise ValueError(f"batch[{i}].tokens: ids must be in [0, {vocab})")
+
+
+__all__ = ["Learner", "compat"]

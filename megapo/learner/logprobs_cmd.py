@@ -1,0 +1,114 @@
+"""`megapo logprobs`: log-probs of given tokens from the Megatron learner.
+
+    megapo logprobs --model HF_DIR --input IN.jsonl --output OUT.jsonl [--tp N --pp N --ep N --dp N
+                    --dispatcher alltoall|allgather]
+
+IN lines: {"tokens": [...]}; OUT lines: {"logprobs": [...]}, log p(tokens[t] | tokens[:t]) for
+t = 1..len-1. The layout is checked against the model first (an error naming the numbers, before
+any process starts); a layout with more than one process is started with torchrun (launch/local.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from megapo.config import ConfigError, ParallelConfig
+from megapo.layout import check_layout, read_hf_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HF model folder (config.json + safetensors)")
+    parser.add_argument("--input", required=True, help='JSONL, one {"tokens": [...]} per line')
+    parser.add_argument("--output", required=True, help='JSONL written, one {"logprobs": [...]} per line')
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--dispatcher", default="alltoall", choices=("alltoall", "allgather"))
+    parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds before the processes are killed")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set for torchrun's processes
+
+
+def read_sequences(path: str | Path) -> list[list[int]]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("--input", f"{path} does not exist")
+    sequences = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            tokens = json.loads(line)["tokens"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ConfigError("--input", f'line {n}: expected {{"tokens": [...]}}') from None
+        if not isinstance(tokens, list) or len(tokens) < 2 or not all(isinstance(t, int) for t in tokens):
+            raise ConfigError("--input", f"line {n}: tokens must be a list of at least 2 integers")
+        sequences.append(tokens)
+    return sequences
+
+
+def parallel_from_args(args) -> ParallelConfig:
+    return ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp, dispatcher=args.dispatcher)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        parallel = parallel_from_args(args)
+        hf = read_hf_config(args.model)
+        check_layout(parallel, hf)
+        sequences = read_sequences(args.input)
+        vocab = hf["vocab_size"]
+        for i, seq in enumerate(sequences):
+            if min(seq) < 0 or max(seq) >= vocab:
+                raise ConfigError("--input", f"line {i + 1}: token ids must be in [0, {vocab})")
+        if args.micro_batch_tokens < 1:
+            raise ConfigError("--micro-batch-tokens", f"must be >= 1, got {args.micro_batch_tokens}")
+    except ConfigError as exc:
+        print(f"megapo logprobs: {exc}", file=sys.stderr)
+        return 2
+    if args.worker or parallel.world_size == 1:
+        return _work(args, parallel, sequences)
+    from launch.local import run_torchrun
+
+    argv = _to_argv(args)
+    return run_torchrun(["-m", "megapo.learner.logprobs_cmd", "--worker", *argv], parallel.world_size,
+                        timeout_s=args.timeout)
+
+
+def _to_argv(args) -> list[str]:
+    return ["--model", str(args.model), "--input", str(args.input), "--output", str(args.output),
+            "--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep), "--dp", str(args.dp),
+            "--dispatcher", args.dispatcher, "--micro-batch-tokens", str(args.micro_batch_tokens)]
+
+
+def _work(args, parallel: ParallelConfig, sequences: list[list[int]]) -> int:
+    import torch
+
+    from megapo.learner.learner import Learner
+
+    learner = Learner(args.model, parallel, micro_batch_tokens=args.micro_batch_tokens)
+    logprobs = learner.logprobs(sequences)
+    if torch.distributed.get_rank() == 0:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w") as f:
+            for lp in logprobs:
+                f.write(json.dumps({"logprobs": [float(x) for x in lp]}) + "\n")
+    learner.close()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="megapo logprobs")
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Build a Megatron-core GPT/MoE model for a `ModelSpec` under a `ParallelConfig`.
+
+- process groups: gloo on CPU, nccl on GPU; Megatron's parallel_state is initialised here;
+- layer spec: Transformer Engine's (optionally FP8) when TE imports and a GPU is present, otherwise
+  Megatron's local spec (torch modules, runs on CPU);
+- sequence parallel is on whenever TP > 1 (Megatron requires it for MoE with TP; for dense models it
+  is equivalent and keeps one code path);
+- experts: expert-tensor-parallel size 1 when EP > 1 (experts are split over EP, not TP), else TP.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megapo import compat
+from megapo.config import ParallelConfig
+from megapo.models.family import ModelSpec, padded_vocab
+
+
+@dataclass(frozen=True)
+class Backend:
+    device: str  # "cpu" | "cuda"
+    dist_backend: str  # "gloo" | "nccl"
+    use_te: bool  # Transformer Engine layer spec
+
+
+def detect_backend() -> Backend:
+    """TE only with a GPU: TE cannot be imported without libcuda, and on CPU it breaks megatron.core."""
+    if not torch.cuda.is_available():
+        return Backend("cpu", "gloo", False)
+    try:
+        import transformer_engine  # noqa: F401
+
+        use_te = True
+    except Exception:  # TE raises more than ImportError when its CUDA libraries are missing
+        use_te = False
+    return Backend("cuda", "nccl", use_te)
+
+
+def expert_tp(parallel: ParallelConfig) -> int:
+    return 1 if parallel.ep > 1 else parallel.tp
+
+
+def init_distributed(parallel: ParallelConfig, backend: Backend, seed: int, timeout_s: int = 600) -> None:
+    """Start torch.distributed (from torchrun's env, or as a single process) and Megatron's groups."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    compat.apply()
+    if not torch.distributed.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+            init_method = "env://"
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        else:
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+            rank, world = 0, 1
+        if backend.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.distributed.init_process_group(
+            backend.dist_backend, init_method=init_method, rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s))
+    world = torch.distributed.get_world_size()
+    if world != parallel.world_size:
+        raise ValueError(f"parallel: world size {world} != tp*pp*dp = {parallel.tp}*{parallel.pp}*{parallel.dp}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=expert_tp(parallel),
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def variable_seq_lengths(spec: ModelSpec, parallel: ParallelConfig) -> bool:
+    return parallel.pp > 1 and not (spec.num_experts and parallel.dispatcher == "allgather")
+
+
+def transformer_config(spec: ModelSpec, parallel: ParallelConfig, backend: Backend, *,
+                       routing_replay: bool = False, dtype: torch.dtype = torch.float32):
+    from megatron.core.transformer import TransformerConfig
+
+    moe = spec.num_experts > 0
+    kwargs = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        qk_layernorm=spec.qk_norm,
+        add_bias_linear=False,  # also avoids an in-place-on-view error in local experts
+        add_qkv_bias=spec.qkv_bias,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        # fused kernels are CUDA-only; with TE they come from TE instead
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=expert_tp(parallel),
+        sequence_parallel=parallel.tp > 1,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # batched p2p calls torch.cuda.synchronize on CPU
+        batch_p2p_sync=backend.device == "cuda",
+        # Packed rows differ in length; pipelines then exchange shapes first. Megatron refuses this
+        # with the allgather dispatcher: there the learner pads every row to one width instead.
+        variable_seq_lengths=variable_seq_lengths(spec, parallel),
+        moe_token_dispatcher_type="alltoall",  # Megatron's default (allgather) refuses variable lengths
+        use_cpu_initialization=backend.device == "cpu",
+        # Initialisation also sets the tensor-parallel attributes (partition dim) that grad-norm,
+        # checkpointing and weight loading rely on, so keep it on although HF weights overwrite it.
+        perform_initialization=True,
+        deterministic_mode=backend.device == "cpu",
+    )
+    if parallel.recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if parallel.fp8:
+        if not backend.use_te:
+            raise ValueError("parallel.fp8: FP8 needs Transformer Engine on a GPU")
+        kwargs.update(fp8="hybrid", fp8_recipe="delayed")
+    if moe:
+        kwargs.update(
+            num_moe_experts=spec.num_experts,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+            moe_router_topk=spec.topk,
+            moe_router_pre_softmax=spec.router_pre_softmax,
+            moe_router_load_balancing_type="none",  # RL fine-tuning: no auxiliary loss
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type=parallel.dispatcher,
+            moe_grouped_gemm=backend.use_te,
+            moe_router_dtype="fp32",
+            moe_permute_fusion=False,
+            moe_enable_routing_replay=routing_replay,
+        )
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(spec: ModelSpec, config, backend: Backend):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    experts = spec.num_experts or None
+    if backend.use_te:
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=spec.qk_norm)
+    return get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+
+
+def build_model(spec: ModelSpec, parallel: ParallelConfig, backend: Backend, config, *, ddp: bool = True):
+    """One model chunk for this pipeline stage (no virtual PP), wrapped in Megatron's DDP."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+
+    from megapo.learner.rope import use_position_ids
+
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(spec, config, backend),
+        vocab_size=padded_vocab(spec.vocab_size, parallel.tp),
+        max_sequence_length=spec.max_positions,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=spec.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=spec.rope_theta,
+    )
+    if not backend.use_te:
+        # The local spec has no packed-sequence (THD) attention: rotary positions follow the
+        # per-sequence position ids instead (see rope.py).
+        use_position_ids(model)
+    if backend.device == "cuda":
+        model = model.cuda()
+    if not ddp:
+        return model
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=parallel.distributed_optimizer,
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def scratch_dir() -> str:
+    return tempfile.mkdtemp(prefix="megapo_")

@@ -1,0 +1,40 @@
+"""Rotary positions that follow explicit position ids, for packed rows on Megatron's local spec.
+
+Megatron's RotaryEmbedding gives token i of a row the angle of position i. In a packed row (several
+sequences concatenated, position ids restarting at 0 for each) that is wrong for every sequence but
+the first. Transformer Engine handles packing with THD/cu_seqlens; the local spec has no such path, so
+the learner stores the row's position ids on the model's rotary module before each forward, and
+this subclass returns the angles of those positions. Only one packed row per micro-batch (batch 1),
+which is how the learner packs.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+
+class PositionIdsRotaryEmbedding(RotaryEmbedding):
+    positions: torch.Tensor | None = None  # [seq] position id of every token of the row
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        if self.positions is None:
+            return super().forward(max_seq_len, offset, packed_seq, cp_group)
+        if self.positions.numel() != max_seq_len:
+            raise ValueError(f"position ids cover {self.positions.numel()} tokens, the row has {max_seq_len}")
+        emb = self.get_emb(int(self.positions.max()) + 1)
+        return emb[self.positions]
+
+
+def use_position_ids(model) -> None:
+    """Make `model`'s rotary embedding read position ids (class swap on our own model instance)."""
+    model.rotary_pos_emb.__class__ = PositionIdsRotaryEmbedding
+
+
+def set_positions(model, position_ids: torch.Tensor | None) -> None:
+    """position_ids: [1, seq] for the next forward (None: plain 0..seq-1)."""
+    while hasattr(model, "module"):
+        model = model.module
+    rope = getattr(model, "rotary_pos_emb", None)
+    if isinstance(rope, PositionIdsRotaryEmbedding):
+        rope.positions = None if position_ids is None else position_ids[0]

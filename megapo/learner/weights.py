@@ -1,0 +1,177 @@
+"""HF safetensors <-> a (TP/EP/PP-sharded) Megatron model, through a family's rename table.
+
+`load_hf_weights`: each rank reads from safetensors only the tensors its own parameters need and keeps
+only its shard. `hf_state_dict`: the reverse, collectively: TP shards are all-gathered, experts are
+all-gathered over EP, pipeline stages are broadcast, vocabulary padding is stripped; every rank
+yields the same full HF-named tensors in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from megapo.models.family import Family, ModelSpec, Rule, from_shards, padded_vocab, to_local
+
+LAYERS = "decoder.layers."
+EXPERTS = "mlp.experts.local_experts."
+
+
+@dataclass(frozen=True)
+class Located:
+    rule: Rule
+    layer: int | None  # global layer index
+    expert: int | None  # global expert index
+
+    def hf_names(self) -> list[str]:
+        return [n.format(L=self.layer, E=self.expert) for n in self.rule.hf]
+
+
+def locate(name: str, model, family: Family, spec: ModelSpec) -> Located:
+    """Megatron parameter name (on this rank) -> its rule and global layer/expert indices."""
+    from megatron.core import parallel_state
+
+    if not name.startswith(LAYERS):
+        rule = family.global_rules[name]
+        if name == "output_layer.weight" and spec.tied_embeddings:
+            rule = family.global_rules["embedding.word_embeddings.weight"]
+        return Located(rule, None, None)
+    index, suffix = name[len(LAYERS):].split(".", 1)
+    layer = model.decoder.layers[int(index)].layer_number - 1  # layer_number is global and 1-based
+    if not suffix.startswith(EXPERTS):
+        return Located(family.layer_rules[suffix], layer, None)
+    local, expert_suffix = suffix[len(EXPERTS):].split(".", 1)
+    per_rank = spec.num_experts // parallel_state.get_expert_model_parallel_world_size()
+    expert = parallel_state.get_expert_model_parallel_rank() * per_rank + int(local)
+    return Located(family.expert_rules[expert_suffix], layer, expert)
+
+
+def is_expert(param) -> bool:
+    return not getattr(param, "allreduce", True)  # Megatron marks expert params allreduce=False
+
+
+def tp_shard(param):
+    """(partition dim, group) of a tensor-parallel parameter, (None, None) for a replicated one."""
+    from megatron.core import parallel_state
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return None, None
+    group = (parallel_state.get_expert_tensor_parallel_group() if is_expert(param)
+             else parallel_state.get_tensor_model_parallel_group())
+    return param.partition_dim, group
+
+
+class SafetensorsReader:
+    """Reads single tensors by name from a model folder (one file or an index of shards)."""
+
+    def __init__(self, model_dir: str | Path):
+        from safetensors import safe_open
+
+        model_dir = Path(model_dir)
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(model_dir.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"model: no *.safetensors in {model_dir}")
+            weight_map = {}
+            for f in files:
+                with safe_open(f, "pt") as handle:
+                    weight_map.update({k: f.name for k in handle.keys()})
+        self.weight_map = weight_map
+        self.handles = {f: safe_open(model_dir / f, "pt") for f in set(weight_map.values())}
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} not found in the checkpoint")
+        return self.handles[self.weight_map[name]].get_tensor(name)
+
+
+def load_hf_weights(model, family: Family, spec: ModelSpec, model_dir: str | Path) -> int:
+    """Copy HF weights into this rank's shards of `model` (unwrapped GPTModel); return tensors loaded."""
+    reader = SafetensorsReader(model_dir)
+    tp = _tp_size()
+    loaded = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            where = locate(name, model, family, spec)
+            tensors = [reader.get(n).to(torch.float32) for n in where.hf_names()]
+            dim, group = tp_shard(param)
+            rank, size = (group.rank(), group.size()) if group is not None else (0, 1)
+            local = to_local(where.rule, spec, tensors, dim=dim, rank=rank, size=size,
+                             vocab_rows=padded_vocab(spec.vocab_size, tp))
+            if local.shape != param.shape:
+                raise ValueError(f"{name}: built {tuple(local.shape)} from {where.hf_names()}, "
+                                 f"parameter is {tuple(param.shape)}")
+            param.copy_(local.to(param.dtype))
+            loaded += 1
+    return loaded
+
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    if group is None or group.size() == 1:
+        return [tensor]
+    parts = [torch.empty_like(tensor) for _ in range(group.size())]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
+def _stage_tensors(model, family: Family, spec: ModelSpec) -> list[tuple[str, torch.Tensor]]:
+    """Full HF tensors of this pipeline stage (collective over the stage's TP and EP groups)."""
+    from megatron.core import parallel_state
+
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    ep_size = ep_group.size()
+    per_rank = spec.num_experts // ep_size if spec.num_experts else 0
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, param in model.named_parameters():
+        if name == "output_layer.weight" and spec.tied_embeddings:
+            continue
+        where = locate(name, model, family, spec)
+        dim, group = tp_shard(param)
+        tensors = from_shards(where.rule, spec, _all_gather(param.detach().float(), group), dim=dim)
+        if where.expert is None:
+            out.extend(zip(where.hf_names(), tensors))
+            continue
+        local_index = where.expert - parallel_state.get_expert_model_parallel_rank() * per_rank
+        for i, tensor in enumerate(tensors):
+            for ep_rank, gathered in enumerate(_all_gather(tensor, ep_group)):
+                other = Located(where.rule, where.layer, ep_rank * per_rank + local_index)
+                out.append((other.hf_names()[i], gathered))
+    return out
+
+
+def hf_state_dict(model, family: Family, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF-named fp32 tensors on every rank, gathered over TP/EP/PP (collective: all ranks call)."""
+    from megatron.core import parallel_state
+
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_rank, pp_size = pp_group.rank(), pp_group.size()
+    mine = _stage_tensors(model, family, spec)
+    if pp_size == 1:
+        yield from mine
+        return
+    ranks = torch.distributed.get_process_group_ranks(pp_group)
+    for stage in range(pp_size):
+        meta = [[(n, tuple(t.shape)) for n, t in mine] if stage == pp_rank else None]
+        torch.distributed.broadcast_object_list(meta, src=ranks[stage], group=pp_group)
+        for i, (name, shape) in enumerate(meta[0]):
+            tensor = mine[i][1].contiguous() if stage == pp_rank else torch.empty(shape, dtype=torch.float32,
+                                                                                  device=_device())
+            torch.distributed.broadcast(tensor, src=ranks[stage], group=pp_group)
+            yield name, tensor
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,159 @@
+"""Model families: how an HF config.json becomes a Megatron model, and how tensors are renamed.
+
+A family is chosen by config.json's `model_type` through the explicit `FAMILIES` registry (never by
+matching substrings of a model name). Each family module (megapo/models/<family>/mapping.py) gives:
+- `spec(hf) -> ModelSpec`: the architecture numbers Megatron needs;
+- `GLOBAL_RULES` / `LAYER_RULES` / `EXPERT_RULES`: Megatron parameter suffix -> `Rule` (how to build
+  it from HF tensors: a plain copy, a QKV interleave per KV group, or gate/up concatenation).
+
+The shard arithmetic shared by every family (which rows of a full tensor a TP rank holds, and how
+gathered shards go back to full HF tensors) lives here too, so the family modules stay tables.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from megapo.config import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture, in Megatron's terms, read from an HF config.json."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    norm_eps: float
+    rope_theta: float
+    max_positions: int
+    tied_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = 0  # 0: dense
+    moe_ffn_hidden_size: int = 0
+    topk: int = 0
+    # Router: softmax over all experts then top-k (True), or top-k logits then softmax over the k (False).
+    # HF Qwen3-MoE/Mixtral with normalised top-k probabilities equal the latter.
+    router_pre_softmax: bool = False
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one Megatron parameter is built from HF tensors.
+
+    kind: "copy" (one tensor), "vocab" (one tensor, rows padded to the padded vocabulary),
+          "qkv" (q, k, v interleaved per KV group; weight or bias), "gate_up" (gate, up concatenated
+          into linear_fc1, each half split over TP separately).
+    hf: HF names, with {L} for the layer and {E} for the expert.
+    """
+
+    kind: str
+    hf: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    spec: Callable[[dict], ModelSpec]
+    global_rules: dict[str, Rule]
+    layer_rules: dict[str, Rule]  # suffix after "decoder.layers.{i}."
+    expert_rules: dict[str, Rule]  # suffix after "decoder.layers.{i}.mlp.experts.local_experts.{k}."
+
+
+# model_type in config.json -> module holding the family's mapping
+FAMILIES: dict[str, str] = {
+    "qwen3_moe": "megapo.models.qwen3_moe.mapping",
+    "qwen2": "megapo.models.qwen2.mapping",
+    "llama": "megapo.models.qwen2.mapping",  # same layout as qwen2 without QKV bias (spec reads it)
+    "mixtral": "megapo.models.mixtral.mapping",
+}
+
+
+def family_for(hf: dict) -> Family:
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise ConfigError("model", f"model_type {model_type!r} is not supported; known: {', '.join(FAMILIES)}")
+    return importlib.import_module(FAMILIES[model_type]).FAMILY
+
+
+def rope_theta(hf: dict) -> float:
+    """transformers 5.x moved rope_theta into rope_parameters."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if params.get("rope_type", "default") not in ("default", None):
+        raise ConfigError("model", f"rope_type {params.get('rope_type')!r} is not supported yet")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+# ----------------------------------------------------------------------------- tensor transforms
+
+
+def qkv_full(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """HF q/k/v (weights [out, H] or biases [out]) -> Megatron linear_qkv, grouped per KV head:
+    [q heads of group 0, k0, v0, q heads of group 1, k1, v1, ...]."""
+    groups, d = spec.num_kv_heads, spec.head_dim
+    per = spec.num_heads // groups
+    rest = q.shape[1:]
+    q = q.reshape(groups, per * d, *rest)
+    k = k.reshape(groups, d, *rest)
+    v = v.reshape(groups, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def qkv_split(spec: ModelSpec, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, d = spec.num_kv_heads, spec.head_dim
+    per = spec.num_heads // groups
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(groups, (per + 2) * d, *rest)
+    q, k, v = torch.split(grouped, [per * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Megatron splits the vocabulary evenly over TP ranks: pad it to a multiple of tp. Padded
+    logits are masked out of every softmax (see learner/logprobs.py) and stripped on export."""
+    return -(-vocab_size // tp) * tp
+
+
+def to_local(rule: Rule, spec: ModelSpec, hf_tensors: list[torch.Tensor], *, dim: int | None, rank: int,
+             size: int, vocab_rows: int = 0) -> torch.Tensor:
+    """Build this rank's shard of a Megatron parameter from its full HF tensors.
+    dim=None: not tensor-parallel (replicated)."""
+    if rule.kind == "gate_up":
+        gate, up = hf_tensors
+        if dim is None or size == 1:
+            return torch.cat([gate, up], dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    if rule.kind == "qkv":
+        full = qkv_full(spec, *hf_tensors)
+    elif rule.kind == "vocab":
+        (full,) = hf_tensors
+        if vocab_rows > full.shape[0]:
+            full = torch.cat([full, full.new_zeros(vocab_rows - full.shape[0], *full.shape[1:])], dim=0)
+    else:
+        (full,) = hf_tensors
+    if dim is None or size == 1:
+        return full
+    return full.chunk(size, dim=dim)[rank]
+
+
+def from_shards(rule: Rule, spec: ModelSpec, shards: list[torch.Tensor], *, dim: int | None) -> list[torch.Tensor]:
+    """Inverse of `to_local`: TP shards (in rank order) -> the full HF tensors named by rule.hf."""
+    if rule.kind == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+    full = shards[0] if len(shards) == 1 else torch.cat(shards, dim=dim)
+    if rule.kind == "qkv":
+        return list(qkv_split(spec, full))
+    if rule.kind == "vocab":
+        return [full[: spec.vocab_size]]
+    return [full]
