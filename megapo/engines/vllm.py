@@ -1,0 +1,154 @@
+"""VLLMEngine: the Engine interface over a vLLM (0.32) server's HTTP API.
+
+- generate: token-in/token-out `POST /inference/v1/generate` (server flag `--enable-scale-out`), one request per
+  prompt carrying n, with `logprobs=0` (the sampled token's log-prob only), `ignore_eos` and megapo's explicit
+  stop ids (see base.py), `detokenize=false`. Requests run concurrently from a thread pool.
+- weights: `update_weights_from_disk` pauses (mode=wait: the batch in flight finishes on the old weights),
+  calls the worker extension's `megapo_reload_weights` through `/collective_rpc`, clears the prefix cache
+  (cached KV blocks were computed by the old weights), sets the version (`/update_weight_version`) and resumes.
+  `update_weights` writes the tensors as safetensors into a staging folder and reloads from there.
+- log-probs: megapo's convention (log_softmax(logits / T), see base.py) needs the server started with
+  `--logprobs-mode processed_logprobs` (megapo.engines.server does); with top_p < 1 vLLM's processed log-probs are
+  renormalised over the nucleus, so they differ from the embedded engine's by log(nucleus mass).
+- routes: vLLM returns `routed_experts` only when started with `--enable-return-routed-experts`, which needs
+  model runner V2 (Triton, so not on CPU); asking for routes from a server that sends none is an error.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+import tempfile
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megapo.engines.base import FINISH_REASONS, Engine, Sample, SamplingParams, check_prompts
+from megapo.engines.http import JSONClient
+
+
+def decode_routed_experts(payload: str) -> np.ndarray:
+    """vLLM's routed_experts: base64 of `.npy` bytes, shape [num_tokens - 1, layers, topk]."""
+    return np.load(io.BytesIO(base64.b64decode(payload)), allow_pickle=False).astype(np.int32)
+
+
+def vllm_sampling_params(params: SamplingParams, seed: int | None) -> dict:
+    sp = {"n": params.n, "temperature": params.temperature, "top_p": params.top_p,
+          "max_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids), "ignore_eos": True,
+          "logprobs": 0, "detokenize": False, "skip_special_tokens": False}
+    if seed is not None:
+        sp["seed"] = seed  # vLLM gives the i-th of n samples seed + i
+    return sp
+
+
+class VLLMEngine(Engine):
+    def __init__(self, url: str, *, timeout: float = 600.0, max_concurrency: int = 64, weight_version: int = 0,
+                 staging_dir: str | None = None, config_dir: str | None = None, server=None):
+        """url: http://HOST:PORT of a running server. config_dir: HF folder whose config/tokenizer files go
+        next to staged weights (update_weights). server: a megapo.engines.server.VLLMServer to stop on close()."""
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self.client = JSONClient(url, timeout)
+        self.url = self.client.base_url
+        self.weight_version = int(weight_version)
+        self.config_dir = config_dir
+        self._staging_root = staging_dir
+        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="megapo-vllm")
+        self._server = server
+
+    # ------------------------------------------------------------------------------------------ sampling
+    def generate_one(self, prompt: list[int], params: SamplingParams, seed: int | None) -> list[Sample]:
+        """One prompt, n samples: a single HTTP request."""
+        body = {"token_ids": list(map(int, prompt)), "sampling_params": vllm_sampling_params(params, seed),
+                "output_mode": "tokens"}
+        out = self.client.post("/inference/v1/generate", body)
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        if len(choices) != params.n:
+            raise RuntimeError(f"{self.url}: asked for n={params.n} samples, got {len(choices)}")
+        return [self._sample(prompt, c, params) for c in choices]
+
+    def _sample(self, prompt: list[int], choice: dict, params: SamplingParams) -> Sample:
+        tokens = list(choice.get("token_ids") or [])
+        content = (choice.get("logprobs") or {}).get("content") or []
+        if [c["token_id"] for c in content] != tokens:
+            raise RuntimeError(f"{self.url}: log-probs do not line up with the output tokens")
+        routes = None
+        if params.return_routes:
+            if choice.get("routed_experts") is None:
+                raise RuntimeError(f"{self.url} returned no routed_experts: start vLLM with "
+                                   "--enable-return-routed-experts (needs model runner V2, i.e. a GPU)")
+            routes = decode_routed_experts(choice["routed_experts"])
+        reason = choice.get("finish_reason") or "abort"
+        return Sample(prompt_ids=list(prompt), output_ids=tokens, logprobs=[float(c["logprob"]) for c in content],
+                      finish_reason=reason if reason in FINISH_REASONS else "abort",
+                      weight_version=self._version_of(choice), routes=routes)
+
+    def _version_of(self, choice: dict) -> int:
+        # Each output carries the versions of the weights that sampled it, as spans. megapo pauses with
+        # mode=wait, so one sample never mixes versions; if it did, report the oldest.
+        versions = [s["version"] for s in choice.get("weight_versions") or []]
+        ints = [int(v) for v in versions if str(v).lstrip("-").isdigit()]
+        return min(ints) if ints else self.weight_version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        check_prompts(prompts)
+        seeds = [None if params.seed is None else params.seed + i * params.n for i in range(len(prompts))]
+        futures = [self._pool.submit(self.generate_one, p, params, s) for p, s in zip(prompts, seeds)]
+        return [f.result() for f in futures]
+
+    # ------------------------------------------------------------------------------------------ weights
+    def update_weights_from_disk(self, path: str, version: int) -> None:
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"path {path!r} is not a folder")
+        self.pause()
+        try:
+            self.client.post("/collective_rpc", {"method": "megapo_reload_weights",
+                                                 "kwargs": {"weights_path": str(Path(path).resolve())}})
+            self.client.post("/reset_prefix_cache")
+            self.client.post("/update_weight_version", {"new_version": str(int(version))})
+            self.weight_version = int(version)
+        finally:
+            self.resume()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Stage the tensors as one safetensors file (plus config files) and reload from there."""
+        from safetensors.torch import save_file
+
+        if self.config_dir is None:
+            raise ValueError("update_weights needs config_dir (the HF folder of the served model) to stage weights")
+        stage = Path(tempfile.mkdtemp(prefix="megapo-weights-", dir=self._staging_root))
+        try:
+            for f in Path(self.config_dir).iterdir():
+                if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+                    shutil.copy(f, stage / f.name)
+            tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
+            if not tensors:
+                raise ValueError("named_tensors is empty")
+            save_file(tensors, str(stage / "model.safetensors"))
+            self.update_weights_from_disk(str(stage), version)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def pause(self) -> None:
+        self.client.post("/pause?mode=wait")
+
+    def resume(self) -> None:
+        self.client.post("/resume")
+
+    def health(self) -> bool:
+        return self.client.alive("/health")
+
+    def server_weight_version(self) -> str | None:
+        return self.client.get("/weight_info").get("weight_version")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
