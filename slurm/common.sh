@@ -1,0 +1,110 @@
+# ---------------------------------------------------------------------------------------------
+# Common part of megapo's sbatch templates (slurm/common.sh, pasted in by `megapo launch slurm`).
+# Needs: OUTPUT_DIR, PYTHON. Defines: RUN_LOG, NODE_NAMES, HEAD_ADDR, MASTER_PORT, RESUME,
+# node_addr, wait_step, finish, SRUN_COMMON. See slurm/README.md for the signal contract.
+# ---------------------------------------------------------------------------------------------
+RESTART=${SLURM_RESTART_COUNT:-0}          # unset on the first run, 1, 2, ... after each requeue
+RUN_LOG="$OUTPUT_DIR/logs/slurm-$SLURM_JOB_ID/run$RESTART"
+mkdir -p "$RUN_LOG"
+log() { echo "[megapo $(date -u +%H:%M:%S)] $*"; }
+
+mapfile -t NODE_NAMES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+node_addr() {  # the address Slurm itself reaches a node at (its NodeAddr), else its name
+    local addr
+    addr=$(scontrol show node "$1" 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p' | head -n 1)
+    echo "${addr:-$1}"
+}
+HEAD_ADDR=$(node_addr "${NODE_NAMES[0]}")
+MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))   # per job, so two jobs on one head node do not clash
+
+# Resume after a requeue, or when the output dir already holds a checkpoint (a resubmission).
+RESUME=()
+if [ "$RESTART" -gt 0 ] || [ -n "$(ls -A "$OUTPUT_DIR/$CHECKPOINT_SUBDIR" 2>/dev/null)" ]; then
+    RESUME=(--resume)
+fi
+log "job $SLURM_JOB_ID restart $RESTART on ${NODE_NAMES[*]} (head $HEAD_ADDR:$MASTER_PORT) ${RESUME[*]}"
+log "per-node logs in $RUN_LOG"
+
+# One node launcher per node (an srun task). It substitutes the node's rank and records that the
+# node got SIGTERM, so the batch script knows the stop was a checkpoint-and-requeue even though
+# torchrun hides the trainer's exit code. It does not forward the signal: Slurm signals every
+# process of a step itself, and a second SIGTERM would make torchrun give up waiting for the
+# trainer's checkpoint. A signalled node exits 0, so --kill-on-bad-exit does not kill the nodes
+# that are still saving; the launcher's real status is written into the marker.
+cat > "$RUN_LOG/node.sh" <<'NODE_SH'
+#!/bin/bash
+# usage: node.sh MARKER_PREFIX COMMAND... ; "@NODE_RANK@" in COMMAND becomes this node's rank
+marker="$1.node$SLURM_NODEID"; shift
+args=()
+for a in "$@"; do args+=("${a//@NODE_RANK@/$SLURM_NODEID}"); done
+say() { echo "[node $SLURM_NODEID $SLURMD_NODENAME] $(date -u +%H:%M:%S) $*"; }
+say "start: ${args[*]}"
+signalled=""
+trap 'signalled=TERM; touch "$marker"; say "got SIGTERM"' TERM
+"${args[@]}" &
+child=$!
+while :; do wait "$child"; kill -0 "$child" 2>/dev/null || break; done
+wait "$child"; rc=$?
+say "exit $rc${signalled:+ after SIG$signalled}"
+if [ -n "$signalled" ]; then echo "$rc" > "$marker"; exit 0; fi
+exit "$rc"
+NODE_SH
+
+# srun options every step gets: one launcher per node owning the whole node.
+SRUN_COMMON=(--ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" --kill-on-bad-exit=1)
+[ "$GPUS_PER_NODE" -gt 0 ] && SRUN_COMMON+=(--gpus-per-node="$GPUS_PER_NODE")
+
+# Who asks for a stop, and what follows (see slurm/README.md):
+#   USR1 to the batch shell (the time-limit warning --signal=B:USR1, or `scancel --batch
+#     --signal=USR1`): SIGTERM to the learner step once, then requeue ourselves.
+#   SIGTERM to the steps only (`scancel --signal=TERM JOB`): the learner checkpoints; requeue.
+#   SIGTERM to the batch shell too (scancel, scontrol requeue, preemption, time limit): Slurm
+#     signals the steps itself and decides whether the job comes back; we only wait. (A second
+#     SIGTERM would make torchrun stop waiting for the checkpoint, so we never add one.)
+STOP_REASON=""
+LEARNER_PID=""
+on_signal() {
+    if [ -n "$STOP_REASON" ]; then log "got SIG$1 again (after SIG$STOP_REASON): ignored"; return 0; fi
+    STOP_REASON=$1
+    if [ "$1" = TERM ]; then
+        log "batch shell got SIGTERM: Slurm is stopping the job; waiting for the learner's checkpoint"
+        return 0
+    fi
+    log "batch shell got SIG$1: asking the learner to checkpoint, then requeueing"
+    [ -n "$LEARNER_PID" ] || return 0   # not started yet: the caller sees STOP_REASON
+    # SIGTERM to the learner step's processes. (Signalling srun itself would make it tear the
+    # step down at once, with no time to checkpoint.)
+    local step
+    step=$(squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' | awk '$2 == "megapo-learner" {print $1; exit}')
+    scancel --signal=TERM "${step:-$SLURM_JOB_ID}"
+}
+trap 'on_signal USR1' USR1
+trap 'on_signal TERM' TERM
+
+wait_step() {  # wait for a background srun, also across trapped signals; returns its status
+    local pid=$1
+    while :; do wait "$pid"; kill -0 "$pid" 2>/dev/null || break; done
+    wait "$pid"
+}
+
+# $1: the learner step's status.
+finish() {
+    local rc=$1 marker signalled=""
+    for marker in "$RUN_LOG"/signaled.learner.*; do
+        [ -e "$marker" ] || continue
+        signalled=yes
+        log "$(basename "$marker"): launcher exit $(cat "$marker") after SIGTERM"
+    done
+    if [ "$STOP_REASON" = TERM ]; then
+        log "stopped by Slurm (cancel, requeue or preemption); Slurm decides whether the job returns"
+        [ "$rc" -eq 0 ] && rc=$EXIT_CHECKPOINTED
+    elif [ -n "$STOP_REASON" ] || [ -n "$signalled" ]; then
+        log "learner checkpointed on request (${STOP_REASON:+SIG}${STOP_REASON:-SIGTERM to the steps}): requeueing"
+        scontrol requeue "$SLURM_JOB_ID" && exit 0
+        log "requeue refused"
+        [ "$rc" -eq 0 ] && rc=$EXIT_CHECKPOINTED
+    fi
+    log "learner exit $rc"
+    exit "$rc"
+}
+# ------------------------------------------------------------------------- end of common part
