@@ -1,0 +1,161 @@
+"""Router: one Engine over several engines (servers), balancing samples and surviving a dead server.
+
+A batch of prompts x n becomes prompts*n single-sample requests, each with an id (prompt i, sample j) and, when
+the batch has a seed, its own seed `seed + i*n + j` (the seed a single VLLMEngine/vLLM server would give it), so
+a sample does not depend on which server ran it. Each request goes to the live engine with the fewest requests in
+flight. A request that gets no answer (connection refused/reset/timed out) marks its engine dead after a failed
+health check and is sent again to a live one; a result is accepted once per id, so the batch returns every
+sample exactly once. Dead engines are health-checked again at the start of every batch.
+
+Weight updates, pause and resume go to every live engine.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import torch
+
+from megapo.engines.base import Engine, Sample, SamplingParams, check_prompts
+from megapo.engines.http import ConnectionLost
+
+
+class NoLiveEngine(RuntimeError):
+    pass
+
+
+class Router(Engine):
+    def __init__(self, engines: list[Engine], *, max_in_flight_per_engine: int = 64, weight_version: int = 0):
+        if not engines:
+            raise ValueError("engines must be a non-empty list")
+        if max_in_flight_per_engine < 1:
+            raise ValueError(f"max_in_flight_per_engine must be >= 1, got {max_in_flight_per_engine}")
+        self.engines = list(engines)
+        self.in_flight = [0] * len(engines)
+        self.alive = [True] * len(engines)
+        self.served = [0] * len(engines)  # samples accepted per engine (for tests and logs)
+        self.retries = 0
+        self.weight_version = int(weight_version)
+        self._lock = threading.Lock()
+        self._capacity = threading.Semaphore(max_in_flight_per_engine * len(engines))
+        self._pool = ThreadPoolExecutor(max_in_flight_per_engine * len(engines), thread_name_prefix="megapo-router")
+
+    # ------------------------------------------------------------------------------------------ routing
+    def _acquire(self, exclude: set[int]) -> int:
+        with self._lock:
+            live = [k for k in range(len(self.engines)) if self.alive[k] and k not in exclude]
+            if not live:
+                live = [k for k in range(len(self.engines)) if self.alive[k]]
+            if not live:
+                raise NoLiveEngine("no live engine left to serve the batch")
+            k = min(live, key=lambda e: self.in_flight[e])
+            self.in_flight[k] += 1
+            return k
+
+    def _release(self, k: int) -> None:
+        with self._lock:
+            self.in_flight[k] -= 1
+
+    def _mark_dead(self, k: int) -> None:
+        with self._lock:
+            self.alive[k] = False
+
+    def _run(self, prompt: list[int], params: SamplingParams) -> tuple[int, Sample]:
+        """One sample, retried on another engine while engines die under it."""
+        tried: set[int] = set()
+        while True:
+            k = self._acquire(tried)
+            try:
+                [[sample]] = self.engines[k].generate([prompt], params)
+                return k, sample
+            except Exception as err:  # noqa: BLE001 - decide below whether the engine or the request failed
+                if not isinstance(err, ConnectionLost) and self._healthy(k):
+                    raise  # the engine is up and rejected the request: a real error, not a dead server
+                self._mark_dead(k)
+                tried.add(k)
+                with self._lock:
+                    self.retries += 1
+            finally:
+                self._release(k)
+
+    def _healthy(self, k: int) -> bool:
+        try:
+            return bool(self.engines[k].health())
+        except Exception:  # noqa: BLE001
+            return False
+
+    def revive(self) -> None:
+        """Health-check engines marked dead; those that answer take requests again."""
+        for k in range(len(self.engines)):
+            if not self.alive[k] and self._healthy(k):
+                with self._lock:
+                    self.alive[k] = True
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        check_prompts(prompts)
+        self.revive()
+        n = params.n
+        results: dict[tuple[int, int], Sample] = {}
+        accept = threading.Lock()
+
+        def task(i: int, j: int) -> None:
+            seed = None if params.seed is None else params.seed + i * n + j
+            try:
+                k, sample = self._run(list(prompts[i]), replace(params, n=1, seed=seed))
+            finally:
+                self._capacity.release()
+            with accept:
+                if (i, j) not in results:  # a result is accepted once per id
+                    results[(i, j)] = sample
+                    self.served[k] += 1
+
+        futures = []
+        for i in range(len(prompts)):
+            for j in range(n):
+                self._capacity.acquire()
+                futures.append(self._pool.submit(task, i, j))
+        errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        missing = [(i, j) for i in range(len(prompts)) for j in range(n) if (i, j) not in results]
+        if missing:
+            raise RuntimeError(f"router lost samples {missing[:5]}")
+        return [[results[(i, j)] for j in range(n)] for i in range(len(prompts))]
+
+    # ------------------------------------------------------------------------------------------ broadcast
+    def _live(self) -> list[Engine]:
+        live = [e for k, e in enumerate(self.engines) if self.alive[k]]
+        if not live:
+            raise NoLiveEngine("no live engine")
+        return live
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        tensors = list(named_tensors)  # every engine reads the same tensors
+        for engine in self._live():
+            engine.update_weights(tensors, version)
+        self.weight_version = int(version)
+
+    def update_weights_from_disk(self, path: str, version: int) -> None:
+        for engine in self._live():
+            engine.update_weights_from_disk(path, version)
+        self.weight_version = int(version)
+
+    def pause(self) -> None:
+        for engine in self._live():
+            engine.pause()
+
+    def resume(self) -> None:
+        for engine in self._live():
+            engine.resume()
+
+    def health(self) -> bool:
+        return any(self._healthy(k) for k in range(len(self.engines)))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for engine in self.engines:
+            engine.close()
