@@ -107,8 +107,7 @@ class Learner:
         lengths = [len(s) for s in sequences]
         rows = packing.plan(lengths, dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
                             budget=self.micro_batch_tokens, pad_multiple=self.parallel.tp,
-                            equal_width=not model_lib.variable_seq_lengths(self.spec, self.parallel)
-                            and self.parallel.pp > 1)
+                            equal_width=model_lib.needs_equal_rows(self.spec, self.parallel))
         out = []
         for row in rows:
             tokens, positions, segments = packing.row_tensors(row, sequences, self.pad_id)
@@ -307,20 +306,25 @@ class Learner:
         state = self._sharded_state()
         dist_checkpointing.save(state, str(ckpt_dir))
 
-    def load(self, ckpt_dir) -> None:
+    def load(self, ckpt_dir, *, load_optimizer: bool = True) -> None:
+        """Resume from `save`. The model reshards to any layout; optimizer state needs the same
+        expert-parallel setting (EP=1 vs EP>1 chain a different number of Megatron optimizers), so
+        load_optimizer=False loads only the weights (conversion, evaluation, a new run)."""
         from megatron.core import dist_checkpointing
 
         if not Path(ckpt_dir).is_dir():
             raise FileNotFoundError(f"ckpt_dir: {ckpt_dir} is not a folder")
-        loaded = dist_checkpointing.load(self._sharded_state(), str(ckpt_dir))
+        state = self._sharded_state(loading=True) if load_optimizer else {"model": self.module.sharded_state_dict()}
+        loaded = dist_checkpointing.load(state, str(ckpt_dir))
         self.module.load_state_dict(loaded["model"], strict=False)
-        self.optimizer.load_state_dict(loaded["optimizer"])
-        self.scheduler.load_state_dict(loaded["scheduler"])
-        self.step = int(loaded["step"])
+        if load_optimizer:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+            self.scheduler.load_state_dict(loaded["scheduler"])
+            self.step = int(loaded["step"])
 
-    def _sharded_state(self) -> dict:
+    def _sharded_state(self, loading: bool = False) -> dict:
         model_sd = self.module.sharded_state_dict()
-        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd),
+        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=loading),
                 "scheduler": self.scheduler.state_dict(), "step": self.step}
 
     def close(self) -> None:

@@ -89,6 +89,12 @@ def variable_seq_lengths(spec: ModelSpec, parallel: ParallelConfig) -> bool:
     return parallel.pp > 1 and not (spec.num_experts and parallel.dispatcher == "allgather")
 
 
+def needs_equal_rows(spec: ModelSpec, parallel: ParallelConfig) -> bool:
+    """The allgather dispatcher all-gathers tokens over the EP group with equal-size collectives, so
+    every rank's micro-batch must have the same number of tokens (pad rows to one width)."""
+    return bool(spec.num_experts) and parallel.dispatcher == "allgather"
+
+
 def transformer_config(spec: ModelSpec, parallel: ParallelConfig, backend: Backend, *,
                        routing_replay: bool = False, dtype: torch.dtype = torch.float32):
     from megatron.core.transformer import TransformerConfig

@@ -140,7 +140,9 @@ def _stage_tensors(model, family: Family, spec: ModelSpec) -> list[tuple[str, to
             continue
         where = locate(name, model, family, spec)
         dim, group = tp_shard(param)
-        tensors = from_shards(where.rule, spec, _all_gather(param.detach().float(), group), dim=dim)
+        # a copy: the caller keeps these tensors while the optimizer keeps updating the parameters
+        local = param.detach().to(torch.float32, copy=True)
+        tensors = from_shards(where.rule, spec, _all_gather(local, group), dim=dim)
         if where.expert is None:
             out.extend(zip(where.hf_names(), tensors))
             continue

@@ -1,0 +1,84 @@
+"""Run under torchrun by tests/test_learner_layouts.py: for each layout (all with this world size),
+each model and each MoE dispatcher, build a Learner, compute log-probs of the given sequences, do one
+train step on the given batch and gather the updated weights to HF names. Rank 0 saves everything.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/distributed/learner_layouts.py \
+        --spec SPEC.json --out RESULTS.pt
+
+SPEC.json: {"models": {"moe": DIR, "dense": DIR}, "layouts": [{"tp": 2, "pp": 1, "ep": 1, "dp": 1}, ...],
+            "save_dir": DIR (a layout with "save": true: its MoE learner saves after one step, takes a second;
+                        then a fresh learner of that layout loads the checkpoint and takes the second step),
+            "load_dir": DIR (a MoE learner of the first layout loads only the weights of that checkpoint),
+            "sequences": [[...], ...], "batch": [sample, ...], "optim": {...}, "micro_batch_tokens": N,
+            "objective": "reinforce", "loss_agg": "token-mean"}
+A dense model runs every layout with ep=1 (same tp, pp, dp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from megapo.config import OptimConfig, ParallelConfig
+from megapo.learner.learner import Learner
+from megapo.layout import num_experts, read_hf_config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    spec = json.loads(open(args.spec).read())
+    results = {}
+    for layout in spec["layouts"]:
+        for model_name, model_dir in spec["models"].items():
+            moe = num_experts(read_hf_config(model_dir)) > 0
+            dispatchers = ["alltoall", "allgather"] if moe else ["alltoall"]
+            for dispatcher in dispatchers:
+                parallel = ParallelConfig(tp=layout["tp"], pp=layout["pp"], ep=layout["ep"] if moe else 1,
+                                          dp=layout["dp"], dispatcher=dispatcher,
+                                          distributed_optimizer=layout.get("distributed_optimizer", False))
+                learner = Learner(model_dir, parallel, OptimConfig(**spec["optim"]),
+                                  micro_batch_tokens=spec["micro_batch_tokens"])
+                logprobs = learner.logprobs(spec["sequences"])
+                metrics = learner.train_step(spec["batch"], spec["objective"], spec["loss_agg"])
+                weights = dict(learner.hf_state_dict())
+                key = f"{model_name}/{_name(layout)}/{dispatcher}"
+                results[key] = {"logprobs": logprobs, "weights": weights, "grad_norm": metrics["grad_norm"],
+                                "loss": metrics["loss"]}
+                if layout.get("save") and model_name == "moe" and dispatcher == "alltoall":
+                    learner.save(spec["save_dir"])  # after one step
+                    learner.train_step(spec["batch"], spec["objective"], spec["loss_agg"])
+                    results[key]["two_step_weights"] = dict(learner.hf_state_dict())
+                learner.close()
+        if layout.get("save"):  # resume from the checkpoint under the same layout and take step two
+            learner = _learner(spec, layout, spec["models"]["moe"])
+            learner.load(spec["save_dir"])
+            learner.train_step(spec["batch"], spec["objective"], spec["loss_agg"])
+            results["moe/resumed"] = {"two_step_weights": dict(learner.hf_state_dict()), "step": learner.step}
+            learner.close()
+    if spec.get("load_dir"):  # the weights of a checkpoint saved under another layout (resharded)
+        learner = _learner(spec, spec["layouts"][0], spec["models"]["moe"])
+        learner.load(spec["load_dir"], load_optimizer=False)
+        results["moe/loaded"] = {"weights": dict(learner.hf_state_dict())}
+        learner.close()
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, args.out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _learner(spec: dict, layout: dict, model_dir: str) -> Learner:
+    parallel = ParallelConfig(tp=layout["tp"], pp=layout["pp"], ep=layout["ep"], dp=layout["dp"])
+    return Learner(model_dir, parallel, OptimConfig(**spec["optim"]), micro_batch_tokens=spec["micro_batch_tokens"])
+
+
+def _name(layout: dict) -> str:
+    return "_".join(f"{k}{v}" for k, v in layout.items())
+
+
+if __name__ == "__main__":
+    main()
