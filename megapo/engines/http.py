@@ -67,7 +67,12 @@ class JSONClient:
                 raise HTTPError(self.base_url + path, resp.status, raw.decode(errors="replace"))
             if resp.getheader("Connection", "").lower() == "close":
                 self._drop()
-            return json.loads(raw) if raw.strip() else None
+            if not raw.strip():
+                return None
+            try:
+                return json.loads(raw)
+            except ValueError:  # some endpoints answer plain text (SGLang's /flush_cache)
+                return raw.decode(errors="replace")
         raise AssertionError("unreachable")
 
     def post(self, path: str, body=None, timeout: float | None = None):
