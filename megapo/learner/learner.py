@@ -40,7 +40,7 @@ class MicroBatch:
 class Learner:
     def __init__(self, model_dir, parallel: ParallelConfig, optim: OptimConfig | None = None, *, seed: int = 0,
                  micro_batch_tokens: int = 4096, total_steps: int | None = None, routing_replay: bool = False,
-                 loss_fn: Callable | None = None):
+                 loss_fn: Callable | None = None, hf_weights: bool = True):
         optim = optim or OptimConfig()
         optim.validate()
         if micro_batch_tokens < 1:
@@ -68,7 +68,8 @@ class Learner:
         model_lib.init_distributed(parallel, self.backend, seed)
         self.config = model_lib.transformer_config(self.spec, parallel, self.backend, routing_replay=routing_replay)
         self.model = model_lib.build_model(self.spec, parallel, self.backend, self.config)
-        weights.load_hf_weights(self.module, self.family, self.spec, model_dir)
+        if hf_weights:  # False: model_dir needs only config.json; `load` a checkpoint next (conversion)
+            weights.load_hf_weights(self.module, self.family, self.spec, model_dir)
         # Without it, norm/router grads are not summed over TP and TP>1 drifts from TP=1.
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = None

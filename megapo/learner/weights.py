@@ -127,31 +127,38 @@ def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     return parts
 
 
-def _stage_tensors(model, family: Family, spec: ModelSpec) -> list[tuple[str, torch.Tensor]]:
-    """Full HF tensors of this pipeline stage (collective over the stage's TP and EP groups)."""
+def _stage_tensors(model, family: Family, spec: ModelSpec, *,
+                   shapes_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF tensors of this pipeline stage, one parameter at a time, so a caller that writes them
+    out holds about one tensor, not the model (collective over the stage's TP and EP groups).
+    shapes_only: meta tensors of the same names and shapes, without communication."""
     from megatron.core import parallel_state
 
     ep_group = parallel_state.get_expert_model_parallel_group()
     ep_size = ep_group.size()
     per_rank = spec.num_experts // ep_size if spec.num_experts else 0
-    out: list[tuple[str, torch.Tensor]] = []
+    gather = _meta_gather if shapes_only else _all_gather
     for name, param in model.named_parameters():
         if name == "output_layer.weight" and spec.tied_embeddings:
             continue
         where = locate(name, model, family, spec)
         dim, group = tp_shard(param)
         # a copy: the caller keeps these tensors while the optimizer keeps updating the parameters
-        local = param.detach().to(torch.float32, copy=True)
-        tensors = from_shards(where.rule, spec, _all_gather(local, group), dim=dim)
+        local = (torch.empty_like(param, dtype=torch.float32, device="meta") if shapes_only
+                 else param.detach().to(torch.float32, copy=True))
+        tensors = from_shards(where.rule, spec, gather(local, group), dim=dim)
         if where.expert is None:
-            out.extend(zip(where.hf_names(), tensors))
+            yield from zip(where.hf_names(), tensors)
             continue
         local_index = where.expert - parallel_state.get_expert_model_parallel_rank() * per_rank
         for i, tensor in enumerate(tensors):
-            for ep_rank, gathered in enumerate(_all_gather(tensor, ep_group)):
+            for ep_rank, gathered in enumerate(gather(tensor, ep_group)):
                 other = Located(where.rule, where.layer, ep_rank * per_rank + local_index)
-                out.append((other.hf_names()[i], gathered))
-    return out
+                yield other.hf_names()[i], gathered
+
+
+def _meta_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    return [tensor] * (1 if group is None else group.size())
 
 
 def hf_state_dict(model, family: Family, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
@@ -160,17 +167,19 @@ def hf_state_dict(model, family: Family, spec: ModelSpec) -> Iterator[tuple[str,
 
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_rank, pp_size = pp_group.rank(), pp_group.size()
-    mine = _stage_tensors(model, family, spec)
     if pp_size == 1:
-        yield from mine
+        yield from _stage_tensors(model, family, spec)
         return
     ranks = torch.distributed.get_process_group_ranks(pp_group)
     for stage in range(pp_size):
-        meta = [[(n, tuple(t.shape)) for n, t in mine] if stage == pp_rank else None]
+        owner = stage == pp_rank
+        meta = [[(n, tuple(t.shape)) for n, t in _stage_tensors(model, family, spec, shapes_only=True)]
+                if owner else None]
         torch.distributed.broadcast_object_list(meta, src=ranks[stage], group=pp_group)
-        for i, (name, shape) in enumerate(meta[0]):
-            tensor = mine[i][1].contiguous() if stage == pp_rank else torch.empty(shape, dtype=torch.float32,
-                                                                                  device=_device())
+        mine = _stage_tensors(model, family, spec) if owner else None
+        for name, shape in meta[0]:
+            tensor = next(mine)[1].contiguous() if owner else torch.empty(shape, dtype=torch.float32,
+                                                                          device=_device())
             torch.distributed.broadcast(tensor, src=ranks[stage], group=pp_group)
             yield name, tensor
 
