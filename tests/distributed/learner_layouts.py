@@ -77,7 +77,7 @@ def _learner(spec: dict, layout: dict, model_dir: str) -> Learner:
 
 
 def _name(layout: dict) -> str:
-    return "_".join(f"{k}{v}" for k, v in layout.items())
+    return "_".join(f"{k}{int(v)}" for k, v in layout.items())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,174 @@
+"""The Megatron learner under every parallel layout vs Hugging Face transformers and vs TP=1.
+
+Three launches (world 1, 2 and 4 processes) of tests/distributed/learner_layouts.py cover TP=2,
+PP=2, EP=2 (x DP=2), TP=2xEP=2, PP=2xEP=2 (x DP=2) and TP=2xPP=2xEP=2, each with both MoE token
+dispatchers, for a tiny Qwen3-MoE and a tiny dense Qwen2 (the dense model runs each layout with ep=1).
+Each run computes log-probs, takes one REINFORCE optimizer step and gathers the weights to HF names.
+
+References: log-probs from transformers' fp32 forward; the TP=1 step from transformers' autograd
+gradient of the REINFORCE loss written out here, put through Adam's first step by hand; every other
+layout from the TP=1 run. Adam's eps is set huge (1e3, with lr 1e3) so that its first step is
+lr*g/(|g|+eps) ~ g, linear in the gradient: a sign-only update would hide gradient errors.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch.local import run_torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "distributed" / "learner_layouts.py"
+OPTIM = dict(lr=1000.0, adam_eps=1000.0, grad_clip=0.0)
+LAYOUTS = {
+    1: [dict(tp=1, pp=1, ep=1, dp=1)],
+    2: [dict(tp=2, pp=1, ep=1, dp=1), dict(tp=1, pp=2, ep=1, dp=1), dict(tp=1, pp=1, ep=2, dp=2),
+        dict(tp=2, pp=1, ep=2, dp=1, save=True)],
+    4: [dict(tp=1, pp=2, ep=2, dp=2), dict(tp=2, pp=2, ep=2, dp=1)],
+}
+
+
+def make_data(vocab: int, seed: int = 0):
+    rng = random.Random(seed)
+    sequences = [[rng.randrange(vocab) for _ in range(n)] for n in (7, 12, 3, 20, 9)]
+    batch = []
+    for n, p in [(10, 4), (16, 6), (7, 3), (20, 10), (5, 2)]:
+        tokens = [rng.randrange(vocab) for _ in range(n)]
+        batch.append(dict(tokens=tokens, prompt_len=p, advantage=rng.uniform(-1, 1), old_logp=[-6.0] * (n - p)))
+    return sequences, batch
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_moe, tiny_dense, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("layouts")
+    sequences, batch = make_data(512)
+    base = dict(models={"moe": str(tiny_moe), "dense": str(tiny_dense)}, sequences=sequences, batch=batch,
+                optim=OPTIM, micro_batch_tokens=24, objective="reinforce", loss_agg="token-mean")
+    ckpt = tmp / "ckpt"
+    results = {}
+    for world in (2, 1, 4):  # 2 saves the checkpoint that 1 loads
+        spec = dict(base, layouts=LAYOUTS[world])
+        if world == 2:
+            spec["save_dir"] = str(ckpt)
+        if world == 1:
+            spec["load_dir"] = str(ckpt)
+        spec_path, out = tmp / f"spec{world}.json", tmp / f"out{world}.pt"
+        spec_path.write_text(json.dumps(spec))
+        args = [str(SCRIPT), "--spec", str(spec_path), "--out", str(out)]
+        if world == 1:
+            rc = subprocess.run([sys.executable, *args], cwd=ROOT, timeout=600).returncode
+        else:
+            rc = run_torchrun(args, world, timeout_s=600)
+        assert rc == 0, f"world {world}: exit code {rc}"
+        results.update(torch.load(out, weights_only=False))
+    return dict(results=results, sequences=sequences, batch=batch, models=base["models"])
+
+
+def hf_logprobs(model_dir, sequences):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for s in sequences:
+            logits = model(torch.tensor([s])).logits[0]
+            out.append(torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(s[1:])[:, None])[:, 0])
+    return out
+
+
+def hf_reinforce_step(model_dir, batch, out_dir):
+    """Weights after one Adam step on the token-mean REINFORCE loss, all in transformers."""
+    import transformers
+    from safetensors.torch import load_file
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    total = sum(len(s["tokens"]) - s["prompt_len"] for s in batch)
+    loss = 0.0
+    for s in batch:
+        tokens = torch.tensor([s["tokens"]])
+        logp = torch.log_softmax(model(tokens).logits[0, :-1], -1).gather(-1, tokens[0, 1:, None])[:, 0]
+        response = logp[s["prompt_len"] - 1:]  # logits at t-1 predict token t
+        loss = loss + (-s["advantage"] * response).sum() / total
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():  # Adam's first step: bias-corrected m = g, v = g^2
+            p -= OPTIM["lr"] * p.grad / (p.grad.abs() + OPTIM["adam_eps"])
+    model.save_pretrained(out_dir)
+    return load_file(str(Path(out_dir) / "model.safetensors")), float(loss.detach())
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+def keys(results, model):
+    return [k for k in results if k.startswith(model + "/") and "loaded" not in k and "resumed" not in k]
+
+
+@pytest.mark.parametrize("model", ["moe", "dense"])
+def test_logprobs_match_transformers_in_every_layout(runs, model):
+    ref = hf_logprobs(runs["models"][model], runs["sequences"])
+    checked = keys(runs["results"], model)
+    assert len(checked) == (14 if model == "moe" else 7)
+    for key in checked:
+        got = runs["results"][key]["logprobs"]
+        assert len(got) == len(ref)
+        for g, r in zip(got, ref):
+            assert g.shape == r.shape, key
+            err = (g - r).abs().max().item()
+            assert err < 1e-4, f"{key}: max |logp - transformers| = {err:.2e}"
+
+
+@pytest.mark.parametrize("model", ["moe", "dense"])
+def test_tp1_step_matches_transformers_adam_step(runs, model, tmp_path):
+    expected, loss = hf_reinforce_step(runs["models"][model], runs["batch"], tmp_path)
+    got = runs["results"][f"{model}/tp1_pp1_ep1_dp1/alltoall"]
+    assert set(got["weights"]) == set(expected)
+    assert abs(got["loss"] - loss) < 1e-5
+    from safetensors.torch import load_file
+
+    initial = load_file(str(Path(runs["models"][model]) / "model.safetensors"))
+    moved = max((expected[k] - initial[k]).abs().max().item() for k in expected)
+    assert moved > 1e-3  # the step is large enough for the comparison to mean something
+    for name, tensor in expected.items():
+        err = (got["weights"][name] - tensor).abs().max().item()
+        assert err < 2e-6, f"{name}: max |megapo - transformers| after one step = {err:.2e}"
+
+
+@pytest.mark.parametrize("model", ["moe", "dense"])
+def test_every_layout_steps_like_tp1(runs, model):
+    results = runs["results"]
+    for key in keys(results, model):
+        dispatcher = key.rsplit("/", 1)[1]
+        ref = results[f"{model}/tp1_pp1_ep1_dp1/{dispatcher}"]
+        got = results[key]
+        assert abs(got["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], key
+        assert abs(got["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), key
+        for name, tensor in ref["weights"].items():
+            r = rel(got["weights"][name], tensor)
+            assert r < 1e-6, f"{key} {name}: relative difference to TP=1 after one step {r:.2e}"
+
+
+def test_resume_from_checkpoint_continues_exactly(runs):
+    results = runs["results"]
+    continuous = results["moe/tp2_pp1_ep2_dp1_save1/alltoall"]["two_step_weights"]
+    resumed = results["moe/resumed"]
+    assert resumed["step"] == 2
+    for name, tensor in continuous.items():
+        assert torch.equal(resumed["two_step_weights"][name], tensor), name
+
+
+def test_checkpoint_weights_reshard_to_tp1(runs):
+    results = runs["results"]
+    saved = results["moe/tp2_pp1_ep2_dp1_save1/alltoall"]["weights"]  # gathered right after the saved step
+    loaded = results["moe/loaded"]["weights"]
+    assert set(loaded) == set(saved)
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
