@@ -190,6 +190,11 @@ class TorchCausalLM:
                 names[p + "mlp.down_proj.weight"] = down
         return names
 
+    def num_parameters(self) -> int:
+        tensors = [self.embed, self.final_norm] + ([] if self.spec.tie_embeddings else [self.lm_head])
+        tensors += [t for layer in self.layers for t in layer.values() if t is not None]
+        return sum(t.numel() for t in tensors)
+
     def required_names(self) -> set[str]:
         """The on-disk HF names a complete checkpoint has (one name per tensor element)."""
         skip = {"lm_head.weight"} if self.spec.tie_embeddings else set()
