@@ -68,6 +68,10 @@ class Learner:
         model_lib.init_distributed(parallel, self.backend, seed)
         self.config = model_lib.transformer_config(self.spec, parallel, self.backend, routing_replay=routing_replay)
         self.model = model_lib.build_model(self.spec, parallel, self.backend, self.config)
+        if routing_replay:  # megapo/replay: routes through the micro-batches into Megatron's RouterReplay
+            from megapo.replay.hook import attach
+
+            self.route_hook = attach(self.module, self.config, self.spec)
         if hf_weights:  # False: model_dir needs only config.json; `load` a checkpoint next (conversion)
             weights.load_hf_weights(self.module, self.family, self.spec, model_dir)
         # Without it, norm/router grads are not summed over TP and TP>1 drifts from TP=1.
@@ -182,7 +186,7 @@ class Learner:
         if routes is not None and self.route_hook is None:
             raise ValueError("routes: given, but this learner has no routing replay hook (routing_replay=True)")
         if self.route_hook is not None:
-            self.route_hook.set_routes(routes)
+            self.route_hook.set_routes(routes, sequences)
         micro_batches = self._micro_batches(sequences)
 
         def collect(mb: MicroBatch, logits: torch.Tensor):
@@ -218,6 +222,8 @@ class Learner:
             from megapo.algorithms import policy_loss as loss_fn
         start = time.perf_counter()
         sequences = [list(s["tokens"]) for s in batch]
+        if self.route_hook is not None:  # routing replay: each sample's optional "routes"
+            self.route_hook.set_routes([s.get("routes") for s in batch], sequences, name="batch")
         micro_batches = self._micro_batches(sequences, batch)
         global_tokens = sum(len(s["tokens"]) - s["prompt_len"] for s in batch)
         scale = len(micro_batches) * ps.get_data_parallel_world_size()  # undo the schedule's /M and DDP's /dp
@@ -274,6 +280,8 @@ class Learner:
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
                        update_ok=bool(ok), step_time_s=elapsed,
                        tokens_per_s=sum(len(s) for s in sequences) / max(elapsed, 1e-9))
+        if self.route_hook is not None:  # routing replay: disagreement / fallback metrics (collective)
+            metrics.update(self.route_hook.metrics())
         return metrics
 
     def _reduce_metrics(self, stored: list[dict]) -> dict:
