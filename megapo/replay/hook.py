@@ -1,0 +1,280 @@
+"""Routing replay inside the learner's forward passes, through Megatron-core's own RouterReplay.
+
+Megatron (moe_enable_routing_replay=True) gives every TopKRouter a `router_replay` (RouterReplay): with
+action REPLAY_FORWARD the router takes its top-k experts from `target_topk_idx` and gathers the gate
+scores at those experts (so the router weights still get gradients); REPLAY_BACKWARD pops targets from a
+FIFO filled by `set_target_indices`, for the forward that activation recompute re-runs in backward.
+
+`RouteReplayHook` is the learner's `route_hook`. It is told the batch's routes (`set_routes`) and, for
+every micro-batch, the packed row about to run (`before_forward`). A forward pre-hook on each router of
+this rank then sets that router's target for exactly the positions the router sees:
+- its layer: routers are this pipeline stage's MoE layers, mapped by their global layer number;
+- its positions: with sequence parallelism the router sees this TP rank's contiguous slice of the row;
+- positions without a route (see routes.py) get the router's own top-k, computed in the hook from the
+  same logits with Megatron's own routing function, so partial routes replay the given rows and route
+  the rest freely, all in one pass;
+- activation recompute: a checkpointed forward runs with grad disabled in training mode, and pushes its
+  target onto the FIFO; the recompute (grad enabled) pops it with REPLAY_BACKWARD, so a recompute
+  that happens after later micro-batches' forwards (pipeline 1F1B) still gets its own routes.
+A forward hook on the router checks the routing map Megatron actually used against the target, and
+keeps what was used (`routes_used`). Counts for the metrics are summed over all ranks (`metrics`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megapo.replay.routes import GIVEN, LAST, MISSING, PAD, RouteShape, RowPlan, check_routes, row_plan
+
+# counts per MoE layer (columns): positions with a given route, of which the router's own choice differs
+# (before replay); positions routed (not padding), of which Megatron's routing map differs from the
+# target (after replay); positions that fell back to the router's own choice for want of a route.
+GIVEN_N, DISAGREE_PRE, ROUTED_N, MISMATCH_POST, FALLBACK_N = range(5)
+
+
+@dataclass
+class _Record:
+    micro_batch: int
+    layer: int  # MoE layer index
+    start: int  # first row position seen by this rank
+    used: torch.Tensor  # [T, k] experts Megatron routed to
+
+
+class RouteReplayHook:
+    def __init__(self, model, config, shape: RouteShape):
+        from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        _check_config(config)
+        self.shape = shape
+        self.config = config
+        routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        if any(r.router_replay is None for r in routers):
+            raise ValueError("routing replay: routers were built without moe_enable_routing_replay")
+        pattern = moe_layer_pattern(config)
+        self.layer_of = {}  # router -> MoE layer index
+        for r in routers:
+            global_layer = r.layer_number - 1  # Megatron's layer_number is global and 1-based
+            self.layer_of[r] = sum(pattern[:global_layer])
+        # Megatron keeps every RouterReplay ever built in one global list (a second model would double
+        # it); keep exactly this model's, in construction order, so its static helpers see this model.
+        RouterReplay.clear_global_router_replay_instances()
+        RouterReplay.global_router_replay_instances.extend(r.router_replay for r in routers)
+        self.routers = routers
+        self._handles = []
+        for r in routers:
+            self._handles.append(r.register_forward_pre_hook(self._pre_hook))
+            self._handles.append(r.register_forward_hook(self._post_hook))
+        self._routes: list[np.ndarray | None] | None = None
+        self._rows: list = []  # packed rows of this pass, in micro-batch order
+        self._plan: RowPlan | None = None
+        self._records: list[_Record] = []
+        self._recomputing: dict = {}  # router -> the target its recompute replays
+        self._counts = torch.zeros(shape.num_moe_layers, 5, dtype=torch.float64)
+
+    # ----------------------------------------------------------------------------- learner calls
+
+    def set_routes(self, routes, sequences: list[list[int]], name: str = "routes") -> None:
+        """Start a pass over `sequences` replaying `routes` (None, or one array/None per sequence)."""
+        if routes is not None:
+            if len(routes) != len(sequences):
+                raise ValueError(f"{name}: {len(routes)} entries for {len(sequences)} sequences")
+            routes = [check_routes(r, len(s), self.shape, f"{name}[{i}]")
+                      for i, (r, s) in enumerate(zip(routes, sequences))]
+        self._routes = routes
+        self._rows = []
+        self._plan = None
+        self._records = []
+        self._recomputing.clear()
+        for r in self.routers:  # targets and the recompute FIFO are per pass
+            r.router_replay.clear_indices()
+
+    def before_forward(self, mb) -> None:
+        """Called by the learner's forward step with the micro-batch (its packed row) about to run."""
+        row = mb.row
+        self._rows.append(row)
+        self._plan = row_plan(row.indices, row.offsets, row.lengths, row.width, self._routes, self.shape)
+
+    # ----------------------------------------------------------------------------- router hooks
+
+    def _slice(self, num_tokens: int) -> int:
+        """First row position this rank's routers see (sequence parallel: a contiguous slice per TP rank)."""
+        from megatron.core import parallel_state
+
+        if not self.config.sequence_parallel:
+            return 0
+        return parallel_state.get_tensor_model_parallel_rank() * num_tokens
+
+    def _pre_hook(self, router, args):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        replay = router.router_replay
+        if router.training and torch.is_grad_enabled() and replay.replay_backward_list:
+            # activation recompute of a checkpointed forward: replay what that forward used (FIFO)
+            self._recomputing[router] = replay.replay_backward_list[0]  # the target it is about to pop
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            return None
+        self._recomputing.pop(router, None)
+        if self._plan is None:
+            raise RuntimeError("routing replay: a router ran outside a learner forward step (no micro-batch set)")
+        hidden = args[0]
+        if hidden.dim() == 3 and hidden.shape[1] != 1:
+            raise RuntimeError(f"routing replay expects micro-batches of one packed row, got {hidden.shape[1]}")
+        layer = self.layer_of[router]
+        num_tokens = hidden.shape[0] if hidden.dim() == 3 else hidden.numel() // hidden.shape[-1]
+        start = self._slice(num_tokens)
+        target = self._plan.targets[start:start + num_tokens, layer].to(hidden.device)
+        source = self._plan.source[start:start + num_tokens, layer].to(hidden.device)
+        free_rows = (source == MISSING) | (source == LAST)
+        given = source == GIVEN
+        if bool(free_rows.any()) or bool(given.any()):
+            with torch.no_grad():
+                own = own_topk(router, hidden)
+            target = torch.where(free_rows[:, None], own, target)
+            counts = self._counts[layer]
+            counts[GIVEN_N] += float(given.sum())
+            counts[DISAGREE_PRE] += float((given & ~same_sets(own, target)).sum())
+            counts[FALLBACK_N] += float((source == MISSING).sum())
+        replay.set_target_indices(target)  # the REPLAY_FORWARD target, also queued for REPLAY_BACKWARD
+        checkpointed = router.training and not torch.is_grad_enabled()  # its recompute comes in backward
+        if not checkpointed:
+            replay.replay_backward_list.clear()  # no recompute follows this forward
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        self._pending = (router, layer, start, target, source)
+        return None
+
+    def _post_hook(self, router, args, output):
+        _, routing_map = output
+        k = self.shape.topk
+        if router in self._recomputing:  # a recompute: check it routed exactly as its forward did
+            target = self._recomputing.pop(router).to(routing_map.device)
+            hit = routing_map.gather(1, target).all(1) & (routing_map.sum(1) == k)
+            self._counts[self.layer_of[router]][ROUTED_N] += float(hit.numel())
+            self._counts[self.layer_of[router]][MISMATCH_POST] += float((~hit).sum())
+            return None
+        pending_router, layer, start, target, source = self._pending
+        assert pending_router is router
+        hit = routing_map.gather(1, target).all(1) & (routing_map.sum(1) == k)
+        routed = source != PAD
+        self._counts[layer][ROUTED_N] += float(routed.sum())
+        self._counts[layer][MISMATCH_POST] += float((routed & ~hit).sum())
+        # what Megatron routed to, in the target's order where it matches (ascending ids where not)
+        actual = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :k]
+        used = torch.where(hit[:, None], target, actual)
+        self._records.append(_Record(len(self._rows) - 1, layer, start, used.detach().cpu()))
+        return None
+
+    # ----------------------------------------------------------------------------- results
+
+    def routes_used(self, num_sequences: int) -> list[np.ndarray]:
+        """Routes every sequence of the last pass was routed with, int32 [n-1, L, k], on every rank
+        (collective: gathers the pieces of all TP slices, pipeline stages and DP ranks)."""
+        pieces = []  # (sequence, layer, first position, [T, k])
+        for rec in self._records:
+            row = self._rows[rec.micro_batch]
+            end = rec.start + rec.used.shape[0]
+            for i, at, n in zip(row.indices, row.offsets, row.lengths):
+                lo, hi = max(at, rec.start), min(at + n - 1, end)
+                if lo < hi:
+                    pieces.append((i, rec.layer, lo - at, rec.used[lo - rec.start:hi - rec.start].numpy()))
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, pieces)
+        lengths = {}
+        for row in self._rows:
+            for i, n in zip(row.indices, row.lengths):
+                lengths[i] = n
+        gathered_lengths = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered_lengths, lengths)
+        for part in gathered_lengths:
+            lengths.update(part)
+        L, k = self.shape.num_moe_layers, self.shape.topk
+        out = [np.full((lengths[i] - 1, L, k), -1, dtype=np.int32) for i in range(num_sequences)]
+        for part in gathered:
+            for i, layer, at, used in part:
+                out[i][at:at + len(used), layer] = used
+        for i, r in enumerate(out):
+            if (r < 0).any():
+                raise RuntimeError(f"routing replay: sequence {i} has positions no rank routed")
+        return out
+
+    def metrics(self, prefix: str = "replay/") -> dict:
+        """Per-layer and overall fractions since the last call (collective), then reset:
+        disagree_pre: the router's own top-k set differs from the given route (before replay);
+        disagree_post: Megatron's routing differs from the target (after replay; 0 when replay works);
+        fallback_frac: positions without a given route, routed by the router's own choice."""
+        counts = self._counts.clone()
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            counts = counts.to(device)
+            torch.distributed.all_reduce(counts)
+            counts = counts.cpu()
+        self._counts.zero_()
+        out = {}
+        total = counts.sum(0)
+        out[prefix + "disagree_pre"] = _frac(total[DISAGREE_PRE], total[GIVEN_N])
+        out[prefix + "disagree_post"] = _frac(total[MISMATCH_POST], total[ROUTED_N])
+        out[prefix + "fallback_frac"] = _frac(total[FALLBACK_N], total[FALLBACK_N] + total[GIVEN_N])
+        for layer in range(counts.shape[0]):
+            out[f"{prefix}disagree_pre/layer{layer}"] = _frac(counts[layer, DISAGREE_PRE], counts[layer, GIVEN_N])
+        return out
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _frac(num, den) -> float:
+    return float(num / den) if float(den) > 0 else 0.0
+
+
+def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Row-wise: do a [T, k] and b [T, k] hold the same set of experts?"""
+    return (a.sort(dim=1).values == b.sort(dim=1).values).all(1)
+
+
+def own_topk(router, hidden: torch.Tensor) -> torch.Tensor:
+    """The router's own top-k experts for `hidden` [T, 1, H], with Megatron's routing function (same
+    score function, pre-softmax, groups, expert bias, scaling), ordered by score: [T, k]."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    cfg = router.config
+    logits = router.gating(hidden).view(-1, cfg.num_moe_experts)
+    probs, routing_map = topk_routing_with_score_function(
+        logits, router.topk, use_pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
+        group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
+        score_function=router.score_function, expert_bias=router.expert_bias, fused=False, router_replay=None)
+    ranked = probs.float().masked_fill(~routing_map, float("-inf"))
+    return ranked.topk(router.topk, dim=1).indices
+
+
+def moe_layer_pattern(config) -> list[int]:
+    """1 for each (global) layer that is an MoE layer, from TransformerConfig.moe_layer_freq."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    return list(freq)
+
+
+def _check_config(config) -> None:
+    """Settings under which Megatron would ignore or alter the replayed routes."""
+    if not config.moe_enable_routing_replay:
+        raise ValueError("routing replay: TransformerConfig.moe_enable_routing_replay is False")
+    if config.moe_router_fusion:
+        raise ValueError("routing replay: moe_router_fusion=True returns before the replay hook (replay ignored)")
+    if config.moe_expert_capacity_factor is not None:
+        raise ValueError("routing replay: expert capacity (token dropping) would drop replayed routes")
+    if config.moe_input_jitter_eps is not None:
+        raise ValueError("routing replay: input jitter makes the router's own choice random")
+    if config.moe_router_load_balancing_type == "sinkhorn":
+        raise ValueError("routing replay: sinkhorn routing has no replay hook")
+
+
+def attach(model, config, spec) -> RouteReplayHook:
+    """The learner's route_hook for `model` (unwrapped GPTModel of this rank)."""
+    if not spec.num_experts:
+        raise ValueError(f"routing_replay: the {spec.family} model has no MoE layers")
+    return RouteReplayHook(model, config, RouteShape.from_spec(spec))
