@@ -1,7 +1,7 @@
 """`megapo logprobs`: log-probs of given tokens from the Megatron learner.
 
     megapo logprobs --model HF_DIR --input IN.jsonl --output OUT.jsonl [--tp N --pp N --ep N --dp N
-                    --dispatcher alltoall|allgather]
+                    --dispatcher alltoall|allgather] [--routes-in ROUTES.npz] [--routes-out ROUTES.npz]
 
 IN lines: {"tokens": [...]}; OUT lines: {"logprobs": [...]}, log p(tokens[t] | tokens[:t]) for
 t = 1..len-1. The layout is checked against the model first (an error naming the numbers, before
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from megapo.config import ConfigError, ParallelConfig
 from megapo.layout import check_layout, read_hf_config
+from megapo.replay import cli as route_cli
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dispatcher", default="alltoall", choices=("alltoall", "allgather"))
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
     parser.add_argument("--timeout", type=float, default=900, help="seconds before the processes are killed")
+    route_cli.add_arguments(parser)  # routing replay: --routes-in / --routes-out (megapo/replay/cli.py)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set for torchrun's processes
 
 
@@ -67,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ConfigError("--input", f"line {i + 1}: token ids must be in [0, {vocab})")
         if args.micro_batch_tokens < 1:
             raise ConfigError("--micro-batch-tokens", f"must be >= 1, got {args.micro_batch_tokens}")
+        route_cli.check(args, hf, sequences)  # routing replay flags
     except ConfigError as exc:
         print(f"megapo logprobs: {exc}", file=sys.stderr)
         return 2
@@ -82,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
 def _to_argv(args) -> list[str]:
     return ["--model", str(args.model), "--input", str(args.input), "--output", str(args.output),
             "--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep), "--dp", str(args.dp),
-            "--dispatcher", args.dispatcher, "--micro-batch-tokens", str(args.micro_batch_tokens)]
+            "--dispatcher", args.dispatcher, "--micro-batch-tokens", str(args.micro_batch_tokens),
+            *route_cli.argv(args)]
 
 
 def _work(args, parallel: ParallelConfig, sequences: list[list[int]]) -> int:
@@ -90,8 +94,9 @@ def _work(args, parallel: ParallelConfig, sequences: list[list[int]]) -> int:
 
     from megapo.learner.learner import Learner
 
-    learner = Learner(args.model, parallel, micro_batch_tokens=args.micro_batch_tokens)
-    logprobs = learner.logprobs(sequences)
+    learner = Learner(args.model, parallel, micro_batch_tokens=args.micro_batch_tokens,
+                      routing_replay=route_cli.wanted(args))
+    logprobs = route_cli.logprobs(learner, sequences, args)  # replays --routes-in, writes --routes-out
     if torch.distributed.get_rank() == 0:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
