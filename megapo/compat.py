@@ -96,15 +96,15 @@ def _patch_torch_cuda() -> None:
     _set(cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state(),
          why="tensor-parallel RNG tracker saves/restores CUDA generator state; use the CPU generator")
     _set(cuda, "set_rng_state", lambda state, device="cuda": torch.set_rng_state(state),
-         why="see get_rng_state")
+         why="restores the CPU generator state saved by get_rng_state")
     _set(cuda, "manual_seed", lambda seed: torch.manual_seed(seed),
          why="model_parallel_cuda_manual_seed / RNG tracker seed CUDA generators")
     _set(cuda, "synchronize", lambda device=None: None, why="CPU ops are synchronous")
     _set(cuda, "Stream", _NullStream, why="dispatchers/DDP create side streams; nothing to overlap on CPU")
     _set(cuda, "Event", _NullStream, why="events pair with streams (see Stream)")
-    _set(cuda, "current_stream", lambda device=None: _NULL_STREAM, why="see Stream")
-    _set(cuda, "default_stream", lambda device=None: _NULL_STREAM, why="see Stream")
-    _set(cuda, "stream", lambda s=None: contextlib.nullcontext(), why="see Stream")
+    _set(cuda, "current_stream", lambda device=None: _NULL_STREAM, why="no CUDA streams on CPU; a null stream that never waits")
+    _set(cuda, "default_stream", lambda device=None: _NULL_STREAM, why="no CUDA streams on CPU; a null stream that never waits")
+    _set(cuda, "stream", lambda s=None: contextlib.nullcontext(), why="no CUDA streams on CPU; a null stream that never waits")
     _set(cuda, "empty_cache", lambda: None, why="no CUDA caching allocator")
     for stat in ("memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved"):
         _set(cuda, stat, lambda device=None: 0, why="memory stats are logged by Megatron; report 0 on CPU")
@@ -178,7 +178,7 @@ def _patch_megatron() -> None:
          why="RNG tracker fork() swaps CUDA generator states; swap the CPU generator state instead")
     _set(tp_random, "_get_cuda_rng_state",
          lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state(),
-         why="see _set_cuda_rng_state")
+         why="RNG tracker reads generator state; read the CPU one")
 
     if not hasattr(moe_utils, "te_general_gemm"):
         _set(moe_utils, "te_general_gemm", None,

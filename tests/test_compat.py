@@ -1,0 +1,81 @@
+"""megapo.compat: a no-op when CUDA is available, idempotent, and every change it makes is listed
+(and effective). Each check runs in a fresh interpreter: apply() changes process-wide state."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_py(code: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_noop_when_cuda_is_available():
+    out = run_py("""
+import json, torch
+from unittest import mock
+original = (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.record_stream)
+with mock.patch.object(torch.cuda, "is_available", return_value=True):
+    from megapo import compat
+    changes = compat.apply()
+same = (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.record_stream) == original
+import megatron.core.transformer.torch_norm as tn
+print(json.dumps({"changes": changes, "same": same, "applied": compat.applied(),
+                  "mode": torch.overrides._get_current_function_mode() is not None}))
+""")
+    assert out == {"changes": [], "same": True, "applied": False, "mode": False}
+
+
+def test_cpu_redirects_listed_idempotent_and_effective():
+    out = run_py("""
+import json, torch
+from megapo import compat
+first = compat.apply()
+second = compat.apply()
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.tensor_parallel import random as tp_random
+x = torch.zeros(2, device="cuda")                      # device literal redirected
+y = torch.ones(2).cuda()                               # .cuda() is a no-op
+torch.cuda.synchronize(); s = torch.cuda.Stream(); torch.cuda.current_stream().wait_stream(s)
+state = torch.cuda.get_rng_state()
+torch.cuda.manual_seed(123); a = torch.rand(3); torch.cuda.manual_seed(123); b = torch.rand(3)
+print(json.dumps({"first": first, "second": second, "dev": [x.device.type, y.device.type],
+                  "current": str(torch.cuda.current_device()), "rng_same": bool(torch.equal(a, b)),
+                  "te_gemm": moe_utils.te_general_gemm is None, "mem": torch.cuda.memory_allocated()}))
+""")
+    assert out["first"] == out["second"] and len(out["first"]) >= 15
+    for line in out["first"]:
+        what, _, why = line.partition(": ")
+        assert what and len(why) > 10, line  # each change says why
+    listed = " ".join(out["first"])
+    for expected in ("current_device", "get_rng_state", "synchronize", "Stream", "record_stream", "memory_allocated",
+                     "te_general_gemm", "maybe_move_tensor_to_cpu", "WrappedTorchNorm", "_gather_along_first_dim",
+                     "_reduce_scatter_along_first_dim", "_set_cuda_rng_state", "_CudaToCpu"):
+        assert expected in listed, expected
+    assert out["dev"] == ["cpu", "cpu"] and out["current"] == "cpu"
+    assert out["rng_same"] and out["te_gemm"] and out["mem"] == 0
+
+
+def test_sequence_parallel_torch_norm_params_marked_for_tp_reduction():
+    out = run_py("""
+import json, torch
+from megapo import compat
+compat.apply()
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
+                        tensor_model_parallel_size=2, sequence_parallel=True)
+norm = WrappedTorchNorm(cfg, 8, eps=1e-6)
+x = torch.randn(3, 8)
+ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+print(json.dumps({"marked": all(getattr(p, "sequence_parallel", False) for p in norm.parameters()),
+                  "err": float((norm(x) - ref).abs().max())}))
+""")
+    assert out["marked"] and out["err"] < 1e-6
