@@ -1,0 +1,238 @@
+"""Checks of the converter's inputs, before any process starts: the HF folder (config understood,
+safetensors names and shapes match the config), the Megatron checkpoint (a torch_dist folder whose
+stored global shapes match the config and the layout it is loaded with), the output path.
+
+Every failure is a ConfigError naming the command-line argument.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from megapo.config import ConfigError, ParallelConfig
+from megapo.convert.support import check_config, expected_hf_tensors
+from megapo.layout import LayoutError, check_layout
+from megapo.models.family import Family, ModelSpec, padded_vocab
+
+MEGAPO_META = "megapo_checkpoint.json"  # written by hf-to-megatron next to the torch_dist files
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".distcp", ".partial")
+WEIGHT_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", MEGAPO_META, "metadata.json",
+                "common.pt", ".metadata")
+
+
+@dataclass
+class ModelConfig:
+    folder: Path  # holds config.json (and usually the tokenizer)
+    hf: dict
+    family: Family
+    spec: ModelSpec
+
+
+@dataclass
+class HFInput(ModelConfig):
+    tensors: dict[str, tuple[int, ...]]  # name -> shape, as expected and found
+    dtypes: set[str]  # safetensors dtypes found ("F32", "BF16", ...)
+
+
+@dataclass
+class CheckpointInput:
+    folder: Path  # the torch_dist folder
+    model: ModelConfig
+    meta: dict | None  # megapo_checkpoint.json when written by hf-to-megatron
+    stored: dict[str, tuple[int, ...]]  # checkpoint key -> global shape (model tensors only)
+
+
+def read_config(folder, arg: str) -> ModelConfig:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(arg, f"{folder} is not a folder")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConfigError(arg, f"no config.json in {folder}")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(arg, f"{path} is not valid JSON ({exc})") from None
+    family, spec = check_config(hf, arg)
+    return ModelConfig(folder, hf, family, spec)
+
+
+def read_hf(folder, arg: str) -> HFInput:
+    """An HF model folder whose safetensors hold exactly the tensors its config describes."""
+    from safetensors import safe_open
+
+    model = read_config(folder, arg)
+    folder = model.folder
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError):
+            raise ConfigError(arg, f"{index} has no weight_map") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(arg, f"no *.safetensors in {folder}")
+    found: dict[str, tuple[int, ...]] = {}
+    dtypes: set[str] = set()
+    for name in files:
+        path = folder / name
+        if not path.is_file():
+            raise ConfigError(arg, f"{path} (listed in the index) does not exist")
+        try:
+            with safe_open(path, "pt") as handle:
+                for key in handle.keys():
+                    piece = handle.get_slice(key)
+                    found[key] = tuple(piece.get_shape())
+                    dtypes.add(piece.get_dtype())
+        except Exception as exc:  # safetensors raises its own error types for a damaged header
+            raise ConfigError(arg, f"{path} is not a readable safetensors file ({exc})") from None
+    expected = expected_hf_tensors(model.family, model.spec)
+    missing = [k for k in expected if k not in found]
+    if missing:
+        raise ConfigError(arg, f"{len(missing)} tensor(s) the config describes are not in the safetensors, "
+                               f"e.g. {missing[:3]}")
+    extra = [k for k in found if k not in expected]
+    if extra:
+        raise ConfigError(arg, f"{len(extra)} tensor(s) in the safetensors are not described by the config "
+                               f"(they would be dropped), e.g. {extra[:3]}")
+    for key, shape in expected.items():
+        if found[key] != shape:
+            raise ConfigError(arg, f"tensor {key} has shape {found[key]}, config.json implies {shape}")
+    return HFInput(folder, model.hf, model.family, model.spec, found, dtypes)
+
+
+def checkpoint_shapes(spec: ModelSpec, vocab_rows: int) -> dict[str, tuple[int, ...]]:
+    """Global shapes of the model tensors in a Megatron-core torch_dist checkpoint (layers stacked on
+    dim 0, experts on dim 1; names as Megatron writes them for both the local and the TE layer spec)."""
+    h, L, d = spec.hidden_size, spec.num_layers, spec.head_dim
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * d
+    layers = "decoder.layers."
+    shapes = {
+        "embedding.word_embeddings.weight": (vocab_rows, h),
+        "decoder.final_layernorm.weight": (h,),
+        layers + "self_attention.linear_qkv.layer_norm_weight": (L, h),
+        layers + "self_attention.linear_qkv.weight": (L, qkv, h),
+        layers + "self_attention.linear_proj.weight": (L, h, spec.num_heads * d),
+        layers + "mlp.linear_fc1.layer_norm_weight": (L, h),
+    }
+    if not spec.tied_embeddings:
+        shapes["output_layer.weight"] = (vocab_rows, h)
+    if spec.qkv_bias:
+        shapes[layers + "self_attention.linear_qkv.bias"] = (L, qkv)
+    if spec.qk_norm:
+        shapes[layers + "self_attention.q_layernorm.weight"] = (L, d)
+        shapes[layers + "self_attention.k_layernorm.weight"] = (L, d)
+    if spec.num_experts:
+        e, f = spec.num_experts, spec.moe_ffn_hidden_size
+        shapes[layers + "mlp.router.weight"] = (L, e, h)
+        shapes[layers + "mlp.experts.experts.linear_fc1.weight"] = (L, e, 2 * f, h)
+        shapes[layers + "mlp.experts.experts.linear_fc2.weight"] = (L, e, h, f)
+    else:
+        f = spec.ffn_hidden_size
+        shapes[layers + "mlp.linear_fc1.weight"] = (L, 2 * f, h)
+        shapes[layers + "mlp.linear_fc2.weight"] = (L, h, f)
+    return shapes
+
+
+def find_checkpoint(path, arg: str) -> Path:
+    """The torch_dist folder: PATH itself, or PATH/learner for a megapo trainer checkpoint (step_N/)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(arg, f"{path} is not a folder")
+    for candidate in (path, path / "learner"):
+        marker = candidate / "metadata.json"
+        if marker.is_file():
+            try:
+                backend = json.loads(marker.read_text()).get("sharded_backend")
+            except json.JSONDecodeError:
+                backend = None
+            if backend != "torch_dist":
+                raise ConfigError(arg, f"{marker}: sharded_backend {backend!r}; only torch_dist is supported")
+            if not (candidate / ".metadata").is_file():
+                raise ConfigError(arg, f"{candidate} has no .metadata: an incomplete torch_dist checkpoint")
+            return candidate
+    raise ConfigError(arg, f"{path} is not a Megatron torch_dist checkpoint (no metadata.json, "
+                           f"nor learner/metadata.json)")
+
+
+def read_checkpoint(path, arg: str, model_dir=None, model_arg: str = "--model") -> CheckpointInput:
+    """A torch_dist checkpoint plus the config describing it: the checkpoint's own config.json
+    (written by hf-to-megatron) or `model_dir` (needed for a trainer checkpoint, which has none)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = find_checkpoint(path, arg)
+    own = read_config(folder, arg) if (folder / "config.json").is_file() else None
+    given = read_config(model_dir, model_arg) if model_dir is not None else None
+    if own is None and given is None:
+        raise ConfigError(model_arg, f"{folder} has no config.json (a trainer checkpoint?): pass {model_arg} "
+                                     f"HF_DIR, the model it was trained from, for its config and tokenizer")
+    if own is not None and given is not None and own.spec != given.spec:
+        diff = [f"{k}: {getattr(own.spec, k)} vs {getattr(given.spec, k)}" for k in own.spec.__dataclass_fields__
+                if getattr(own.spec, k) != getattr(given.spec, k)]
+        raise ConfigError(model_arg, f"its config.json describes another model than the checkpoint's own "
+                                     f"({'; '.join(diff)})")
+    model = given or own
+    meta_path = folder / MEGAPO_META
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+    except Exception as exc:
+        raise ConfigError(arg, f"{folder}/.metadata cannot be read ({exc})") from None
+    stored = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
+              if hasattr(v, "size") and k.split(".")[0] in ("embedding", "decoder", "output_layer")}
+    rows = stored.get("embedding.word_embeddings.weight", (0,))[0]
+    expected = checkpoint_shapes(model.spec, rows)
+    missing = [k for k in expected if k not in stored]
+    if missing:
+        raise ConfigError(arg, f"checkpoint lacks {missing[:3]} which the config ({model.folder}) describes")
+    extra = [k for k in stored if k not in expected]
+    if extra:
+        raise ConfigError(arg, f"checkpoint holds {extra[:3]} which the config ({model.folder}) does not describe")
+    for key, shape in expected.items():
+        if stored[key] != shape:
+            raise ConfigError(arg, f"checkpoint tensor {key} has shape {stored[key]}, the config "
+                                   f"({model.folder}/config.json) implies {shape}")
+    if rows < model.spec.vocab_size:
+        raise ConfigError(arg, f"checkpoint embedding has {rows} rows for vocab_size {model.spec.vocab_size}")
+    return CheckpointInput(folder, model, meta, stored)
+
+
+def check_parallel(parallel: ParallelConfig, hf: dict, max_procs: int) -> None:
+    """The layout fits the model and this machine; errors name the command-line flags."""
+    try:
+        check_layout(parallel, hf)
+    except (LayoutError, ConfigError) as exc:
+        flag = "--" + exc.field.split(".")[-1] if exc.field.startswith("parallel.") else "--tp/--pp/--ep/--dp"
+        raise ConfigError(flag, str(exc).split(": ", 1)[-1]) from None
+    if parallel.world_size > max_procs:
+        raise ConfigError("--tp/--pp/--dp", f"the layout needs {parallel.world_size} processes; this machine "
+                                            f"runs at most {max_procs}")
+
+
+def check_vocab_rows(ckpt: CheckpointInput, parallel: ParallelConfig) -> None:
+    """torch_dist reshards every dimension except the padded vocabulary (rounded up to a multiple of TP)."""
+    rows = ckpt.stored["embedding.word_embeddings.weight"][0]
+    want = padded_vocab(ckpt.model.spec.vocab_size, parallel.tp)
+    if rows != want:
+        raise ConfigError("--tp", f"the checkpoint's vocabulary is padded to {rows} rows, tp={parallel.tp} pads "
+                                  f"vocab_size {ckpt.model.spec.vocab_size} to {want}; load it with a tp that "
+                                  f"gives {rows}")
+
+
+def check_output(path, arg: str) -> Path:
+    path = Path(path)
+    if path.exists():
+        raise ConfigError(arg, f"{path} already exists; give a new folder (nothing is overwritten)")
+    if not path.parent.is_dir():
+        raise ConfigError(arg, f"parent folder {path.parent} does not exist")
+    return path
+
+
+def side_files(folder: Path) -> list[Path]:
+    """The non-weight files of an HF folder (config, generation config, tokenizer, chat template)."""
+    return sorted(p for p in folder.iterdir()
+                  if p.is_file() and p.suffix not in WEIGHT_SUFFIXES and p.name not in WEIGHT_FILES)
