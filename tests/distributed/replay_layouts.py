@@ -1,0 +1,116 @@
+"""Run under torchrun by tests/test_replay_layouts.py: routing replay on the real Megatron-core learner
+for several parallel layouts of one world size. For each layout, on the perturbed tiny model:
+
+- "full":    `megapo logprobs --routes-in FULL.npz --routes-out OUT.npz` (the command's own replay
+             code, megapo.replay.cli.logprobs) -> log-probs and the routes written;
+- "partial": the same with PARTIAL.npz (a missing key, short arrays, -1 entries);
+- "free":    routes recorded with no routes given (the router's own choice);
+- "metrics": replay metrics of a FULL pass;
+- "train":   one train step replaying FULL with a linear loss -(adv*logp).sum()/N, then the router
+             gradients (full [E, H] per MoE layer, gathered over stages), the loss and the routes used;
+- "r2" (layout flag): old-log-prob pass (free, recorded) then two optimizer steps replaying it;
+             the routes of every pass and the free routes after the updates;
+- "r3" (layout flag): engine samples (spec) through old_logprobs(..., "r3"), mismatch_kl, a train step.
+Rank 0 saves everything to --out.
+
+    python -m torch.distributed.run --nproc-per-node 4 tests/distributed/replay_layouts.py --spec S.json --out R.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from megapo.config import OptimConfig, ParallelConfig
+from megapo.learner.learner import Learner
+from megapo.replay import cli as route_cli
+from megapo.replay.modes import logprobs_with_routes, mismatch_kl, old_logprobs
+from megapo.replay.routes import load_routes
+
+
+def linear_loss(objective, logp, old_logp, advantages, mask, rollout_logp=None, *, cu_seqlens=None,
+                loss_agg="token-mean", global_tokens=None, global_seqs=None, **options):
+    return -(advantages * logp).sum() / global_tokens, {}
+
+
+def router_grads(learner) -> dict[int, torch.Tensor]:
+    """{global layer: router weight gradient} of the whole model, on every rank."""
+    mine = {}
+    for layer in learner.module.decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if router is not None:
+            mine[layer.layer_number - 1] = router.weight.main_grad.detach().float().cpu().clone()
+    parts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, mine)
+    out = {}
+    for p in parts:
+        out.update(p)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    spec = json.loads(Path(args.spec).read_text())
+    seqs, batch = spec["sequences"], spec["batch"]
+    work = Path(spec["work_dir"])
+    results = {}
+    for layout in spec["layouts"]:
+        name = "_".join(f"{k}{v}" for k, v in layout.items())
+        parallel = ParallelConfig(tp=layout["tp"], pp=layout["pp"], ep=layout["ep"], dp=layout["dp"],
+                                  dispatcher=layout.get("dispatcher", "alltoall"),
+                                  recompute=layout.get("recompute", False))
+        learner = Learner(spec["model"], parallel, OptimConfig(**spec["optim"]), routing_replay=True,
+                          micro_batch_tokens=spec["micro_batch_tokens"], loss_fn=linear_loss)
+        res = {}
+        for case in ("full", "partial"):
+            out = work / f"{name}_{case}_out.npz"
+            cli_args = SimpleNamespace(routes_in=spec[f"{case}_npz"], routes_out=str(out))
+            logps = route_cli.logprobs(learner, seqs, cli_args)
+            torch.distributed.barrier()  # rank 0 wrote --routes-out
+            res[case] = {"logprobs": logps, "routes_out": load_routes(out, len(seqs))}
+        _, free, _ = logprobs_with_routes(learner, seqs, None)
+        res["free"] = free
+        _, _, res["metrics"] = logprobs_with_routes(learner, seqs, load_routes(spec["full_npz"], len(seqs)))
+
+        train_batch = [dict(s, routes=r) for s, r in zip(batch, load_routes(spec["batch_npz"], len(batch)))]
+        metrics = learner.train_step(train_batch, "custom", "token-mean")
+        res["train"] = {"metrics": metrics, "grads": router_grads(learner),
+                        "routes": learner.route_hook.routes_used(len(batch))}
+
+        if layout.get("r2"):
+            samples = [dict(s) for s in batch]
+            old, m_old = old_logprobs(learner, samples, "r2")
+            steps = []
+            for _ in range(2):
+                m = learner.train_step(samples, "custom", "token-mean")
+                steps.append({"metrics": m, "routes": learner.route_hook.routes_used(len(samples))})
+            _, free_after, _ = logprobs_with_routes(learner, [s["tokens"] for s in samples], None)
+            res["r2"] = {"old_routes": [s["routes"] for s in samples], "old_metrics": m_old, "steps": steps,
+                         "free_after": free_after}
+        if layout.get("r3"):
+            samples = [dict(s) for s in spec["engine_samples"]]
+            engine_routes = [torch.tensor(s["routes"]).numpy() for s in samples]
+            samples = [dict(s, routes=r) for s, r in zip(samples, engine_routes)]
+            old, m_old = old_logprobs(learner, samples, "r3")
+            kl = mismatch_kl(learner, samples, old)
+            m = learner.train_step(samples, "custom", "token-mean")
+            res["r3"] = {"engine_routes": engine_routes, "old_routes": [s["routes"] for s in samples],
+                         "old_metrics": m_old, "kl": kl, "train_metrics": m,
+                         "train_routes": learner.route_hook.routes_used(len(samples)), "old_logp": old}
+        results[name] = res
+        learner.close()
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, args.out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
