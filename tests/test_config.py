@@ -47,11 +47,29 @@ def test_shipped_config_loads(tmp_path, tiny_moe):
     cfg = load_config(RunConfig, REPO / "megapo/configs/tiny_moe_addition.yaml",
                       [f"model.path={tiny_moe}", "train.steps=7", "rollout.temperature=0.7"])
     assert cfg.train.steps == 7 and cfg.rollout.temperature == 0.7
+    # YAML 1.1 reads a bare `off` as false: it still means "off"
+    cfg = load_config(RunConfig, REPO / "megapo/configs/tiny_moe_addition.yaml",
+                      [f"model.path={tiny_moe}", "algorithm.routing_replay=off"])
+    assert cfg.algorithm.routing_replay == "off"
 
 
 def test_valid_base(tmp_path, tiny_moe):
     cfg = _load(tmp_path, _base(tiny_moe))
     assert cfg.rollout.bucket_mb == 512 and cfg.rollout.host == "127.0.0.1"
+    # every objective, estimator and correction the algorithms registry lists is accepted
+    from megapo.algorithms.registry import entries
+
+    for kind, key in (("objective", "algorithm.objective"), ("advantage", "algorithm.advantage"),
+                      ("correction", "algorithm.mismatch"), ("aggregation", "algorithm.loss_agg")):
+        for e in entries(kind):
+            data = _set(_base(tiny_moe), key, e.name)
+            if kind == "correction":
+                _set(data, "algorithm.objective_options", {})
+            assert getattr(_load(tmp_path, data).algorithm, key.split(".")[1]) == e.name
+    data = _set(_base(tiny_moe), "algorithm.objective_options", {"eps_low": 3e-4, "eps_high": 4e-4})
+    _set(data, "algorithm.mismatch", "tis")
+    _set(data, "algorithm.mismatch_options", {"cap": 2.0})
+    assert _load(tmp_path, data).algorithm.mismatch_options == {"cap": 2.0}
 
 
 def _jsonl(tmp_path, name, lines):
@@ -92,6 +110,7 @@ BAD = [
     ("rollout.engine", lambda t, m: [("rollout.engine", "tgi")]),
     ("algorithm.routing_replay", lambda t, m: [("rollout.engine", "vllm"), ("rollout.weight_sync", "disk")]),
     ("algorithm.routing_replay", lambda t, m: [("algorithm.routing_replay", "r4")]),
+    ("algorithm.routing_replay", lambda t, m: [("algorithm.routing_replay", True)]),  # YAML `on`
     ("rollout.temperature", lambda t, m: [("rollout.temperature", 0.0)]),
     ("rollout.temperature", lambda t, m: [("rollout.temperature", -1.0)]),
     ("rollout.top_p", lambda t, m: [("rollout.top_p", 0.0)]),
@@ -112,8 +131,14 @@ BAD = [
     ("algorithm.loss_agg", lambda t, m: [("algorithm.loss_agg", "sum")]),
     ("algorithm.kl_coef", lambda t, m: [("algorithm.kl_coef", -0.1)]),
     ("algorithm.kl_estimator", lambda t, m: [("algorithm.kl_estimator", "k9")]),
-    ("data.dynamic_sampling", lambda t, m: [("data.dynamic_sampling", True), ("rollout.n_samples", 1),
-                                            ("algorithm.advantage", "reinforce_pp")]),
+    ("algorithm.kl_estimator", lambda t, m: [("algorithm.kl_estimator", "entropy")]),
+    ("algorithm.objective_options", lambda t, m: [("algorithm.objective_options", {"clip": 0.2})]),
+    ("algorithm.advantage_options", lambda t, m: [("algorithm.advantage_options", {"eps": 1e-6, "whiten": True})]),
+    ("algorithm.mismatch", lambda t, m: [("algorithm.mismatch", "magic-is")]),
+    ("algorithm.mismatch_options", lambda t, m: [("algorithm.mismatch", "tis"), ("algorithm.mismatch_options", {"lo": 1})]),
+    ("algorithm.mismatch_options", lambda t, m: [("algorithm.mismatch_options", {"cap": 2.0})]),
+    ("rollout.n_samples", lambda t, m: [("rollout.n_samples", 1), ("algorithm.advantage", "reinforce_pp_baseline")]),
+    ("data.max_sampling_rounds", lambda t, m: [("data.dynamic_sampling", True), ("data.max_sampling_rounds", 0)]),
     ("data.overlong.buffer", lambda t, m: [("data.overlong", {"enabled": True, "buffer": 8})]),
     ("data.task", lambda t, m: [("data.task", "sudoku")]),
     ("sft.threshold", lambda t, m: [("sft.enabled", True), ("sft.threshold", 0.0)]),

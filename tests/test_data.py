@@ -72,3 +72,19 @@ def test_select_informative_and_refill():
     assert (stats.rounds, stats.groups_sampled, stats.groups_kept) == (3, 9, 4)
     never = data.fill_informative(lambda: [[1, 1]], lambda g: g, target_groups=2, max_rounds=3)
     assert never[0] == [] and never[1].rounds == 3
+
+
+def test_prompt_pool_task_is_lazy_and_files_filtered(tiny_moe):
+    from transformers import AutoTokenizer
+
+    from megapo.tasks import addition
+    from megapo.tasks.base import Example
+
+    tok = AutoTokenizer.from_pretrained(tiny_moe)
+    pool = data.PromptPool(tok, False, 16, task="addition")
+    assert len(pool) == 1000 * 1000 - 1500
+    ex, ids = pool[5]
+    a, b = divmod(int(addition.split_ids("train")[5]), 1000)
+    assert ex.prompt == f"{a:03d}+{b:03d}=" and tok.decode(ids) == ex.prompt
+    files = data.PromptPool(tok, False, 6, examples=[Example("1+1=", "2"), Example("123+456=", "579")])
+    assert len(files) == 1 and files.dropped_too_long == 1 and files[0][0].prompt == "1+1="

@@ -54,9 +54,7 @@ def test_user_function(tmp_path, monkeypatch):
 
 
 def test_overlong_shaping_formula():
-    # max 20 tokens, buffer 8: penalty starts after 12, reaches 1.0 at 20
-    assert rewards.shape_overlong(1.0, 12, 20, 8) == 1.0
-    assert rewards.shape_overlong(1.0, 16, 20, 8) == pytest.approx(1.0 - 4 / 8)
-    assert rewards.shape_overlong(1.0, 20, 20, 8) == pytest.approx(0.0)
-    assert rewards.shape_overlong(0.0, 25, 20, 8, penalty=0.5) == pytest.approx(-0.5)
-    assert rewards.shape_overlong(1.0, 19, 20, 0) == 1.0
+    # max 20 tokens, buffer 8: penalty starts after 12 tokens, reaches the full penalty at 20
+    lens = [12, 16, 20, 25]
+    assert rewards.shape_overlong([1.0] * 4, lens, 20, 8) == pytest.approx([1.0, 1.0 - 4 / 8, 0.0, 0.0])
+    assert rewards.shape_overlong([0.0, 0.0], [5, 25], 20, 8, penalty=0.5) == pytest.approx([0.0, -0.5])

@@ -43,6 +43,12 @@ def test_sft_reaches_threshold_and_beats_chance(tmp_path, tiny_moe):
     assert manual > 0.05  # chance of guessing a 4-digit sum is ~1e-3 at best
     helper = evaluate(str(out), split="test", n=300)
     assert abs(helper.accuracy - manual) <= 2 / 300  # cached generate() vs plain argmax: same decisions
+    from transformers import AutoTokenizer
+
+    from megapo.engines.embedded import EmbeddedEngine
+
+    via_engine = evaluate(EmbeddedEngine(out), split="test", n=300, tokenizer=AutoTokenizer.from_pretrained(out))
+    assert abs(via_engine.accuracy - manual) <= 2 / 300
     base = evaluate(str(tiny_moe), split="test", n=300)
     assert base.accuracy < 0.01 < helper.accuracy
 

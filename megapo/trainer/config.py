@@ -18,14 +18,10 @@ from typing import Any
 
 from megapo.config import ConfigError, OptimConfig, ParallelConfig
 
-# Kept in sync with megapo.algorithms while that registry is written; `_registry()` prefers the
-# registry itself when it can be imported.
-OBJECTIVES = ("ppo", "grpo", "gspo", "dapo", "cispo", "reinforce", "gmpo", "sapo")
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # need >= 2 samples per prompt
-LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
-MISMATCH_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq-tis", "seq-mis")
+# Objective, advantage, correction, aggregation and KL names come from megapo.algorithms' registry.
+# Advantage estimators whose baseline is the mean of the prompt's group: with one sample per
+# prompt every advantage is 0, so they need n_samples >= 2.
+GROUP_BASELINE_ESTIMATORS = ("reinforce_pp_baseline",)  # plus every estimator of granularity "group"
 ROUTING_REPLAY = ("off", "r2", "r3")
 ENGINES = ("embedded", "vllm", "sglang")
 WEIGHT_SYNC = ("tensor", "disk", "broadcast")
@@ -37,19 +33,27 @@ LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def _registry(kind: str, fallback: tuple[str, ...]) -> tuple[str, ...]:
-    """Names known to megapo.algorithms for `kind` ("objectives", "estimators", "corrections"), or the fallback."""
+def _registry_names(kind: str) -> list[str]:
+    from megapo.algorithms.registry import entries
+
+    names = [e.name for e in entries(kind)]
+    return [n for n in names if n != "entropy"] if kind == "kl" else names  # "entropy" is a bonus, not a KL
+
+
+def _check_options(kind: str, name: str, options: dict, field_name: str) -> None:
+    from megapo.algorithms.registry import get
+
     try:
-        algorithms = importlib.import_module("megapo.algorithms")
-    except ImportError:
-        return fallback
-    lister = getattr(algorithms, f"list_{kind}", None)
-    if callable(lister):
-        return tuple(lister())
-    table = getattr(algorithms, kind.upper(), None)
-    if isinstance(table, dict) and table:
-        return tuple(table)
-    return fallback
+        get(kind, name).make_options(dict(options))
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(field_name, str(exc).removeprefix("options: ")) from None
+
+
+def needs_group(estimator: str) -> bool:
+    """Whether advantage `estimator` compares samples of one prompt (needs n_samples >= 2)."""
+    from megapo.algorithms.registry import get
+
+    return get("advantage", estimator).granularity == "group" or estimator in GROUP_BASELINE_ESTIMATORS
 
 
 def engine_returns_routes(engine: str) -> tuple[bool, str]:
@@ -114,11 +118,17 @@ class AlgorithmConfig:
     advantage_options: dict[str, Any] = field(default_factory=dict)
     loss_agg: str = "token-mean"
     kl_coef: float = 0.0
-    kl_estimator: str = "low_var_kl"
+    kl_estimator: str = "k3"
     entropy_coef: float = 0.0
-    mismatch: str = "none"  # rollout/learner mismatch correction
+    mismatch: str = "none"  # rollout/learner mismatch correction: none or a correction name (megapo objectives)
     mismatch_options: dict[str, Any] = field(default_factory=dict)
-    routing_replay: str = "off"  # off | r2 (replay learner's own old routes) | r3 (replay the engine's routes)
+    # off | r2 (replay the learner's own routes from the old-log-prob pass) | r3 (replay the engine's routes).
+    # `bool` because YAML 1.1 reads a bare `off` as false.
+    routing_replay: str | bool = "off"
+
+    def __post_init__(self) -> None:
+        if self.routing_replay is False:
+            self.routing_replay = "off"
 
 
 @dataclass
@@ -200,23 +210,26 @@ class RunConfig:
 
     def _validate_algorithm(self) -> None:
         a = self.algorithm
-        objectives = _registry("objectives", OBJECTIVES)
-        if a.objective not in objectives:
-            raise ConfigError("algorithm.objective", f"unknown objective {a.objective!r}; known: {', '.join(objectives)}")
-        estimators = _registry("estimators", ADVANTAGE_ESTIMATORS)
-        if a.advantage not in estimators:
-            raise ConfigError("algorithm.advantage", f"unknown advantage estimator {a.advantage!r}; known: {', '.join(estimators)}")
-        if a.loss_agg not in LOSS_AGGS:
-            raise ConfigError("algorithm.loss_agg", f"must be one of {', '.join(LOSS_AGGS)}, got {a.loss_agg!r}")
+        for kind, name, field_name in (("objective", a.objective, "algorithm.objective"),
+                                       ("advantage", a.advantage, "algorithm.advantage"),
+                                       ("aggregation", a.loss_agg, "algorithm.loss_agg"),
+                                       ("kl", a.kl_estimator, "algorithm.kl_estimator")):
+            known = _registry_names(kind)
+            if name not in known:
+                raise ConfigError(field_name, f"unknown {kind} {name!r}; known: {', '.join(known)}")
+        _check_options("objective", a.objective, a.objective_options, "algorithm.objective_options")
+        _check_options("advantage", a.advantage, a.advantage_options, "algorithm.advantage_options")
         if a.kl_coef < 0:
             raise ConfigError("algorithm.kl_coef", f"must be >= 0, got {a.kl_coef}")
-        if a.kl_estimator not in KL_ESTIMATORS:
-            raise ConfigError("algorithm.kl_estimator", f"must be one of {', '.join(KL_ESTIMATORS)}, got {a.kl_estimator!r}")
         if a.entropy_coef < 0:
             raise ConfigError("algorithm.entropy_coef", f"must be >= 0, got {a.entropy_coef}")
-        corrections = _registry("corrections", MISMATCH_CORRECTIONS)
-        if a.mismatch not in corrections and a.mismatch != "none":
-            raise ConfigError("algorithm.mismatch", f"unknown correction {a.mismatch!r}; known: {', '.join(corrections)}")
+        if a.mismatch != "none":
+            known = _registry_names("correction")
+            if a.mismatch not in known:
+                raise ConfigError("algorithm.mismatch", f"unknown correction {a.mismatch!r}; known: none, {', '.join(known)}")
+            _check_options("correction", a.mismatch, a.mismatch_options, "algorithm.mismatch_options")
+        elif a.mismatch_options:
+            raise ConfigError("algorithm.mismatch_options", "given but algorithm.mismatch is 'none'")
         if a.routing_replay not in ROUTING_REPLAY:
             raise ConfigError("algorithm.routing_replay", f"must be off, r2 or r3, got {a.routing_replay!r}")
 
@@ -231,7 +244,7 @@ class RunConfig:
                     raise ConfigError(f"rollout.servers[{i}]", f"expected host:port, got {server!r}")
         if r.n_samples < 1:
             raise ConfigError("rollout.n_samples", f"must be >= 1, got {r.n_samples}")
-        if r.n_samples == 1 and self.algorithm.advantage in GROUP_ESTIMATORS:
+        if r.n_samples == 1 and needs_group(self.algorithm.advantage):
             raise ConfigError("rollout.n_samples", f"advantage {self.algorithm.advantage!r} compares samples within a "
                               "group; it needs n_samples >= 2, got 1")
         if not r.temperature > 0:

@@ -134,6 +134,43 @@ def encode_prompts(tokenizer, examples: Sequence[Example], chat_template: bool, 
     return EncodedPrompts(kept, ids, dropped)
 
 
+class PromptPool:
+    """Indexable prompts: `pool[i] -> (Example, prompt ids)`.
+
+    From files, every prompt is tokenized up front and over-long ones are dropped (with a count).
+    A built-in task's training split has ~10^6 problems: those are made and tokenized on demand
+    (the task's prompts are all short, so none is dropped)."""
+
+    def __init__(self, tokenizer, chat_template: bool, max_prompt_tokens: int, *, task: str = "",
+                 examples: Sequence[Example] | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.dropped_too_long = 0
+        if task:
+            if task != "addition":
+                raise ConfigError("data.task", f"unknown task {task!r}; built-in: {', '.join(BUILTIN_TASKS)}")
+            from megapo.tasks import addition
+
+            ids = addition.split_ids("train")
+            self._size = len(ids)
+            self._get = lambda i: addition.example(ids[i])
+        else:
+            enc = encode_prompts(tokenizer, examples or [], chat_template, max_prompt_tokens)
+            self.dropped_too_long = enc.dropped_too_long
+            self._size = len(enc.examples)
+            self._get = lambda i: enc.examples[i]
+            self._ids = enc.prompt_ids
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, i: int) -> tuple[Example, list[int]]:
+        ex = self._get(i)
+        if hasattr(self, "_ids"):
+            return ex, self._ids[i]
+        return ex, encode_prompt(self.tokenizer, ex.prompt, self.chat_template)
+
+
 # ----------------------------------------------------------------------------- order
 
 

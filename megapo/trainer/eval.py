@@ -55,10 +55,10 @@ def hf_greedy(model, tokenizer, max_new_tokens: int, batch_size: int = 256) -> G
 
 
 def engine_greedy(engine, eos_token_id: int, max_new_tokens: int) -> GenerateFn:
-    """Greedy-equivalent generation through a megapo Engine (tiny temperature, top_p 1, one sample)."""
-    from megapo.engines import SamplingParams  # type: ignore  # lands with the engines package
+    """Greedy generation through a megapo Engine (temperature 0, one sample, stop at end-of-sequence)."""
+    from megapo.engines.base import SamplingParams
 
-    params = SamplingParams(n=1, temperature=1e-6, top_p=1.0, max_new_tokens=max_new_tokens,
+    params = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens,
                             stop_token_ids=(eos_token_id,), seed=0)
 
     def generate(prompts: list[list[int]]) -> list[tuple[list[int], bool]]:

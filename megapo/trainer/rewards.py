@@ -139,12 +139,15 @@ def math_backend() -> str:
 # ----------------------------------------------------------------------------- length shaping
 
 
-def shape_overlong(reward: float, response_len: int, max_len: int, buffer: int, penalty: float = 1.0) -> float:
-    """DAPO's soft overlong punishment: no change up to max_len - buffer, then a penalty rising
-    linearly to `penalty` at max_len (and beyond).
+def shape_overlong(rewards: list[float], response_lens: list[int], max_len: int, buffer: int,
+                   penalty: float = 1.0) -> list[float]:
+    """DAPO's soft overlong punishment (megapo.algorithms.shaping "dapo_overlong"): no change up to
+    max_len - buffer tokens, then a penalty rising linearly to `penalty` at max_len (and beyond)."""
+    import torch
 
-    TODO: call megapo.algorithms.shaping once it lands, so the formula lives in one place."""
-    start = max_len - buffer
-    if buffer <= 0 or response_len <= start:
-        return reward
-    return reward - penalty * min(1.0, (response_len - start) / buffer)
+    from megapo.algorithms.shaping import shape_rewards
+
+    shaped = shape_rewards("dapo_overlong", torch.tensor(rewards, dtype=torch.float64),
+                           torch.tensor(response_lens, dtype=torch.float64), max_len=max_len, cache_len=buffer,
+                           factor=penalty)
+    return shaped.tolist()

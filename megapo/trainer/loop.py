@@ -1,0 +1,347 @@
+"""The RL driver loop: a thin function over the Learner and Engine interfaces (docs/CONTRACTS.md).
+
+One step (sync mode):
+    prompts ─► engine.generate (n samples each, log-probs, routes for R3)
+            ─► rewards (+ overlong shaping) ─► dynamic sampling (drop equal-reward groups, refill)
+            ─► advantages (megapo.algorithms) ─► learner.logprobs = old log-probs (R3: engine routes)
+            ─► learner.train_step per mini-batch ─► weight sync learner.hf_state_dict() → engine
+            ─► metrics ─► held-out eval / checkpoint
+
+Every rank runs this loop (the learner's methods are collective); only rank 0 owns the engine,
+computes rewards and writes files, and broadcasts each step's train batch to the other ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from megapo.trainer import checkpoint as ckpt
+from megapo.trainer.config import RunConfig
+from megapo.trainer.metrics import MetricsLogger, StepTimer
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- process helpers
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _broadcast(obj: Any) -> Any:
+    """rank 0's `obj` on every rank (no-op in a single process)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+# ----------------------------------------------------------------------------- model preparation
+
+
+def prepare_model(cfg: RunConfig, out_dir: Path) -> Path:
+    """The HF folder RL starts from: model.path (written first from model.tiny if absent), then, with
+    sft.enabled, the warm-started copy under out_dir/sft (reused when a previous run made it)."""
+    path = Path(cfg.model.path)
+    if _rank() == 0 and not (path / "config.json").is_file():
+        from megapo.models.tiny import write_tiny_model
+
+        t = cfg.model.tiny
+        write_tiny_model(path, t.family, layers=t.layers, experts=t.experts, topk=t.topk, hidden=t.hidden,
+                         heads=t.heads, kv_heads=t.kv_heads, head_dim=t.head_dim, ffn=t.ffn, moe_ffn=t.moe_ffn,
+                         vocab=t.vocab, seed=t.seed)
+        log.info("wrote tiny %s model to %s", t.family, path)
+    if not cfg.sft.enabled:
+        _barrier()
+        return path
+    sft_dir = out_dir / "sft"
+    if _rank() == 0 and not (sft_dir / "sft_result.json").is_file():
+        from megapo.trainer.sft import train_sft
+
+        result = train_sft(path, sft_dir, cfg.sft, cfg.data.task, cfg.data.chat_template, cfg.rollout.max_new_tokens)
+        log.info("sft warm start: validation exact-match %.3f after %d steps (%.1f s)%s", result.val_accuracy,
+                 result.steps, result.seconds, "" if result.reached else " -- threshold NOT reached")
+    _barrier()
+    return sft_dir
+
+
+# ----------------------------------------------------------------------------- rollout
+
+
+@dataclass
+class Group:
+    """The n samples of one prompt, with their rewards."""
+
+    example: Any  # megapo.tasks.base.Example
+    samples: list  # list[megapo.engines.base.Sample]
+    rewards: list[float]
+
+
+def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[Any, Any], float]:
+    """(example, sample) -> reward: the configured reward of the decoded response (stop token removed)."""
+    from megapo.trainer.rewards import get_reward
+
+    fn = get_reward(cfg.data.reward)
+
+    def reward(example, sample) -> float:
+        ids = sample.output_ids[:-1] if sample.finish_reason == "stop" else sample.output_ids
+        return float(fn(tokenizer.decode(ids, skip_special_tokens=True), example.answer))
+
+    return reward
+
+
+def rollout_round(engine, params, examples: list, prompt_ids: list[list[int]], reward_fn, cfg: RunConfig) -> list[Group]:
+    from megapo.trainer.rewards import shape_overlong
+
+    groups = []
+    for ex, samples in zip(examples, engine.generate(prompt_ids, params)):
+        rewards = [reward_fn(ex, s) for s in samples]
+        if cfg.data.overlong.enabled:
+            o = cfg.data.overlong
+            rewards = shape_overlong(rewards, [len(s.output_ids) for s in samples], cfg.rollout.max_new_tokens,
+                                     o.buffer, o.penalty)
+        groups.append(Group(ex, samples, rewards))
+    return groups
+
+
+def train_samples(groups: list[Group], cfg: RunConfig, old_logps: list[torch.Tensor]) -> list[dict]:
+    """Learner train samples (CONTRACTS.md) with per-sequence advantages from the configured estimator."""
+    from megapo.algorithms import compute_advantages
+
+    n = cfg.rollout.n_samples
+    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
+    adv = compute_advantages(cfg.algorithm.advantage, rewards, group_size=n, **cfg.algorithm.advantage_options)
+    out = []
+    k = 0
+    for gi, g in enumerate(groups):
+        for si, s in enumerate(g.samples):
+            sample = {"tokens": list(s.prompt_ids) + list(s.output_ids), "prompt_len": len(s.prompt_ids),
+                      "advantage": float(adv[gi, si]), "old_logp": old_logps[k].tolist(),
+                      "rollout_logp": list(s.logprobs)}
+            if cfg.algorithm.routing_replay == "r3":
+                sample["routes"] = s.routes
+            out.append(sample)
+            k += 1
+    return out
+
+
+def loss_options(cfg: RunConfig) -> dict:
+    """Keyword options of learner.train_step / policy_loss from the algorithm section."""
+    a = cfg.algorithm
+    opts = dict(a.objective_options)
+    if a.mismatch != "none":
+        opts["correction"] = a.mismatch
+        if a.mismatch_options:
+            opts["correction_options"] = dict(a.mismatch_options)
+    if a.kl_coef:
+        opts.update(kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
+    if a.entropy_coef:
+        opts["entropy_coef"] = a.entropy_coef
+    return opts
+
+
+# ----------------------------------------------------------------------------- weight sync
+
+
+def _buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    bucket, size = [], 0
+    for name, t in named:
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def sync_weights(learner, engine, version: int, cfg: RunConfig, out_dir: Path) -> None:
+    """Hand the learner's weights to the engine (collective on the learner side)."""
+    named = learner.hf_state_dict()  # every rank takes part in the gather
+    if engine is None:
+        for _ in named:
+            pass
+        return
+    engine.pause()
+    try:
+        if cfg.rollout.weight_sync == "tensor":
+            for bucket in _buckets(named, cfg.rollout.bucket_mb * 2**20):
+                engine.update_weights(bucket, version)
+        elif cfg.rollout.weight_sync == "disk":
+            from safetensors.torch import save_file
+
+            path = out_dir / "weights_sync"
+            path.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in named}, str(path / "model.safetensors"))
+            engine.update_weights_from_disk(str(path), version)
+        else:
+            raise NotImplementedError("rollout.weight_sync=broadcast is not wired into the loop yet")
+    finally:
+        engine.resume()
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def build_engine(cfg: RunConfig, model_dir: Path):
+    if cfg.rollout.engine == "embedded":
+        from megapo.engines.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(model_dir, seed=cfg.train.seed)
+    raise NotImplementedError(f"rollout.engine={cfg.rollout.engine!r} is not wired into the loop yet")
+
+
+def build_learner(cfg: RunConfig, model_dir: Path):
+    from megapo.learner.learner import Learner
+
+    return Learner(model_dir, cfg.parallel, cfg.optim, seed=cfg.train.seed,
+                   micro_batch_tokens=cfg.train.micro_batch_tokens,
+                   total_steps=cfg.train.steps * cfg.train.updates_per_rollout * cfg.train.mini_batches,
+                   routing_replay=cfg.algorithm.routing_replay != "off")
+
+
+def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, print_fn=print) -> dict:
+    """Run RL as configured; return the last metrics row. `learner`/`engine` may be passed in (tests)."""
+    from transformers import AutoTokenizer
+
+    from megapo.engines.base import SamplingParams
+    from megapo.trainer import data
+    from megapo.trainer.eval import evaluate
+
+    if cfg.train.mode != "sync":
+        raise NotImplementedError("train.mode=async is not implemented yet; use sync")
+    if cfg.algorithm.kl_coef:
+        raise NotImplementedError("algorithm.kl_coef > 0 needs reference log-probs, not wired into the loop yet")
+    out_dir = Path(cfg.train.output_dir)
+    if _rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    model_dir = prepare_model(cfg, out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    learner = learner if learner is not None else build_learner(cfg, model_dir)
+    if engine is None and _rank() == 0:
+        engine = build_engine(cfg, model_dir)
+
+    # data: prompts (rank 0 only needs them; the others get the train batch broadcast)
+    if cfg.data.task:
+        pool = data.PromptPool(tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens, task=cfg.data.task)
+    else:
+        examples = data.load_examples(cfg.data.train_files, cfg.data.prompt_key, cfg.data.answer_key)
+        pool = data.PromptPool(tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens, examples=examples)
+        if pool.dropped_too_long:
+            log.warning("data: dropped %d of %d prompts longer than data.max_prompt_tokens=%d",
+                        pool.dropped_too_long, len(examples), cfg.data.max_prompt_tokens)
+        if len(pool) == 0:
+            raise ValueError("data: every prompt is longer than data.max_prompt_tokens")
+    source = data.PromptSource(len(pool), seed=cfg.train.seed)
+
+    start_step, version = 0, 0
+    ckpt_root = out_dir / "checkpoints"
+    latest = ckpt.latest_checkpoint(ckpt_root) if resume else None
+    if latest is not None:
+        state = ckpt.load_checkpoint(latest, learner.load)
+        source.load_state_dict(state.data_cursor)
+        start_step, version = state.step, state.weight_version
+        sync_weights(learner, engine, version, cfg, out_dir)
+        log.info("resumed from %s (step %d)", latest, start_step)
+
+    logger = MetricsLogger(out_dir, cfg.train.log, asdict(cfg), cfg.train.steps, print_fn) if _rank() == 0 else None
+    params = SamplingParams(n=cfg.rollout.n_samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                            max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,),
+                            return_routes=cfg.algorithm.routing_replay == "r3")
+    reward_fn = make_reward_fn(cfg, tokenizer)
+    options = loss_options(cfg)
+
+    def held_out() -> dict:
+        if not cfg.data.task or cfg.train.eval_prompts == 0 or engine is None:
+            return {}
+        r = evaluate(engine, cfg.data.task, "test", n=min(cfg.train.eval_prompts, 1000), tokenizer=tokenizer,
+                     chat_template=cfg.data.chat_template, max_new_tokens=cfg.rollout.max_new_tokens)
+        return {"eval/accuracy": r.accuracy, "eval/response_len": r.mean_response_len}
+
+    if start_step == 0 and logger is not None and cfg.train.eval_every:
+        logger.log(0, held_out())
+    row: dict = {}
+    for step in range(start_step + 1, cfg.train.steps + 1):
+        timer = StepTimer()
+        metrics: dict[str, float] = {}
+        groups: list[Group] = []
+        if _rank() == 0:
+            sampled: list[Group] = []  # every group generated this step, kept or not, for the reward metrics
+
+            def one_round() -> list[Group]:
+                items = [pool[i] for i in source.next_batch(cfg.data.prompts_per_step)]
+                new = rollout_round(engine, params, [ex for ex, _ in items], [ids for _, ids in items], reward_fn, cfg)
+                sampled.extend(new)
+                return new
+
+            with timer("generate"):
+                if cfg.data.dynamic_sampling:
+                    groups, ds = data.fill_informative(one_round, lambda g: g.rewards, cfg.data.prompts_per_step,
+                                                       cfg.data.max_sampling_rounds)
+                    metrics.update({"dynamic/rounds": ds.rounds, "dynamic/groups_sampled": ds.groups_sampled,
+                                    "dynamic/groups_kept": ds.groups_kept})
+                else:
+                    groups = one_round()
+            samples = [s for g in sampled for s in g.samples]
+            rewards = [r for g in sampled for r in g.rewards]
+            if samples:
+                metrics.update({
+                    "reward": sum(rewards) / len(rewards),
+                    "response_len": sum(len(s.output_ids) for s in samples) / len(samples),
+                    "finish_length_frac": sum(s.finish_reason == "length" for s in samples) / len(samples)})
+            # with dp>1, keep whole groups and a multiple of dp sequences: trim to a multiple of dp groups
+            keep = len(groups) - len(groups) % cfg.parallel.dp
+            groups = groups[:keep]
+        groups = _broadcast(groups)
+        if not groups:
+            log.warning("step %d: no informative group after %d sampling rounds; skipping the update", step,
+                        cfg.data.max_sampling_rounds)
+        else:
+            sequences = [list(s.prompt_ids) + list(s.output_ids) for g in groups for s in g.samples]
+            routes = [s.routes for g in groups for s in g.samples] if params.return_routes else None
+            with timer("old_logp"):
+                old = learner.logprobs(sequences, routes=routes)
+                old = [lp[len(s.prompt_ids) - 1:] for lp, s in zip(old, (s for g in groups for s in g.samples))]
+            batch = train_samples(groups, cfg, old)
+            with timer("train"):
+                per_mb = max(1, len(groups) // cfg.train.mini_batches) * cfg.rollout.n_samples
+                train_metrics: list[dict] = []
+                for _ in range(cfg.train.updates_per_rollout):
+                    for lo in range(0, len(batch), per_mb):
+                        train_metrics.append(learner.train_step(batch[lo:lo + per_mb], cfg.algorithm.objective,
+                                                                cfg.algorithm.loss_agg, **options))
+            for k, v in train_metrics[-1].items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    metrics[f"train/{k}"] = v
+            if "train/mismatch_k3" in metrics:
+                metrics["kl"] = metrics["train/mismatch_k3"]  # engine vs learner; the KL penalty lands with kl_coef
+            with timer("sync"):
+                version += 1
+                sync_weights(learner, engine, version, cfg, out_dir)
+        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+            with timer("eval"):
+                metrics.update(held_out())
+        if step == cfg.train.steps or (cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0):
+            with timer("checkpoint"):
+                state = ckpt.TrainerState(step, source.state_dict(), version)
+                ckpt.save_checkpoint(ckpt_root, state, learner.save, cfg.train.keep_last, _rank() == 0, _barrier)
+        if logger is not None:
+            tokens = sum(len(s.output_ids) for g in groups for s in g.samples)
+            row = logger.log(step, {**metrics, **timer.pop()}, tokens=tokens)
+    if logger is not None:
+        logger.close()
+    return row
