@@ -1,0 +1,170 @@
+"""Stream a Megatron learner's weights as full HF-named tensors, one parameter at a time.
+
+The same conversion as the learner's export (megapo.learner.weights: the family's rename rules, QKV
+split per KV group, gate/up halves, vocabulary padding stripped, experts renamed to their global ids),
+but as a generator: at any moment only the current parameter's gathered shards are alive, so a
+weight sync's extra memory is bounded by its bucket, not by the model.
+
+- `iter_stage_tensors(module, family, spec)`: this pipeline stage's tensors (collective over the
+  stage's tensor- and expert-parallel groups: every rank of the stage calls it and gets them all).
+- `iter_model_tensors(...)`: every stage's tensors on every rank (stages take turns broadcasting
+  theirs over the pipeline group, described first by a JSON manifest).
+- `stage_manifest(...)`: names, shapes and dtypes a stage will yield, computed on the meta device (no
+  data, no communication).
+
+With TP=1 and no conversion a tensor is a view of the live parameter, not a copy: consume it
+(copy it out) before advancing the generator and before the next optimizer step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from megapo.learner.weights import Located, locate, tp_shard
+from megapo.models.family import Family, ModelSpec, from_shards
+from megapo.weights.buckets import DTYPE_NAMES, DTYPES
+
+
+@dataclass(frozen=True)
+class ManifestItem:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # key of buckets.DTYPES
+
+
+def _groups():
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+def _gather_flat(t: torch.Tensor, group) -> torch.Tensor:
+    """[group size, *t.shape]: every rank's `t` in rank order, in one buffer."""
+    out = torch.empty(group.size() * t.numel(), dtype=t.dtype, device=t.device)
+    gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+    gather(out, t.contiguous().view(-1), group=group)
+    return out.view(group.size(), *t.shape)
+
+
+def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    """Shards of `t` from every rank of group, in rank order, as views of one gathered buffer."""
+    if group is None or group.size() == 1:
+        return [t]
+    return list(_gather_flat(t, group).unbind(0))
+
+
+def _tp_shards(local: torch.Tensor, group, dim: int | None, kind: str) -> list[torch.Tensor]:
+    """Shards for `from_shards`. Split along dim 0, the gathered buffer already is the concatenation
+    (one tensor instead of a list that from_shards would copy into place again); gate/up keeps the
+    per-rank list because each shard holds a slice of both halves."""
+    if group is None or group.size() == 1:
+        return [local]
+    gathered = _gather_flat(local, group)
+    if dim == 0 and kind != "gate_up":
+        return [gathered.view(-1, *local.shape[1:])]
+    return list(gathered.unbind(0))
+
+
+def _params(module, spec: ModelSpec):
+    for name, param in module.named_parameters():
+        if name == "output_layer.weight" and spec.tied_embeddings:
+            continue  # the embedding carries it
+        yield name, param
+
+
+def _expert_names(where: Located, i: int, ep_size: int, per_rank: int, local_index: int) -> list[str]:
+    return [Located(where.rule, where.layer, r * per_rank + local_index).hf_names()[i] for r in range(ep_size)]
+
+
+def iter_stage_tensors(module, family: Family, spec: ModelSpec, *, meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """This stage's full HF tensors, gathered over TP and EP (all ranks of the stage call it).
+    meta=True: the same names and shapes on the meta device, without communication."""
+    ps = _groups()
+    ep_group = ps.get_expert_model_parallel_group()
+    ep_size, ep_rank = ep_group.size(), ps.get_expert_model_parallel_rank()
+    per_rank = spec.num_experts // ep_size if spec.num_experts else 0
+    with torch.no_grad():
+        for name, param in _params(module, spec):
+            where = locate(name, module, family, spec)
+            dim, group = tp_shard(param)
+            local = param.detach()
+            if meta:
+                local = torch.empty(local.shape, dtype=local.dtype, device="meta")
+                shards = [local] * (group.size() if group is not None else 1)
+            else:
+                shards = _tp_shards(local, group, dim, where.rule.kind)
+            tensors = from_shards(where.rule, spec, shards, dim=dim)
+            if where.expert is None:
+                yield from zip(where.hf_names(), tensors)
+                continue
+            local_index = where.expert - ep_rank * per_rank
+            for i, tensor in enumerate(tensors):
+                names = _expert_names(where, i, ep_size, per_rank, local_index)
+                gathered = [tensor] * ep_size if meta else _all_gather(tensor, ep_group)
+                yield from zip(names, gathered)
+
+
+def stage_manifest(module, family: Family, spec: ModelSpec) -> list[ManifestItem]:
+    return [ManifestItem(n, tuple(t.shape), DTYPE_NAMES[t.dtype])
+            for n, t in iter_stage_tensors(module, family, spec, meta=True)]
+
+
+def encode_manifest(items: list[ManifestItem]) -> torch.Tensor:
+    data = json.dumps([[i.name, list(i.shape), i.dtype] for i in items]).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def decode_manifest(data: torch.Tensor) -> list[ManifestItem]:
+    return [ManifestItem(n, tuple(s), d) for n, s, d in json.loads(bytes(data.cpu().numpy()).decode())]
+
+
+def _broadcast_bytes(payload: torch.Tensor | None, src: int, group, device) -> torch.Tensor:
+    """Length-prefixed byte broadcast (JSON metadata travels as raw uint8, never as a pickle)."""
+    n = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
+    torch.distributed.broadcast(n, src=src, group=group)
+    buf = payload.to(device) if payload is not None else torch.empty(int(n.item()), dtype=torch.uint8, device=device)
+    torch.distributed.broadcast(buf, src=src, group=group)
+    return buf
+
+
+def iter_model_tensors(module, family: Family, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every stage's full HF tensors on every rank, one tensor at a time (collective: all ranks call)."""
+    ps = _groups()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    if pp_group.size() == 1:
+        yield from iter_stage_tensors(module, family, spec)
+        return
+    device = next(module.parameters()).device
+    ranks = torch.distributed.get_process_group_ranks(pp_group)
+    mine = pp_group.rank()
+    for stage, src in enumerate(ranks):
+        own = stage == mine
+        manifest = encode_manifest(stage_manifest(module, family, spec)) if own else None
+        items = decode_manifest(_broadcast_bytes(manifest, src, pp_group, device))
+        local = iter_stage_tensors(module, family, spec) if own else None
+        for item in items:
+            if own:
+                name, t = next(local)
+                t = t.contiguous()
+            else:
+                name, t = item.name, torch.empty(item.shape, dtype=DTYPES[item.dtype], device=device)
+            torch.distributed.broadcast(t, src=src, group=pp_group)
+            yield name, t
+        if own:
+            for _ in local:  # exhausted; keeps the generator protocol tidy
+                raise RuntimeError("stage yielded more tensors than its manifest")
+
+
+def is_stage_root() -> bool:
+    """The rank that speaks for its pipeline stage: tensor-parallel rank 0 of data-parallel replica 0."""
+    ps = _groups()
+    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+
+
+def learner_parts(learner):
+    """(module, family, spec) of a megapo Learner."""
+    return learner.module, learner.family, learner.spec
