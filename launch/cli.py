@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from launch import slurm
+from launch import local, slurm
 from megapo.config import ConfigError
 
 
@@ -114,13 +115,12 @@ def _run_slurm(args: argparse.Namespace) -> int:
 
 
 def local_command(run_spec: slurm.RunSpec, nproc: int, resume: bool, entry_script: str | None) -> list[str]:
-    """The torchrun command line for `nproc` processes on this machine (layout already checked)."""
+    """The torchrun command line for `nproc` processes on this machine (checks the layout first)."""
     extra = slurm.resolve_layout(run_spec, nproc, f"--nproc {nproc}")
     entry = [str(Path(entry_script).resolve()), "train"] if entry_script else ["-m", "megapo.cli", "train"]
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        *entry, *(["--resume"] if resume else []), str(run_spec.config_path), *run_spec.overrides, *extra,
-    ]  # fmt: skip
+    torchrun_opts = ["--shutdown-timeout=180"] if slurm.torchrun_has("--shutdown-timeout") else []
+    args = [*entry, *(["--resume"] if resume else []), str(run_spec.config_path), *run_spec.overrides, *extra]
+    return local.torchrun_command([*torchrun_opts, *args], nproc)
 
 
 def _run_local(args: argparse.Namespace) -> int:
@@ -135,4 +135,9 @@ def _run_local(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    return subprocess.run(cmd).returncode
+    proc = subprocess.Popen(cmd)
+    # SIGTERM to this launcher reaches torchrun once (it forwards it to the trainer, which
+    # checkpoints); Ctrl-C already reaches every process of the foreground group by itself.
+    signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return proc.wait()

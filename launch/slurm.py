@@ -52,6 +52,7 @@ class RunSpec:
     parallel: ParallelConfig
     dp_given: bool  # False: dp is inferred from the world size (and passed on as an override)
     hf_config: dict[str, Any]
+    rollout: dict[str, Any]  # the config's rollout section, as plain data
 
 
 @dataclass
@@ -163,6 +164,7 @@ def read_run(config_path: str | Path, overrides: list[str] | None = None) -> Run
         parallel=parallel,
         dp_given="dp" in parallel_data,
         hf_config=hf,
+        rollout=_section(data, "rollout"),
     )
 
 
@@ -214,6 +216,16 @@ def render(run: RunSpec, job: SlurmJob) -> str:
     if " " in str(run.output_dir) or "%" in str(run.output_dir):
         # #SBATCH lines are not shell-parsed, and % starts a Slurm filename pattern
         raise ConfigError("train.output_dir", f"{run.output_dir}: no spaces or '%' allowed under Slurm")
+    if job.rollout_nodes:
+        engine = run.rollout.get("engine", "embedded")
+        if engine == "embedded":
+            raise ConfigError(
+                "rollout.engine",
+                f"--rollout-nodes {job.rollout_nodes} runs engine servers, but the embedded engine runs inside "
+                "the trainer; use a server engine (vllm, sglang) or launch colocated (no --rollout-nodes)",
+            )
+        if run.rollout.get("servers"):
+            raise ConfigError("rollout.servers", "is set by the launcher with --rollout-nodes; remove it from the config")
     where = f"{job.learner_nodes} learner node(s) x {job.procs} processes"
     extra_overrides = resolve_layout(run, job.world_size, where)
 
@@ -237,7 +249,7 @@ def render(run: RunSpec, job: SlurmJob) -> str:
         train_entry, serve_entry = ["-m", "megapo.cli", "train"], ["-m", "megapo.cli", "serve"]
 
     torchrun_extra = []
-    if _torchrun_has("--shutdown-timeout"):  # torch >= 2.11; older torchrun kills after 30 s
+    if torchrun_has("--shutdown-timeout"):  # recent torch only; older torchrun kills it after 30 s
         torchrun_extra.append(f"--shutdown-timeout={job.grace_s}")
 
     values = {
@@ -268,7 +280,7 @@ def render(run: RunSpec, job: SlurmJob) -> str:
     return text
 
 
-def _torchrun_has(option: str) -> bool:
+def torchrun_has(option: str) -> bool:
     """Whether this Python's torchrun knows `option` (read from its source; torch is not imported)."""
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:

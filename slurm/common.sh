@@ -1,7 +1,7 @@
 # ---------------------------------------------------------------------------------------------
 # Common part of megapo's sbatch templates (slurm/common.sh, pasted in by `megapo launch slurm`).
 # Needs: OUTPUT_DIR, PYTHON. Defines: RUN_LOG, NODE_NAMES, HEAD_ADDR, MASTER_PORT, RESUME,
-# node_addr, wait_step, finish, SRUN_COMMON. See slurm/README.md for the signal contract.
+# node_addr, step_id, wait_step, finish, SRUN_COMMON. See slurm/README.md for the signal contract.
 # ---------------------------------------------------------------------------------------------
 RESTART=${SLURM_RESTART_COUNT:-0}          # unset on the first run, 1, 2, ... after each requeue
 RUN_LOG="$OUTPUT_DIR/logs/slurm-$SLURM_JOB_ID/run$RESTART"
@@ -15,7 +15,7 @@ node_addr() {  # the address Slurm itself reaches a node at (its NodeAddr), else
     echo "${addr:-$1}"
 }
 HEAD_ADDR=$(node_addr "${NODE_NAMES[0]}")
-MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))   # per job, so two jobs on one head node do not clash
+MASTER_PORT=$((20000 + SLURM_JOB_ID % 10000))   # per job (two jobs on one head node do not clash), below the ephemeral ports
 
 # Resume after a requeue, or when the output dir already holds a checkpoint (a resubmission).
 RESUME=()
@@ -75,8 +75,11 @@ on_signal() {
     # SIGTERM to the learner step's processes. (Signalling srun itself would make it tear the
     # step down at once, with no time to checkpoint.)
     local step
-    step=$(squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' | awk '$2 == "megapo-learner" {print $1; exit}')
+    step=$(step_id megapo-learner)
     scancel --signal=TERM "${step:-$SLURM_JOB_ID}"
+}
+step_id() {  # JOB.STEP of this job's step named $1 (srun --job-name), empty if none
+    squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' | awk -v name="$1" '$2 == name {print $1; exit}'
 }
 trap 'on_signal USR1' USR1
 trap 'on_signal TERM' TERM

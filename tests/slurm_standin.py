@@ -46,6 +46,7 @@ def train(argv: list[str]) -> int:
     args = ap.parse_intermixed_args(argv)
     cfg = load(args.config, args.overrides)
     out = Path(cfg["train"]["output_dir"])
+    out.mkdir(parents=True, exist_ok=True)
     steps = int(cfg["train"]["steps"])
     step_s = float(cfg["train"].get("step_seconds", 0.05))
 
@@ -78,7 +79,7 @@ def train(argv: list[str]) -> int:
     dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME", socket.gethostname()))
     record["rank_nodes"] = nodes
     if rank == 0:
-        record["servers"] = [_health(url) for url in cfg.get("rollout", {}).get("servers", [])]
+        record["servers"] = [_health(server) for server in cfg.get("rollout", {}).get("servers", [])]
 
     step = start
     while step < steps:
@@ -105,14 +106,15 @@ def train(argv: list[str]) -> int:
     return 0
 
 
-def _health(url: str) -> dict:
+def _health(server: str) -> dict:
+    """GET http://host:port/health of one engine server (retrying while it starts)."""
     for _ in range(30):
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
-                return {"url": url, **json.loads(resp.read())}
+            with urllib.request.urlopen(f"http://{server}/health", timeout=5) as resp:
+                return {"server": server, **json.loads(resp.read())}
         except OSError:
             time.sleep(1)
-    return {"url": url, "error": "unreachable"}
+    return {"server": server, "error": "unreachable"}
 
 
 def _append(path: Path, record: dict) -> None:

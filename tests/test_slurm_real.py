@@ -1,0 +1,211 @@
+"""`megapo launch slurm` on a real Slurm: the local test cluster of .ci/slurm_up.sh (nodes n1, n2
+on 127.0.0.1). The job is tests/slurm_standin.py, which keeps the trainer's launch contract
+(slurm/README.md): ranks under torchrun (gloo), checkpoint on SIGTERM and exit, resume with --resume.
+
+These tests fail (never skip) when the cluster is not up: run .ci/slurm_up.sh first.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch.slurm import EXIT_CHECKPOINTED
+from megapo.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+STANDIN = REPO / "tests" / "slurm_standin.py"
+
+
+def _cluster_problem() -> str | None:
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        return "the Slurm client (sbatch, sinfo) is not installed"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %T"], capture_output=True, text=True,
+                             timeout=15)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer within 15 s (slurmctld down?)"
+    if out.returncode != 0:
+        return f"sinfo failed: {out.stderr.strip()}"
+    usable = [line.split()[0] for line in out.stdout.splitlines() if line.split()[1].rstrip("*") in ("idle", "mixed")]
+    if len(usable) < 2:
+        return f"partition 'debug' needs 2 idle nodes, sinfo shows: {out.stdout.strip() or 'nothing'}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    problem = _cluster_problem()
+    if problem:
+        pytest.fail(f"Slurm test cluster not usable ({problem}). Start it with .ci/slurm_up.sh (as root).")
+
+
+@pytest.fixture
+def jobs():
+    """Job ids submitted by a test; whatever still runs at its end is cancelled."""
+    submitted: list[str] = []
+    yield submitted
+    for job in submitted:
+        subprocess.run(["scancel", job], capture_output=True)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def submit(tmp_path: Path, capsys, jobs: list, *, train: dict, cli: list, rollout: dict | None = None) -> tuple[str, Path]:
+    out_dir = tmp_path / "out"
+    cfg = {"model": {"path": str(tmp_path / "model")}, "train": {"output_dir": str(out_dir), **train}}
+    if rollout:
+        cfg["rollout"] = rollout
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    argv = ["launch", "slurm", str(config), "--gpus-per-node", "0", "--partition", "debug",
+            "--entry-script", str(STANDIN), "--grace", "30", *map(str, cli)]
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    job = re.search(r"submitted job (\d+)", out).group(1)
+    jobs.append(job)
+    return job, out_dir
+
+
+def job_info(job: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True)
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+
+
+def wait_for(condition, timeout: float, what: str, job: str, out_dir: Path):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.3)
+    log = out_dir / "logs" / f"slurm-{job}.out"
+    pytest.fail(f"timed out after {timeout} s waiting for {what}; job: {job_info(job)}\n"
+                f"batch log:\n{log.read_text() if log.exists() else '(none)'}")
+
+
+def wait_done(job: str, out_dir: Path, timeout: float = 120) -> dict:
+    def done():
+        info = job_info(job)
+        return info if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") else None
+    return wait_for(done, timeout, "the job to end", job, out_dir)
+
+
+def progress(out_dir: Path) -> int:
+    try:
+        return int((out_dir / "progress").read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def runs(out_dir: Path) -> list[dict]:
+    path = out_dir / "runs.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def hostnames(nodelist: str) -> list[str]:
+    return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True).stdout.split()
+
+
+def node_addr(node: str) -> str:
+    out = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True).stdout
+    return re.search(r"NodeAddr=(\S+)", out).group(1)
+
+
+@pytest.fixture
+def model(tmp_path, tiny_moe):
+    link = tmp_path / "model"
+    link.symlink_to(tiny_moe)
+    return link
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_colocated_job_runs_every_rank_and_resumes_an_existing_checkpoint(cluster, model, tmp_path, capsys, jobs):
+    """A resubmission into an output dir that holds a checkpoint continues from it (--resume)."""
+    checkpoint = tmp_path / "out" / "checkpoints" / "latest.json"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_text(json.dumps({"step": 2}))
+    job, out_dir = submit(tmp_path, capsys, jobs, train={"steps": 4, "step_seconds": 0.05},
+                          cli=["--nodes", 2, "--procs-per-node", 2])
+    info = wait_done(job, out_dir)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0")
+    nodes = hostnames(info["NodeList"])
+    [record] = runs(out_dir)
+    # torchrun's static rendezvous: node rank i holds global ranks 2i, 2i+1
+    assert record["rank_nodes"] == [nodes[0], nodes[0], nodes[1], nodes[1]]
+    assert record["world_size"] == 4 and record["overrides"] == ["parallel.dp=4"]
+    assert (record["resume_flag"], record["start"], record["end"], record["exit"]) == (True, 2, 4, 0)
+    for i in range(2):
+        log = (out_dir / "logs" / f"slurm-{job}" / "run0" / f"learner-node{i}.log").read_text()
+        assert f"[node {i} {nodes[i]}]" in log and "exit 0" in log
+
+
+def test_disaggregated_learner_reaches_engine_on_rollout_node(cluster, model, tmp_path, capsys, jobs):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    job, out_dir = submit(tmp_path, capsys, jobs, train={"steps": 2, "step_seconds": 0.05},
+                          rollout={"engine": "vllm"},
+                          cli=["--nodes", 2, "--rollout-nodes", 1, "--procs-per-node", 2, "--engine-port", port])
+    info = wait_done(job, out_dir)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0")
+    learner_node, rollout_node = hostnames(info["NodeList"])
+    [record] = runs(out_dir)
+    assert record["rank_nodes"] == [learner_node, learner_node]
+    server = f"{node_addr(rollout_node)}:{port}"
+    assert record["overrides"] == ["parallel.dp=2", f'rollout.servers=["{server}"]']
+    assert record["servers"] == [{"server": server, "node": rollout_node, "port": port}]
+    engine_log = (out_dir / "logs" / f"slurm-{job}" / "run0" / "engine-node0.log").read_text()
+    assert "GET /health" in engine_log and "got SIGTERM" in engine_log  # stopped gently at the end
+
+
+def test_stopped_job_checkpoints_requeues_resumes_and_cancel_is_final(cluster, model, tmp_path, capsys, jobs):
+    """Each way a run is stopped, one after the other on one job. The stand-in checkpoints on
+    SIGTERM every time; the first three bring the job back, resuming where it stopped:
+      run 0: `scancel --signal=TERM JOB` (SIGTERM to the steps)      -> the batch script requeues
+      run 1: preemption by a job in the higher-priority partition    -> Slurm requeues
+      run 2: `scancel --batch --signal=USR1` (the time-limit warning) -> the batch script requeues
+      run 3: plain `scancel`                                          -> checkpoint, stays cancelled
+    """
+    job, out_dir = submit(tmp_path, capsys, jobs, train={"steps": 1000, "step_seconds": 0.1},
+                          cli=["--nodes", 2, "--procs-per-node", 1])
+    preempt = ["sbatch", "--parsable", "-p", "urgent", "-N", "2", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 1"]
+    stops = [["scancel", "--signal=TERM", job], preempt, ["scancel", "--batch", "--signal=USR1", job], ["scancel", job]]
+    ends = []
+    for restart, stop in enumerate(stops):
+        start = ends[-1] if ends else 0
+        wait_for(lambda: progress(out_dir) >= start + 2, 120, f"run {restart} to make progress", job, out_dir)
+        assert job_info(job)["Restarts"] == str(restart)
+        out = subprocess.run(stop, check=True, capture_output=True, text=True)
+        if stop is preempt:
+            jobs.append(out.stdout.strip())
+        wait_for(lambda: len(runs(out_dir)) == restart + 1, 60, f"run {restart} to checkpoint", job, out_dir)
+        ends.append(runs(out_dir)[-1]["end"])
+
+    info = wait_done(job, out_dir)
+    log = out_dir / "logs" / f"slurm-{job}.out"
+    wait_for(lambda: "learner exit" in log.read_text().split(f"job {job} restart 3")[-1], 30,
+             "the batch script to end", job, out_dir)
+    time.sleep(3)  # a wrongful requeue after the cancel would show here
+    info = job_info(job)
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "3")
+
+    records = runs(out_dir)
+    assert [r["restart"] for r in records] == [0, 1, 2, 3]
+    assert [r["resume_flag"] for r in records] == [False, True, True, True]
+    assert [r["start"] for r in records] == [0, *ends[:-1]]  # each run starts where the last one stopped
+    assert [r["exit"] for r in records] == [EXIT_CHECKPOINTED] * 4
+    assert all(a < b for a, b in zip([0, *ends], ends)), ends
+    assert json.loads((out_dir / "checkpoints" / "latest.json").read_text()) == {"step": ends[-1]}
