@@ -70,3 +70,11 @@ def test_empty_row_is_padding_only():
     assert len(rows) == 1 and rows[0].indices == [] and rows[0].width == 2
     tokens, positions, segments = packing.row_tensors(rows[0], [[1] * 5], pad_id=0)
     assert torch.equal(segments, torch.tensor([-1, -1]))
+
+
+def test_rows_spread_evenly_over_the_fewest_rows():
+    rng = random.Random(4)
+    lengths = [rng.randint(1, 60) for _ in range(100)]
+    rows = packing.pack(list(range(100)), lengths, budget=512)
+    assert len(rows) == -(-sum(lengths) // 512) or len(rows) == -(-sum(lengths) // 512) + 1
+    assert max(r.used for r in rows) - min(r.used for r in rows) <= max(lengths)

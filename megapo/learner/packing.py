@@ -46,11 +46,14 @@ def split_over_dp(lengths: list[int], dp: int) -> list[list[int]]:
 
 
 def pack(indices: list[int], lengths: list[int], budget: int, pad_multiple: int = 1) -> list[PackedRow]:
-    """First-fit decreasing of sequences `indices` into rows of at most `budget` tokens."""
+    """Sequences `indices` into as few rows of at most `budget` tokens as first-fit decreasing finds,
+    then spread evenly over that many rows (longest first, each to the emptiest row) when that still
+    fits the budget: even rows keep pipeline stages busy and cost little when rows must be equal width."""
     if budget < 1:
         raise ValueError(f"micro_batch_tokens must be >= 1, got {budget}")
+    order = sorted(indices, key=lambda i: -lengths[i])
     rows: list[PackedRow] = []
-    for i in sorted(indices, key=lambda i: -lengths[i]):
+    for i in order:
         for row in rows:
             if row.used + lengths[i] <= budget:
                 break
@@ -59,6 +62,13 @@ def pack(indices: list[int], lengths: list[int], budget: int, pad_multiple: int 
             rows.append(row)
         row.indices.append(i)
         row.lengths.append(lengths[i])
+    even = [PackedRow() for _ in rows]
+    for i in order:
+        row = min(even, key=lambda r: r.used)
+        row.indices.append(i)
+        row.lengths.append(lengths[i])
+    if all(r.used <= budget or len(r.indices) == 1 for r in even):
+        rows = even
     for row in rows:
         row.width = -(-row.used // pad_multiple) * pad_multiple
     return rows
