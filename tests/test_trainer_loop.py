@@ -54,10 +54,11 @@ class HFLearner:
             p = s["prompt_len"]
             logp = self._logp(s["tokens"])[p - 1:]
             r = len(logp)
+            extra = {"ref_logp": torch.tensor([s["ref_logp"]])} if "ref_logp" in s else {}
             loss, metrics = policy_loss(objective, logp[None], torch.tensor([s["old_logp"]]),
                                         torch.full((1, r), s["advantage"]), torch.ones(1, r),
                                         torch.tensor([s["rollout_logp"]]), loss_agg=loss_agg,
-                                        global_tokens=n_tok, global_seqs=len(batch), **options)
+                                        global_tokens=n_tok, global_seqs=len(batch), **options, **extra)
             loss.backward()
             total += float(loss.detach())
         self.opt.step()
@@ -115,7 +116,7 @@ def _cfg(tiny_dense, out, reward, **over):
 def test_loop_wiring_sync_metrics_dynamic_sampling(tmp_path, tiny_dense, reward_module):
     from megapo.trainer.loop import train
 
-    cfg = _cfg(tiny_dense, tmp_path / "run", reward_module, **{"train.mini_batches": 2})
+    cfg = _cfg(tiny_dense, tmp_path / "run", reward_module, **{"train.mini_batches": 2, "algorithm.kl_coef": 0.01})
     learner, engine = HFLearner(tiny_dense), RecordingEngine(tiny_dense)
     lines = []
     train(cfg, learner=learner, engine=engine, print_fn=lines.append)
@@ -135,6 +136,11 @@ def test_loop_wiring_sync_metrics_dynamic_sampling(tmp_path, tiny_dense, reward_
     # mini-batches hold whole groups (n_samples=4 consecutive rows of one prompt)
     assert learner.batches
     assert all(len(b) <= 8 for b in learner.batches)  # 2 mini-batches of at most 2 groups x 4 samples
+    # KL penalty: ref_logp is the starting model's log-prob of each response token (recomputed here with HF)
+    for s in learner.batches[-1]:
+        want = base.logprobs([s["tokens"]])[0][s["prompt_len"] - 1:]
+        assert torch.allclose(torch.tensor(s["ref_logp"]), want, atol=1e-4)
+        assert len(s["old_logp"]) == len(s["rollout_logp"]) == len(s["tokens"]) - s["prompt_len"]
     for batch in learner.batches:
         assert len(batch) % 4 == 0
         for g in range(0, len(batch), 4):
@@ -148,6 +154,7 @@ def test_loop_wiring_sync_metrics_dynamic_sampling(tmp_path, tiny_dense, reward_
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2] and "eval/accuracy" not in rows[1]
     assert all("reward" in r and "time/generate" in r for r in rows[1:])
+    assert any("kl" in r and "train/kl" in r for r in rows[1:])
     assert lines[-1].startswith("step 4/4 | reward")
 
 

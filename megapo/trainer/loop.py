@@ -3,7 +3,8 @@
 One step (sync mode):
     prompts ─► engine.generate (n samples each, log-probs, routes for R3)
             ─► rewards (+ overlong shaping) ─► dynamic sampling (drop equal-reward groups, refill)
-            ─► advantages (megapo.algorithms) ─► learner.logprobs = old log-probs (R3: engine routes)
+            ─► advantages (megapo.algorithms) ─► learner old log-probs (R2 records routes, R3 replays
+               the engine's) ─► reference log-probs when kl_coef > 0
             ─► learner.train_step per mini-batch ─► weight sync learner.hf_state_dict() → engine
             ─► metrics ─► held-out eval / checkpoint
 
@@ -117,25 +118,58 @@ def rollout_round(engine, params, examples: list, prompt_ids: list[list[int]], r
     return groups
 
 
-def train_samples(groups: list[Group], cfg: RunConfig, old_logps: list[torch.Tensor]) -> list[dict]:
-    """Learner train samples (CONTRACTS.md) with per-sequence advantages from the configured estimator."""
+def train_samples(groups: list[Group], cfg: RunConfig) -> list[dict]:
+    """Learner train samples (CONTRACTS.md) with per-sequence advantages from the configured estimator;
+    `old_logp` is filled in by the old-log-prob pass (`old_logprob_pass`)."""
     from megapo.algorithms import compute_advantages
 
     n = cfg.rollout.n_samples
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
     adv = compute_advantages(cfg.algorithm.advantage, rewards, group_size=n, **cfg.algorithm.advantage_options)
     out = []
-    k = 0
     for gi, g in enumerate(groups):
         for si, s in enumerate(g.samples):
             sample = {"tokens": list(s.prompt_ids) + list(s.output_ids), "prompt_len": len(s.prompt_ids),
-                      "advantage": float(adv[gi, si]), "old_logp": old_logps[k].tolist(),
-                      "rollout_logp": list(s.logprobs)}
+                      "advantage": float(adv[gi, si]), "rollout_logp": list(s.logprobs)}
             if cfg.algorithm.routing_replay == "r3":
                 sample["routes"] = s.routes
             out.append(sample)
-            k += 1
     return out
+
+
+def old_logprob_pass(learner, batch: list[dict], cfg: RunConfig) -> dict:
+    """Set each sample's `old_logp` from the learner (collective). Under r2 the pass records the
+    learner's routes and under r3 replays the engine's; either way sample["routes"] then holds the
+    routes every train_step on this batch replays (megapo.replay.modes)."""
+    from megapo.replay.modes import old_logprobs
+
+    logps, metrics = old_logprobs(learner, batch, cfg.algorithm.routing_replay)
+    for sample, lp in zip(batch, logps):
+        sample["old_logp"] = lp.tolist()
+    return metrics
+
+
+class ReferencePolicy:
+    """Frozen starting weights for the KL penalty: per-token log-probs of the RL starting point, from
+    the embedded engine's plain-PyTorch model on rank 0 (fine for small models; a large model would
+    need a second Megatron learner)."""
+
+    def __init__(self, model_dir: Path):
+        from megapo.engines.torch_lm import TorchCausalLM
+
+        self.model = TorchCausalLM.from_pretrained(model_dir)
+
+    def response_logprobs(self, batch: list[dict]) -> list[list[float]]:
+        by_len: dict[int, list[int]] = {}
+        for i, s in enumerate(batch):
+            by_len.setdefault(len(s["tokens"]), []).append(i)
+        out: list[list[float]] = [[] for _ in batch]
+        for idx in by_len.values():  # rows of one length form one unpadded batch
+            ids = torch.tensor([batch[i]["tokens"] for i in idx])
+            logp = torch.log_softmax(self.model.logits(ids)[:, :-1].float(), -1).gather(2, ids[:, 1:, None])[..., 0]
+            for row, i in enumerate(idx):
+                out[i] = logp[row, batch[i]["prompt_len"] - 1:].tolist()
+        return out
 
 
 def loss_options(cfg: RunConfig) -> dict:
@@ -223,8 +257,6 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
 
     if cfg.train.mode != "sync":
         raise NotImplementedError("train.mode=async is not implemented yet; use sync")
-    if cfg.algorithm.kl_coef:
-        raise NotImplementedError("algorithm.kl_coef > 0 needs reference log-probs, not wired into the loop yet")
     out_dir = Path(cfg.train.output_dir)
     if _rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -234,6 +266,7 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
     learner = learner if learner is not None else build_learner(cfg, model_dir)
     if engine is None and _rank() == 0:
         engine = build_engine(cfg, model_dir)
+    reference = ReferencePolicy(model_dir) if cfg.algorithm.kl_coef and _rank() == 0 else None
 
     # data: prompts (rank 0 only needs them; the others get the train batch broadcast)
     if cfg.data.task:
@@ -311,12 +344,14 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
             log.warning("step %d: no informative group after %d sampling rounds; skipping the update", step,
                         cfg.data.max_sampling_rounds)
         else:
-            sequences = [list(s.prompt_ids) + list(s.output_ids) for g in groups for s in g.samples]
-            routes = [s.routes for g in groups for s in g.samples] if params.return_routes else None
+            batch = train_samples(groups, cfg)
             with timer("old_logp"):
-                old = learner.logprobs(sequences, routes=routes)
-                old = [lp[len(s.prompt_ids) - 1:] for lp, s in zip(old, (s for g in groups for s in g.samples))]
-            batch = train_samples(groups, cfg, old)
+                metrics.update(old_logprob_pass(learner, batch, cfg))
+            if cfg.algorithm.kl_coef:
+                with timer("ref_logp"):
+                    ref = _broadcast(reference.response_logprobs(batch) if reference is not None else None)
+                for sample, lp in zip(batch, ref):
+                    sample["ref_logp"] = lp
             with timer("train"):
                 per_mb = max(1, len(groups) // cfg.train.mini_batches) * cfg.rollout.n_samples
                 train_metrics: list[dict] = []
@@ -327,8 +362,10 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
             for k, v in train_metrics[-1].items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     metrics[f"train/{k}"] = v
-            if "train/mismatch_k3" in metrics:
-                metrics["kl"] = metrics["train/mismatch_k3"]  # engine vs learner; the KL penalty lands with kl_coef
+            # "kl": to the reference when there is a KL penalty, else engine-vs-learner mismatch
+            kl_key = "train/kl" if "train/kl" in metrics else "train/mismatch_k3"
+            if kl_key in metrics:
+                metrics["kl"] = metrics[kl_key]
             with timer("sync"):
                 version += 1
                 sync_weights(learner, engine, version, cfg, out_dir)
