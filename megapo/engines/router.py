@@ -1,11 +1,13 @@
 """Router: one Engine over several engines (servers), balancing samples and surviving a dead server.
 
-A batch of prompts x n becomes prompts*n single-sample requests, each with an id (prompt i, sample j) and, when
-the batch has a seed, its own seed `seed + i*n + j` (the seed a single VLLMEngine/vLLM server would give it), so
-a sample does not depend on which server ran it. Each request goes to the live engine with the fewest requests in
-flight. A request that gets no answer (connection refused/reset/timed out) marks its engine dead after a failed
-health check and is sent again to a live one; a result is accepted once per id, so the batch returns every
-sample exactly once. Dead engines are health-checked again at the start of every batch.
+Every sample has an id (prompt i, sample j) and, when the batch has a seed, its own seed `seed + i*n + j` (the
+seed a single VLLMEngine/vLLM server gives it). Requests carry `samples_per_request` consecutive samples of one
+prompt (default: all n, one request per prompt, as fast as a plain client; 1: one request per sample); a request
+for samples j0.. is sent with seed `seed + i*n + j0`, and vLLM/SGLang seed its k-th sample with that + k, so a
+sample does not depend on which server ran it. Each request goes to the live engine with the fewest requests in
+flight. A request that gets no answer (connection refused/reset/timed out) marks its engine dead and is sent
+again to a live one; a result is accepted once per sample id, so the batch returns every sample exactly once.
+Dead engines are health-checked again at the start of every batch.
 
 Weight updates, pause and resume go to every live engine.
 """
@@ -28,9 +30,13 @@ class NoLiveEngine(RuntimeError):
 
 
 class Router(Engine):
-    def __init__(self, engines: list[Engine], *, max_in_flight_per_engine: int = 64, weight_version: int = 0):
+    def __init__(self, engines: list[Engine], *, max_in_flight_per_engine: int = 64, weight_version: int = 0,
+                 samples_per_request: int | None = None):
         if not engines:
             raise ValueError("engines must be a non-empty list")
+        if samples_per_request is not None and samples_per_request < 1:
+            raise ValueError(f"samples_per_request must be >= 1 or None, got {samples_per_request}")
+        self.samples_per_request = samples_per_request
         if max_in_flight_per_engine < 1:
             raise ValueError(f"max_in_flight_per_engine must be >= 1, got {max_in_flight_per_engine}")
         self.engines = list(engines)
@@ -63,14 +69,16 @@ class Router(Engine):
         with self._lock:
             self.alive[k] = False
 
-    def _run(self, prompt: list[int], params: SamplingParams) -> tuple[int, Sample]:
-        """One sample, retried on another engine while engines die under it."""
+    def _run(self, prompt: list[int], params: SamplingParams) -> tuple[int, list[Sample]]:
+        """One request (params.n samples of one prompt), retried on another engine while engines die under it."""
         tried: set[int] = set()
         while True:
             k = self._acquire(tried)
             try:
-                [[sample]] = self.engines[k].generate([prompt], params)
-                return k, sample
+                [samples] = self.engines[k].generate([prompt], params)
+                if len(samples) != params.n:
+                    raise RuntimeError(f"engine {k} returned {len(samples)} samples for n={params.n}")
+                return k, samples
             except Exception as err:  # noqa: BLE001 - decide below whether the engine or the request failed
                 if not isinstance(err, ConnectionLost) and self._healthy(k):
                     raise  # the engine is up and rejected the request: a real error, not a dead server
@@ -101,22 +109,24 @@ class Router(Engine):
         results: dict[tuple[int, int], Sample] = {}
         accept = threading.Lock()
 
-        def task(i: int, j: int) -> None:
-            seed = None if params.seed is None else params.seed + i * n + j
+        def task(i: int, j0: int, count: int) -> None:
+            seed = None if params.seed is None else params.seed + i * n + j0
             try:
-                k, sample = self._run(list(prompts[i]), replace(params, n=1, seed=seed))
+                k, samples = self._run(list(prompts[i]), replace(params, n=count, seed=seed))
             finally:
                 self._capacity.release()
             with accept:
-                if (i, j) not in results:  # a result is accepted once per id
-                    results[(i, j)] = sample
-                    self.served[k] += 1
+                for j, sample in zip(range(j0, j0 + count), samples):
+                    if (i, j) not in results:  # a result is accepted once per id
+                        results[(i, j)] = sample
+                        self.served[k] += 1
 
+        chunk = self.samples_per_request or n
         futures = []
         for i in range(len(prompts)):
-            for j in range(n):
+            for j0 in range(0, n, chunk):
                 self._capacity.acquire()
-                futures.append(self._pool.submit(task, i, j))
+                futures.append(self._pool.submit(task, i, j0, min(chunk, n - j0)))
         errors = [f.exception() for f in futures]
         first = next((e for e in errors if e is not None), None)
         if first is not None:

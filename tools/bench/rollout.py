@@ -6,7 +6,7 @@
 embedded: the embedded engine on one batch of prompts x n (with and without routes).
 vllm:     the same batch sent to one vLLM server three ways, interleaved round by round so CPU noise hits all
           alike: `raw` = plain concurrent HTTP requests of the same bodies (no megapo code), `client` = VLLMEngine,
-          `router` = Router([VLLMEngine]) (one request per sample). Ratios client/raw and router/raw are reported
+          `router` = Router([VLLMEngine]) (one request per prompt), `router_per_sample` (one request per sample). Ratios client/raw and router/raw are reported
           per round and as the median (target >= 0.9). Without --url a server is started (needs .venv-vllm).
 Without --model a tiny Qwen3-MoE is written to a temporary folder.
 """
@@ -94,13 +94,15 @@ def bench_vllm(args, model_dir: str) -> dict:
         url = server.url
     try:
         client = VLLMEngine(url)
-        router = Router([VLLMEngine(url)])
+        router = Router([VLLMEngine(url)])  # one request per prompt (all n samples)
+        per_sample = Router([VLLMEngine(url)], samples_per_request=1)
         prompts = make_prompts(args.prompts, args.prompt_len, 500)
         params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, seed=0)
         pool = ThreadPoolExecutor(64)
         runs = {"raw": lambda: raw_load(url, prompts, params, pool),
                 "client": lambda: count_tokens(client.generate(prompts, params)),
-                "router": lambda: count_tokens(router.generate(prompts, params))}
+                "router": lambda: count_tokens(router.generate(prompts, params)),
+                "router_per_sample": lambda: count_tokens(per_sample.generate(prompts, params))}
         for fn in runs.values():  # warm-up
             fn()
         rates: dict[str, list[float]] = {k: [] for k in runs}
@@ -109,7 +111,7 @@ def bench_vllm(args, model_dir: str) -> dict:
                 t = time.perf_counter()
                 tokens = fn()
                 rates[name].append(tokens / (time.perf_counter() - t))
-        ratio = {k: [r / raw for r, raw in zip(rates[k], rates["raw"])] for k in ("client", "router")}
+        ratio = {k: [r / raw for r, raw in zip(rates[k], rates["raw"])] for k in rates if k != "raw"}
         return {"url": url, "tokens_per_s": {k: statistics.median(v) for k, v in rates.items()}, "rounds": rates,
                 "ratio_vs_raw": {k: statistics.median(v) for k, v in ratio.items()}, "ratio_rounds": ratio,
                 "target_ratio": 0.9}
