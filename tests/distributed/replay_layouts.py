@@ -10,7 +10,8 @@ for several parallel layouts of one world size. For each layout, on the perturbe
              gradients (full [E, H] per MoE layer, gathered over stages), the loss and the routes used;
 - "r2" (layout flag): old-log-prob pass (free, recorded) then two optimizer steps replaying it;
              the routes of every pass and the free routes after the updates;
-- "r3" (layout flag): engine samples (spec) through old_logprobs(..., "r3"), mismatch_kl, a train step.
+- "r3" (layout flag): engine samples (spec) through old_logprobs(..., "r3") and mismatch_kl before any
+             optimizer step, and a train step replaying them after the others.
 Rank 0 saves everything to --out.
 
     python -m torch.distributed.run --nproc-per-node 4 tests/distributed/replay_layouts.py --spec S.json --out R.pt
@@ -79,6 +80,14 @@ def main() -> None:
         res["free"] = free
         _, _, res["metrics"] = logprobs_with_routes(learner, seqs, load_routes(spec["full_npz"], len(seqs)))
 
+        if layout.get("r3"):  # before any optimizer step: log-probs and KL comparable to the HF reference
+            engine_routes = [torch.tensor(s["routes"]).numpy() for s in spec["engine_samples"]]
+            r3_samples = [dict(s, routes=r) for s, r in zip(spec["engine_samples"], engine_routes)]
+            old, m_old = old_logprobs(learner, r3_samples, "r3")
+            kl = mismatch_kl(learner, r3_samples, old)
+            res["r3"] = {"engine_routes": engine_routes, "old_routes": [s["routes"] for s in r3_samples],
+                         "old_metrics": m_old, "kl": kl, "old_logp": old}
+
         train_batch = [dict(s, routes=r) for s, r in zip(batch, load_routes(spec["batch_npz"], len(batch)))]
         metrics = learner.train_step(train_batch, "custom", "token-mean")
         res["train"] = {"metrics": metrics, "grads": router_grads(learner),
@@ -94,16 +103,9 @@ def main() -> None:
             _, free_after, _ = logprobs_with_routes(learner, [s["tokens"] for s in samples], None)
             res["r2"] = {"old_routes": [s["routes"] for s in samples], "old_metrics": m_old, "steps": steps,
                          "free_after": free_after}
-        if layout.get("r3"):
-            samples = [dict(s) for s in spec["engine_samples"]]
-            engine_routes = [torch.tensor(s["routes"]).numpy() for s in samples]
-            samples = [dict(s, routes=r) for s, r in zip(samples, engine_routes)]
-            old, m_old = old_logprobs(learner, samples, "r3")
-            kl = mismatch_kl(learner, samples, old)
-            m = learner.train_step(samples, "custom", "token-mean")
-            res["r3"] = {"engine_routes": engine_routes, "old_routes": [s["routes"] for s in samples],
-                         "old_metrics": m_old, "kl": kl, "train_metrics": m,
-                         "train_routes": learner.route_hook.routes_used(len(samples)), "old_logp": old}
+        if layout.get("r3"):  # the train step (weights changed by then) only checks the routes replayed
+            m = learner.train_step(r3_samples, "custom", "token-mean")
+            res["r3"].update(train_metrics=m, train_routes=learner.route_hook.routes_used(len(r3_samples)))
         results[name] = res
         learner.close()
     if torch.distributed.get_rank() == 0:
