@@ -127,6 +127,7 @@ BAD = [
     ("train.mini_batches", lambda t, m: [("train.mini_batches", 3)]),
     ("train.micro_batch_tokens", lambda t, m: [("train.micro_batch_tokens", 20)]),
     ("train.keep_last", lambda t, m: [("train.keep_last", 0)]),
+    ("train.eval_prompts", lambda t, m: [("train.eval_prompts", 1001)]),
     ("train.log[1]", lambda t, m: [("train.log", ["jsonl", "mlflow"])]),
     ("algorithm.loss_agg", lambda t, m: [("algorithm.loss_agg", "sum")]),
     ("algorithm.kl_coef", lambda t, m: [("algorithm.kl_coef", -0.1)]),

@@ -320,6 +320,11 @@ class RunConfig:
         if d.task:
             if d.task not in data.BUILTIN_TASKS:
                 raise ConfigError("data.task", f"unknown task {d.task!r}; built-in: {', '.join(data.BUILTIN_TASKS)}")
+            from megapo.tasks import addition
+
+            if self.train.eval_prompts > addition.TEST_SIZE:
+                raise ConfigError("train.eval_prompts", f"the {d.task} test split has {addition.TEST_SIZE} problems, "
+                                  f"got {self.train.eval_prompts}")
         elif not d.train_files:
             raise ConfigError("data.train_files", "no data: set data.task or data.train_files")
         else:

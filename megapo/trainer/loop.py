@@ -301,7 +301,7 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
     def held_out() -> dict:
         if not cfg.data.task or cfg.train.eval_prompts == 0 or engine is None:
             return {}
-        r = evaluate(engine, cfg.data.task, "test", n=min(cfg.train.eval_prompts, 1000), tokenizer=tokenizer,
+        r = evaluate(engine, cfg.data.task, "test", n=cfg.train.eval_prompts, tokenizer=tokenizer,
                      chat_template=cfg.data.chat_template, max_new_tokens=cfg.rollout.max_new_tokens)
         return {"eval/accuracy": r.accuracy, "eval/response_len": r.mean_response_len}
 
