@@ -1,7 +1,8 @@
 # ---------------------------------------------------------------------------------------------
 # Common part of megapo's sbatch templates (slurm/common.sh, pasted in by `megapo launch slurm`).
-# Needs: OUTPUT_DIR, PYTHON. Defines: RUN_LOG, NODE_NAMES, HEAD_ADDR, MASTER_PORT, RESUME,
-# node_addr, step_id, wait_step, finish, SRUN_COMMON. See slurm/README.md for the signal contract.
+# Needs: OUTPUT_DIR, CHECKPOINT_SUBDIR, EXIT_CHECKPOINTED, GPUS_PER_NODE. Defines: RUN_LOG,
+# NODE_NAMES, HEAD_ADDR, MASTER_PORT, RESUME, SRUN_COMMON, node_addr, step_id, wait_step, finish.
+# See slurm/README.md for the signal contract.
 # ---------------------------------------------------------------------------------------------
 RESTART=${SLURM_RESTART_COUNT:-0}          # unset on the first run, 1, 2, ... after each requeue
 RUN_LOG="$OUTPUT_DIR/logs/slurm-$SLURM_JOB_ID/run$RESTART"
