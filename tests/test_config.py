@@ -204,3 +204,14 @@ def test_unknown_field_suggests(tmp_path, tiny_moe):
     with pytest.raises(ConfigError, match="did you mean 'temperature'") as err:
         _load(tmp_path, data)
     assert err.value.field == "rollout.temprature"
+
+
+def test_train_cli_refuses_bad_config_before_work(tmp_path, capsys):
+    from megapo.cli import main
+
+    out = tmp_path / "never"
+    rc = main(["train", str(REPO / "megapo/configs/tiny_moe_addition.yaml"), f"train.output_dir={out}",
+               f"model.path={tmp_path}/m", "rollout.top_p=1.5"])
+    assert rc == 2
+    assert "rollout.top_p" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "m").exists()  # nothing was created

@@ -17,7 +17,15 @@ def run(args: argparse.Namespace) -> int:
     from megapo.trainer.config import RunConfig
     from megapo.trainer.loop import train
 
+    import sys
+
+    from megapo.config import ConfigError
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    cfg = load_config(RunConfig, args.config, args.overrides)  # every config error before any work
+    try:
+        cfg = load_config(RunConfig, args.config, args.overrides)  # every config error before any work
+    except ConfigError as exc:
+        print(f"megapo train: config error: {exc}", file=sys.stderr)
+        return 2
     train(cfg, resume=args.resume)
     return 0

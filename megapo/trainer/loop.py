@@ -331,6 +331,7 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
                     groups = one_round()
             samples = [s for g in sampled for s in g.samples]
             rewards = [r for g in sampled for r in g.rewards]
+            gen_tokens = sum(len(s.output_ids) for s in samples)
             if samples:
                 metrics.update({
                     "reward": sum(rewards) / len(rewards),
@@ -376,9 +377,8 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
             with timer("checkpoint"):
                 state = ckpt.TrainerState(step, source.state_dict(), version)
                 ckpt.save_checkpoint(ckpt_root, state, learner.save, cfg.train.keep_last, _rank() == 0, _barrier)
-        if logger is not None:
-            tokens = sum(len(s.output_ids) for g in groups for s in g.samples)
-            row = logger.log(step, {**metrics, **timer.pop()}, tokens=tokens)
+        if logger is not None:  # tokens/s: generated tokens per second of the whole step
+            row = logger.log(step, {**metrics, **timer.pop()}, tokens=gen_tokens)
     if logger is not None:
         logger.close()
     return row
