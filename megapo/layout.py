@@ -52,6 +52,10 @@ def check_layout(parallel: ParallelConfig, hf: dict, world_size: int | None = No
     if experts:
         if experts % ep:
             raise LayoutError("parallel.ep", f"ep={ep} does not divide the number of experts ({experts})")
+        # the learner splits experts over TP only when ep == 1 (expert tensor parallel = 1 otherwise)
+        moe_ffn = hf.get("moe_intermediate_size") or hf.get("intermediate_size")
+        if ep == 1 and moe_ffn and moe_ffn % tp:
+            raise LayoutError("parallel.tp", f"tp={tp} does not divide the expert width ({moe_ffn}) with ep=1")
     elif ep > 1:
         raise LayoutError("parallel.ep", f"ep={ep} but the model is dense (no experts)")
     if world_size is not None and world_size != parallel.world_size:

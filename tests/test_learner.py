@@ -37,9 +37,13 @@ def transformers_logprobs(model_dir, sequences):
     return out
 
 
-@pytest.mark.parametrize("layout", [[], ["--tp", "2", "--ep", "2", "--dispatcher", "allgather"]],
-                         ids=["tp1", "tp2xep2"])
-def test_logprobs_command_matches_transformers(tiny_moe, tmp_path, layout):
+@pytest.mark.parametrize("family, layout", [
+    ("qwen3_moe", []),
+    ("qwen3_moe", ["--tp", "2", "--ep", "2", "--dispatcher", "allgather"]),
+    ("mixtral", ["--tp", "2", "--ep", "2"]),  # router order (softmax after top-k) must match HF
+], ids=["qwen3_moe-tp1", "qwen3_moe-tp2xep2", "mixtral-tp2xep2"])
+def test_logprobs_command_matches_transformers(tiny_model_factory, tmp_path, family, layout):
+    tiny_moe = tiny_model_factory(family)
     sequences = write_input(tmp_path / "in.jsonl")
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "megapo.cli", "logprobs", "--model", str(tiny_moe), "--input",

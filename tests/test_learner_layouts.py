@@ -1,8 +1,8 @@
 """The Megatron learner under every parallel layout vs Hugging Face transformers and vs TP=1.
 
 Three launches (world 1, 2 and 4 processes) of tests/distributed/learner_layouts.py cover TP=2,
-PP=2, EP=2 (x DP=2), TP=2xEP=2, PP=2xEP=2 (x DP=2) and TP=2xPP=2xEP=2, each with both MoE token
-dispatchers, for a tiny Qwen3-MoE and a tiny dense Qwen2 (the dense model runs each layout with ep=1).
+PP=2, EP=2 (x DP=2), TP=2xEP=2, PP=2xEP=2 (x DP=2), TP=2xPP=2xEP=2, DP=2 with the distributed
+optimizer and TP=2 with full activation recompute, each with both MoE token dispatchers, for a tiny Qwen3-MoE and a tiny dense Qwen2 (the dense model runs each layout with ep=1).
 Each run computes log-probs, takes one REINFORCE optimizer step and gathers the weights to HF names.
 
 References: log-probs from transformers' fp32 forward; the TP=1 step from transformers' autograd
@@ -30,7 +30,8 @@ OPTIM = dict(lr=1000.0, adam_eps=1000.0, grad_clip=0.0)
 LAYOUTS = {
     1: [dict(tp=1, pp=1, ep=1, dp=1)],
     2: [dict(tp=2, pp=1, ep=1, dp=1), dict(tp=1, pp=2, ep=1, dp=1), dict(tp=1, pp=1, ep=2, dp=2),
-        dict(tp=2, pp=1, ep=2, dp=1, save=True)],
+        dict(tp=2, pp=1, ep=2, dp=1, save=True), dict(tp=1, pp=1, ep=1, dp=2, distributed_optimizer=True),
+        dict(tp=2, pp=1, ep=1, dp=1, recompute=True)],
     4: [dict(tp=1, pp=2, ep=2, dp=2), dict(tp=2, pp=2, ep=2, dp=1)],
 }
 
@@ -116,7 +117,7 @@ def keys(results, model):
 def test_logprobs_match_transformers_in_every_layout(runs, model):
     ref = hf_logprobs(runs["models"][model], runs["sequences"])
     checked = keys(runs["results"], model)
-    assert len(checked) == (14 if model == "moe" else 7)
+    assert len(checked) == (18 if model == "moe" else 9)
     for key in checked:
         got = runs["results"][key]["logprobs"]
         assert len(got) == len(ref)

@@ -18,7 +18,13 @@ import torch
 from megapo.models.family import Family, ModelSpec, Rule, from_shards, padded_vocab, to_local
 
 LAYERS = "decoder.layers."
-EXPERTS = "mlp.experts.local_experts."
+EXPERTS = "mlp.experts.local_experts."  # local spec: SequentialMLP, one module per expert
+GROUPED = "mlp.experts."  # TE spec: TEGroupedMLP, mlp.experts.linear_fc1.weight{k} for local expert k
+# The TE spec fuses these norms into the next linear layer; same HF tensors as the local spec's norms.
+TE_FUSED_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
 
 
 @dataclass(frozen=True)
@@ -42,9 +48,15 @@ def locate(name: str, model, family: Family, spec: ModelSpec) -> Located:
         return Located(rule, None, None)
     index, suffix = name[len(LAYERS):].split(".", 1)
     layer = model.decoder.layers[int(index)].layer_number - 1  # layer_number is global and 1-based
-    if not suffix.startswith(EXPERTS):
+    suffix = TE_FUSED_NORMS.get(suffix, suffix)
+    if suffix.startswith(EXPERTS):
+        local, expert_suffix = suffix[len(EXPERTS):].split(".", 1)
+    elif suffix.startswith(GROUPED):
+        grouped = suffix[len(GROUPED):]
+        expert_suffix = grouped.rstrip("0123456789")
+        local = grouped[len(expert_suffix):]
+    else:
         return Located(family.layer_rules[suffix], layer, None)
-    local, expert_suffix = suffix[len(EXPERTS):].split(".", 1)
     per_rank = spec.num_experts // parallel_state.get_expert_model_parallel_world_size()
     expert = parallel_state.get_expert_model_parallel_rank() * per_rank + int(local)
     return Located(family.expert_rules[expert_suffix], layer, expert)

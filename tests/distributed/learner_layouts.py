@@ -40,7 +40,8 @@ def main() -> None:
             for dispatcher in dispatchers:
                 parallel = ParallelConfig(tp=layout["tp"], pp=layout["pp"], ep=layout["ep"] if moe else 1,
                                           dp=layout["dp"], dispatcher=dispatcher,
-                                          distributed_optimizer=layout.get("distributed_optimizer", False))
+                                          distributed_optimizer=layout.get("distributed_optimizer", False),
+                                          recompute=layout.get("recompute", False))
                 learner = Learner(model_dir, parallel, OptimConfig(**spec["optim"]),
                                   micro_batch_tokens=spec["micro_batch_tokens"])
                 logprobs = learner.logprobs(spec["sequences"])
