@@ -117,6 +117,8 @@ def _run_slurm(args: argparse.Namespace) -> int:
 def local_command(run_spec: slurm.RunSpec, nproc: int, resume: bool, entry_script: str | None) -> list[str]:
     """The torchrun command line for `nproc` processes on this machine (checks the layout first)."""
     extra = slurm.resolve_layout(run_spec, nproc, f"--nproc {nproc}")
+    if entry_script is None:
+        slurm.check_trainer_config(run_spec, extra)
     entry = [str(Path(entry_script).resolve()), "train"] if entry_script else ["-m", "megapo.cli", "train"]
     torchrun_opts = ["--shutdown-timeout=180"] if slurm.torchrun_has("--shutdown-timeout") else []
     args = [*entry, *(["--resume"] if resume else []), str(run_spec.config_path), *run_spec.overrides, *extra]

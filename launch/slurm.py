@@ -5,9 +5,9 @@
     script = render(run, job)         # raises ConfigError/LayoutError before anything is submitted
     job_id = submit(script, run, job)
 
-Only the config sections the launcher needs are read (`model.path`, `parallel`, `train.output_dir`),
-as plain YAML plus dotted overrides, so this module does not depend on the trainer's dataclasses.
-The templates are slurm/colocated.sbatch and slurm/disaggregated.sbatch (plus slurm/common.sh,
+The launcher reads the sections it needs (`model`, `parallel`, `rollout`, `train.output_dir`) as plain
+YAML plus dotted overrides; in addition the trainer's own check of the whole config (RunConfig)
+runs before submission, unless an --entry-script (a test stand-in) replaces the trainer. The templates are slurm/colocated.sbatch and slurm/disaggregated.sbatch (plus slurm/common.sh,
 pasted into both); slurm/README.md describes the flow and the trainer's signal contract.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from megapo.config import ConfigError, ParallelConfig, apply_override, from_dict
+from megapo.config import ConfigError, ParallelConfig, apply_override, from_dict, load_config
 from megapo.layout import LayoutError, check_layout, read_hf_config
 
 # The trainer's side of the contract (slurm/README.md): on SIGTERM it saves a checkpoint under
@@ -144,9 +144,16 @@ def read_run(config_path: str | Path, overrides: list[str] | None = None) -> Run
     if not model.get("path"):
         raise ConfigError("model.path", "is required (the HF model folder with config.json)")
     model_path = Path(str(model["path"])).expanduser()
-    if not model_path.is_dir():
+    if (model_path / "config.json").is_file():
+        hf = read_hf_config(model_path)
+    elif model.get("tiny") is not None:  # the trainer writes this tiny model first: check its shape
+        from megapo.trainer.config import TinyModelConfig, _tiny_hf_shape
+
+        hf = _tiny_hf_shape(from_dict(TinyModelConfig, model["tiny"] or {}, "model.tiny"))
+    elif not model_path.is_dir():
         raise LayoutError("model.path", f"model folder {model_path} does not exist")
-    hf = read_hf_config(model_path)
+    else:
+        raise LayoutError("model.path", f"no config.json in {model_path}")
 
     parallel_data = _section(data, "parallel")
     parallel = from_dict(ParallelConfig, parallel_data, "parallel")
@@ -203,6 +210,15 @@ def resolve_layout(run: RunSpec, world_size: int, where: str) -> list[str]:
     return extra
 
 
+def check_trainer_config(run: RunSpec, extra_overrides: list[str]) -> None:
+    """The trainer's own checks of every section, so a typo fails here and not after the queue wait.
+
+    Skipped when an --entry-script replaces the trainer (it has its own config)."""
+    from megapo.trainer.config import RunConfig  # imports torch: only when a real run is launched
+
+    load_config(RunConfig, run.config_path, run.overrides + extra_overrides)
+
+
 # ----------------------------------------------------------------------------- rendering
 
 
@@ -228,6 +244,8 @@ def render(run: RunSpec, job: SlurmJob) -> str:
             raise ConfigError("rollout.servers", "is set by the launcher with --rollout-nodes; remove it from the config")
     where = f"{job.learner_nodes} learner node(s) x {job.procs} processes"
     extra_overrides = resolve_layout(run, job.world_size, where)
+    if job.entry_script is None:
+        check_trainer_config(run, extra_overrides)
 
     sbatch_extra = []
     if job.partition:

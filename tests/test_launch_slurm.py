@@ -18,6 +18,7 @@ import yaml
 from megapo.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "megapo" / "configs" / "tiny_moe_addition.yaml"
 
 
 @pytest.fixture
@@ -34,7 +35,11 @@ def fake_sbatch(tmp_path, monkeypatch):
 
 
 def write_config(tmp_path: Path, model: Path | str, **sections) -> Path:
-    cfg = {"model": {"path": str(model)}, "train": {"output_dir": str(tmp_path / "out"), "steps": 2}}
+    """The shipped run config (so the trainer's own config check passes) on `model`, with `sections` replaced."""
+    cfg = yaml.safe_load(SHIPPED.read_text())
+    cfg["model"] = {"path": str(model)}
+    cfg["train"]["output_dir"] = str(tmp_path / "out")
+    cfg["parallel"] = {}
     for name, value in sections.items():
         cfg[name] = value
     path = tmp_path / "run.yaml"
@@ -130,6 +135,33 @@ def test_disaggregated_needs_a_server_engine(tmp_path, tiny_moe, capsys):
     assert rc == 2 and "rollout.servers" in err
 
 
+def test_trainer_config_errors_are_refused_before_submission(tmp_path, tiny_moe, fake_sbatch, capsys):
+    """The whole run config gets the trainer's own check, not only the sections the launcher reads."""
+    config = write_config(tmp_path, tiny_moe)
+    rc, _, err = launch(capsys, "slurm", config, "--nodes", 1, "--gpus-per-node", 1, "algorithm.objective=nope")
+    assert rc == 2 and "algorithm.objective" in err and "nope" in err
+    rc, _, err = launch(capsys, "local", config, "--nproc", 1, "train.stepz=3")
+    assert rc == 2 and "train.stepz" in err and "did you mean 'steps'" in err
+    assert not fake_sbatch.exists()
+
+
+def test_shipped_config_with_a_tiny_model_not_written_yet(tmp_path, capsys):
+    """model.tiny: the trainer writes the model first, so the layout is checked against the tiny block."""
+    cfg = yaml.safe_load(SHIPPED.read_text())
+    cfg["model"]["path"] = str(tmp_path / "not_yet")
+    cfg["train"]["output_dir"] = str(tmp_path / "out")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    rc, script, err = launch(capsys, "slurm", config, "--nodes", 2, "--gpus-per-node", 0, "--procs-per-node", 1,
+                             "--dry-run", "parallel.dp=2")
+    assert rc == 0, err
+    assert bash_array(script, "OVERRIDES") == ["parallel.dp=2"]
+    rc, _, err = launch(capsys, "slurm", config, "--nodes", 1, "--gpus-per-node", 3, "--dry-run", "parallel.tp=3",
+                        "parallel.dp=1")
+    assert rc == 2 and "num_attention_heads=4" in err  # heads: 4 in the shipped tiny block
+    assert not (tmp_path / "not_yet").exists()
+
+
 def test_overrides_are_applied_before_the_check(tmp_path, tiny_moe, capsys):
     """parallel.tp=3 given on the command line (after options) is what gets checked."""
     config = write_config(tmp_path, tiny_moe, parallel={"tp": 1})
@@ -163,7 +195,7 @@ def test_colocated_script(tmp_path, tiny_moe, capsys):
     config = write_config(tmp_path, tiny_moe, parallel={"tp": 2, "ep": 2})
     rc, script, err = launch(
         capsys, "slurm", config, "--nodes", 2, "--gpus-per-node", 4, "--partition", "gpu", "--time", "1-00:00:00",
-        "--dry-run", "algorithm.name=it's a b", "--sbatch-arg=--account=rl", "train.steps=7",
+        "--dry-run", "data.prompt_key=it's a b", "--sbatch-arg=--account=rl", "train.steps=7",
     )
     assert rc == 0, err
     bash_n(script, tmp_path)
@@ -173,7 +205,7 @@ def test_colocated_script(tmp_path, tiny_moe, capsys):
                      "--gpus-per-node=4", "--account=rl", f"--output={tmp_path / 'out'}/logs/slurm-%j.out"):
         assert expected in lines, (expected, lines)
     # 2 nodes x 4 GPUs = 8 ranks at tp=2, pp=1: dp = 8 / 2 = 4, passed on to every rank
-    assert bash_array(script, "OVERRIDES") == ["algorithm.name=it's a b", "train.steps=7", "parallel.dp=4"]
+    assert bash_array(script, "OVERRIDES") == ["data.prompt_key=it's a b", "train.steps=7", "parallel.dp=4"]
     assert bash_array(script, "TRAIN_ENTRY") == ["-m", "megapo.cli", "train"]
     assert re.search(r"^PROCS_PER_NODE=4$", script, re.M)
     assert "rollout.servers" not in script and "srun" in script
@@ -181,14 +213,15 @@ def test_colocated_script(tmp_path, tiny_moe, capsys):
 
 
 def test_disaggregated_script(tmp_path, tiny_moe, capsys):
-    config = write_config(tmp_path, tiny_moe, parallel={"tp": 2, "pp": 2, "ep": 2}, rollout={"engine": "vllm"})
+    config = write_config(tmp_path, tiny_moe, parallel={"tp": 2, "pp": 2, "ep": 2},
+                          rollout={"engine": "vllm", "weight_sync": "disk"})
     rc, script, err = launch(capsys, "slurm", config, "--nodes", 3, "--rollout-nodes", 1, "--gpus-per-node", 8,
-                             "--engine-port", 31000, "--dry-run")
+                             "--engine-port", 31000, "--dry-run", "algorithm.routing_replay=r2")
     assert rc == 0, err
     bash_n(script, tmp_path)
     assert "--nodes=3" in sbatch_lines(script)
     # 2 learner nodes x 8 GPUs = 16 ranks at tp=2, pp=2: dp = 16 / 4 = 4
-    assert bash_array(script, "OVERRIDES") == ["parallel.dp=4"]
+    assert bash_array(script, "OVERRIDES") == ["algorithm.routing_replay=r2", "parallel.dp=4"]
     assert re.search(r"^LEARNER_NODES=2$", script, re.M) and re.search(r"^ENGINE_PORT=31000$", script, re.M)
     assert bash_array(script, "SERVE_ENTRY") == ["-m", "megapo.cli", "serve"]
     assert "rollout.servers=" in script
