@@ -126,18 +126,19 @@ class RouteReplayHook:
         layer = self.layer_of[router]
         num_tokens = hidden.shape[0] if hidden.dim() == 3 else hidden.numel() // hidden.shape[-1]
         start = self._slice(num_tokens)
+        source = self._plan.source[start:start + num_tokens, layer]  # on the host: no device syncs here
         target = self._plan.targets[start:start + num_tokens, layer].to(hidden.device)
-        source = self._plan.source[start:start + num_tokens, layer].to(hidden.device)
         free_rows = (source == MISSING) | (source == LAST)
         given = source == GIVEN
-        if bool(free_rows.any()) or bool(given.any()):
+        if free_rows.any() or given.any():
             with torch.no_grad():
                 own = own_topk(router, hidden)
+            free_rows, given = free_rows.to(hidden.device), given.to(hidden.device)
             target = torch.where(free_rows[:, None], own, target)
-            counts = self._counts[layer]
-            counts[GIVEN_N] += float(given.sum())
-            counts[DISAGREE_PRE] += float((given & ~same_sets(own, target)).sum())
-            counts[FALLBACK_N] += float((source == MISSING).sum())
+            counts = self._layer_counts(layer, hidden.device)
+            counts[GIVEN_N] += given.sum()
+            counts[DISAGREE_PRE] += (given & ~same_sets(own, target)).sum()
+            counts[FALLBACK_N] += (source == MISSING).sum().to(hidden.device)
         replay.set_target_indices(target)  # the REPLAY_FORWARD target, also queued for REPLAY_BACKWARD
         checkpointed = router.training and not torch.is_grad_enabled()  # its recompute comes in backward
         if not checkpointed:
@@ -152,20 +153,28 @@ class RouteReplayHook:
         if router in self._recomputing:  # a recompute: check it routed exactly as its forward did
             target = self._recomputing.pop(router).to(routing_map.device)
             hit = routing_map.gather(1, target).all(1) & (routing_map.sum(1) == k)
-            self._counts[self.layer_of[router]][ROUTED_N] += float(hit.numel())
-            self._counts[self.layer_of[router]][MISMATCH_POST] += float((~hit).sum())
+            counts = self._layer_counts(self.layer_of[router], routing_map.device)
+            counts[ROUTED_N] += hit.numel()
+            counts[MISMATCH_POST] += (~hit).sum()
             return None
         pending_router, layer, start, target, source = self._pending
         assert pending_router is router
         hit = routing_map.gather(1, target).all(1) & (routing_map.sum(1) == k)
-        routed = source != PAD
-        self._counts[layer][ROUTED_N] += float(routed.sum())
-        self._counts[layer][MISMATCH_POST] += float((routed & ~hit).sum())
-        # what Megatron routed to, in the target's order where it matches (ascending ids where not)
+        routed = (source != PAD).to(routing_map.device)
+        counts = self._layer_counts(layer, routing_map.device)
+        counts[ROUTED_N] += routed.sum()
+        counts[MISMATCH_POST] += (routed & ~hit).sum()
+        # what Megatron routed to, in the target's order where it matches (ascending ids where not);
+        # kept on the device until routes_used asks
         actual = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :k]
         used = torch.where(hit[:, None], target, actual)
-        self._records.append(_Record(len(self._rows) - 1, layer, start, used.detach().cpu()))
+        self._records.append(_Record(len(self._rows) - 1, layer, start, used.detach()))
         return None
+
+    def _layer_counts(self, layer: int, device) -> torch.Tensor:
+        if self._counts.device != torch.device(device):
+            self._counts = self._counts.to(device)
+        return self._counts[layer]
 
     # ----------------------------------------------------------------------------- results
 
@@ -173,26 +182,26 @@ class RouteReplayHook:
         """Routes every sequence of the last pass was routed with, int32 [n-1, L, k], on every rank
         (collective: gathers the pieces of all TP slices, pipeline stages and DP ranks)."""
         pieces = []  # (sequence, layer, first position, [T, k])
+        lengths = {}
         for rec in self._records:
             row = self._rows[rec.micro_batch]
-            end = rec.start + rec.used.shape[0]
+            used = rec.used.cpu().numpy().astype(np.int32)
+            end = rec.start + len(used)
             for i, at, n in zip(row.indices, row.offsets, row.lengths):
+                lengths[i] = n
                 lo, hi = max(at, rec.start), min(at + n - 1, end)
                 if lo < hi:
-                    pieces.append((i, rec.layer, lo - at, rec.used[lo - rec.start:hi - rec.start].numpy()))
+                    pieces.append((i, rec.layer, lo - at, used[lo - rec.start:hi - rec.start]))
         gathered = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, pieces)
-        lengths = {}
-        for row in self._rows:
-            for i, n in zip(row.indices, row.lengths):
-                lengths[i] = n
-        gathered_lengths = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered_lengths, lengths)
-        for part in gathered_lengths:
-            lengths.update(part)
+        torch.distributed.all_gather_object(gathered, (lengths, pieces))
+        for part_lengths, _ in gathered:
+            lengths.update(part_lengths)
+        missing = [i for i in range(num_sequences) if i not in lengths]
+        if missing:
+            raise RuntimeError(f"routing replay: sequences {missing[:5]} were not routed in the last pass")
         L, k = self.shape.num_moe_layers, self.shape.topk
         out = [np.full((lengths[i] - 1, L, k), -1, dtype=np.int32) for i in range(num_sequences)]
-        for part in gathered:
+        for _, part in gathered:
             for i, layer, at, used in part:
                 out[i][at:at + len(used), layer] = used
         for i, r in enumerate(out):
@@ -207,10 +216,9 @@ class RouteReplayHook:
         fallback_frac: positions without a given route, routed by the router's own choice."""
         counts = self._counts.clone()
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            counts = counts.to(device)
+            counts = counts.to("cuda" if torch.cuda.is_available() else "cpu")  # nccl needs device tensors
             torch.distributed.all_reduce(counts)
-            counts = counts.cpu()
+        counts = counts.cpu()
         self._counts.zero_()
         out = {}
         total = counts.sum(0)
