@@ -31,7 +31,9 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from megapo.config import ConfigError, ParallelConfig
 
@@ -92,18 +94,61 @@ def max_local_processes() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    planners = {"hf-to-megatron": plan_hf_to_megatron, "megatron-to-hf": plan_megatron_to_hf, "verify": plan_verify}
     try:
-        return {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf, "verify": verify}[
-            args.direction](args)
+        with tempfile.TemporaryDirectory(prefix="megapo_convert_") as scratch:
+            plan = planners[args.direction](args, Path(scratch))
+            return run_plans([plan], args.timeout)[0]
     except ConfigError as exc:
         print(f"megapo convert {args.direction}: {exc}", file=sys.stderr)
         return 2
 
 
-# ----------------------------------------------------------------------------------------- commands
+# ----------------------------------------------------------------------------------------- plans
 
 
-def hf_to_megatron(args) -> int:
+@dataclass
+class Plan:
+    """One conversion: checked inputs, the workers' job, and what the parent does once they succeed."""
+
+    command: str
+    job: object  # megapo.convert.worker.Job
+    parallel: ParallelConfig
+    finish: Callable[[], bool]  # after the workers: copy files, compare, commit; False = failed
+    job_path: Path  # where the job file is written for the workers
+    stage: "_Staging | None" = None  # the output folder being written (None for verify)
+
+
+def run_plans(plans: list[Plan], timeout_s: float) -> list[int]:
+    """Run the plans' jobs one after the other in one torchrun launch (so they must share a world
+    size), then finish each; returns an exit code per plan. Outputs of failed plans are removed."""
+    if len({p.parallel.world_size for p in plans}) != 1:
+        raise ConfigError("--tp/--pp/--dp", "plans launched together must use the same number of processes")
+    codes = []
+    try:
+        for plan in plans:
+            if plan.stage is not None:
+                plan.stage.create()
+        if _launch(plans, timeout_s) != 0:
+            for plan in plans:
+                _failed(plan, "the conversion processes failed (see above)")
+            return [1] * len(plans)
+        for plan in plans:
+            ok = plan.finish()
+            if plan.stage is not None:
+                if ok:
+                    plan.stage.commit()
+                else:
+                    _failed(plan, "verify failed")
+            codes.append(0 if ok else 1)
+        return codes
+    finally:
+        for plan in plans:
+            if plan.stage is not None:
+                plan.stage.discard()
+
+
+def plan_hf_to_megatron(args, scratch: Path) -> Plan:
     from megapo.convert import inputs
 
     parallel = _parallel(args)
@@ -111,34 +156,33 @@ def hf_to_megatron(args) -> int:
     inputs.check_parallel(parallel, src.hf, max_local_processes())
     out = inputs.check_output(args.out, "--out")
     tol = _tol(args)
-    dtype = _source_dtype(src.dtypes)
+    stage = _Staging(out)
+    job = _job("hf_to_megatron", src.folder, parallel, args, scratch, hf_dir=str(src.folder), ckpt=str(stage.tmp))
+    seqs = _attach_verify(job, args, src.spec)
     start = time.perf_counter()
-    with _Staging(out) as stage, tempfile.TemporaryDirectory(prefix="megapo_convert_") as scratch:
-        job = _job("hf_to_megatron", src.folder, parallel, args, hf_dir=str(src.folder), ckpt=str(stage.tmp))
-        seqs = _attach_verify(job, args, src.spec, scratch)
-        if _launch(job, parallel, scratch, args.timeout) != 0:
-            return _failed("hf-to-megatron", stage)
+
+    def finish() -> bool:
         for path in inputs.side_files(src.folder):
             shutil.copy2(path, stage.tmp / path.name)
         meta = {"format": FORMAT, "version": 1, "family": src.family.name, "contents": "model weights (fp32)",
-                "source": {"hf": str(src.folder.resolve()), "dtype": dtype},
+                "source": {"hf": str(src.folder.resolve()), "dtype": _source_dtype(src.dtypes)},
                 "saved_with": {"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep, "dp": parallel.dp},
                 "padded_vocab": _padded(src.spec.vocab_size, parallel.tp)}
         if seqs is not None:
             result = _compare(src.folder, job, seqs, tol)
-            meta["verify"] = {"max_logprob_diff": result.max_logprob_diff,
-                              "max_entropy_diff": result.max_entropy_diff}
+            meta["verify"] = {"max_logprob_diff": result.max_logprob_diff, "max_entropy_diff": result.max_entropy_diff}
             if not result.ok:
-                return _failed("hf-to-megatron", stage, "verify failed")
+                return False
         # written last: a folder with this file is a complete conversion
         (stage.tmp / inputs.MEGAPO_META).write_text(json.dumps(meta, indent=1) + "\n")
-        stage.commit()
-    print(f"wrote {src.family.name} checkpoint {out} (saved with tp={parallel.tp} pp={parallel.pp} "
-          f"ep={parallel.ep}) in {time.perf_counter() - start:.1f} s")
-    return 0
+        print(f"wrote {src.family.name} checkpoint {out} (saved with tp={parallel.tp} pp={parallel.pp} "
+              f"ep={parallel.ep}) in {time.perf_counter() - start:.1f} s")
+        return True
+
+    return Plan("hf-to-megatron", job, parallel, finish, _job_path(job), stage)
 
 
-def megatron_to_hf(args) -> int:
+def plan_megatron_to_hf(args, scratch: Path) -> Plan:
     from megapo.convert import inputs
     from megapo.convert.hf_writer import parse_size
     from megapo.convert.support import expected_hf_tensors
@@ -157,14 +201,14 @@ def megatron_to_hf(args) -> int:
         dtype = (ckpt.meta or {}).get("source", {}).get("dtype") or "float32"
     tol = _tol(args)
     spec = ckpt.model.spec
+    stage = _Staging(out)
+    job = _job("megatron_to_hf", ckpt.model.folder, parallel, args, scratch, ckpt=str(ckpt.folder),
+               out=str(stage.tmp), max_shard_bytes=max_shard, dtype=dtype,
+               expected={k: list(v) for k, v in expected_hf_tensors(ckpt.model.family, spec).items()})
+    seqs = _attach_verify(job, args, spec)
     start = time.perf_counter()
-    with _Staging(out) as stage, tempfile.TemporaryDirectory(prefix="megapo_convert_") as scratch:
-        job = _job("megatron_to_hf", ckpt.model.folder, parallel, args, ckpt=str(ckpt.folder), out=str(stage.tmp),
-                   max_shard_bytes=max_shard, dtype=dtype,
-                   expected={k: list(v) for k, v in expected_hf_tensors(ckpt.model.family, spec).items()})
-        seqs = _attach_verify(job, args, spec, scratch)
-        if _launch(job, parallel, scratch, args.timeout) != 0:
-            return _failed("megatron-to-hf", stage)
+
+    def finish() -> bool:
         for path in inputs.side_files(ckpt.model.folder):
             shutil.copy2(path, stage.tmp / path.name)
         config = dict(ckpt.model.hf)
@@ -172,15 +216,16 @@ def megatron_to_hf(args) -> int:
         config.pop("torch_dtype", None)
         (stage.tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if seqs is not None and not _compare(stage.tmp, job, seqs, tol).ok:
-            return _failed("megatron-to-hf", stage, "verify failed")
-        stage.commit()
-    files = sorted(p.name for p in out.glob("*.safetensors"))
-    print(f"wrote {ckpt.model.family.name} HF model {out} ({len(files)} safetensors file(s), {dtype}, "
-          f"loaded with tp={parallel.tp} pp={parallel.pp} ep={parallel.ep}) in {time.perf_counter() - start:.1f} s")
-    return 0
+            return False
+        files = sorted(p.name for p in stage.tmp.glob("*.safetensors"))
+        print(f"wrote {ckpt.model.family.name} HF model {out} ({len(files)} safetensors file(s), {dtype}, loaded "
+              f"with tp={parallel.tp} pp={parallel.pp} ep={parallel.ep}) in {time.perf_counter() - start:.1f} s")
+        return True
+
+    return Plan("megatron-to-hf", job, parallel, finish, _job_path(job), stage)
 
 
-def verify(args) -> int:
+def plan_verify(args, scratch: Path) -> Plan:
     from megapo.convert import inputs
 
     parallel = _parallel(args)
@@ -191,37 +236,32 @@ def verify(args) -> int:
     if hf.spec.vocab_size != ckpt.model.spec.vocab_size:
         raise ConfigError("--hf", f"vocab_size {hf.spec.vocab_size} differs from the checkpoint's "
                                   f"{ckpt.model.spec.vocab_size}")
+    tol = _tol(args)
     args.verify = True
-    with tempfile.TemporaryDirectory(prefix="megapo_convert_") as scratch:
-        job = _job("verify", ckpt.model.folder, parallel, args, ckpt=str(ckpt.folder))
-        seqs = _attach_verify(job, args, ckpt.model.spec, scratch)
-        if _launch(job, parallel, scratch, args.timeout) != 0:
-            print("megapo convert verify: the learner processes failed (see above)", file=sys.stderr)
-            return 1
-        result = _compare(hf.folder, job, seqs, _tol(args))
-    return 0 if result.ok else 1
+    job = _job("verify", ckpt.model.folder, parallel, args, scratch, ckpt=str(ckpt.folder))
+    seqs = _attach_verify(job, args, ckpt.model.spec)
+    return Plan("verify", job, parallel, lambda: _compare(hf.folder, job, seqs, tol).ok, _job_path(job))
 
 
 # ----------------------------------------------------------------------------------------- helpers
 
 
 class _Staging:
-    """OUT.tmp-XXXX next to OUT; renamed to OUT by commit(), removed if the block ends without it."""
+    """OUT.tmp-XXXX next to OUT: renamed to OUT by commit(), removed by discard() if not committed."""
 
     def __init__(self, out: Path):
         self.out = out
         self.tmp = out.parent / f"{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-
-    def __enter__(self) -> "_Staging":
-        self.tmp.mkdir()
         self.committed = False
-        return self
+
+    def create(self) -> None:
+        self.tmp.mkdir()
 
     def commit(self) -> None:
         os.rename(self.tmp, self.out)
         self.committed = True
 
-    def __exit__(self, *exc) -> None:
+    def discard(self) -> None:
         if not self.committed:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -255,24 +295,25 @@ def _padded(vocab: int, tp: int) -> int:
     return padded_vocab(vocab, tp)
 
 
-def _job(op: str, config_dir: Path, parallel: ParallelConfig, args, **kwargs):
+def _job(op: str, config_dir: Path, parallel: ParallelConfig, args, scratch: Path, **kwargs):
     from megapo.convert.worker import Job
 
+    name = uuid.uuid4().hex[:8]
     return Job(op=op, config_dir=str(Path(config_dir).resolve()), inject_failure=args.inject_failure,
-               parallel={"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep, "dp": parallel.dp}, **kwargs)
+               parallel={"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep, "dp": parallel.dp},
+               verify_out=str(scratch / f"{name}_megatron_logprobs.pt"), **kwargs)
 
 
-def _attach_verify(job, args, spec, scratch: str):
+def _attach_verify(job, args, spec):
     """Ask the workers for the learner's log-probs of the verify sequences; return the sequences."""
     from megapo.convert.verify import LENGTHS, sequences
 
     if not getattr(args, "verify", False):
         return None
     lengths = tuple(min(n, spec.max_positions) for n in LENGTHS)
-    seqs = sequences(spec.vocab_size, lengths=lengths)
-    job.verify_sequences = seqs
-    job.verify_out = str(Path(scratch) / "megatron_logprobs.pt")
-    return seqs
+    job.verify = True
+    job.verify_sequences = sequences(spec.vocab_size, lengths=lengths)
+    return job.verify_sequences
 
 
 def _compare(hf_dir: Path, job, seqs, tol: float):
@@ -283,14 +324,21 @@ def _compare(hf_dir: Path, job, seqs, tol: float):
     return result
 
 
-def _launch(job, parallel: ParallelConfig, scratch: str, timeout_s: float) -> int:
+def _job_path(job) -> Path:
+    out = Path(job.verify_out)  # <scratch>/<id>_megatron_logprobs.pt, set by _job
+    return out.with_name(out.name.split("_")[0] + "_job.json")
+
+
+def _launch(plans: list[Plan], timeout_s: float) -> int:
     from launch.local import run_torchrun
 
-    path = Path(scratch) / "job.json"
-    job.save(path)
-    return run_torchrun(["-m", "megapo.convert.worker", "--job", str(path)], parallel.world_size, timeout_s=timeout_s)
+    argv = ["-m", "megapo.convert.worker"]
+    for plan in plans:
+        plan.job.save(plan.job_path)
+        argv += ["--job", str(plan.job_path)]
+    return run_torchrun(argv, plans[0].parallel.world_size, timeout_s=timeout_s)
 
 
-def _failed(command: str, stage: _Staging, why: str = "the conversion processes failed (see above)") -> int:
-    print(f"megapo convert {command}: {why}; nothing was written to {stage.out}", file=sys.stderr)
-    return 1
+def _failed(plan: Plan, why: str) -> None:
+    where = f"; nothing was written to {plan.stage.out}" if plan.stage is not None else ""
+    print(f"megapo convert {plan.command}: {why}{where}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """The per-rank part of `megapo convert`, started by tools/convert.py under torchrun:
 
-    python -m torch.distributed.run --nproc-per-node N -m megapo.convert.worker --job JOB.json
+    python -m torch.distributed.run --nproc-per-node N -m megapo.convert.worker --job JOB.json [--job ...]
 
 hf_to_megatron: every rank reads its shard of the HF safetensors into a Megatron model (the learner's
     mapping, megapo/learner/weights.py) and the ranks save it together with dist_checkpointing
@@ -36,8 +36,9 @@ class Job:
     max_shard_bytes: int = 2 * 10**9
     dtype: str = "float32"
     expected: dict = field(default_factory=dict)  # HF name -> shape, checked on export
+    verify: bool = False  # also compute the learner's log-probs of verify_sequences from the checkpoint
     verify_sequences: list = field(default_factory=list)
-    verify_out: str = ""  # where rank 0 saves the learner's log-probs ("" = no verify)
+    verify_out: str = ""  # where rank 0 saves them
     inject_failure: str = ""  # tests: "after_save" | "after_shards:N" raise at that point
 
     def save(self, path) -> None:
@@ -143,11 +144,7 @@ def learner_logprobs(job: Job, parallel: ParallelConfig) -> None:
     torch.distributed.barrier()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megapo.convert.worker")
-    parser.add_argument("--job", required=True)
-    args = parser.parse_args(argv)
-    job = Job.load(args.job)
+def run_job(job: Job) -> None:
     parallel = ParallelConfig(**job.parallel)
     if job.op == "hf_to_megatron":
         hf_to_megatron(job, parallel)
@@ -155,8 +152,17 @@ def main(argv: list[str] | None = None) -> int:
         megatron_to_hf(job, parallel)
     elif job.op != "verify":
         raise ValueError(f"job.op: unknown operation {job.op!r}")
-    if job.verify_out:
+    if job.verify:
         learner_logprobs(job, parallel)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megapo.convert.worker")
+    parser.add_argument("--job", required=True, action="append",
+                        help="job file; several run one after the other in the same processes")
+    args = parser.parse_args(argv)
+    for path in args.job:
+        run_job(Job.load(path))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return 0
