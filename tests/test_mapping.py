@@ -104,3 +104,26 @@ def test_rules_cover_every_checkpoint_tensor_once(tiny_model_factory, family_nam
     # shapes: a QKV rule's three tensors have head_dim * (heads, kv, kv) rows
     q = on_disk["model.layers.0.self_attn.q_proj.weight"]
     assert q[0] == spec.num_heads * spec.head_dim
+
+
+@pytest.mark.parametrize("kind, names, dim", [("copy", ("a",), 0), ("copy", ("a",), 1), ("vocab", ("e",), 0),
+                                              ("gate_up", ("g", "u"), 0), ("qkv", ("q", "k", "v"), 0)])
+def test_reading_only_the_shard_equals_slicing_the_full_tensor(kind, names, dim):
+    spec = _spec(heads=8, kv=4, d=2)  # vocab 10
+    full = {"a": torch.randn(8, 12), "e": torch.randn(10, 5), "g": torch.randn(8, 5), "u": torch.randn(8, 5),
+            "q": torch.randn(16, 5), "k": torch.randn(8, 5), "v": torch.randn(8, 5)}
+    reads = []
+
+    def read(name, d, start, stop):
+        reads.append((name, d, start, stop))
+        t = full[name]
+        return t if d is None else t.narrow(d, start, stop - start)
+
+    rule = fam.Rule(kind, names)
+    for size in (1, 2, 4):
+        for rank in range(size):
+            expected = fam.to_local(rule, spec, [full[n] for n in names], dim=dim, rank=rank, size=size, vocab_rows=12)
+            got = fam.read_local(rule, spec, list(names), read, lambda n: list(full[n].shape), dim=dim, rank=rank,
+                                 size=size, vocab_rows=12)
+            assert torch.equal(got, expected), (size, rank)
+    assert any(r[1] is not None for r in reads)  # shards were read as slices

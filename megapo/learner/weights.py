@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from megapo.models.family import Family, ModelSpec, Rule, from_shards, padded_vocab, to_local
+from megapo.models.family import Family, ModelSpec, Rule, from_shards, padded_vocab, read_local
 
 LAYERS = "decoder.layers."
 EXPERTS = "mlp.experts.local_experts."  # local spec: SequentialMLP, one module per expert
@@ -98,10 +98,24 @@ class SafetensorsReader:
         self.weight_map = weight_map
         self.handles = {f: safe_open(model_dir / f, "pt") for f in set(weight_map.values())}
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         if name not in self.weight_map:
             raise KeyError(f"tensor {name!r} not found in the checkpoint")
-        return self.handles[self.weight_map[name]].get_tensor(name)
+        return self.handles[self.weight_map[name]]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of a tensor, reading only those bytes' worth."""
+        if dim is None:
+            return self.get(name).to(torch.float32)
+        view = self._handle(name).get_slice(name)
+        part = view[start:stop] if dim == 0 else view[:, start:stop]
+        return part.to(torch.float32)
 
 
 def load_hf_weights(model, family: Family, spec: ModelSpec, model_dir: str | Path) -> int:
@@ -112,11 +126,11 @@ def load_hf_weights(model, family: Family, spec: ModelSpec, model_dir: str | Pat
     with torch.no_grad():
         for name, param in model.named_parameters():
             where = locate(name, model, family, spec)
-            tensors = [reader.get(n).to(torch.float32) for n in where.hf_names()]
             dim, group = tp_shard(param)
             rank, size = (group.rank(), group.size()) if group is not None else (0, 1)
-            local = to_local(where.rule, spec, tensors, dim=dim, rank=rank, size=size,
-                             vocab_rows=padded_vocab(spec.vocab_size, tp))
+            # only this rank's shard is read from disk (experts: only this EP rank's experts)
+            local = read_local(where.rule, spec, where.hf_names(), reader.read, reader.shape, dim=dim, rank=rank,
+                               size=size, vocab_rows=padded_vocab(spec.vocab_size, tp))
             if local.shape != param.shape:
                 raise ValueError(f"{name}: built {tuple(local.shape)} from {where.hf_names()}, "
                                  f"parameter is {tuple(param.shape)}")

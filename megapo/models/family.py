@@ -157,3 +157,44 @@ def from_shards(rule: Rule, spec: ModelSpec, shards: list[torch.Tensor], *, dim:
     if rule.kind == "vocab":
         return [full[: spec.vocab_size]]
     return [full]
+
+
+def read_local(rule: Rule, spec: ModelSpec, names: list[str], read, shape, *, dim: int | None, rank: int,
+               size: int, vocab_rows: int = 0) -> torch.Tensor:
+    """Like `to_local`, but reads only this rank's rows/columns from the checkpoint.
+    read(name, dim, start, stop) -> the slice [start:stop) of tensor `name` along `dim` (dim None: whole);
+    shape(name) -> its full shape. Equal to to_local(rule, spec, [full tensors], ...)."""
+    if dim is None or size == 1:
+        return to_local(rule, spec, [read(n, None, 0, 0) for n in names], dim=None, rank=0, size=1,
+                        vocab_rows=vocab_rows)
+    if rule.kind == "copy":
+        (name,) = names
+        part = shape(name)[dim] // size
+        return read(name, dim, rank * part, (rank + 1) * part)
+    if rule.kind == "vocab":
+        (name,) = names
+        part = vocab_rows // size
+        start, stop = rank * part, (rank + 1) * part
+        rows = read(name, 0, start, min(stop, spec.vocab_size)) if start < spec.vocab_size else None
+        have = 0 if rows is None else rows.shape[0]
+        if have == part:
+            return rows
+        pad = torch.zeros(part - have, *shape(name)[1:])
+        return pad if rows is None else torch.cat([rows, pad.to(rows.dtype)], dim=0)
+    if rule.kind == "gate_up":
+        gate, up = names
+        part = shape(gate)[0] // size
+        return torch.cat([read(gate, 0, rank * part, (rank + 1) * part),
+                          read(up, 0, rank * part, (rank + 1) * part)], dim=0)
+    if rule.kind == "qkv":  # whole KV groups per rank: its q heads, k and v heads are contiguous rows
+        import dataclasses
+
+        q, k, v = names
+        groups = spec.num_kv_heads // size
+        per = spec.num_heads // spec.num_kv_heads
+        d = spec.head_dim
+        g0 = rank * groups
+        local_spec = dataclasses.replace(spec, num_kv_heads=groups, num_heads=groups * per)
+        return qkv_full(local_spec, read(q, 0, g0 * per * d, (g0 + groups) * per * d),
+                        read(k, 0, g0 * d, (g0 + groups) * d), read(v, 0, g0 * d, (g0 + groups) * d))
+    raise ValueError(f"unknown rule kind {rule.kind!r}")
