@@ -165,6 +165,8 @@ def layouts():
 @pytest.mark.parametrize("layout", layouts())
 def test_replayed_routes_are_the_routes_reported(setup, layout):
     res = setup["results"][layout]
+    global_list, hooked, moe_layers_here = res["instances"]
+    assert global_list == hooked == moe_layers_here > 0
     out = res["full"]["routes_out"]
     for i, (given, used) in enumerate(zip(setup["full"], out)):
         assert used.shape == given.shape, i

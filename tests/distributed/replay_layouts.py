@@ -69,7 +69,12 @@ def main() -> None:
                                   recompute=layout.get("recompute", False))
         learner = Learner(spec["model"], parallel, OptimConfig(**spec["optim"]), routing_replay=True,
                           micro_batch_tokens=spec["micro_batch_tokens"], loss_fn=linear_loss)
-        res = {}
+        # Megatron's global RouterReplay list holds exactly this model's routers of this rank, although
+        # earlier layouts built models in this process too
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        res = {"instances": (len(RouterReplay.global_router_replay_instances), len(learner.route_hook.routers),
+                             sum(1 for layer in learner.module.decoder.layers if hasattr(layer.mlp, "router")))}
         for case in ("full", "partial"):
             out = work / f"{name}_{case}_out.npz"
             cli_args = SimpleNamespace(routes_in=spec[f"{case}_npz"], routes_out=str(out))
