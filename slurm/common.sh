@@ -26,28 +26,33 @@ fi
 log "job $SLURM_JOB_ID restart $RESTART on ${NODE_NAMES[*]} (head $HEAD_ADDR:$MASTER_PORT) ${RESUME[*]}"
 log "per-node logs in $RUN_LOG"
 
-# One node launcher per node (an srun task). It substitutes the node's rank and records that the
-# node got SIGTERM, so the batch script knows the stop was a checkpoint-and-requeue even though
-# torchrun hides the trainer's exit code. It does not forward the signal: Slurm signals every
-# process of a step itself, and a second SIGTERM would make torchrun give up waiting for the
-# trainer's checkpoint. A signalled node exits 0, so --kill-on-bad-exit does not kill the nodes
-# that are still saving; the launcher's real status is written into the marker.
+# One node launcher per node (an srun task). It substitutes the node's rank and writes how its node
+# ended to STATUS_PREFIX.node<i>: "signalled RC" (it got SIGTERM: a stop with checkpoint) or
+# "exit RC" (the launcher ended by itself) -- torchrun reports a stop by signal as its own failure,
+# which hides the trainer's exit code. It does not forward the signal: Slurm signals every process
+# of a step itself, and a second SIGTERM would make torchrun give up waiting for the checkpoint.
+# A signalled node exits 0, so --kill-on-bad-exit does not kill the nodes that are still saving.
 cat > "$RUN_LOG/node.sh" <<'NODE_SH'
 #!/bin/bash
-# usage: node.sh MARKER_PREFIX COMMAND... ; "@NODE_RANK@" in COMMAND becomes this node's rank
-marker="$1.node$SLURM_NODEID"; shift
+# usage: node.sh STATUS_PREFIX COMMAND... ; "@NODE_RANK@" in COMMAND becomes this node's rank
+status="$1.node$SLURM_NODEID"; shift
 args=()
 for a in "$@"; do args+=("${a//@NODE_RANK@/$SLURM_NODEID}"); done
 say() { echo "[node $SLURM_NODEID $SLURMD_NODENAME] $(date -u +%H:%M:%S) $*"; }
 say "start: ${args[*]}"
 signalled=""
-trap 'signalled=TERM; touch "$marker"; say "got SIGTERM"' TERM
+trap 'signalled=TERM; say "got SIGTERM"' TERM
 "${args[@]}" &
 child=$!
 while :; do wait "$child"; kill -0 "$child" 2>/dev/null || break; done
 wait "$child"; rc=$?
-say "exit $rc${signalled:+ after SIG$signalled}"
-if [ -n "$signalled" ]; then echo "$rc" > "$marker"; exit 0; fi
+if [ -n "$signalled" ]; then
+    say "exit $rc after SIGTERM"
+    echo "signalled $rc" > "$status"
+    exit 0
+fi
+say "exit $rc"
+echo "exit $rc" > "$status"
 exit "$rc"
 NODE_SH
 
@@ -91,17 +96,22 @@ wait_step() {  # wait for a background srun, also across trapped signals; return
     wait "$pid"
 }
 
-# $1: the learner step's status.
+# $1: the learner step's status. A node that failed by itself makes the job fail, even when the
+# other nodes were then stopped by a signal (--kill-on-bad-exit): a crash is never requeued.
 finish() {
-    local rc=$1 marker signalled=""
-    for marker in "$RUN_LOG"/signaled.learner.*; do
-        [ -e "$marker" ] || continue
-        signalled=yes
-        log "$(basename "$marker"): launcher exit $(cat "$marker") after SIGTERM"
+    local rc=$1 file how code failed="" signalled=""
+    for file in "$RUN_LOG"/status.learner.node*; do
+        [ -e "$file" ] || continue
+        read -r how code < "$file"
+        log "learner $(basename "$file" | sed 's/.*\.//'): $how $code"
+        if [ "$how" = signalled ]; then signalled=yes; elif [ "$code" != 0 ]; then failed=$code; fi
     done
     if [ "$STOP_REASON" = TERM ]; then
         log "stopped by Slurm (cancel, requeue or preemption); Slurm decides whether the job returns"
         [ "$rc" -eq 0 ] && rc=$EXIT_CHECKPOINTED
+    elif [ -n "$failed" ]; then
+        log "a learner node failed (exit $failed): not requeueing"
+        [ "$rc" -eq 0 ] && rc=$failed
     elif [ -n "$STOP_REASON" ] || [ -n "$signalled" ]; then
         log "learner checkpointed on request (${STOP_REASON:+SIG}${STOP_REASON:-SIGTERM to the steps}): requeueing"
         scontrol requeue "$SLURM_JOB_ID" && exit 0

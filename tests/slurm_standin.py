@@ -8,6 +8,7 @@ trainer is plugged in. It does no learning, only what the launch relies on:
         a SIGTERM arrived; if so rank 0 writes <output_dir>/checkpoints/latest.json (atomically)
         and every rank exits with EXIT_CHECKPOINTED. With --resume it continues from that file.
         Rank 0 appends one line per run to <output_dir>/runs.jsonl and writes <output_dir>/progress.
+        train.crash_rank / train.crash_step make one rank fail (exit 3), as a crashing trainer would.
     serve CONFIG --host H --port P [overrides]   an HTTP server answering GET /health with its
         Slurm node name; exits 0 on SIGTERM.
 """
@@ -49,6 +50,8 @@ def train(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     steps = int(cfg["train"]["steps"])
     step_s = float(cfg["train"].get("step_seconds", 0.05))
+    crash_rank = cfg["train"].get("crash_rank")  # this rank fails (exit 3) at step crash_step
+    crash_step = cfg["train"].get("crash_step", 1)
 
     stop = {"signal": None}
 
@@ -85,6 +88,9 @@ def train(argv: list[str]) -> int:
     while step < steps:
         time.sleep(step_s)  # "a training step"
         step += 1
+        if rank == crash_rank and step == crash_step:
+            print(f"rank {rank}: failing at step {step} as configured", flush=True)
+            return 3  # the other ranks hang in the all-reduce until Slurm ends the step
         flag = torch.tensor([1.0 if stop["signal"] else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # all ranks stop at the same step
         if rank == 0:

@@ -171,6 +171,23 @@ def test_disaggregated_learner_reaches_engine_on_rollout_node(cluster, model, tm
     assert "GET /health" in engine_log and "got SIGTERM" in engine_log  # stopped gently at the end
 
 
+def test_crash_on_one_node_fails_the_job_without_requeue(cluster, model, tmp_path, capsys, jobs):
+    """Rank 1 (node 1) fails; Slurm then stops node 0 (--kill-on-bad-exit) with SIGTERM, which must
+    not be mistaken for a checkpoint-and-requeue: the job fails once and is not requeued."""
+    job, out_dir = submit(tmp_path, capsys, jobs, train={"steps": 1000, "step_seconds": 0.05, "crash_rank": 1,
+                                                          "crash_step": 3},
+                          cli=["--nodes", 2, "--procs-per-node", 1])
+    info = wait_done(job, out_dir)
+    log = out_dir / "logs" / f"slurm-{job}.out"
+    wait_for(lambda: "learner exit" in log.read_text(), 30, "the batch script to end", job, out_dir)
+    time.sleep(3)  # a wrongful requeue would show here
+    info = job_info(job)
+    assert (info["JobState"], info["Restarts"]) == ("FAILED", "0"), info
+    assert "a learner node failed" in log.read_text()
+    status = out_dir / "logs" / f"slurm-{job}" / "run0" / "status.learner.node1"
+    assert status.read_text().split()[0] == "exit" and status.read_text().split()[1] != "0"
+
+
 def test_stopped_job_checkpoints_requeues_resumes_and_cancel_is_final(cluster, model, tmp_path, capsys, jobs):
     """Each way a run is stopped, one after the other on one job. The stand-in checkpoints on
     SIGTERM every time; the first three bring the job back, resuming where it stopped:
