@@ -106,15 +106,20 @@ def bench_vllm(args, model_dir: str) -> dict:
         for fn in runs.values():  # warm-up
             fn()
         rates: dict[str, list[float]] = {k: [] for k in runs}
+        # CPU seconds this (client) process spends per 1000 tokens: megapo's own overhead, which unlike wall
+        # time is not swamped by other load on a shared machine
+        cpu: dict[str, list[float]] = {k: [] for k in runs}
         for _ in range(args.rounds):
             for name, fn in runs.items():
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 tokens = fn()
+                cpu[name].append(1000 * (time.process_time() - c) / tokens)
                 rates[name].append(tokens / (time.perf_counter() - t))
         ratio = {k: [r / raw for r, raw in zip(rates[k], rates["raw"])] for k in rates if k != "raw"}
         return {"url": url, "tokens_per_s": {k: statistics.median(v) for k, v in rates.items()}, "rounds": rates,
                 "ratio_vs_raw": {k: statistics.median(v) for k, v in ratio.items()}, "ratio_rounds": ratio,
-                "target_ratio": 0.9}
+                "target_ratio": 0.9,
+                "client_cpu_s_per_1k_tokens": {k: statistics.median(v) for k, v in cpu.items()}}
     finally:
         if server is not None:
             server.stop()
