@@ -15,6 +15,7 @@ from megapo.engines.torch_lm import iter_safetensors
 from megapo.models.tiny import write_tiny_model
 from megapo.weights import DiskTransport, TensorTransport, bucket_bytes, sync_named
 from megapo.weights.broadcast import BroadcastReceiver, BroadcastSender, BroadcastTransport, GroupAddress, join_group
+from megapo.weights import memory
 from megapo.weights.buckets import iter_buckets
 from megapo.weights.safetensors_io import write_safetensors
 from megapo.learner.model import free_port
@@ -219,26 +220,7 @@ def test_broadcast_bf16_cast(pair):
 
 
 def allocator_peak(fn) -> int:
-    """Peak bytes held by tensors allocated while fn() runs (torch's allocator events, via its profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = []
-
-    def walk(node):
-        if node.typed[0].name == "Allocation":
-            events.append((node.start_time_ns, node.typed[1].alloc_size))
-        for child in node.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    peak = alive = 0
-    for _, size in sorted(events):
-        alive += size
-        peak = max(peak, alive)
-    return peak
+    return memory.allocator_peak(fn)[0]
 
 
 @pytest.fixture(scope="module")
@@ -295,9 +277,9 @@ def test_peak_extra_memory_is_one_bucket(wide, transport, tmp_path):
         assert engines[0].calls == ["pause", "update_weights_from_disk", "resume"]
         engine.update_weights_from_disk(str(tmp_path / "v1"), 1)
     assert_engine_is(engine, wide[1])
-    # one bucket of tensors plus the tensor in hand; with broadcast both ends live in this process, each
-    # holding two half-bucket buffers. The whole model would be > 7 buckets.
-    ends = 2 if transport == "broadcast" else 1
-    assert peak <= ends * bucket + largest + 64 * 1024, (peak, bucket, largest, total)
+    # one bucket of tensors (broadcast: two half-bucket buffers) plus the tensor in hand; the whole model
+    # would be > 7 buckets. The profiler sees this thread only (the sender; the receiver thread holds
+    # another bucket) and misses frees made by gloo's threads, so it can over-count, never under-count.
+    assert peak <= bucket + largest + 64 * 1024, (peak, bucket, largest, total)
     # and what a sync that kept every tensor alive would show (the measure can fail)
     assert allocator_peak(lambda: list(stream())) >= total

@@ -140,12 +140,14 @@ class BroadcastSender:
                                   single.reshape(-1).view(torch.uint8), version)
                 work.wait()
                 moved.add_bucket(single.numel() * single.element_size(), 1)
+                del t, single
                 continue
             buf = buffers[k % 2]
             if not buf.fits(t, d):
                 flush()
                 buf = buffers[k % 2]
             buf.add(name, t.detach(), d)
+            del t  # packed: drop it before the stream produces the next one
         flush()
         for work in inflight:
             if work is not None:

@@ -98,14 +98,18 @@ def iter_stage_tensors(module, family: Family, spec: ModelSpec, *, meta: bool = 
             else:
                 shards = _tp_shards(local, group, dim, where.rule.kind)
             tensors = from_shards(where.rule, spec, shards, dim=dim)
+            del local, shards  # (the `del`s: a generator frame keeps its locals alive across yields)
             if where.expert is None:
                 yield from zip(where.hf_names(), tensors)
+                del tensors
                 continue
             local_index = where.expert - ep_rank * per_rank
-            for i, tensor in enumerate(tensors):
+            for i in range(len(tensors)):
                 names = _expert_names(where, i, ep_size, per_rank, local_index)
-                gathered = [tensor] * ep_size if meta else _all_gather(tensor, ep_group)
+                gathered = [tensors[i]] * ep_size if meta else _all_gather(tensors[i], ep_group)
                 yield from zip(names, gathered)
+                del gathered
+            del tensors
 
 
 def stage_manifest(module, family: Family, spec: ModelSpec) -> list[ManifestItem]:
