@@ -79,6 +79,14 @@ FAMILY_KEYS: dict[str, dict[str, Allowed]] = {
         "max_window_layers": Allowed(_any, ""),
         "layer_types": Allowed(_full_attention, "sliding-window layers"),
     },
+    "qwen3": {
+        "intermediate_size": Allowed(_any, ""),
+        "attention_bias": Allowed(_false, "attention biases"),
+        "use_sliding_window": Allowed(_false, "sliding-window attention"),
+        "sliding_window": Allowed(_any, ""),
+        "max_window_layers": Allowed(_any, ""),
+        "layer_types": Allowed(_full_attention, "sliding-window layers"),
+    },
     "llama": {
         "intermediate_size": Allowed(_any, ""),
         # Llama's attention_bias also adds an o_proj bias, which the Megatron model (no linear biases) lacks.
