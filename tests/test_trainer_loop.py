@@ -31,15 +31,24 @@ class HFLearner:
         self.calls: list[tuple[str, int]] = []
         self.batches: list[list[dict]] = []
 
-    def _logp(self, seq):
-        ids = torch.tensor([seq])
-        logits = self.model(input_ids=ids).logits[0, :-1].float()
-        return torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+    def _logp_rows(self, seqs):
+        """log-probs of tokens 1.. of each sequence; one forward per group of equal length."""
+        out = [None] * len(seqs)
+        by_len = {}
+        for i, seq in enumerate(seqs):
+            by_len.setdefault(len(seq), []).append(i)
+        for idx in by_len.values():
+            ids = torch.tensor([seqs[i] for i in idx])
+            logits = self.model(input_ids=ids).logits[:, :-1].float()
+            logp = torch.log_softmax(logits, -1).gather(2, ids[:, 1:, None])[..., 0]
+            for row, i in enumerate(idx):
+                out[i] = logp[row]
+        return out
 
     def logprobs(self, sequences, routes=None, with_entropy=False):
         self.calls.append(("logprobs", len(sequences)))
         with torch.no_grad():
-            return [self._logp(s) for s in sequences]
+            return self._logp_rows([list(s) for s in sequences])
 
     def train_step(self, batch, objective, loss_agg, **options):
         from megapo.algorithms import policy_loss
@@ -47,22 +56,22 @@ class HFLearner:
         self.calls.append(("train_step", len(batch)))
         self.batches.append(batch)
         self.opt.zero_grad()
-        total = 0.0
-        metrics = {}
-        n_tok = sum(len(s["tokens"]) - s["prompt_len"] for s in batch)
-        for s in batch:
-            p = s["prompt_len"]
-            logp = self._logp(s["tokens"])[p - 1:]
-            r = len(logp)
-            extra = {"ref_logp": torch.tensor([s["ref_logp"]])} if "ref_logp" in s else {}
-            loss, metrics = policy_loss(objective, logp[None], torch.tensor([s["old_logp"]]),
-                                        torch.full((1, r), s["advantage"]), torch.ones(1, r),
-                                        torch.tensor([s["rollout_logp"]]), loss_agg=loss_agg,
-                                        global_tokens=n_tok, global_seqs=len(batch), **options, **extra)
-            loss.backward()
-            total += float(loss.detach())
+        # packed form: every sample's response tokens one after another, cu_seqlens marking them
+        rows = self._logp_rows([s["tokens"] for s in batch])
+        logp = torch.cat([lp[s["prompt_len"] - 1:] for lp, s in zip(rows, batch)])
+        lens = [len(s["tokens"]) - s["prompt_len"] for s in batch]
+        cu = torch.tensor([0] + lens).cumsum(0)
+
+        def cat(key):
+            return torch.cat([torch.as_tensor(s[key], dtype=torch.float32) for s in batch])
+
+        adv = torch.cat([torch.full((n,), s["advantage"]) for n, s in zip(lens, batch)])
+        extra = {"ref_logp": cat("ref_logp")} if "ref_logp" in batch[0] else {}
+        loss, metrics = policy_loss(objective, logp, cat("old_logp"), adv, torch.ones_like(logp), cat("rollout_logp"),
+                                    cu_seqlens=cu, loss_agg=loss_agg, **options, **extra)
+        loss.backward()
         self.opt.step()
-        return {"loss": total, **{k: float(v) for k, v in metrics.items()}}
+        return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
 
     def hf_state_dict(self):
         return iter([(k, v.detach().clone()) for k, v in self.model.state_dict().items()])

@@ -227,6 +227,67 @@ def sync_weights(learner, engine, version: int, cfg: RunConfig, out_dir: Path) -
         engine.resume()
 
 
+# ----------------------------------------------------------------------------- one step
+
+
+def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig) -> tuple[list[Group], dict, int]:
+    """Rank 0: sample groups for one step (with dynamic sampling, refilled up to max_sampling_rounds);
+    returns the groups to train on (whole groups, a multiple of dp), metrics, generated tokens."""
+    from megapo.trainer import data
+
+    sampled: list[Group] = []  # every group generated this step, kept or not, for the reward metrics
+
+    def one_round() -> list[Group]:
+        items = [pool[i] for i in source.next_batch(cfg.data.prompts_per_step)]
+        new = rollout_round(engine, params, [ex for ex, _ in items], [ids for _, ids in items], reward_fn, cfg)
+        sampled.extend(new)
+        return new
+
+    metrics: dict[str, float] = {}
+    if cfg.data.dynamic_sampling:
+        groups, ds = data.fill_informative(one_round, lambda g: g.rewards, cfg.data.prompts_per_step,
+                                           cfg.data.max_sampling_rounds)
+        metrics.update({"dynamic/rounds": ds.rounds, "dynamic/groups_sampled": ds.groups_sampled,
+                        "dynamic/groups_kept": ds.groups_kept})
+    else:
+        groups = one_round()
+    samples = [s for g in sampled for s in g.samples]
+    rewards = [r for g in sampled for r in g.rewards]
+    metrics.update({
+        "reward": sum(rewards) / len(rewards),
+        "response_len": sum(len(s.output_ids) for s in samples) / len(samples),
+        "finish_length_frac": sum(s.finish_reason == "length" for s in samples) / len(samples)})
+    keep = len(groups) - len(groups) % cfg.parallel.dp  # every DP rank gets whole groups
+    return groups[:keep], metrics, sum(len(s.output_ids) for s in samples)
+
+
+def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, options: dict, timer: StepTimer) -> dict:
+    """All ranks: advantages, old (and reference) log-probs, then the optimizer steps on mini-batches."""
+    metrics: dict[str, float] = {}
+    batch = train_samples(groups, cfg)
+    with timer("old_logp"):
+        metrics.update(old_logprob_pass(learner, batch, cfg))
+    if cfg.algorithm.kl_coef:
+        with timer("ref_logp"):
+            ref = _broadcast(reference.response_logprobs(batch) if reference is not None else None)
+        for sample, lp in zip(batch, ref):
+            sample["ref_logp"] = lp
+    with timer("train"):
+        per_mb = max(1, len(groups) // cfg.train.mini_batches) * cfg.rollout.n_samples  # whole groups
+        last: dict = {}
+        for _ in range(cfg.train.updates_per_rollout):
+            for lo in range(0, len(batch), per_mb):
+                last = learner.train_step(batch[lo:lo + per_mb], cfg.algorithm.objective, cfg.algorithm.loss_agg,
+                                          **options)
+    metrics.update({f"train/{k}": v for k, v in last.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    # "kl": to the reference when there is a KL penalty, else the engine-vs-learner mismatch
+    kl_key = "train/kl" if "train/kl" in metrics else "train/mismatch_k3"
+    if kl_key in metrics:
+        metrics["kl"] = metrics[kl_key]
+    return metrics
+
+
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -310,66 +371,19 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
     row: dict = {}
     for step in range(start_step + 1, cfg.train.steps + 1):
         timer = StepTimer()
-        metrics: dict[str, float] = {}
-        groups: list[Group] = []
+        groups, metrics, gen_tokens = [], {}, 0
         if _rank() == 0:
-            sampled: list[Group] = []  # every group generated this step, kept or not, for the reward metrics
-
-            def one_round() -> list[Group]:
-                items = [pool[i] for i in source.next_batch(cfg.data.prompts_per_step)]
-                new = rollout_round(engine, params, [ex for ex, _ in items], [ids for _, ids in items], reward_fn, cfg)
-                sampled.extend(new)
-                return new
-
             with timer("generate"):
-                if cfg.data.dynamic_sampling:
-                    groups, ds = data.fill_informative(one_round, lambda g: g.rewards, cfg.data.prompts_per_step,
-                                                       cfg.data.max_sampling_rounds)
-                    metrics.update({"dynamic/rounds": ds.rounds, "dynamic/groups_sampled": ds.groups_sampled,
-                                    "dynamic/groups_kept": ds.groups_kept})
-                else:
-                    groups = one_round()
-            samples = [s for g in sampled for s in g.samples]
-            rewards = [r for g in sampled for r in g.rewards]
-            gen_tokens = sum(len(s.output_ids) for s in samples)
-            if samples:
-                metrics.update({
-                    "reward": sum(rewards) / len(rewards),
-                    "response_len": sum(len(s.output_ids) for s in samples) / len(samples),
-                    "finish_length_frac": sum(s.finish_reason == "length" for s in samples) / len(samples)})
-            # with dp>1, keep whole groups and a multiple of dp sequences: trim to a multiple of dp groups
-            keep = len(groups) - len(groups) % cfg.parallel.dp
-            groups = groups[:keep]
+                groups, metrics, gen_tokens = collect_rollouts(engine, params, pool, source, reward_fn, cfg)
         groups = _broadcast(groups)
-        if not groups:
-            log.warning("step %d: no informative group after %d sampling rounds; skipping the update", step,
-                        cfg.data.max_sampling_rounds)
-        else:
-            batch = train_samples(groups, cfg)
-            with timer("old_logp"):
-                metrics.update(old_logprob_pass(learner, batch, cfg))
-            if cfg.algorithm.kl_coef:
-                with timer("ref_logp"):
-                    ref = _broadcast(reference.response_logprobs(batch) if reference is not None else None)
-                for sample, lp in zip(batch, ref):
-                    sample["ref_logp"] = lp
-            with timer("train"):
-                per_mb = max(1, len(groups) // cfg.train.mini_batches) * cfg.rollout.n_samples
-                train_metrics: list[dict] = []
-                for _ in range(cfg.train.updates_per_rollout):
-                    for lo in range(0, len(batch), per_mb):
-                        train_metrics.append(learner.train_step(batch[lo:lo + per_mb], cfg.algorithm.objective,
-                                                                cfg.algorithm.loss_agg, **options))
-            for k, v in train_metrics[-1].items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    metrics[f"train/{k}"] = v
-            # "kl": to the reference when there is a KL penalty, else engine-vs-learner mismatch
-            kl_key = "train/kl" if "train/kl" in metrics else "train/mismatch_k3"
-            if kl_key in metrics:
-                metrics["kl"] = metrics[kl_key]
+        if groups:
+            metrics.update(update_policy(learner, groups, cfg, reference, options, timer))
             with timer("sync"):
                 version += 1
                 sync_weights(learner, engine, version, cfg, out_dir)
+        else:
+            log.warning("step %d: no informative group after %d sampling rounds; skipping the update", step,
+                        cfg.data.max_sampling_rounds)
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
             with timer("eval"):
                 metrics.update(held_out())
