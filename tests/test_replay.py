@@ -170,3 +170,11 @@ def test_routes_flags_refused_for_dense_model_and_bad_paths(tiny_moe, tiny_dense
     assert "does not exist" in capsys.readouterr().err
     assert logprobs_cmd.run(_args(tiny_moe, tmp_path, routes_out=str(tmp_path / "r.json"))) == 2
     assert "--routes-out" in capsys.readouterr().err
+
+
+def test_row_plan_for_a_pipeline_stage_keeps_its_layers():
+    shape = RouteShape(num_moe_layers=3, topk=2, num_experts=8)
+    r = np.stack([[[0, 1], [2, 3], [4, 5]], [[6, 7], [0, 2], [1, 3]]])
+    plan = row_plan([0], [0], [3], 4, [r], shape, layers=[2])
+    assert plan.targets.shape == (4, 1, 2)
+    assert plan.targets[:2, 0].tolist() == [[4, 5], [1, 3]]

@@ -64,6 +64,8 @@ class RouteReplayHook:
         RouterReplay.clear_global_router_replay_instances()
         RouterReplay.global_router_replay_instances.extend(r.router_replay for r in routers)
         self.routers = routers
+        self.layers = sorted(set(self.layer_of.values()))  # this stage's MoE layers
+        self._column = {layer: j for j, layer in enumerate(self.layers)}  # layer -> column of a RowPlan
         self._handles = []
         for r in routers:
             self._handles.append(r.register_forward_pre_hook(self._pre_hook))
@@ -96,7 +98,8 @@ class RouteReplayHook:
         """Called by the learner's forward step with the micro-batch (its packed row) about to run."""
         row = mb.row
         self._rows.append(row)
-        self._plan = row_plan(row.indices, row.offsets, row.lengths, row.width, self._routes, self.shape)
+        self._plan = row_plan(row.indices, row.offsets, row.lengths, row.width, self._routes, self.shape,
+                              self.layers)
 
     # ----------------------------------------------------------------------------- router hooks
 
@@ -126,8 +129,9 @@ class RouteReplayHook:
         layer = self.layer_of[router]
         num_tokens = hidden.shape[0] if hidden.dim() == 3 else hidden.numel() // hidden.shape[-1]
         start = self._slice(num_tokens)
-        source = self._plan.source[start:start + num_tokens, layer]  # on the host: no device syncs here
-        target = self._plan.targets[start:start + num_tokens, layer].to(hidden.device)
+        column = self._column[layer]
+        source = self._plan.source[start:start + num_tokens, column]  # on the host: no device syncs here
+        target = self._plan.targets[start:start + num_tokens, column].to(hidden.device)
         free_rows = (source == MISSING) | (source == LAST)
         given = source == GIVEN
         if free_rows.any() or given.any():

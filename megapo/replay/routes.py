@@ -81,9 +81,11 @@ class RowPlan:
 
 
 def row_plan(indices: list[int], offsets: list[int], lengths: list[int], width: int,
-             routes: list[np.ndarray | None] | None, shape: RouteShape) -> RowPlan:
-    """Lay the routes of the row's samples (routes[i] for i in indices) onto the row's positions."""
-    L = shape.num_moe_layers
+             routes: list[np.ndarray | None] | None, shape: RouteShape, layers: list[int] | None = None) -> RowPlan:
+    """Lay the routes of the row's samples (routes[i] for i in indices) onto the row's positions.
+    `layers`: only these MoE layers (a pipeline stage's), as columns in this order; default all."""
+    layers = list(range(shape.num_moe_layers)) if layers is None else list(layers)
+    L = len(layers)
     targets = dummy_experts(torch.arange(width), shape)[:, None, :].repeat(1, L, 1)
     source = torch.full((width, L), PAD, dtype=torch.int8)
     for i, at, n in zip(indices, offsets, lengths):
@@ -92,7 +94,7 @@ def row_plan(indices: list[int], offsets: list[int], lengths: list[int], width: 
         r = routes[i] if routes is not None else None
         if r is None or len(r) == 0:
             continue
-        r = torch.as_tensor(r, dtype=torch.int64)
+        r = torch.as_tensor(r, dtype=torch.int64)[:, layers]
         known = (r >= 0).all(-1)  # [m, L]
         m = r.shape[0]
         block = targets[at:at + m]
