@@ -7,6 +7,10 @@ is available it does nothing, so GPU runs use Megatron unmodified.
 
 `apply()` is idempotent. `CHANGES` lists what it changed (one line each, with the reason), and
 `applied()` tells whether it is active. Nothing else in megapo may monkey-patch.
+
+Scope: the redirects are process-wide, except the TorchFunctionMode that rewrites device="cuda"
+literals, which (like every torch function mode) is active only on the thread that called apply();
+run the learner on that thread.
 """
 
 from __future__ import annotations

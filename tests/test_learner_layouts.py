@@ -36,6 +36,11 @@ LAYOUTS = {
 }
 
 
+# per-sequence mean: the share of each micro-batch must not depend on how the batch was split
+AGG_VARIANTS = [dict(loss_agg="seq-mean-token-mean", micro_batch_tokens=24),
+                dict(loss_agg="seq-mean-token-mean", micro_batch_tokens=4096)]
+
+
 def make_data(vocab: int, seed: int = 0):
     rng = random.Random(seed)
     sequences = [[rng.randrange(vocab) for _ in range(n)] for n in (7, 12, 3, 20, 9)]
@@ -60,6 +65,7 @@ def runs(tiny_moe, tiny_dense, tmp_path_factory):
             spec["save_dir"] = str(ckpt)
         if world == 1:
             spec["load_dir"] = str(ckpt)
+            spec["agg_variants"] = AGG_VARIANTS
         spec_path, out = tmp / f"spec{world}.json", tmp / f"out{world}.pt"
         spec_path.write_text(json.dumps(spec))
         args = [str(SCRIPT), "--spec", str(spec_path), "--out", str(out)]
@@ -84,8 +90,9 @@ def hf_logprobs(model_dir, sequences):
     return out
 
 
-def hf_reinforce_step(model_dir, batch, out_dir):
-    """Weights after one Adam step on the token-mean REINFORCE loss, all in transformers."""
+def hf_reinforce_step(model_dir, batch, out_dir, loss_agg="token-mean"):
+    """Weights after one Adam step on the REINFORCE loss (token-mean, or mean over sequences of each
+    sequence's token mean), all in transformers."""
     import transformers
     from safetensors.torch import load_file
 
@@ -96,7 +103,10 @@ def hf_reinforce_step(model_dir, batch, out_dir):
         tokens = torch.tensor([s["tokens"]])
         logp = torch.log_softmax(model(tokens).logits[0, :-1], -1).gather(-1, tokens[0, 1:, None])[:, 0]
         response = logp[s["prompt_len"] - 1:]  # logits at t-1 predict token t
-        loss = loss + (-s["advantage"] * response).sum() / total
+        if loss_agg == "token-mean":
+            loss = loss + (-s["advantage"] * response).sum() / total
+        else:
+            loss = loss + (-s["advantage"] * response).mean() / len(batch)
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():  # Adam's first step: bias-corrected m = g, v = g^2
@@ -110,7 +120,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def keys(results, model):
-    return [k for k in results if k.startswith(model + "/") and "loaded" not in k and "resumed" not in k]
+    """model/layout/dispatcher runs (not the resume, load or aggregation extras)."""
+    return [k for k in results if k.startswith(model + "/") and k.count("/") == 2]
 
 
 @pytest.mark.parametrize("model", ["moe", "dense"])
@@ -155,6 +166,17 @@ def test_every_layout_steps_like_tp1(runs, model):
         for name, tensor in ref["weights"].items():
             r = rel(got["weights"][name], tensor)
             assert r < 1e-6, f"{key} {name}: relative difference to TP=1 after one step {r:.2e}"
+
+
+def test_seq_mean_step_independent_of_micro_batches_and_matches_transformers(runs, tmp_path):
+    expected, loss = hf_reinforce_step(runs["models"]["moe"], runs["batch"], tmp_path, "seq-mean-token-mean")
+    small, large = runs["results"]["moe/variant0"], runs["results"]["moe/variant1"]
+    assert small["micro_batch_tokens"] == 24 and large["micro_batch_tokens"] == 4096
+    for got in (small, large):
+        assert abs(got["loss"] - loss) < 1e-5
+        for name, tensor in expected.items():
+            err = (got["weights"][name] - tensor).abs().max().item()
+            assert err < 2e-6, f"{got['micro_batch_tokens']} {name}: {err:.2e}"
 
 
 def test_resume_from_checkpoint_continues_exactly(runs):

@@ -9,6 +9,7 @@ SPEC.json: {"models": {"moe": DIR, "dense": DIR}, "layouts": [{"tp": 2, "pp": 1,
             "save_dir": DIR (a layout with "save": true: its MoE learner saves after one step, takes a second;
                         then a fresh learner of that layout loads the checkpoint and takes the second step),
             "load_dir": DIR (a MoE learner of the first layout loads only the weights of that checkpoint),
+            "agg_variants": [{"loss_agg": ..., "micro_batch_tokens": N}, ...] (one MoE step each, first layout),
             "sequences": [[...], ...], "batch": [sample, ...], "optim": {...}, "micro_batch_tokens": N,
             "objective": "reinforce", "loss_agg": "token-mean"}
 A dense model runs every layout with ep=1 (same tp, pp, dp).
@@ -61,6 +62,14 @@ def main() -> None:
             learner.train_step(spec["batch"], spec["objective"], spec["loss_agg"])
             results["moe/resumed"] = {"two_step_weights": dict(learner.hf_state_dict()), "step": learner.step}
             learner.close()
+    for i, variant in enumerate(spec.get("agg_variants", [])):  # other loss aggregations / micro-batch budgets
+        layout = spec["layouts"][0]
+        parallel = ParallelConfig(tp=layout["tp"], pp=layout["pp"], ep=layout["ep"], dp=layout["dp"])
+        learner = Learner(spec["models"]["moe"], parallel, OptimConfig(**spec["optim"]),
+                          micro_batch_tokens=variant["micro_batch_tokens"])
+        metrics = learner.train_step(spec["batch"], spec["objective"], variant["loss_agg"])
+        results[f"moe/variant{i}"] = {"weights": dict(learner.hf_state_dict()), "loss": metrics["loss"], **variant}
+        learner.close()
     if spec.get("load_dir"):  # the weights of a checkpoint saved under another layout (resharded)
         learner = _learner(spec, spec["layouts"][0], spec["models"]["moe"])
         learner.load(spec["load_dir"], load_optimizer=False)
