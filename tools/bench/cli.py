@@ -1,0 +1,46 @@
+"""`megapo bench`: one entry point for megapo's benchmarks; each lives in its own module.
+
+    megapo bench scaling [--layouts tp1,tp2,pp2,ep2,tp2xep2,dp2] [--sizes small,medium] --out DIR
+    megapo bench projection --model qwen3-30b-a3b --gpus 8 --out FILE.json
+    megapo bench train-step --out FILE.json [...]     (tools/bench/train_step.py, its own arguments)
+    megapo bench rollout --engine embedded [...]      (tools/bench/rollout.py)
+    megapo bench weight-sync [...]                    (tools/bench/weight_sync.py)
+
+scaling and projection parse their arguments here; the other three get the rest of the command line
+unchanged, as if their module had been run with `python -m tools.bench.<name>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> (module, help); "own" modules expose add_arguments/run, the others main(argv)
+OWN = {"scaling": ("tools.bench.scaling", "RL step over layouts x model sizes: JSON + strong/weak scaling plots"),
+       "projection": ("tools.bench.projection", "projected step and weight-sync time of Qwen3 MoE on N GPUs")}
+PASSTHROUGH = {"train-step": ("tools.bench.train_step", "megapo train step vs raw Megatron forward_backward"),
+               "rollout": ("tools.bench.rollout", "rollout throughput (embedded engine, vLLM)"),
+               "weight-sync": ("tools.bench.weight_sync", "weight sync transports")}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+    for name, (module, help_text) in OWN.items():
+        importlib.import_module(module).add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    for name, (_, help_text) in PASSTHROUGH.items():
+        p = sub.add_parser(name, help=help_text, add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark module")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench in OWN:
+        return int(importlib.import_module(OWN[args.bench][0]).run(args) or 0)
+    module_name = PASSTHROUGH[args.bench][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name:
+            raise
+        print(f"megapo bench {args.bench}: {module_name.replace('.', '/')}.py is not in this checkout")
+        return 2
+    return int(module.main(list(args.rest)) or 0)
