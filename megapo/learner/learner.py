@@ -17,7 +17,6 @@ from typing import Callable, Iterator
 
 import torch
 
-from megapo import compat
 from megapo.config import OptimConfig, ParallelConfig
 from megapo.layout import check_layout, read_hf_config
 from megapo.learner import model as model_lib
@@ -85,11 +84,6 @@ class Learner:
     def module(self):
         return model_lib.unwrap(self.model)
 
-    def _groups(self):
-        from megatron.core import parallel_state as ps
-
-        return ps
-
     def _build_optimizer(self, total_steps: int | None):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -108,7 +102,8 @@ class Learner:
         return optimizer, scheduler
 
     def _micro_batches(self, sequences: list[list[int]], samples: list[dict] | None = None) -> list[MicroBatch]:
-        ps = self._groups()
+        from megatron.core import parallel_state as ps
+
         lengths = [len(s) for s in sequences]
         rows = packing.plan(lengths, dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
                             budget=self.micro_batch_tokens, pad_multiple=self.parallel.tp,
@@ -160,7 +155,8 @@ class Learner:
 
     def _share_results(self, local: list) -> list:
         """Results computed on the last pipeline stage of each DP rank -> the same list on every rank."""
-        ps = self._groups()
+        from megatron.core import parallel_state as ps
+
         if ps.get_pipeline_model_parallel_world_size() > 1:
             group = ps.get_pipeline_model_parallel_group()
             ranks = torch.distributed.get_process_group_ranks(group)
@@ -227,12 +223,11 @@ class Learner:
         micro_batches = self._micro_batches(sequences, batch)
         global_tokens = sum(len(s["tokens"]) - s["prompt_len"] for s in batch)
         scale = len(micro_batches) * ps.get_data_parallel_world_size()  # undo the schedule's /M and DDP's /dp
-        want_entropy = True
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             if not mb.row.indices:  # an empty row (DP balancing): no loss, but keep the graph connected
                 return logits.sum() * 0.0, {"tokens": 0, "metrics": {}, "loss": 0.0, "entropy_sum": 0.0}
-            logp_row, ent_row = self._row_logprobs(mb, logits, want_entropy)
+            logp_row, ent_row = self._row_logprobs(mb, logits, True)  # entropy: a metric, and an optional loss term
             pieces = {"logp": [], "ent": [], "old": [], "adv": [], "roll": [], "ref": []}
             cu = [0]
             for sample, at, n in zip(mb.samples, mb.row.offsets, mb.row.lengths):
@@ -360,5 +355,3 @@ def _check_sample(i: int, s: dict, vocab: int) -> None:
     if min(s["tokens"]) < 0 or max(s["tokens"]) >= vocab:
         raise ValueError(f"batch[{i}].tokens: ids must be in [0, {vocab})")
 
-
-__all__ = ["Learner", "compat"]
