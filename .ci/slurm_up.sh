@@ -10,6 +10,9 @@
 #   urgent  (higher PriorityTier)        a job there preempts debug jobs
 # Fast scheduler intervals and a short credential lifetime let a requeued job restart within
 # seconds (the default cred_expire of 120 s delays every restart by two minutes).
+#
+#   .ci/slurm_up.sh          start (or check) the cluster
+#   .ci/slurm_up.sh --stop   end the daemons this script started (by their pid files)
 set -euo pipefail
 
 NODES=${NODES:-2}
@@ -19,6 +22,16 @@ ROOT=/var/lib/megapo-slurm              # state, spool and logs of this cluster
 CONF=/etc/slurm/slurm.conf
 
 say() { echo "[slurm_up] $*"; }
+
+if [ "${1:-}" = --stop ]; then
+    for pidfile in /run/megapo-slurm/slurmd-*.pid /run/megapo-slurm/slurmctld.pid /run/munge/munged.pid; do
+        [ -s "$pidfile" ] || continue
+        pid=$(cat "$pidfile")
+        if kill "$pid" 2>/dev/null; then say "stopped $(basename "$pidfile" .pid) ($pid)"; fi
+        rm -f "$pidfile"
+    done
+    exit 0
+fi
 
 nodes_idle() {  # true when every node reports idle (or is running jobs: mixed/allocated)
     local states
