@@ -196,17 +196,14 @@ def resolve_layout(run: RunSpec, world_size: int, where: str) -> list[str]:
                 "parallel",
                 f"{where} gives {world_size} learner processes, not a multiple of tp*pp = {p.tp}*{p.pp} = {p.tp * p.pp}",
             )
-        p = run.parallel = dataclasses.replace(p, dp=world_size // (p.tp * p.pp))
+        p = dataclasses.replace(p, dp=world_size // (p.tp * p.pp))
         extra.append(f"parallel.dp={p.dp}")
-    try:
-        check_layout(p, run.hf_config, world_size)
-    except LayoutError as exc:
-        if exc.field == "parallel" and "world size" in str(exc):
-            raise LayoutError(
-                "parallel",
-                f"{where} gives {world_size} learner processes but tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {p.world_size}",
-            ) from None
-        raise
+    check_layout(p, run.hf_config)  # heads, layers, experts
+    if world_size != p.world_size:
+        raise LayoutError(
+            "parallel",
+            f"{where} gives {world_size} learner processes but tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {p.world_size}",
+        )
     return extra
 
 
