@@ -49,7 +49,7 @@ def engine(models, tmp_path_factory):
     base, _ = models
     log = tmp_path_factory.mktemp("vllm_log") / "server.log"
     server = VLLMServer(VLLMServerConfig(str(base), dtype=DTYPE, log_path=str(log), cpu_threads=2))
-    server.start(timeout=400)
+    server.start(timeout=600)
     eng = VLLMEngine(server.url, config_dir=str(base), server=server)
     yield eng
     eng.close()
