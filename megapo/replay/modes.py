@@ -58,7 +58,8 @@ def old_logprobs(learner, samples: list[dict], mode) -> tuple[list[torch.Tensor]
     else:
         given = [s.get("routes") for s in samples] if mode is ReplayMode.R3 else None
         if mode is ReplayMode.R3 and all(r is None for r in given):
-            raise ValueError("samples: routing replay r3 needs the engine's routes (SamplingParams(return_routes=True))")
+            raise ValueError("samples: routing replay r3 needs the engine's routes "
+                             "(SamplingParams(return_routes=True))")
         full, used, metrics = logprobs_with_routes(learner, sequences, given)
         for s, r in zip(samples, used):
             s["routes"] = r
