@@ -178,3 +178,21 @@ def test_row_plan_for_a_pipeline_stage_keeps_its_layers():
     plan = row_plan([0], [0], [3], 4, [r], shape, layers=[2])
     assert plan.targets.shape == (4, 1, 2)
     assert plan.targets[:2, 0].tolist() == [[4, 5], [1, 3]]
+
+
+def test_old_logprobs_refuses_before_any_pass():
+    from megapo.replay.modes import old_logprobs
+
+    class NoPasses:
+        route_hook = None
+
+        def logprobs(self, *a, **k):
+            raise AssertionError("a forward pass ran")
+
+    samples = [dict(tokens=[1, 2, 3], prompt_len=1)]
+    with pytest.raises(ValueError, match="return_routes=True"):
+        old_logprobs(NoPasses(), samples, "r3")
+    with pytest.raises(ValueError, match="routing_replay=True"):
+        old_logprobs(NoPasses(), samples, "r2")
+    with pytest.raises(ValueError, match="off, r2, r3"):
+        old_logprobs(NoPasses(), samples, "R2")
