@@ -74,6 +74,7 @@ class Family:
 FAMILIES: dict[str, str] = {
     "qwen3_moe": "megapo.models.qwen3_moe.mapping",
     "qwen2": "megapo.models.qwen2.mapping",
+    "qwen3": "megapo.models.qwen3.mapping",  # dense Qwen3: qwen2 without biases, with q/k norm
     "llama": "megapo.models.qwen2.mapping",  # same layout as qwen2 without QKV bias (spec reads it)
     "mixtral": "megapo.models.mixtral.mapping",
 }
