@@ -22,13 +22,40 @@ from safetensors.torch import load_file, save_file
 from megapo.cli import main as megapo_main
 from tools import convert
 
-FAMILIES = ("qwen3_moe", "qwen2", "mixtral")
+FAMILIES = ("qwen3_moe", "qwen2", "mixtral", "qwen3")
 # save layout (hf-to-megatron) and load layout (megatron-to-hf), all with 2 processes
 LAYOUTS = {
     "qwen3_moe": (["--tp", "2", "--ep", "2"], ["--tp", "1", "--pp", "2"]),
     "qwen2": (["--tp", "2"], ["--tp", "1", "--pp", "2"]),
     "mixtral": (["--tp", "2", "--ep", "2"], ["--tp", "2", "--ep", "2"]),
+    "qwen3": (["--tp", "2"], ["--tp", "2"]),
 }
+
+
+def write_tiny_qwen3(out: Path, tokenizer_from: Path) -> Path:
+    """A tiny dense Qwen3 (q/k norm, no biases) with the tokenizer of another tiny model
+    (megapo.models.tiny writes qwen3_moe, qwen2 and mixtral only)."""
+    import transformers
+
+    ref = json.loads((tokenizer_from / "config.json").read_text())
+    config = transformers.Qwen3Config(
+        vocab_size=ref["vocab_size"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=128, max_position_embeddings=512, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, eos_token_id=ref["eos_token_id"], bos_token_id=ref["bos_token_id"],
+        pad_token_id=ref["pad_token_id"])
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    for path in tokenizer_from.iterdir():
+        if path.name.startswith("tokenizer") or path.name == "chat_template.jinja":
+            shutil.copy2(path, out / path.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sources(tiny_model_factory, tmp_path_factory) -> dict[str, Path]:
+    out = {f: tiny_model_factory(f) for f in FAMILIES if f != "qwen3"}
+    out["qwen3"] = write_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), out["qwen2"])
+    return out
 
 
 def read_all(folder: Path) -> dict[str, torch.Tensor]:
@@ -58,10 +85,10 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_expected_tensor_names_and_shapes_match_transformers(tiny_model_factory, family):
+def test_expected_tensor_names_and_shapes_match_transformers(sources, family):
     from megapo.convert.support import check_config, expected_hf_tensors
 
-    folder = tiny_model_factory(family)
+    folder = sources[family]
     family_obj, spec = check_config(json.loads((folder / "config.json").read_text()), "--hf")
     with safe_open(folder / "model.safetensors", "pt") as f:
         written = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -235,14 +262,14 @@ def _plans(argvs: list[list[str]], scratch: Path) -> list:
 
 
 @pytest.fixture(scope="module")
-def conversions(tiny_model_factory, tmp_path_factory):
+def conversions(sources, tmp_path_factory):
     """Launch 1: hf-to-megatron of each family (+ --verify) and the trainer checkpoint; launch 2:
     megatron-to-hf of each (+ --verify) and of the trainer checkpoint, and a verify of an HF config whose
     router normalisation was flipped against the unchanged checkpoint. Returns paths, exit codes, output."""
     from launch.local import run_torchrun
 
     root = tmp_path_factory.mktemp("convert")
-    src = {f: tiny_model_factory(f) for f in FAMILIES}
+    src = sources
     ckpt = {f: root / f"{f}_ckpt" for f in FAMILIES}
     hf = {f: root / f"{f}_hf" for f in FAMILIES}
     scratch = root / "scratch"
@@ -271,8 +298,8 @@ def conversions(tiny_model_factory, tmp_path_factory):
 
 
 def test_hf_to_megatron_to_hf_round_trips_bit_exactly(conversions, capsys):
-    assert conversions["codes"]["h2m"] == [0, 0, 0]
-    assert conversions["codes"]["m2h"][:4] == [0, 0, 0, 0]
+    assert conversions["codes"]["h2m"] == [0] * len(FAMILIES)
+    assert conversions["codes"]["m2h"][:len(FAMILIES) + 1] == [0] * (len(FAMILIES) + 1)
     for family in FAMILIES:
         ckpt = conversions["ckpt"][family]
         meta = json.loads((ckpt / "megapo_checkpoint.json").read_text())
@@ -308,13 +335,13 @@ def test_flipped_router_normalisation_fails_verify_although_tensors_match(conver
     # the flipped folder holds the same tensors as the source (which round-trips exactly, above) ...
     assert read_all(conversions["flipped"]).keys() == read_all(conversions["src"]["qwen3_moe"]).keys()
     # ... but routes without renormalising the top-k weights: the learner (checkpoint config) disagrees
-    assert conversions["codes"]["m2h"][4] == 1
+    assert conversions["codes"]["m2h"][-1] == 1
 
 
 def test_trainer_checkpoint_converts_and_generates(conversions):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assert conversions["codes"]["m2h"][3] == 0  # includes --verify against the learner
+    assert conversions["codes"]["m2h"][len(FAMILIES)] == 0  # includes --verify against the learner
     out = conversions["root"] / "trained_hf"
     trained = torch.load(conversions["root"] / "trained.pt")
     got = read_all(out)
