@@ -111,6 +111,11 @@ def test_weight_sync_scales_with_bytes_and_links():
     # broadcast over IB: each of the 4 stage roots sends a quarter of the model
     assert base["broadcast_ib"]["transfer_s"] == pytest.approx(base["bytes"] / 4 / (400 / 8 * 1e9 * 0.7), rel=1e-12)
     assert fast["broadcast_ib"]["transfer_s"] == pytest.approx(base["broadcast_ib"]["transfer_s"] / 2, rel=1e-12)
+    # point-to-point resharding: one engine GPU receives its 1/engine_tp share, no gather
+    p2p = proj.project_weight_sync(shape, layout, Hardware(per_tensor_overhead_us=0.0), work, engine_tp=8)
+    assert p2p["p2p_resharded"]["total_s"] == pytest.approx(base["bytes"] / 8 / (400 / 8 * 1e9 * 0.7), rel=1e-12)
+    assert p2p["p2p_resharded"]["total_if_colocated_s"] == pytest.approx(base["bytes"] / 8 / (3600 / 8 * 1e9 * 0.7),
+                                                                         rel=1e-12)
     with_overhead = proj.project_weight_sync(shape, layout, Hardware(per_tensor_overhead_us=10.0), work)
     assert with_overhead["broadcast_ib"]["total_s"] - base["broadcast_ib"]["total_s"] == pytest.approx(
         shape.hf_tensors * 10e-6, rel=1e-9)
@@ -139,7 +144,35 @@ def test_cli_writes_assumptions_and_published_comparison(tmp_path):
     result = json.loads(out.read_text())
     assert result["layout"] == {"tp": 1, "pp": 1, "ep": 8, "dp": 16, "gpus": 16, "expert_tp": 1}
     assert result["assumptions"]["hardware"]["peak_tflops"] == 989.0
-    [pub] = result["published"]
-    assert pub["predicted_s"] == result["weight_sync"]["colocated_ipc"]["total_s"]
+    # each published number is projected for its own layout: the first is NeMo-RL's 32-GPU tp2/ep8 recipe
+    pub = result["published"][0]
+    assert pub["layout"] == {"tp": 2, "pp": 1, "ep": 8, "gpus": 32}
+    theirs = proj.project_weight_sync(proj.MODELS["qwen3-30b-a3b"], Layout(tp=2, pp=1, ep=8, dp=16), Hardware(),
+                                      Workload(), engine_tp=4)
+    assert pub["predicted_s"] == pytest.approx(theirs["colocated_ipc"]["total_s"], rel=1e-12)
     with pytest.raises(ConfigError):
         proj.check_projection(proj.MODELS["qwen3-30b-a3b"], Layout(tp=1, ep=128, dp=8), Hardware(), Workload())
+
+
+def test_from_scaling_uses_the_measured_single_process_throughput(tmp_path):
+    """--from-scaling: compute time = FLOPs / (GPUs * the train FLOP/s measured at world 1 of the largest size)."""
+    results = [
+        {"world_size": 1, "layout": "tp1", "size": "small", "model": {"total_params": 10, "hf_tensors": 50, "layers": 2},
+         "strong": {"train_flops": 4e9, "tokens": 1000, "time_s": {"train": 2.0, "weight_sync": 0.5}}},
+        {"world_size": 1, "layout": "tp1", "size": "medium", "model": {"total_params": 99, "hf_tensors": 100, "layers": 4},
+         "strong": {"train_flops": 6e9, "tokens": 1000, "time_s": {"train": 3.0, "weight_sync": 0.2}}},
+        {"world_size": 2, "layout": "tp2", "size": "medium", "model": {"total_params": 99, "hf_tensors": 100, "layers": 4},
+         "strong": {"train_flops": 6e9, "tokens": 1000, "time_s": {"train": 1.0, "weight_sync": 0.2}}},
+    ]
+    scaling = tmp_path / "scaling.json"
+    scaling.write_text(json.dumps({"device": "cpu", "results": results}))
+    out = tmp_path / "p.json"
+    assert proj.main(["--model", "qwen3-30b-a3b", "--gpus", "8", "--from-scaling", str(scaling), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    measured = result["assumptions"]["measured_from_scaling"]
+    assert measured["source_size"] == "medium"  # the largest single-process model
+    assert measured["achieved_tflops_per_device"] == pytest.approx(6e9 / 3.0 / 1e12)
+    assert measured["sync_s_per_tensor"] == pytest.approx(0.2 / 100)
+    step = result["step"]
+    assert step["train"]["compute_s"] == pytest.approx(step["train_flops"] / (8 * 6e9 / 3.0), rel=1e-9)
+    assert proj.main(["--model", "qwen3-30b-a3b", "--from-scaling", str(tmp_path / "none.json"), "--out", str(out)]) == 2

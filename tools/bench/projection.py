@@ -15,8 +15,8 @@ docs/scaling.md; the pieces:
   compute unless --comm-overlap says so;
 - old log-prob pass = the forward-only third of the above (no gradient reduce);
 - weight sync = gather of TP/EP shards (NVLink or IB) + transport (colocated: device copy of the
-  engine's share; disaggregated: NCCL broadcast of each PP stage's bytes over IB) + the engine's
-  per-tensor load overhead.
+  engine's share; disaggregated: NCCL broadcast of each PP stage's bytes over IB; or point-to-point
+  resharding, each engine GPU receiving only its share, no gather) + the engine's per-tensor load overhead.
 
 Generation time is not projected (it depends on the inference engine, response lengths and
 batching, not on the learner layout).
@@ -160,7 +160,9 @@ MODELS: dict[str, ModelShape] = {
 }
 
 # The learner layout each model defaults to (Megatron order: TP innermost, then EP over TP*DP, PP outermost).
-DEFAULT_LAYOUT = {"qwen3-30b-a3b": {"tp": 1, "pp": 1, "ep": 8}, "qwen3-235b-a22b": {"tp": 4, "pp": 4, "ep": 8}}
+# engine_tp: GPUs of one inference engine (the 61 GB / 470 GB bf16 models need 2 / 8 GPUs of 80 GB with KV cache room).
+DEFAULT_LAYOUT = {"qwen3-30b-a3b": {"tp": 1, "pp": 1, "ep": 8, "engine_tp": 2},
+                  "qwen3-235b-a22b": {"tp": 4, "pp": 4, "ep": 8, "engine_tp": 8}}
 
 
 # ----------------------------------------------------------------------------- assumptions
@@ -342,6 +344,10 @@ def project_weight_sync(model: ModelShape, layout: Layout, hw: Hardware, work: W
     overhead = model.hf_tensors * hw.per_tensor_overhead_us * 1e-6
     copy = total_bytes / engine_tp / (hw.copy_gbytes_per_s * 1e9)
     broadcast = total_bytes / pp / hw.bytes_per_s(False)
+    # point-to-point resharding (each engine GPU pulls only its 1/engine_tp share straight from the
+    # learner ranks that hold it, no gather): bound by what one engine GPU receives, over IB when the
+    # engines have their own nodes, over NVLink when they share the learner's GPUs.
+    share = total_bytes / engine_tp
     return {
         "bytes": total_bytes, "hf_tensors": model.hf_tensors, "engine_tp": engine_tp,
         "gather_s": gather, "engine_overhead_s": overhead,
@@ -350,17 +356,35 @@ def project_weight_sync(model: ModelShape, layout: Layout, hw: Hardware, work: W
         "broadcast_ib": {"gather_s": gather, "transfer_s": broadcast, "engine_overhead_s": overhead,
                          "total_s": gather + broadcast + overhead,
                          "effective_gb_per_s": total_bytes / (gather + broadcast + overhead) / 1e9},
+        "p2p_resharded": {"transfer_s": share / hw.bytes_per_s(False), "engine_overhead_s": overhead,
+                          "total_s": share / hw.bytes_per_s(False) + overhead,
+                          "total_if_colocated_s": share / hw.bytes_per_s(True) + overhead},
     }
 
 
-# Published numbers the projection is compared with (setups and sources in docs/scaling.md).
+# Published weight-sync numbers the projection is compared with. Each is projected for its own learner
+# layout (where the source gives one) with this run's hardware assumptions; `confirmed` says whether the
+# number was found in the cited source (docs/scaling.md has the details).
 PUBLISHED = [
-    {"model": "qwen3-30b-a3b", "what": "refit (colocated weight update, Megatron -> vLLM)", "transport": "colocated_ipc",
-     "seconds_low": 0.74, "seconds_high": 1.0, "system": "NeMo-RL, H100",
-     "source": "NeMo-RL performance summary (docs.nvidia.com/nemo/rl/latest/about/performance-summary.html)"},
-    {"model": "qwen3-235b-a22b", "what": "NCCL weight sync (disaggregated, Megatron -> SGLang)",
-     "transport": "broadcast_ib", "seconds_low": 10.75, "seconds_high": 10.75, "system": "miles",
-     "source": "miles (radixark/miles), see docs/scaling.md"},
+    {"model": "qwen3-30b-a3b", "system": "NeMo-RL (Megatron -> vLLM), H100", "transport": "colocated_ipc",
+     "what": "refit, colocated CUDA IPC", "seconds_low": 0.74, "seconds_high": 1.0,
+     "layout": {"tp": 2, "pp": 1, "ep": 8, "gpus": 32}, "engine_tp": 4,
+     "layout_source": "NeMo-RL v0.4 performance summary recipe for Qwen3-30B-A3B: train [TP2,EP8], 32 GPUs, gen TP4",
+     "source": "issue brief; NeMo-RL issue #1004 (refit time chart of grpo-qwen3-30ba3b-8n8g-megatron)",
+     "confirmed": False},
+    {"model": "qwen3-30b-a3b", "system": "NeMo-RL NCCL-Xfer refit (Megatron EP8xPP2 -> vLLM TP2xDP8)",
+     "transport": "p2p_resharded", "what": "refit, NCCL point-to-point resharding", "seconds_low": 0.50,
+     "seconds_high": 0.55, "layout": {"tp": 1, "pp": 2, "ep": 8, "gpus": 16}, "engine_tp": 2,
+     "layout_source": "the PR's table", "source": "github.com/NVIDIA-NeMo/RL/pull/2808", "confirmed": True},
+    {"model": "qwen3-235b-a22b", "system": "miles (Megatron -> SGLang), NCCL broadcast", "transport": "broadcast_ib",
+     "what": "weight sync, disaggregated NCCL broadcast", "seconds_low": 10.75, "seconds_high": 10.75,
+     "layout": {"tp": 4, "pp": 4, "ep": 8, "gpus": 64}, "engine_tp": 8,
+     "layout_source": "not given with the number: megapo's default 235B layout assumed",
+     "source": "issue brief (miles); not located by this search", "confirmed": False},
+    {"model": "qwen3-235b-a22b", "system": "NeMo-RL NCCL-Xfer refit (Megatron TP4xPP8xEP16 -> vLLM TP8xDP16)",
+     "transport": "p2p_resharded", "what": "refit, NCCL point-to-point resharding", "seconds_low": 4.56,
+     "seconds_high": 4.85, "layout": {"tp": 4, "pp": 8, "ep": 16, "gpus": 128}, "engine_tp": 8,
+     "layout_source": "the PR's table", "source": "github.com/NVIDIA-NeMo/RL/pull/2808", "confirmed": True},
 ]
 
 
@@ -394,7 +418,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=None)
     parser.add_argument("--pp", type=int, default=None)
     parser.add_argument("--ep", type=int, default=None)
-    parser.add_argument("--engine-tp", type=int, default=1, help="inference TP size (colocated copy share)")
+    parser.add_argument("--engine-tp", type=int, default=None,
+                        help="GPUs per inference engine (default 2 for 30B, 8 for 235B)")
     parser.add_argument("--link-gbps", type=float, default=None,
                         help="set every link (NVLink and IB) to this many Gb/s per GPU (a what-if)")
     parser.add_argument("--nvlink-gbps", type=float, default=hw.nvlink_gbps, help="intra-node Gb/s per GPU per direction")
@@ -436,6 +461,8 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, Layout, Hardware, Workl
         hw = replace(hw, nvlink_gbps=args.link_gbps, ib_gbps=args.link_gbps)
     if args.gpus_per_node < 1:
         raise ConfigError("--gpus-per-node", f"must be >= 1, got {args.gpus_per_node}")
+    if args.engine_tp is None:
+        args.engine_tp = defaults["engine_tp"]
     if args.engine_tp < 1:
         raise ConfigError("--engine-tp", f"must be >= 1, got {args.engine_tp}")
     work = Workload(sequences=args.sequences, seq_len=args.seq_len, micro_batch_tokens=args.micro_batch_tokens)
@@ -461,9 +488,13 @@ def project(model: ModelShape, layout: Layout, hw: Hardware, work: Workload, eng
     for pub in PUBLISHED:
         if pub["model"] != model.name:
             continue
-        predicted = sync[pub["transport"]]["total_s"]
+        lay = pub["layout"]
+        theirs = Layout(tp=lay["tp"], pp=lay["pp"], ep=lay["ep"], dp=lay["gpus"] // (lay["tp"] * lay["pp"]))
+        theirs_sync = project_weight_sync(model, theirs, hw, work, pub["engine_tp"])[pub["transport"]]
+        predicted = theirs_sync["total_s"]
         mid = (pub["seconds_low"] + pub["seconds_high"]) / 2
-        comparisons.append({**pub, "predicted_s": predicted, "ratio_predicted_over_published": predicted / mid})
+        comparisons.append({**pub, "predicted_s": predicted, "ratio_predicted_over_published": predicted / mid,
+                            "predicted_if_colocated_s": theirs_sync.get("total_if_colocated_s")})
     return {
         "benchmark": "projection",
         "note": "analytic projection, not a measurement; every input is under 'assumptions'",
@@ -505,11 +536,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"  train {s['train']['total_s']:.2f} s (compute {s['train']['compute_s']:.2f}, ep {s['train']['ep_comm_s']:.2f}, "
           f"tp {s['train']['tp_comm_s']:.2f}, dp {s['train']['dp_grad_comm_s']:.2f}, bubble {s['train']['pp_bubble_s']:.2f}),"
           f" old-logp {s['old_logp']['total_s']:.2f} s, MFU {s['train']['mfu_end_to_end']:.3f}")
-    print(f"  weight sync: colocated {w['colocated_ipc']['total_s']:.2f} s, broadcast {w['broadcast_ib']['total_s']:.2f} s"
+    print(f"  weight sync: colocated {w['colocated_ipc']['total_s']:.2f} s, broadcast {w['broadcast_ib']['total_s']:.2f} s,"
+          f" p2p resharded {w['p2p_resharded']['total_s']:.2f} s (colocated {w['p2p_resharded']['total_if_colocated_s']:.2f})"
           f" ({w['bytes'] / 1e9:.1f} GB, {w['hf_tensors']} tensors)")
     for c in result["published"]:
-        print(f"  vs published {c['system']}: {c['seconds_low']}-{c['seconds_high']} s -> predicted {c['predicted_s']:.2f} s"
-              f" (ratio {c['ratio_predicted_over_published']:.2f})")
+        lay = c["layout"]
+        print(f"  vs {c['system']} ({'confirmed' if c['confirmed'] else 'unconfirmed'}; tp{lay['tp']} pp{lay['pp']} "
+              f"ep{lay['ep']} on {lay['gpus']}): {c['seconds_low']}-{c['seconds_high']} s -> predicted "
+              f"{c['predicted_s']:.2f} s ({c['transport']}, ratio {c['ratio_predicted_over_published']:.2f})")
     print(f"wrote {out}")
     return 0
 

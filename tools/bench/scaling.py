@@ -250,7 +250,8 @@ def build_report(raw_rows: list[dict], peak_tflops: float, machine: dict) -> dic
     return {"benchmark": "scaling", "note": note, "device": "gpu" if on_gpu else "cpu", "machine": machine,
             "peak_tflops_for_mfu": peak_tflops if on_gpu else None,
             "definitions": {
-                "time_s": "median over --steps of each phase on rank 0 (barrier before each step)",
+                "time_s": "rank 0's phase times of the step with the median total over --steps (a barrier starts "
+                          "each step); all steps are in time_s_per_step",
                 "tokens_per_s_per_device": "batch tokens (prompt + response) / step time / world size",
                 "train_tokens_per_s_per_device": "batch tokens / train phase time / world size",
                 "mfu": "train FLOPs (6 * matmul active params + attention, from the model shape) / train time / "

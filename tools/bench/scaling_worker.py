@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import threading
 import time
 from pathlib import Path
@@ -139,7 +138,8 @@ def measure(learner, engine, prompts, spec: dict, steps: int, version: int, seed
         version += 1
         times, batch = one_step(learner, engine, prompts, spec, version, seed + i)
         rows.append(times)
-    median = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    # the phases of the step with the median total (not per-phase medians, which need not add up)
+    median = sorted(rows, key=lambda r: r["step"])[(len(rows) - 1) // 2]
     out = {"prompts": len(prompts), "sequences": len(batch), "tokens": sum(len(s["tokens"]) for s in batch),
            "response_tokens": sum(len(s["tokens"]) - s["prompt_len"] for s in batch),
            "sequence_lengths": sorted({len(s["tokens"]) for s in batch}),
