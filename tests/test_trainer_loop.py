@@ -165,6 +165,10 @@ def test_loop_wiring_sync_metrics_dynamic_sampling(tmp_path, tiny_dense, reward_
     assert all("reward" in r and "time/generate" in r for r in rows[1:])
     assert any("kl" in r and "train/kl" in r for r in rows[1:])
     assert lines[-1].startswith("step 4/4 | reward")
+    from megapo.trainer.plot import plot_run
+
+    counts = plot_run(tmp_path / "run", tmp_path / "curves.png")
+    assert counts == {"reward": 4, "response_len": 4, "kl": 4, "eval/accuracy": 3}  # eval at steps 0, 2, 4
 
 
 def test_resume_continues_the_prompt_order(tmp_path, tiny_dense, reward_module):
