@@ -3,8 +3,8 @@
 Used by tests/test_slurm_real.py through `megapo launch slurm --entry-script` until the real
 trainer is plugged in. It does no learning, only what the launch relies on:
 
-    train [--resume] CONFIG [overrides]   one process per rank under torchrun (gloo): runs
-        train.steps steps of train.step_seconds each; ranks agree every step (all-reduce) whether
+    train [--resume] CONFIG [overrides]   one process per rank under torchrun: runs train.steps
+        steps of train.step_seconds each; ranks agree every step (through files) whether
         a SIGTERM arrived; if so rank 0 writes <output_dir>/checkpoints/latest.json (atomically)
         and every rank exits with EXIT_CHECKPOINTED. With --resume it continues from that file.
         Rank 0 appends one line per run to <output_dir>/runs.jsonl and writes <output_dir>/progress.
@@ -60,11 +60,8 @@ def train(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
 
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # set by torchrun
+    group = FileGroup(out, rank, world)
     ckpt = out / CHECKPOINT_SUBDIR / "latest.json"
     start = 0
     if args.resume and ckpt.is_file():
@@ -76,11 +73,9 @@ def train(argv: list[str]) -> int:
         "start": start,
         "world_size": world,
         "overrides": args.overrides,
+        # where every rank runs, and which engines the learner can reach (disaggregated launch)
+        "rank_nodes": group.all_gather("nodes", os.environ.get("SLURMD_NODENAME", socket.gethostname())),
     }
-    # where every rank runs, and which engines the learner can reach (disaggregated launch)
-    nodes = [None] * world
-    dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME", socket.gethostname()))
-    record["rank_nodes"] = nodes
     if rank == 0:
         record["servers"] = [_health(server) for server in cfg.get("rollout", {}).get("servers", [])]
 
@@ -90,26 +85,47 @@ def train(argv: list[str]) -> int:
         step += 1
         if rank == crash_rank and step == crash_step:
             print(f"rank {rank}: failing at step {step} as configured", flush=True)
-            return 3  # the other ranks hang in the all-reduce until Slurm ends the step
-        flag = torch.tensor([1.0 if stop["signal"] else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # all ranks stop at the same step
+            return 3  # the other ranks wait for it at this step until Slurm ends the step
+        stop_now = any(group.all_gather(f"step{step}", stop["signal"] is not None))  # all ranks stop together
         if rank == 0:
             (out / "progress").write_text(str(step))
-        if flag.item() > 0:
+        if stop_now:
             if rank == 0:
                 ckpt.parent.mkdir(parents=True, exist_ok=True)
                 tmp = ckpt.with_suffix(".tmp")
                 tmp.write_text(json.dumps({"step": step}))
                 os.replace(tmp, ckpt)  # a checkpoint is either complete or absent
                 _append(out / "runs.jsonl", {**record, "end": step, "exit": EXIT_CHECKPOINTED})
-            dist.barrier()
-            dist.destroy_process_group()
+            group.all_gather("saved", True)
             return EXIT_CHECKPOINTED
     if rank == 0:
         _append(out / "runs.jsonl", {**record, "end": step, "exit": 0})
-    dist.barrier()
-    dist.destroy_process_group()
+    group.all_gather("done", True)
     return 0
+
+
+class FileGroup:
+    """Ranks exchange small values through files in the shared output dir.
+
+    Enough for a stand-in (and much cheaper than importing torch in every rank on a 2-core machine);
+    torchrun's own agents still rendezvous at the master address the template passes them.
+    """
+
+    def __init__(self, out: Path, rank: int, world: int):
+        # one folder per launch: job and restart under Slurm; torchrun's master port for local runs
+        launch_id = "-".join(os.environ.get(k, "") for k in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "MASTER_PORT"))
+        self.dir = out / ".sync" / launch_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rank, self.world = rank, world
+
+    def all_gather(self, key: str, value) -> list:
+        tmp = self.dir / f".{key}.{self.rank}.tmp"
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, self.dir / f"{key}.{self.rank}")  # readers never see a partial file
+        paths = [self.dir / f"{key}.{r}" for r in range(self.world)]
+        while not all(path.exists() for path in paths):
+            time.sleep(0.01)
+        return [json.loads(path.read_text()) for path in paths]
 
 
 def _health(server: str) -> dict:
