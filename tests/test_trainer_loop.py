@@ -176,7 +176,7 @@ def test_resume_continues_the_prompt_order(tmp_path, tiny_dense, reward_module):
     from megapo.trainer.loop import train
 
     # without dynamic sampling every step takes exactly prompts_per_step prompts, whatever the samples
-    fixed = {"data.dynamic_sampling": False}
+    fixed = {"data.dynamic_sampling": False, "rollout.weight_sync": "disk"}  # and the disk transport
     full_engine = RecordingEngine(tiny_dense)
     train(_cfg(tiny_dense, tmp_path / "full", reward_module, **fixed), learner=HFLearner(tiny_dense), engine=full_engine,
           print_fn=lambda s: None)
@@ -191,6 +191,7 @@ def test_resume_continues_the_prompt_order(tmp_path, tiny_dense, reward_module):
     train(_cfg(tiny_dense, part, reward_module, **fixed), resume=True, learner=resumed_learner, engine=second,
           print_fn=lambda s: None)
     assert second.inner.weight_version == 4
+    assert any((part / "weights_sync").iterdir())  # the disk transport wrote the synced weights
     # eval prompts are the fixed test split; compare only the training prompts (8 tokens, not in the test split)
     from megapo.tasks import addition
 

@@ -146,6 +146,7 @@ class PromptPool:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.dropped_too_long = 0
+        self._ids: list[list[int]] | None = None  # pre-tokenized prompts (files), or None (made on demand)
         if task:
             if task != "addition":
                 raise ConfigError("data.task", f"unknown task {task!r}; built-in: {', '.join(BUILTIN_TASKS)}")
@@ -166,7 +167,7 @@ class PromptPool:
 
     def __getitem__(self, i: int) -> tuple[Example, list[int]]:
         ex = self._get(i)
-        if hasattr(self, "_ids"):
+        if self._ids is not None:
             return ex, self._ids[i]
         return ex, encode_prompt(self.tokenizer, ex.prompt, self.chat_template)
 

@@ -190,41 +190,24 @@ def loss_options(cfg: RunConfig) -> dict:
 # ----------------------------------------------------------------------------- weight sync
 
 
-def _buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    bucket, size = [], 0
-    for name, t in named:
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
+def make_transport(cfg: RunConfig, out_dir: Path, model_dir: Path):
+    from megapo.weights import DiskTransport, TensorTransport
+
+    if cfg.rollout.weight_sync == "tensor":
+        return TensorTransport()
+    if cfg.rollout.weight_sync == "disk":
+        return DiskTransport(out_dir / "weights_sync", config_dir=model_dir)
+    raise NotImplementedError("rollout.weight_sync=broadcast is not wired into the loop yet")
 
 
-def sync_weights(learner, engine, version: int, cfg: RunConfig, out_dir: Path) -> None:
-    """Hand the learner's weights to the engine (collective on the learner side)."""
-    named = learner.hf_state_dict()  # every rank takes part in the gather
-    if engine is None:
-        for _ in named:
-            pass
-        return
-    engine.pause()
-    try:
-        if cfg.rollout.weight_sync == "tensor":
-            for bucket in _buckets(named, cfg.rollout.bucket_mb * 2**20):
-                engine.update_weights(bucket, version)
-        elif cfg.rollout.weight_sync == "disk":
-            from safetensors.torch import save_file
+def sync_weights(learner, engine, version: int, cfg: RunConfig, transport) -> dict:
+    """Hand the learner's weights to the engine through megapo.weights (collective on the learner side:
+    every rank streams the gathered tensors; only rank 0 has an engine)."""
+    from megapo.weights import bucket_bytes, sync_named
 
-            path = out_dir / "weights_sync"
-            path.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in named}, str(path / "model.safetensors"))
-            engine.update_weights_from_disk(str(path), version)
-        else:
-            raise NotImplementedError("rollout.weight_sync=broadcast is not wired into the loop yet")
-    finally:
-        engine.resume()
+    stats = sync_named(learner.hf_state_dict(), [engine] if engine is not None else [], transport,
+                       bucket_bytes(cfg.rollout.bucket_mb, "rollout.bucket_mb"), version)
+    return {"sync/bytes": stats.bytes, "sync/buckets": stats.buckets}
 
 
 # ----------------------------------------------------------------------------- one step
@@ -342,6 +325,7 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
             raise ValueError("data: every prompt is longer than data.max_prompt_tokens")
     source = data.PromptSource(len(pool), seed=cfg.train.seed)
 
+    transport = make_transport(cfg, out_dir, model_dir)
     start_step, version = 0, 0
     ckpt_root = out_dir / "checkpoints"
     latest = ckpt.latest_checkpoint(ckpt_root) if resume else None
@@ -349,7 +333,8 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
         state = ckpt.load_checkpoint(latest, learner.load)
         source.load_state_dict(state.data_cursor)
         start_step, version = state.step, state.weight_version
-        sync_weights(learner, engine, version, cfg, out_dir)
+        if version > 0:
+            sync_weights(learner, engine, version, cfg, transport)
         log.info("resumed from %s (step %d)", latest, start_step)
 
     logger = MetricsLogger(out_dir, cfg.train.log, asdict(cfg), cfg.train.steps, print_fn) if _rank() == 0 else None
@@ -380,7 +365,7 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
             metrics.update(update_policy(learner, groups, cfg, reference, options, timer))
             with timer("sync"):
                 version += 1
-                sync_weights(learner, engine, version, cfg, out_dir)
+                metrics.update(sync_weights(learner, engine, version, cfg, transport))
         else:
             log.warning("step %d: no informative group after %d sampling rounds; skipping the update", step,
                         cfg.data.max_sampling_rounds)

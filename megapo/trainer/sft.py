@@ -36,7 +36,7 @@ class SFTResult:
 def _batches(inputs: torch.Tensor, labels: torch.Tensor, batch_size: int, rng: np.random.Generator):
     while True:
         order = torch.from_numpy(rng.permutation(len(inputs)))
-        for start in range(0, len(inputs) - batch_size + 1 if len(inputs) >= batch_size else 1, batch_size):
+        for start in range(0, len(inputs) - batch_size + 1, batch_size):  # full batches; the order changes per epoch
             idx = order[start:start + batch_size]
             yield inputs[idx], labels[idx]
 
