@@ -10,7 +10,6 @@ the parquet footer.
 
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
