@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (module, help_text) in OWN.items():
         importlib.import_module(module).add_arguments(sub.add_parser(name, help=help_text, description=help_text))
     for name, (_, help_text) in PASSTHROUGH.items():
-        p = sub.add_parser(name, help=help_text, add_help=False)
+        # no option prefix: every argument after the name, options included, goes to the module untouched
+        p = sub.add_parser(name, help=help_text, add_help=False, prefix_chars="\0")
         p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark module")
 
 

@@ -474,9 +474,12 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, Layout, Hardware, Workl
         if not path.is_file():
             raise ConfigError("--from-scaling", f"{path} is not a file")
         measured = measured_inputs(json.loads(path.read_text()))
-        # measured per-device throughput replaces peak * mfu; measured per-tensor cost replaces the assumption
-        hw = replace(hw, peak_tflops=measured["achieved_tflops_per_device"], mfu=1.0,
-                     per_tensor_overhead_us=measured["sync_s_per_tensor"] * 1e6)
+        # measured per-device throughput replaces peak * mfu (the MFU becomes measured / peak, so end-to-end
+        # MFU stays relative to --peak-tflops); measured per-tensor sync cost replaces the assumption
+        achieved = measured["achieved_tflops_per_device"]
+        if achieved > hw.peak_tflops:
+            raise ConfigError("--from-scaling", f"measured {achieved:.1f} TFLOP/s exceeds --peak-tflops {hw.peak_tflops}")
+        hw = replace(hw, mfu=achieved / hw.peak_tflops, per_tensor_overhead_us=measured["sync_s_per_tensor"] * 1e6)
     return model, layout, hw, work, measured
 
 
