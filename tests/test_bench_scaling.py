@@ -99,3 +99,16 @@ def test_two_layouts_one_step_write_json_and_plots(tmp_path):
         assert r["strong_speedup_vs_1proc"] is None  # no single-process layout in this run
     for name in ("strong_scaling.png", "weak_scaling.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_only_writes_specs_for_a_cluster_and_starts_nothing(tmp_path):
+    """--plan-only: no 4-process limit, one spec per world size, the per-rank command printed; no raw results."""
+    out = tmp_path / "plan"
+    done = _bench("--layouts", "dp8,ep8,tp2", "--sizes", "small", "--plan-only", "--out", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    spec8 = json.loads((out / "spec_world8.json").read_text())
+    assert [r["parallel"] for r in spec8["runs"]] == [{"tp": 1, "pp": 1, "ep": 1, "dp": 8},
+                                                       {"tp": 1, "pp": 1, "ep": 8, "dp": 8}]
+    assert (out / "spec_world2.json").is_file() and (out / "models" / "small" / "config.json").is_file()
+    assert f"-m tools.bench.scaling_worker --spec {out / 'spec_world8.json'}" in done.stdout
+    assert not list(out.glob("raw_world*.jsonl"))
