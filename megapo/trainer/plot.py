@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-PANELS = (("reward", "reward (mean)"), ("response_len", "response length (tokens)"), ("kl", "KL to reference"),
+PANELS = (("reward", "reward (mean)"), ("response_len", "response length (tokens)"), ("kl", "KL (to reference; without kl_coef: engine vs learner)"),
           ("eval/accuracy", "held-out accuracy"))
 
 
