@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from megapo.config import ConfigError
@@ -533,14 +533,15 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    s, w = result["step"], result["weight_sync"]
+    t, w = result["step"]["train"], result["weight_sync"]
+    p2p = w["p2p_resharded"]
     print(f"{model.name}: {model.total_params / 1e9:.2f}B params ({model.active_params / 1e9:.2f}B active) on "
           f"{layout.world} GPUs tp{layout.tp} pp{layout.pp} ep{layout.ep} dp{layout.dp}")
-    print(f"  train {s['train']['total_s']:.2f} s (compute {s['train']['compute_s']:.2f}, ep {s['train']['ep_comm_s']:.2f}, "
-          f"tp {s['train']['tp_comm_s']:.2f}, dp {s['train']['dp_grad_comm_s']:.2f}, bubble {s['train']['pp_bubble_s']:.2f}),"
-          f" old-logp {s['old_logp']['total_s']:.2f} s, MFU {s['train']['mfu_end_to_end']:.3f}")
-    print(f"  weight sync: colocated {w['colocated_ipc']['total_s']:.2f} s, broadcast {w['broadcast_ib']['total_s']:.2f} s,"
-          f" p2p resharded {w['p2p_resharded']['total_s']:.2f} s (colocated {w['p2p_resharded']['total_if_colocated_s']:.2f})"
+    print(f"  train {t['total_s']:.2f} s (compute {t['compute_s']:.2f}, ep {t['ep_comm_s']:.2f}, "
+          f"tp {t['tp_comm_s']:.2f}, dp {t['dp_grad_comm_s']:.2f}, bubble {t['pp_bubble_s']:.2f}),"
+          f" old-logp {result['step']['old_logp']['total_s']:.2f} s, MFU {t['mfu_end_to_end']:.3f}")
+    print(f"  weight sync: colocated {w['colocated_ipc']['total_s']:.2f} s, broadcast {w['broadcast_ib']['total_s']:.2f}"
+          f" s, p2p resharded {p2p['total_s']:.2f} s (colocated {p2p['total_if_colocated_s']:.2f})"
           f" ({w['bytes'] / 1e9:.1f} GB, {w['hf_tensors']} tensors)")
     for c in result["published"]:
         lay = c["layout"]

@@ -228,12 +228,12 @@ def build_report(raw_rows: list[dict], peak_tflops: float, machine: dict) -> dic
                                  "peak_memory_bytes_per_rank", "peak_memory_kind",
                                  "rss_at_run_start_bytes_per_rank", "calibration_s")}
         row["peak_memory_bytes_max"] = max(r["peak_memory_bytes_per_rank"])
+        mean_len = r["strong"]["tokens"] / r["strong"]["sequences"]
         row["model"] = {**size, "total_params": shape.total_params, "active_params": shape.active_params,
-                        "hf_tensors": shape.hf_tensors, "flops_per_token_train_at_mean_len": None}
+                        "hf_tensors": shape.hf_tensors,
+                        "flops_per_token_train_at_mean_len": shape.flops_per_token(mean_len / 2, train=True)}
         row["strong"] = _phase_metrics(r["strong"], shape, r["world_size"], peak)
         row["weak"] = _phase_metrics(r["weak"], shape, r["world_size"], peak) if r["weak"] else row["strong"]
-        mean_len = r["strong"]["tokens"] / r["strong"]["sequences"]
-        row["model"]["flops_per_token_train_at_mean_len"] = shape.flops_per_token(mean_len / 2, train=True)
         results.append(row)
     # ratios within this run: against the single-process layout of the same size
     for row in results:
@@ -280,7 +280,8 @@ def plot_report(report: dict, out: Path) -> list[Path]:
     for kind, title in (("strong", "strong scaling (fixed global batch)"), ("weak", "weak scaling (batch x processes)")):
         fig, axes = plt.subplots(len(sizes), 2, figsize=(12, 3.8 * len(sizes)), squeeze=False)
         for i, size in enumerate(sizes):
-            rows = sorted((r for r in report["results"] if r["size"] == size), key=lambda r: (r["world_size"], r["layout"]))
+            rows = sorted((r for r in report["results"] if r["size"] == size),
+                          key=lambda r: (r["world_size"], r["layout"]))
             ax = axes[i][0]
             labels = [f"{r['layout']}\n({r['world_size']}p)" for r in rows]
             bottom = [0.0] * len(rows)
@@ -341,7 +342,8 @@ def print_summary(report: dict) -> None:
     for r in report["results"]:
         t = r["strong"]["time_s"]
         sp, we = r.get("strong_speedup_vs_1proc"), r.get("weak_efficiency_vs_1proc")
-        print(f"{r['name']:<22}{r['world_size']:>6}{r['calibration_s']:>7.3f}{t['step']:>9.2f}{t['generate']:>7.2f}{t['old_logp']:>7.2f}"
+        print(f"{r['name']:<22}{r['world_size']:>6}{r['calibration_s']:>7.3f}{t['step']:>9.2f}{t['generate']:>7.2f}"
+              f"{t['old_logp']:>7.2f}"
               f"{t['train']:>7.2f}{t['weight_sync']:>7.2f}{r['strong']['tokens_per_s_per_device']:>11.0f}"
               f"{'-' if sp is None else f'{sp:.2f}':>9}{'-' if we is None else f'{we:.2f}':>9}"
               f"{r['peak_memory_bytes_max'] / 2**20:>10.0f}")
@@ -352,7 +354,8 @@ def print_summary(report: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma list (default {DEFAULT_LAYOUTS})")
-    parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma list of {', '.join(SIZES)} (default {DEFAULT_SIZES})")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES,
+                        help=f"comma list of {', '.join(SIZES)} (default {DEFAULT_SIZES})")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per layout and batch (after one warm-up)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step (strong); x world size (weak)")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
