@@ -23,12 +23,14 @@ from megapo.cli import main as megapo_main
 from tools import convert
 
 FAMILIES = ("qwen3_moe", "qwen2", "mixtral", "qwen3")
+CASES = (*FAMILIES, "qwen2_bf16")  # + bf16 weights: written back as bf16 (dtype auto)
 # save layout (hf-to-megatron) and load layout (megatron-to-hf), all with 2 processes
 LAYOUTS = {
     "qwen3_moe": (["--tp", "2", "--ep", "2"], ["--tp", "1", "--pp", "2"]),
     "qwen2": (["--tp", "2"], ["--tp", "1", "--pp", "2"]),
     "mixtral": (["--tp", "2", "--ep", "2"], ["--tp", "2", "--ep", "2"]),
     "qwen3": (["--tp", "2"], ["--tp", "2"]),
+    "qwen2_bf16": (["--tp", "2"], ["--tp", "2"]),
 }
 
 
@@ -55,6 +57,9 @@ def write_tiny_qwen3(out: Path, tokenizer_from: Path) -> Path:
 def sources(tiny_model_factory, tmp_path_factory) -> dict[str, Path]:
     out = {f: tiny_model_factory(f) for f in FAMILIES if f != "qwen3"}
     out["qwen3"] = write_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), out["qwen2"])
+    out["qwen2_bf16"] = _edited_copy(out["qwen2"], tmp_path_factory.mktemp("bf16") / "qwen2_bf16",
+                                     lambda c: c.update(dtype="bfloat16"),
+                                     tensors=lambda t: {k: v.to(torch.bfloat16) for k, v in t.items()})
     return out
 
 
@@ -270,8 +275,8 @@ def conversions(sources, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("convert")
     src = sources
-    ckpt = {f: root / f"{f}_ckpt" for f in FAMILIES}
-    hf = {f: root / f"{f}_hf" for f in FAMILIES}
+    ckpt = {f: root / f"{f}_ckpt" for f in CASES}
+    hf = {f: root / f"{f}_hf" for f in CASES}
     scratch = root / "scratch"
     scratch.mkdir()
     capture = {}
@@ -282,12 +287,12 @@ def conversions(sources, tmp_path_factory):
     assert rc == 0
 
     plans = _plans([["hf-to-megatron", "--hf", str(src[f]), "--out", str(ckpt[f]), "--verify", *LAYOUTS[f][0]]
-                    for f in FAMILIES], scratch)
+                    for f in CASES], scratch)
     capture["h2m"] = convert.run_plans(plans, timeout_s=600)
 
     flipped = _edited_copy(src["qwen3_moe"], root / "flipped_hf", lambda c: c.update(norm_topk_prob=False))
     argvs = [["megatron-to-hf", "--ckpt", str(ckpt[f]), "--out", str(hf[f]), "--verify", *LAYOUTS[f][1]]
-             for f in FAMILIES]
+             for f in CASES]
     argvs[0] += ["--max-shard-size", "400KB"]  # several shards + index for one family
     argvs.append(["megatron-to-hf", "--ckpt", str(root / "run" / "step_00000001"), "--model", str(src["qwen3_moe"]),
                   "--out", str(root / "trained_hf"), "--verify", "--tp", "1", "--pp", "2"])
@@ -298,12 +303,14 @@ def conversions(sources, tmp_path_factory):
 
 
 def test_hf_to_megatron_to_hf_round_trips_bit_exactly(conversions, capsys):
-    assert conversions["codes"]["h2m"] == [0] * len(FAMILIES)
-    assert conversions["codes"]["m2h"][:len(FAMILIES) + 1] == [0] * (len(FAMILIES) + 1)
-    for family in FAMILIES:
+    assert conversions["codes"]["h2m"] == [0] * len(CASES)
+    assert conversions["codes"]["m2h"][:len(CASES) + 1] == [0] * (len(CASES) + 1)
+    for family in CASES:
         ckpt = conversions["ckpt"][family]
         meta = json.loads((ckpt / "megapo_checkpoint.json").read_text())
-        assert meta["family"] == family
+        source_config = json.loads((conversions["src"][family] / "config.json").read_text())
+        assert meta["family"] == source_config["model_type"]
+        assert meta["source"]["dtype"] == ("bfloat16" if family.endswith("bf16") else "float32")
         print(family, "hf-to-megatron verify:", meta["verify"])
         assert meta["verify"]["max_logprob_diff"] < 1e-4 and meta["verify"]["max_entropy_diff"] < 1e-4
         assert (ckpt / "tokenizer.json").is_file() and (ckpt / "config.json").is_file()
@@ -320,7 +327,7 @@ def test_hf_to_megatron_to_hf_round_trips_bit_exactly(conversions, capsys):
 def test_converted_folder_loads_offline_in_transformers(conversions):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    for family in FAMILIES:
+    for family in CASES:
         out = conversions["hf"][family]
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True)
         ref = AutoModelForCausalLM.from_pretrained(conversions["src"][family], dtype=torch.float32)
@@ -341,7 +348,7 @@ def test_flipped_router_normalisation_fails_verify_although_tensors_match(conver
 def test_trainer_checkpoint_converts_and_generates(conversions):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assert conversions["codes"]["m2h"][len(FAMILIES)] == 0  # includes --verify against the learner
+    assert conversions["codes"]["m2h"][len(CASES)] == 0  # includes --verify against the learner
     out = conversions["root"] / "trained_hf"
     trained = torch.load(conversions["root"] / "trained.pt")
     got = read_all(out)
