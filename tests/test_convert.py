@@ -225,6 +225,7 @@ def test_shard_writer_splits_by_size_and_indexes(tmp_path):
     writer = ShardWriter(tmp_path, max_shard_bytes=limit, dtype=torch.bfloat16)
     for name, t in tensors.items():
         writer.add(name, t)
+        assert writer._pending_bytes <= limit  # holds at most one shard
     files = writer.close()
     index = json.loads((tmp_path / INDEX).read_text())
     # the expected grouping, written out: fill a shard until the next tensor would pass the limit
