@@ -84,6 +84,11 @@ class EmbeddedEngine(Engine):
             self.model.load(named_tensors)
             self.weight_version = int(version)
 
+    def weight_buffers(self) -> dict[str, torch.Tensor]:
+        """HF name -> the view of this engine's weights it loads into, for a weight receiver that writes in
+        place (megapo.weights.broadcast). Write only while paused; update_weights([], v) then sets the version."""
+        return dict(self.model._targets)
+
     def update_weights_from_disk(self, path: str, version: int) -> None:
         if not Path(path).is_dir():
             raise FileNotFoundError(f"path {path!r} is not a folder")
