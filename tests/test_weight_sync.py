@@ -174,16 +174,17 @@ def test_broadcast_transport(pair):
     engines = [EmbeddedEngine(pair[0]), EmbeddedEngine(pair[0])]
     results = {}
 
-    def worker(i):
+    def worker(i):  # worker 0 receives large tensors in place, worker 1 through buffers
         receiver = BroadcastReceiver([groups[i + 1]])
-        version, moved = receiver.receive(engines[i].update_weights)
+        version, moved = receiver.receive(engines[i].update_weights, engines[i].weight_buffers() if i == 0 else None)
         results[i] = (version, moved.bytes, receiver.finish(version))
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    # one tensor (the embedding, 128 KiB) is larger than half a bucket and goes on its own
-    stats = sync_named(iter_safetensors(pair[1]), [], BroadcastTransport(BroadcastSender(groups[0])), 160 * 1024, 7)
+    # tensors of 32 KiB and more (here the embedding, lm_head and the attention) go on their own
+    sender = BroadcastSender(groups[0], direct_bytes=32 * 1024)
+    stats = sync_named(iter_safetensors(pair[1]), [], BroadcastTransport(sender), 160 * 1024, 7)
     for t in threads:
         t.join()
     total = model_bytes(pair[1])
@@ -277,9 +278,12 @@ def test_peak_extra_memory_is_one_bucket(wide, transport, tmp_path):
         assert engines[0].calls == ["pause", "update_weights_from_disk", "resume"]
         engine.update_weights_from_disk(str(tmp_path / "v1"), 1)
     assert_engine_is(engine, wide[1])
-    # one bucket of tensors (broadcast: two half-bucket buffers) plus the tensor in hand; the whole model
+    # one bucket of tensors (broadcast: the slot buffers) plus the tensor in hand; the whole model
     # would be > 7 buckets. The profiler sees this thread only (the sender; the receiver thread holds
     # another bucket) and misses frees made by gloo's threads, so it can over-count, never under-count.
-    assert peak <= bucket + largest + 64 * 1024, (peak, bucket, largest, total)
+    # With broadcast, large tensors are sent from their own memory and gloo's worker thread often drops
+    # the last reference to them: the profiler misses those frees, hence one more tensor of slack.
+    slack = 2 * largest if transport == "broadcast" else largest
+    assert peak <= bucket + slack + 64 * 1024, (peak, bucket, largest, total)
     # and what a sync that kept every tensor alive would show (the measure can fail)
     assert allocator_peak(lambda: list(stream())) >= total

@@ -5,32 +5,37 @@ of data-parallel replica 0), ranks 1..W are the engine workers; NCCL on GPU, glo
 are standalone (their own TCPStore), so they neither need nor disturb the learner's default group,
 and the engine workers (other processes, e.g. inside a vLLM server) never join the learner's world.
 
-Wire protocol, per bucket, all broadcasts from rank 0 (no pickles anywhere):
-    int64 [3]   (kind, metadata bytes, payload bytes)     kind: 1 = bucket, 0 = this stage is done
+Wire protocol, per message, all broadcasts from rank 0 (no pickles anywhere):
+    int64 [3]   (kind, metadata bytes, packed bytes)      kind: 1 = message, 0 = this stage is done
     uint8 [m]   JSON metadata: {"entries": [[name, dtype, shape, offset], ...], "version": v}
-    uint8 [p]   the packed tensors (a FlatBucket's bytes, or one tensor larger than a bucket)
-After every stage is done, an all-reduce(MIN) of the weight versions is the acknowledgement: the
-sender learns that every worker applied version v (a worker contributes the version it applied).
+                (offset >= 0: inside the packed payload; offset -1: a large tensor sent on its own)
+    uint8 [p]   the small tensors, packed (a FlatBucket's bytes), if any
+    then one broadcast per large tensor, in entry order, straight from the learner's memory and, when
+    the worker passes `targets`, straight into the engine's weight (zero copies on both ends).
+The payload broadcasts are asynchronous on both ends, so their round trips overlap. After every stage
+is done, an all-reduce(MIN) of the weight versions is the acknowledgement: the sender learns that
+every worker applied version v (a worker contributes the version it applied).
 
-Double buffering: the sender packs bucket k+1 while bucket k's payload is in flight, and a worker
-applies bucket k while k+1 arrives, so each side holds two half-size buffers: the extra memory stays
-one `bucket_bytes` on each side.
+Memory: a message holds at most `bucket_bytes / (2 * slots)` packed plus as much in large tensors, and
+at most `slots` messages are in flight, so the extra memory stays one `bucket_bytes` per end (large
+tensors of a TP=1 learner are views of its parameters and cost nothing).
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megapo.weights.buckets import (DTYPE_NAMES, Entry, FlatBucket, check_bucket_bytes, decode_metadata,
+from megapo.weights.buckets import (DTYPE_NAMES, DTYPES, Entry, FlatBucket, check_bucket_bytes, decode_metadata,
                                     encode_metadata, nbytes, unpack)
 from megapo.weights.transports import Moved, Transport, drain
 
 BUCKET, DONE = 1, 0
+DIRECT_BYTES = 256 * 1024  # tensors at least this large travel on their own, without packing
 BACKENDS = ("gloo", "nccl")
 
 
@@ -94,64 +99,112 @@ def _bytes_tensor(data: bytes, device) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
 
 
-class BroadcastSender:
-    """The learner stage root's end of one group."""
+@dataclass
+class _Message:
+    packed: FlatBucket
+    large: list[tuple[str, torch.Tensor]]  # sent on their own after the packed bytes
+    large_bytes: int = 0
+    works: list | None = None  # the broadcasts in flight
+    header: tuple | None = None  # their small tensors, kept alive until done
 
-    def __init__(self, group, device: str | torch.device = "cpu"):
+    def empty(self) -> bool:
+        return not self.packed.entries and not self.large
+
+    def entries(self) -> list[Entry]:
+        return self.packed.entries + [Entry(n, DTYPE_NAMES[t.dtype], list(t.shape), -1) for n, t in self.large]
+
+    def wait(self) -> None:
+        for work in self.works or []:
+            work.wait()
+        self.works = None
+        self.header = None
+        self.large = []
+        self.large_bytes = 0
+        self.packed.clear()
+
+
+class BroadcastSender:
+    """The learner stage root's end of one group. The packing buffers are kept between syncs
+    (allocating and first-touching them again costs as much as a copy); `release()` frees them."""
+
+    def __init__(self, group, device: str | torch.device = "cpu", slots: int = 4, direct_bytes: int = DIRECT_BYTES):
+        if slots < 2:
+            raise ValueError(f"slots: must be >= 2 (one filling while another is sent), got {slots}")
+        if direct_bytes < 1:
+            raise ValueError(f"direct_bytes: must be >= 1, got {direct_bytes}")
         self.group = group
         self.device = torch.device(device)
+        self.slots = slots
+        self.direct_bytes = direct_bytes
+        self._messages: list[_Message] = []
 
-    def _send(self, entries: list[Entry], payload: torch.Tensor, version: int):
+    def release(self) -> None:
+        self._messages = []
+
+    def _slots(self, bucket_bytes: int) -> list[_Message]:
+        size = max(1, bucket_bytes // (2 * self.slots))
+        if not self._messages or self._messages[0].packed.capacity != size:
+            self._messages = []  # free the old buffers first
+            self._messages = [_Message(FlatBucket(size, self.device), []) for _ in range(self.slots)]
+        for m in self._messages:
+            m.wait()
+        return self._messages
+
+    def _post(self, msg: _Message, version: int) -> None:
+        entries = msg.entries()
         meta = _bytes_tensor(encode_metadata(entries, version=version), self.device)
-        _bcast(self.group, torch.tensor([BUCKET, meta.numel(), payload.numel()], dtype=torch.int64, device=self.device))
-        _bcast(self.group, meta)
-        return _bcast(self.group, payload, async_op=True)
+        head = torch.tensor([BUCKET, meta.numel(), msg.packed.used], dtype=torch.int64, device=self.device)
+        # all asynchronous: the sender goes on gathering and packing while the worker catches up
+        msg.header = (head, meta)  # alive until the broadcasts are done
+        works = [_bcast(self.group, head, async_op=True), _bcast(self.group, meta, async_op=True)]
+        if msg.packed.used:
+            works.append(_bcast(self.group, msg.packed.payload(), async_op=True))
+        works += [_bcast(self.group, t.reshape(-1).view(torch.uint8), async_op=True) for _, t in msg.large]
+        msg.works = works
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, version: int,
              dtype: torch.dtype | None = None) -> Moved:
         """Send this stage's tensors; returns what was sent. Call `finish` after the last stage."""
         check_bucket_bytes(bucket_bytes)
-        half = max(1, bucket_bytes // 2)
-        buffers = [FlatBucket(half, self.device), FlatBucket(half, self.device)]
-        inflight: list = [None, None]  # the payload broadcast reading each buffer
+        messages = self._slots(bucket_bytes)
+        size = messages[0].packed.capacity
         moved, k = Moved(), 0
 
         def flush():
             nonlocal k
-            buf = buffers[k % 2]
-            if buf.entries:
-                inflight[k % 2] = self._send(buf.entries, buf.payload(), version)
-                moved.add_bucket(buf.used, len(buf.entries))
-                k += 1
-                nxt = k % 2
-                if inflight[nxt] is not None:  # the next buffer may still be on the wire
-                    inflight[nxt].wait()
-                    inflight[nxt] = None
-                buffers[nxt].clear()
+            msg = messages[k % len(messages)]
+            if msg.empty():
+                return
+            self._post(msg, version)
+            moved.add_bucket(msg.packed.used + msg.large_bytes, len(msg.packed.entries) + len(msg.large))
+            k += 1
+            messages[k % len(messages)].wait()  # the next slot may still be on the wire
 
         for name, t in named:
             d = dtype or t.dtype
             if d not in DTYPE_NAMES:
                 raise ValueError(f"{name}: dtype {d} cannot be sent")
-            if nbytes(t, d) > half:  # larger than a half bucket: send it on its own, unpacked
-                flush()
-                single = t.detach().to(device=self.device, dtype=d).contiguous()
-                work = self._send([Entry(name, DTYPE_NAMES[d], list(t.shape), 0)],
-                                  single.reshape(-1).view(torch.uint8), version)
-                work.wait()
-                moved.add_bucket(single.numel() * single.element_size(), 1)
+            n = nbytes(t, d)
+            msg = messages[k % len(messages)]
+            if n >= self.direct_bytes or n > size:  # on its own, from its own memory when it can be
+                if msg.large and msg.large_bytes + n > size:
+                    flush()
+                    msg = messages[k % len(messages)]
+                single = t.detach()
+                if single.dtype != d or single.device != self.device or not single.is_contiguous():
+                    single = single.to(device=self.device, dtype=d).contiguous()
+                msg.large.append((name, single))
+                msg.large_bytes += n
                 del t, single
                 continue
-            buf = buffers[k % 2]
-            if not buf.fits(t, d):
+            if not msg.packed.fits(t, d):
                 flush()
-                buf = buffers[k % 2]
-            buf.add(name, t.detach(), d)
+                msg = messages[k % len(messages)]
+            msg.packed.add(name, t.detach(), d)
             del t  # packed: drop it before the stream produces the next one
         flush()
-        for work in inflight:
-            if work is not None:
-                work.wait()
+        for msg in messages:
+            msg.wait()
         _bcast(self.group, torch.tensor([DONE, 0, 0], dtype=torch.int64, device=self.device))
         return moved
 
@@ -176,12 +229,17 @@ class BroadcastReceiver:
             self._buffers[i] = torch.empty(n, dtype=torch.uint8, device=self.device)
         return self._buffers[i][:n]
 
-    def receive(self, apply: Callable[[list[tuple[str, torch.Tensor]], int], None]) -> tuple[int, Moved]:
-        """Receive one full sync, calling apply(named_views, version) per bucket (the views are reused
-        afterwards: apply must copy them, as Engine.update_weights does). Returns (version, moved)."""
+    def receive(self, apply: Callable[[list[tuple[str, torch.Tensor]], int], None],
+                targets: Mapping[str, torch.Tensor] | None = None) -> tuple[int, Moved]:
+        """Receive one full sync, calling apply(named_views, version) per message (the views are reused
+        afterwards: apply must copy them, as Engine.update_weights does), and a last apply([], version).
+        `targets` (HF name -> the engine's own weight tensor, e.g. EmbeddedEngine.weight_buffers()): a
+        large tensor is received straight into its target when dtype, shape and layout match, so only
+        write them while the engine is paused. Returns (version, moved)."""
         moved, version = Moved(), -1
+        targets = targets or {}
         for group in self.groups:
-            pending = None  # (entries, buffer, work) of the bucket on the wire
+            pending = None  # the previous message, applied while the next one arrives
             k = 0
             while True:
                 head = torch.empty(3, dtype=torch.int64, device=self.device)
@@ -193,22 +251,37 @@ class BroadcastReceiver:
                 _bcast(group, meta)
                 entries, extra = decode_metadata(bytes(meta.cpu().numpy()))
                 version = int(extra["version"])
+                packed = [e for e in entries if e.offset >= 0]
                 buf = self._buffer(k % 2, p)
-                work = _bcast(group, buf, async_op=True)
-                if pending is not None:  # apply the previous bucket while this one arrives
+                works = [_bcast(group, buf, async_op=True)] if p else []
+                loose = []  # large tensors without a matching target: received into new tensors
+                for e in entries:
+                    if e.offset >= 0:
+                        continue
+                    dest = targets.get(e.name)
+                    if not (dest is not None and dest.dtype == DTYPES[e.dtype] and list(dest.shape) == e.shape
+                            and dest.is_contiguous() and dest.device == self.device):
+                        dest = torch.empty(e.shape, dtype=DTYPES[e.dtype], device=self.device)
+                        loose.append((e.name, dest))
+                    works.append(_bcast(group, dest.view(-1).view(torch.uint8), async_op=True))
+                if pending is not None:
                     self._apply(apply, pending, version, moved)
-                pending = (entries, buf, work)
+                pending = (packed, buf, loose, works, sum(e.nbytes for e in entries), len(entries))
                 k += 1
             if pending is not None:
                 self._apply(apply, pending, version, moved)
+        apply([], version)  # sets the version when every tensor went straight into its target
         return version, moved
 
     @staticmethod
     def _apply(apply, pending, version: int, moved: Moved) -> None:
-        entries, buf, work = pending
-        work.wait()
-        apply(unpack(buf, entries), version)
-        moved.add_bucket(buf.numel(), len(entries))
+        packed, buf, loose, works, n_bytes, n_tensors = pending
+        for work in works:
+            work.wait()
+        named = unpack(buf, packed) + loose
+        if named:
+            apply(named, version)
+        moved.add_bucket(n_bytes, n_tensors)
 
     def finish(self, version: int) -> int:
         """Acknowledge `version` to every stage root (their `finish`)."""

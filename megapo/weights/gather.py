@@ -69,6 +69,14 @@ def _tp_shards(local: torch.Tensor, group, dim: int | None, kind: str) -> list[t
     return list(gathered.unbind(0))
 
 
+def _to_hf(where: Located, spec: ModelSpec, shards: list[torch.Tensor], dim: int | None) -> list[torch.Tensor]:
+    """from_shards, except that an unsplit gate/up parameter becomes two views of its halves instead
+    of two copies (from_shards concatenates the halves of every shard, a copy even for one shard)."""
+    if where.rule.kind == "gate_up" and len(shards) == 1:
+        return list(shards[0].chunk(2, dim=0))
+    return from_shards(where.rule, spec, shards, dim=dim)
+
+
 def _params(module, spec: ModelSpec):
     for name, param in module.named_parameters():
         if name == "output_layer.weight" and spec.tied_embeddings:
@@ -97,7 +105,7 @@ def iter_stage_tensors(module, family: Family, spec: ModelSpec, *, meta: bool = 
                 shards = [local] * (group.size() if group is not None else 1)
             else:
                 shards = _tp_shards(local, group, dim, where.rule.kind)
-            tensors = from_shards(where.rule, spec, shards, dim=dim)
+            tensors = _to_hf(where, spec, shards, dim)
             del local, shards  # (the `del`s: a generator frame keeps its locals alive across yields)
             if where.expert is None:
                 yield from zip(where.hf_names(), tensors)
