@@ -174,6 +174,9 @@ class TrainConfig:
     micro_batch_tokens: int = 4096
     mode: str = "sync"
     staleness: int = 1  # async: the newest rollouts may come from weights this many versions old
+    # async: rollout/learner correction (with the samples' rollout log-probs) used when algorithm.mismatch
+    # is none -- stale rollouts are off-policy; "none" trains on them uncorrected
+    async_correction: str = "tis"
     seed: int = 0
     eval_every: int = 50
     eval_prompts: int = 1000
@@ -283,6 +286,9 @@ class RunConfig:
             raise ConfigError("train.mode", f"must be sync or async, got {t.mode!r}")
         if t.staleness < 0:
             raise ConfigError("train.staleness", f"must be >= 0, got {t.staleness}")
+        if t.async_correction != "none" and t.async_correction not in _registry_names("correction"):
+            raise ConfigError("train.async_correction", f"unknown correction {t.async_correction!r}; known: none, "
+                              f"{', '.join(_registry_names('correction'))}")
         if t.eval_every < 0:
             raise ConfigError("train.eval_every", f"must be >= 0 (0 disables), got {t.eval_every}")
         if t.eval_prompts < 0:

@@ -180,6 +180,8 @@ def loss_options(cfg: RunConfig) -> dict:
         opts["correction"] = a.mismatch
         if a.mismatch_options:
             opts["correction_options"] = dict(a.mismatch_options)
+    elif cfg.train.mode == "async" and cfg.train.async_correction != "none":
+        opts["correction"] = cfg.train.async_correction  # stale rollouts are off-policy
     if a.kl_coef:
         opts.update(kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
     if a.entropy_coef:
@@ -275,11 +277,9 @@ def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, optio
 
 
 def build_engine(cfg: RunConfig, model_dir: Path):
-    if cfg.rollout.engine == "embedded":
-        from megapo.engines.embedded import EmbeddedEngine
+    from megapo.trainer.engines import build_engine as build
 
-        return EmbeddedEngine(model_dir, seed=cfg.train.seed)
-    raise NotImplementedError(f"rollout.engine={cfg.rollout.engine!r} is not wired into the loop yet")
+    return build(cfg, model_dir, Path(cfg.train.output_dir))
 
 
 def build_learner(cfg: RunConfig, model_dir: Path):
@@ -299,8 +299,6 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
     from megapo.trainer import data
     from megapo.trainer.eval import evaluate
 
-    if cfg.train.mode != "sync":
-        raise NotImplementedError("train.mode=async is not implemented yet; use sync")
     out_dir = Path(cfg.train.output_dir)
     if _rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -308,7 +306,8 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
     model_dir = prepare_model(cfg, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     learner = learner if learner is not None else build_learner(cfg, model_dir)
-    if engine is None and _rank() == 0:
+    own_engine = engine is None and _rank() == 0  # closed at the end (stops a server megapo started)
+    if own_engine:
         engine = build_engine(cfg, model_dir)
     reference = ReferencePolicy(model_dir) if cfg.algorithm.kl_coef and _rank() == 0 else None
 
@@ -354,10 +353,22 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
     if start_step == 0 and logger is not None and cfg.train.eval_every:
         logger.log(0, held_out())
     row: dict = {}
+    producer = None
+    if cfg.train.mode == "async" and _rank() == 0:
+        from megapo.trainer.async_rollout import AsyncRollouts
+
+        producer = AsyncRollouts(lambda: collect_rollouts(engine, params, pool, source, reward_fn, cfg),
+                                 staleness=cfg.train.staleness, version_fn=lambda: engine.weight_version,
+                                 generate_threads=max(1, torch.get_num_threads() // 2))
+        producer.start(cfg.train.steps - start_step)
     for step in range(start_step + 1, cfg.train.steps + 1):
         timer = StepTimer()
         groups, metrics, gen_tokens = [], {}, 0
-        if _rank() == 0:
+        if producer is not None:
+            from megapo.trainer.async_rollout import next_batch
+
+            groups, metrics, gen_tokens = next_batch(producer, version, cfg.train.staleness, timer)
+        elif _rank() == 0:
             with timer("generate"):
                 groups, metrics, gen_tokens = collect_rollouts(engine, params, pool, source, reward_fn, cfg)
         groups = _broadcast(groups)
@@ -369,6 +380,8 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
         else:
             log.warning("step %d: no informative group after %d sampling rounds; skipping the update", step,
                         cfg.data.max_sampling_rounds)
+        if producer is not None:
+            producer.mark_synced()  # the producer may start one more batch
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
             with timer("eval"):
                 metrics.update(held_out())
@@ -378,6 +391,10 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
                 ckpt.save_checkpoint(ckpt_root, state, learner.save, cfg.train.keep_last, _rank() == 0, _barrier)
         if logger is not None:  # tokens/s: generated tokens per second of the whole step
             row = logger.log(step, {**metrics, **timer.pop()}, tokens=gen_tokens)
+    if producer is not None:
+        producer.close()
+    if own_engine:
+        engine.close()
     if logger is not None:
         logger.close()
     return row

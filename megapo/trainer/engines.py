@@ -1,0 +1,65 @@
+"""The rollout engine of a run, built from its config (`rollout.engine`, `rollout.servers`).
+
+- embedded: megapo's in-process engine (megapo.engines.embedded) on the trainer's rank 0.
+- vllm:     with `rollout.servers` (host:port, e.g. from the Slurm template), one VLLMEngine client per
+            server, behind a Router when there are several; with no servers, megapo starts its own vLLM
+            server from <repo>/.venv-vllm on `rollout.host` (megapo.engines.server), and the engine stops it
+            on close().
+- sglang:   clients of running SGLang servers (`rollout.servers` is required: the SGLang wheel is
+            CUDA-only, megapo does not start it).
+
+Weights reach the servers through megapo.weights with `rollout.weight_sync` (disk for vLLM: the servers
+must see the trainer's output folder, i.e. the same machine or a shared filesystem).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megapo.config import ConfigError
+from megapo.trainer.config import RunConfig
+
+
+def server_max_model_len(cfg: RunConfig) -> int:
+    """Context length a started server needs: the longest prompt plus the longest response."""
+    return max(64, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+
+
+def _clients(cfg: RunConfig, model_dir: Path):
+    if cfg.rollout.engine == "vllm":
+        from megapo.engines.vllm import VLLMEngine
+
+        return [VLLMEngine(f"http://{s}", config_dir=str(model_dir)) for s in cfg.rollout.servers]
+    from megapo.engines.sglang import SGLangEngine
+
+    return [SGLangEngine(f"http://{s}", config_dir=str(model_dir)) for s in cfg.rollout.servers]
+
+
+def build_engine(cfg: RunConfig, model_dir: Path, out_dir: Path):
+    """The engine (rank 0 only). The caller closes it at the end of the run."""
+    kind = cfg.rollout.engine
+    if kind == "embedded":
+        from megapo.engines.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(model_dir, seed=cfg.train.seed)
+    if cfg.rollout.servers:
+        from megapo.engines.router import Router
+
+        clients = _clients(cfg, model_dir)
+        for server, client in zip(cfg.rollout.servers, clients):
+            if not client.health():
+                raise ConnectionError(f"rollout.servers: {server} does not answer its health check")
+        return clients[0] if len(clients) == 1 else Router(clients)
+    if kind == "sglang":
+        raise ConfigError("rollout.servers", "rollout.engine=sglang needs running servers (host:port); "
+                          "megapo starts only vLLM servers itself")
+    if kind == "vllm":
+        from megapo.engines.server import VLLMServer, VLLMServerConfig
+        from megapo.engines.vllm import VLLMEngine
+
+        server = VLLMServer(VLLMServerConfig(str(model_dir), host=cfg.rollout.host,
+                                             max_model_len=server_max_model_len(cfg),
+                                             log_path=str(out_dir / "vllm-server.log")))
+        server.start()
+        return VLLMEngine(server.url, config_dir=str(model_dir), server=server)
+    raise ConfigError("rollout.engine", f"unknown engine {kind!r}")
