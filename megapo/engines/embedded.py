@@ -94,6 +94,13 @@ class EmbeddedEngine(Engine):
             raise FileNotFoundError(f"path {path!r} is not a folder")
         self.update_weights(iter_safetensors(path), version)
 
+    def rng_state(self) -> torch.Tensor:
+        """The sampling generator's state (trainer checkpoints save it so a resumed run samples alike)."""
+        return self._generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self._generator.set_state(state)
+
     # ------------------------------------------------------------------------------------------ sampling
     def _sample(self, logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor):
         """logits float32 [B, V], one uniform in [0, 1) per row -> (token [B], logprob [B]).

@@ -9,6 +9,7 @@ and dist_checkpointing save/load. One instance per process; every rank calls eve
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -24,6 +25,7 @@ from megapo.learner import packing, weights
 from megapo.learner.logprobs import vocab_parallel_logprobs
 from megapo.learner.rope import set_positions
 from megapo.models.family import family_for
+from megapo.weights import gather
 
 
 @dataclass
@@ -266,14 +268,19 @@ class Learner:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         stored = self._run(micro_batches, loss_func, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
+        metrics = self._reduce_metrics(stored)  # collective: every rank sees the same loss
         lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step(increment=1)
-        self.step += 1
+        if math.isfinite(metrics["loss"]):
+            ok, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+            self.step += 1
+        else:  # a NaN/inf loss would poison the weights and Adam's moments: drop this update entirely
+            ok, grad_norm = False, None
+            self.optimizer.zero_grad()
         elapsed = time.perf_counter() - start
-        metrics = self._reduce_metrics(stored)
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
-                       update_ok=bool(ok), step_time_s=elapsed,
+                       update_ok=bool(ok), skipped_nonfinite=0 if math.isfinite(metrics["loss"]) else 1,
+                       step_time_s=elapsed,
                        tokens_per_s=sum(len(s) for s in sequences) / max(elapsed, 1e-9))
         if self.route_hook is not None:  # routing replay: disagreement / fallback metrics (collective)
             metrics.update(self.route_hook.metrics())
@@ -299,16 +306,35 @@ class Learner:
         return out
 
     def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named fp32 tensors, gathered over TP/EP/PP, on every rank (collective)."""
-        return weights.hf_state_dict(self.module, self.family, self.spec)
+        """Full HF-named fp32 tensors, gathered over TP/EP/PP, on every rank (collective), one at a
+        time. Each is a copy the caller may keep while the optimizer goes on updating the parameters."""
+        return gather.iter_model_tensors(self.module, self.family, self.spec, dtype=torch.float32, owned=True)
 
     def save(self, ckpt_dir) -> None:
         from megatron.core import dist_checkpointing
 
         ckpt_dir = Path(ckpt_dir)
         ckpt_dir.mkdir(parents=True, exist_ok=True)  # dist_checkpointing needs an existing folder
-        state = self._sharded_state()
+        # Adam's state appears at the first optimizer step; saved before it (every update skipped so
+        # far), the checkpoint would lack exp_avg and loading it would fail. Save without it and mark
+        # that, so load keeps a fresh optimizer (identical to one that never stepped).
+        has_state = self._optimizer_has_state()
+        if has_state:
+            state = self._sharded_state()
+        else:
+            state = {"model": self.module.sharded_state_dict(), "scheduler": self.scheduler.state_dict(),
+                     "step": self.step}
+        state["optimizer_saved"] = has_state
         dist_checkpointing.save(state, str(ckpt_dir))
+
+    def _optimizer_has_state(self) -> bool:
+        """Whether any rank's Adam has state (collective: every rank must save the same keys)."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        has = any(len(s) > 0 for opt in chained for s in opt.optimizer.state.values())
+        flag = torch.tensor([1.0 if has else 0.0])
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item() > 0)
 
     def load(self, ckpt_dir, *, load_optimizer: bool = True) -> None:
         """Resume from `save`. The model reshards to any layout; optimizer state needs the same
@@ -318,13 +344,16 @@ class Learner:
 
         if not Path(ckpt_dir).is_dir():
             raise FileNotFoundError(f"ckpt_dir: {ckpt_dir} is not a folder")
-        state = self._sharded_state(loading=True) if load_optimizer else {"model": self.module.sharded_state_dict()}
+        common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
+        with_optimizer = load_optimizer and common.get("optimizer_saved", True)  # False: saved before any step
+        state = self._sharded_state(loading=True) if with_optimizer else {"model": self.module.sharded_state_dict()}
         loaded = dist_checkpointing.load(state, str(ckpt_dir))
         self.module.load_state_dict(loaded["model"], strict=False)
-        if load_optimizer:
+        if with_optimizer:
             self.optimizer.load_state_dict(loaded["optimizer"])
-            self.scheduler.load_state_dict(loaded["scheduler"])
-            self.step = int(loaded["step"])
+        if load_optimizer:
+            self.scheduler.load_state_dict(common["scheduler"])
+            self.step = int(common["step"])
 
     def _sharded_state(self, loading: bool = False) -> dict:
         model_sd = self.module.sharded_state_dict()

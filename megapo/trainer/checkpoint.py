@@ -3,7 +3,9 @@
     ckpt_root/step_00000100/
         learner/               written by learner.save(dir) (all ranks, collectively)
         trainer_state.json     step, data cursor, engine weight version, anything else the loop adds
-        rng.pt                 python / numpy / torch RNG states (of the process that saves)
+        rng.pt                 rank 0's python / numpy / torch RNG states, plus `rng_extra` (the
+                               rollout engine's sampling generator)
+        rng_rank<r>.pt         the same per other rank (each rank restores its own)
 
 Everything is written into `step_00000100.tmp/` first; `trainer_state.json` is written last, then
 the folder is renamed into place. So a folder named `step_*` without `.tmp` is complete, and a crash
@@ -51,12 +53,18 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
+def rng_file(rank: int) -> str:
+    return RNG_FILE if rank == 0 else f"rng_rank{rank}.pt"
+
+
 def save_checkpoint(root: str | Path, state: TrainerState, save_learner: Callable[[Path], None] | None = None,
-                    keep_last: int = 2, is_main: bool = True, barrier: Callable[[], None] = lambda: None) -> Path:
+                    keep_last: int = 2, is_main: bool = True, barrier: Callable[[], None] = lambda: None,
+                    rank: int = 0, rng_extra: dict | None = None) -> Path:
     """Write checkpoint `state.step` under `root` atomically; keep the newest `keep_last`; return its folder.
 
     `save_learner(dir)` is called on every rank (Megatron saves collectively); only the main rank
-    writes the trainer files, renames and prunes. `barrier` separates the phases across ranks."""
+    writes the trainer files, renames and prunes. `barrier` separates the phases across ranks.
+    Each rank writes its own RNG states; `rng_extra` (tensors, e.g. the engine's generator) goes with them."""
     final = step_dir(root, state.step)
     tmp = final.with_name(final.name + ".tmp")
     if is_main:
@@ -66,9 +74,9 @@ def save_checkpoint(root: str | Path, state: TrainerState, save_learner: Callabl
     barrier()
     if save_learner is not None:
         save_learner(tmp / "learner")
+    torch.save({**rng_state(), "extra": rng_extra or {}}, tmp / rng_file(rank))
     barrier()
     if is_main:
-        torch.save(rng_state(), tmp / RNG_FILE)
         _write_json(tmp / STATE_FILE, asdict(state))  # last: marks the content complete
         if final.exists():  # the same step saved again (a rerun): replace it
             shutil.rmtree(final)
@@ -125,14 +133,21 @@ def prune(root: str | Path, keep_last: int) -> list[Path]:
 
 
 def load_checkpoint(path: str | Path, load_learner: Callable[[Path], None] | None = None,
-                    restore_rng: bool = True) -> TrainerState:
-    """Read a checkpoint folder; load the learner through `load_learner(dir)` and restore RNG states."""
+                    restore_rng: bool = True, rank: int = 0) -> TrainerState:
+    """Read a checkpoint folder; load the learner through `load_learner(dir)` and restore this rank's
+    RNG states (`rng_extra` reads what else was saved with them)."""
     path = Path(path)
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
     state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
     if load_learner is not None:
         load_learner(path / "learner")
-    if restore_rng and (path / RNG_FILE).is_file():
-        set_rng_state(torch.load(path / RNG_FILE, weights_only=False))
+    if restore_rng and (path / rng_file(rank)).is_file():
+        set_rng_state(torch.load(path / rng_file(rank), weights_only=False))
     return state
+
+
+def rng_extra(path: str | Path, rank: int = 0) -> dict:
+    """The `rng_extra` saved with this rank's RNG states ({} when none)."""
+    f = Path(path) / rng_file(rank)
+    return torch.load(f, weights_only=False).get("extra", {}) if f.is_file() else {}

@@ -9,7 +9,7 @@ import logging
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config (YAML), e.g. megapo/configs/tiny_moe_addition.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10 parallel.tp=2")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in output_dir/checkpoints (none: start at step 0)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,5 +27,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"megapo train: config error: {exc}", file=sys.stderr)
         return 2
-    train(cfg, resume=args.resume)
+    from megapo.trainer.stop import EXIT_CHECKPOINTED, StopFlag, TrainingStopped
+
+    stop = StopFlag()
+    stop.install()  # SIGTERM/SIGUSR1: checkpoint after the current step, exit 75 (slurm/README.md)
+    try:
+        train(cfg, resume=args.resume, stop=stop)
+    except TrainingStopped as exc:
+        logging.getLogger(__name__).warning("megapo train: %s on signal %s; exit %d", exc, stop.signals,
+                                            EXIT_CHECKPOINTED)
+        return EXIT_CHECKPOINTED
     return 0

@@ -291,8 +291,10 @@ def build_learner(cfg: RunConfig, model_dir: Path):
                    routing_replay=cfg.algorithm.routing_replay != "off")
 
 
-def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, print_fn=print) -> dict:
-    """Run RL as configured; return the last metrics row. `learner`/`engine` may be passed in (tests)."""
+def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, print_fn=print, stop=None) -> dict:
+    """Run RL as configured; return the last metrics row. `learner`/`engine` may be passed in (tests).
+    `stop` (megapo.trainer.stop.StopFlag): when set on any rank, every rank saves a checkpoint after the
+    current step and raises TrainingStopped."""
     from transformers import AutoTokenizer
 
     from megapo.engines.base import SamplingParams
@@ -329,7 +331,9 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
     ckpt_root = out_dir / "checkpoints"
     latest = ckpt.latest_checkpoint(ckpt_root) if resume else None
     if latest is not None:
-        state = ckpt.load_checkpoint(latest, learner.load)
+        state = ckpt.load_checkpoint(latest, learner.load, rank=_rank())
+        if engine is not None and "engine" in ckpt.rng_extra(latest):  # sample as the unstopped run would
+            engine.set_rng_state(ckpt.rng_extra(latest)["engine"])
         source.load_state_dict(state.data_cursor)
         start_step, version = state.step, state.weight_version
         if version > 0:
@@ -385,12 +389,21 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
             with timer("eval"):
                 metrics.update(held_out())
-        if step == cfg.train.steps or (cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0):
+        stopping = stop is not None and stop.agreed() and step < cfg.train.steps  # all ranks agree
+        if stopping or step == cfg.train.steps or (cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0):
             with timer("checkpoint"):
                 state = ckpt.TrainerState(step, source.state_dict(), version)
-                ckpt.save_checkpoint(ckpt_root, state, learner.save, cfg.train.keep_last, _rank() == 0, _barrier)
+                engine_rng = {"engine": engine.rng_state()} if hasattr(engine, "rng_state") else {}
+                ckpt.save_checkpoint(ckpt_root, state, learner.save, cfg.train.keep_last, _rank() == 0, _barrier,
+                                     rank=_rank(), rng_extra=engine_rng)
         if logger is not None:  # tokens/s: generated tokens per second of the whole step
             row = logger.log(step, {**metrics, **timer.pop()}, tokens=gen_tokens)
+        if stopping:
+            from megapo.trainer.stop import TrainingStopped
+
+            if logger is not None:
+                logger.close()
+            raise TrainingStopped(step)
     if producer is not None:
         producer.close()
     if own_engine:
