@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"megapo {name}", description=help_text)
     module.add_arguments(parser)
-    args = parser.parse_args(argv[1:])
+    # INTERMIXED_ARGS: positionals may follow options (`megapo serve CONFIG --port P key=value ...`)
+    parse = parser.parse_intermixed_args if getattr(module, "INTERMIXED_ARGS", False) else parser.parse_args
+    args = parse(argv[1:])
     return int(module.run(args) or 0)
 
 

@@ -1,37 +1,77 @@
 """`megapo serve`: start a vLLM server that megapo's VLLMEngine (or a Router over several) can use.
 
   megapo serve --model DIR [--host 127.0.0.1] [--port 8000] [--dtype bfloat16] [--max-model-len 2048]
+  megapo serve CONFIG.yaml [--host H] [--port P] [section.field=value ...]   # as slurm/disaggregated.sbatch does
 
-Runs until interrupted. vLLM comes from its own venv (scripts/vllm_setup.sh), never megapo's .venv.
+With a run config, the model is model.path and the context length the run's longest prompt plus response
+(the same server megapo starts itself for rollout.engine=vllm without rollout.servers). The config must
+name rollout.engine=vllm. Runs until interrupted (SIGINT or SIGTERM). vLLM comes from its own venv
+(scripts/vllm_setup.sh), never megapo's .venv.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 import time
 
-from megapo.engines.server import VLLMServer, VLLMServerConfig
+INTERMIXED_ARGS = True  # megapo.cli: the overrides may follow --host/--port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="HF model folder (config.json + safetensors)")
+    parser.add_argument("config", nargs="?", default=None, help="run config (YAML); model from model.path")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of the run config, e.g. model.path=DIR")
+    parser.add_argument("--model", default=None, help="HF model folder (config.json + safetensors), instead of CONFIG")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     parser.add_argument("--port", type=int, default=None, help="default: a free port")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: from CONFIG, else 2048")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--venv", default=None, help="vLLM venv (default <repo>/.venv-vllm)")
     parser.add_argument("--log", default=None, help="server log file")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
 
 
+def _model_and_len(args: argparse.Namespace) -> tuple[str, int]:
+    """(model folder, max model len) from --model or the run config; errors name the argument."""
+    if (args.model is None) == (args.config is None):
+        raise ValueError("give exactly one of --model DIR or CONFIG")
+    if args.model is not None:
+        if args.overrides:
+            raise ValueError(f"overrides {args.overrides} need a CONFIG (with --model there is no config)")
+        return args.model, args.max_model_len or 2048
+    from megapo.config import ConfigError, load_config
+    from megapo.trainer.config import RunConfig
+    from megapo.trainer.engines import server_max_model_len
+
+    cfg = load_config(RunConfig, args.config, args.overrides)
+    if cfg.rollout.engine != "vllm":
+        raise ConfigError("rollout.engine", f"megapo serve starts vLLM; the config says {cfg.rollout.engine!r}")
+    return cfg.model.path, args.max_model_len or server_max_model_len(cfg)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
-    server = VLLMServer(VLLMServerConfig(
-        args.model, host=args.host, port=args.port, venv=args.venv, dtype=args.dtype,
-        max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, log_path=args.log))
-    server.start(timeout=args.timeout)
-    print(f"vLLM serving {args.model} at {server.url} (log: {server.log_path}); Ctrl-C to stop", flush=True)
+    from megapo.config import ConfigError
+    from megapo.engines.server import VLLMServer, VLLMServerConfig
+
     try:
+        model, max_len = _model_and_len(args)
+        server = VLLMServer(VLLMServerConfig(
+            model, host=args.host, port=args.port, venv=args.venv, dtype=args.dtype,
+            max_model_len=max_len, kv_cache_gib=args.kv_cache_gib, log_path=args.log))
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"megapo serve: {exc}", file=sys.stderr)
+        return 2
+    # Slurm stops the engine step with SIGTERM: turn it into the same clean stop as Ctrl-C
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        server.start(timeout=args.timeout)
+        print(f"vLLM serving {model} at {server.url} (log: {server.log_path}); Ctrl-C to stop", flush=True)
         while server.process.poll() is None:
             time.sleep(1.0)
         print(f"server exited with code {server.process.returncode}; last log lines:\n{server.tail()}")

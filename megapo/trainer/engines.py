@@ -45,6 +45,10 @@ def build_engine(cfg: RunConfig, model_dir: Path, out_dir: Path):
     if cfg.rollout.servers:
         from megapo.engines.router import Router
 
+        if cfg.sft.enabled:  # the servers loaded model.path, not the warm-started copy the learner starts from
+            raise ConfigError("sft.enabled", "rollout.servers serve model.path; run the warm start first and point "
+                              "model.path at its output (or leave rollout.servers empty)")
+
         clients = _clients(cfg, model_dir)
         for server, client in zip(cfg.rollout.servers, clients):
             if not client.health():
