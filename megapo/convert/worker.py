@@ -6,7 +6,8 @@ hf_to_megatron: every rank reads its shard of the HF safetensors into a Megatron
     mapping, megapo/learner/weights.py) and the ranks save it together with dist_checkpointing
     (torch_dist, weights only: {"model": sharded_state_dict}, the same key Learner.save uses).
 megatron_to_hf: the ranks load the checkpoint under this layout (torch_dist reshards on load), gather
-    one HF tensor at a time (Learner.hf_state_dict's streaming), and rank 0 writes safetensors shards.
+    one HF tensor at a time (megapo.weights.gather, as Learner.hf_state_dict), and rank 0 writes
+    safetensors shards.
 verify (optional, either direction): a Learner of the checkpoint's config loads the checkpoint and
     computes log-probs and entropies of the given sequences; rank 0 saves them for the caller to
     compare with Hugging Face transformers.
@@ -101,14 +102,15 @@ def load_checkpoint_model(job: Job, parallel: ParallelConfig):
 
 def megatron_to_hf(job: Job, parallel: ParallelConfig) -> None:
     from megapo.convert.hf_writer import ShardWriter
-    from megapo.learner import weights
+    from megapo.weights import gather
 
     module, family, spec = load_checkpoint_model(job, parallel)
     rank0 = torch.distributed.get_rank() == 0
     writer = ShardWriter(job.out, job.max_shard_bytes, getattr(torch, job.dtype)) if rank0 else None
     fail_after = int(job.inject_failure.split(":")[1]) if job.inject_failure.startswith("after_shards:") else None
     seen = set()
-    for name, tensor in weights.hf_state_dict(module, family, spec):
+    # no copies or fp32 conversion here: the writer copies each tensor into its shard in job.dtype
+    for name, tensor in gather.iter_model_tensors(module, family, spec):
         if rank0:
             # An independent check of the export against the config: every name expected, every shape right.
             if name not in job.expected:

@@ -1,9 +1,9 @@
-"""HF safetensors <-> a (TP/EP/PP-sharded) Megatron model, through a family's rename table.
+"""HF safetensors -> a (TP/EP/PP-sharded) Megatron model, through a family's rename table.
 
 `load_hf_weights`: each rank reads from safetensors only the tensors its own parameters need and keeps
-only its shard. `hf_state_dict`: the reverse, collectively: TP shards are all-gathered, experts are
-all-gathered over EP, pipeline stages are broadcast, vocabulary padding is stripped; every rank
-yields the same full HF-named tensors in the same order.
+only its shard. `locate` and `tp_shard` say where a parameter sits (its rule, global layer/expert,
+TP split); the reverse direction, gathering full HF tensors, uses them too: megapo.weights.gather
+(behind Learner.hf_state_dict, weight sync and `megapo convert`).
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
-from megapo.models.family import Family, ModelSpec, Rule, from_shards, padded_vocab, read_local
+from megapo.models.family import Family, ModelSpec, Rule, padded_vocab, read_local
 
 LAYERS = "decoder.layers."
 EXPERTS = "mlp.experts.local_experts."  # local spec: SequentialMLP, one module per expert
@@ -143,72 +142,3 @@ def _tp_size() -> int:
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_world_size()
-
-
-def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
-    if group is None or group.size() == 1:
-        return [tensor]
-    parts = [torch.empty_like(tensor) for _ in range(group.size())]
-    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
-    return parts
-
-
-def _stage_tensors(model, family: Family, spec: ModelSpec, *,
-                   shapes_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full HF tensors of this pipeline stage, one parameter at a time, so a caller that writes them
-    out holds about one tensor, not the model (collective over the stage's TP and EP groups).
-    shapes_only: meta tensors of the same names and shapes, without communication."""
-    from megatron.core import parallel_state
-
-    ep_group = parallel_state.get_expert_model_parallel_group()
-    ep_size = ep_group.size()
-    per_rank = spec.num_experts // ep_size if spec.num_experts else 0
-    gather = _meta_gather if shapes_only else _all_gather
-    for name, param in model.named_parameters():
-        if name == "output_layer.weight" and spec.tied_embeddings:
-            continue
-        where = locate(name, model, family, spec)
-        dim, group = tp_shard(param)
-        # a copy: the caller keeps these tensors while the optimizer keeps updating the parameters
-        local = (torch.empty_like(param, dtype=torch.float32, device="meta") if shapes_only
-                 else param.detach().to(torch.float32, copy=True))
-        tensors = from_shards(where.rule, spec, gather(local, group), dim=dim)
-        if where.expert is None:
-            yield from zip(where.hf_names(), tensors)
-            continue
-        local_index = where.expert - parallel_state.get_expert_model_parallel_rank() * per_rank
-        for i, tensor in enumerate(tensors):
-            for ep_rank, gathered in enumerate(gather(tensor, ep_group)):
-                other = Located(where.rule, where.layer, ep_rank * per_rank + local_index)
-                yield other.hf_names()[i], gathered
-
-
-def _meta_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
-    return [tensor] * (1 if group is None else group.size())
-
-
-def hf_state_dict(model, family: Family, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full HF-named fp32 tensors on every rank, gathered over TP/EP/PP (collective: all ranks call)."""
-    from megatron.core import parallel_state
-
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    pp_rank, pp_size = pp_group.rank(), pp_group.size()
-    if pp_size == 1:
-        yield from _stage_tensors(model, family, spec)
-        return
-    ranks = torch.distributed.get_process_group_ranks(pp_group)
-    for stage in range(pp_size):
-        owner = stage == pp_rank
-        meta = [[(n, tuple(t.shape)) for n, t in _stage_tensors(model, family, spec, shapes_only=True)]
-                if owner else None]
-        torch.distributed.broadcast_object_list(meta, src=ranks[stage], group=pp_group)
-        mine = _stage_tensors(model, family, spec) if owner else None
-        for name, shape in meta[0]:
-            tensor = next(mine)[1].contiguous() if owner else torch.empty(shape, dtype=torch.float32,
-                                                                          device=_device())
-            torch.distributed.broadcast(tensor, src=ranks[stage], group=pp_group)
-            yield name, tensor
-
-
-def _device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,9 +1,10 @@
 """Stream a Megatron learner's weights as full HF-named tensors, one parameter at a time.
 
-The same conversion as the learner's export (megapo.learner.weights: the family's rename rules, QKV
-split per KV group, gate/up halves, vocabulary padding stripped, experts renamed to their global ids),
-but as a generator: at any moment only the current parameter's gathered shards are alive, so a
-weight sync's extra memory is bounded by its bucket, not by the model.
+The one export of a sharded model (the reverse of megapo.learner.weights.load_hf_weights: the family's
+rename rules, QKV split per KV group, gate/up halves, vocabulary padding stripped, experts renamed to
+their global ids), used by Learner.hf_state_dict, weight sync and `megapo convert`. A generator: at any
+moment only the current parameter's gathered shards are alive, so a weight sync's extra memory is
+bounded by its bucket, not by the model.
 
 - `iter_stage_tensors(module, family, spec)`: this pipeline stage's tensors (collective over the
   stage's tensor- and expert-parallel groups: every rank of the stage calls it and gets them all).
@@ -13,7 +14,9 @@ weight sync's extra memory is bounded by its bucket, not by the model.
   data, no communication).
 
 With TP=1 and no conversion a tensor is a view of the live parameter, not a copy: consume it
-(copy it out) before advancing the generator and before the next optimizer step.
+(copy it out) before advancing the generator and before the next optimizer step. owned=True instead
+makes every tensor fresh memory the caller may keep (Learner.hf_state_dict); only a parameter that is
+not all-gathered is copied for it, since a gather already writes into a new buffer.
 """
 
 from __future__ import annotations
@@ -88,9 +91,12 @@ def _expert_names(where: Located, i: int, ep_size: int, per_rank: int, local_ind
     return [Located(where.rule, where.layer, r * per_rank + local_index).hf_names()[i] for r in range(ep_size)]
 
 
-def iter_stage_tensors(module, family: Family, spec: ModelSpec, *, meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_stage_tensors(module, family: Family, spec: ModelSpec, *, meta: bool = False, dtype: torch.dtype | None = None,
+                       owned: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """This stage's full HF tensors, gathered over TP and EP (all ranks of the stage call it).
-    meta=True: the same names and shapes on the meta device, without communication."""
+    meta=True: the same names and shapes on the meta device, without communication.
+    dtype: convert each parameter to it first (None: keep the parameter's dtype).
+    owned: no tensor is a view of a parameter (see the module docstring)."""
     ps = _groups()
     ep_group = ps.get_expert_model_parallel_group()
     ep_size, ep_rank = ep_group.size(), ps.get_expert_model_parallel_rank()
@@ -99,11 +105,13 @@ def iter_stage_tensors(module, family: Family, spec: ModelSpec, *, meta: bool = 
         for name, param in _params(module, spec):
             where = locate(name, module, family, spec)
             dim, group = tp_shard(param)
-            local = param.detach()
+            target = dtype or param.dtype
             if meta:
-                local = torch.empty(local.shape, dtype=local.dtype, device="meta")
+                local = torch.empty(param.shape, dtype=target, device="meta")
                 shards = [local] * (group.size() if group is not None else 1)
             else:
+                gathered = group is not None and group.size() > 1  # the gather's buffer is new memory
+                local = param.detach().to(target, copy=owned and not gathered)
                 shards = _tp_shards(local, group, dim, where.rule.kind)
             tensors = _to_hf(where, spec, shards, dim)
             del local, shards  # (the `del`s: a generator frame keeps its locals alive across yields)
@@ -120,9 +128,9 @@ def iter_stage_tensors(module, family: Family, spec: ModelSpec, *, meta: bool = 
             del tensors
 
 
-def stage_manifest(module, family: Family, spec: ModelSpec) -> list[ManifestItem]:
+def stage_manifest(module, family: Family, spec: ModelSpec, *, dtype: torch.dtype | None = None) -> list[ManifestItem]:
     return [ManifestItem(n, tuple(t.shape), DTYPE_NAMES[t.dtype])
-            for n, t in iter_stage_tensors(module, family, spec, meta=True)]
+            for n, t in iter_stage_tensors(module, family, spec, meta=True, dtype=dtype)]
 
 
 def encode_manifest(items: list[ManifestItem]) -> torch.Tensor:
@@ -143,21 +151,23 @@ def _broadcast_bytes(payload: torch.Tensor | None, src: int, group, device) -> t
     return buf
 
 
-def iter_model_tensors(module, family: Family, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every stage's full HF tensors on every rank, one tensor at a time (collective: all ranks call)."""
+def iter_model_tensors(module, family: Family, spec: ModelSpec, *, dtype: torch.dtype | None = None,
+                       owned: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every stage's full HF tensors on every rank, one tensor at a time (collective: all ranks call).
+    dtype, owned: as in iter_stage_tensors (a received tensor is always new memory)."""
     ps = _groups()
     pp_group = ps.get_pipeline_model_parallel_group()
     if pp_group.size() == 1:
-        yield from iter_stage_tensors(module, family, spec)
+        yield from iter_stage_tensors(module, family, spec, dtype=dtype, owned=owned)
         return
     device = next(module.parameters()).device
     ranks = torch.distributed.get_process_group_ranks(pp_group)
     mine = pp_group.rank()
     for stage, src in enumerate(ranks):
         own = stage == mine
-        manifest = encode_manifest(stage_manifest(module, family, spec)) if own else None
+        manifest = encode_manifest(stage_manifest(module, family, spec, dtype=dtype)) if own else None
         items = decode_manifest(_broadcast_bytes(manifest, src, pp_group, device))
-        local = iter_stage_tensors(module, family, spec) if own else None
+        local = iter_stage_tensors(module, family, spec, dtype=dtype, owned=owned) if own else None
         for item in items:
             if own:
                 name, t = next(local)
