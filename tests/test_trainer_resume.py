@@ -1,0 +1,109 @@
+"""`megapo train` stopped by SIGTERM and resumed gives the same run as one never stopped.
+
+Reference: an uninterrupted run with the same seeds (run A). Run B gets a real SIGTERM once step 1 is
+logged; by the Slurm contract (slurm/README.md) it saves a checkpoint after the step in flight and
+exits 75; `--resume` continues at the next step. Every later step's metrics (reward, response length,
+loss, grad norm, engine-vs-learner mismatch...) must equal run A's: any state not saved (weights,
+Adam moments, LR schedule, data cursor, the engine's sampling RNG, the synced weight version) would
+change them. Also: a checkpoint saved before any optimizer step (every group had equal rewards, so
+every update was skipped) resumes (it used to fail with KeyError: optimizer.state.exp_avg).
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "megapo/configs/tiny_moe_addition.yaml"
+REWARDS = ("def parity(response, answer):\n    return float(sum(map(ord, response)) % 2)\n\n"
+           "def constant(response, answer):\n    return 0.5\n")
+# values that are not deterministic functions of the run's state
+UNTIMED = ("time/", "tokens_per_s", "train/step_time_s", "train/tokens_per_s")
+
+
+def _cmd(model, out, *extra, resume=False):
+    return [sys.executable, "-m", "megapo.cli", "train", *(["--resume"] if resume else []), str(CONFIG),
+            f"model.path={model}", "sft.enabled=false", f"train.output_dir={out}", "train.steps=5",
+            "train.ckpt_every=2", "train.keep_last=5", "train.eval_every=0", "train.log=[jsonl]",
+            "data.prompts_per_step=2", "rollout.n_samples=4", "rollout.max_new_tokens=6",
+            "data.dynamic_sampling=false", "data.reward=resume_rewards:parity", "algorithm.routing_replay=off",
+            "optim.lr=0.01", "optim.warmup_steps=2", "optim.lr_schedule=cosine", *extra]
+
+
+def _env(tmp_path):
+    (tmp_path / "resume_rewards.py").write_text(REWARDS)
+    return {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1"}
+
+
+def _rows(out):
+    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+def _deterministic(row):
+    return {k: v for k, v in row.items() if k != "step" and not any(k.startswith(u) or k == u for u in UNTIMED)}
+
+
+def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_moe):
+    env = _env(tmp_path)
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_a = subprocess.Popen(_cmd(tiny_moe, a), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    run_b = subprocess.Popen(_cmd(tiny_moe, b), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((b / "metrics.jsonl").is_file() and '"step": 1' in (b / "metrics.jsonl").read_text()):
+            assert run_b.poll() is None, run_b.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "run B never logged step 1"
+            time.sleep(0.1)
+        run_b.send_signal(signal.SIGTERM)
+        run_b.send_signal(signal.SIGTERM)  # Slurm and torchrun may both deliver it: still one clean stop
+        _, err_b = run_b.communicate(timeout=300)
+        _, err_a = run_a.communicate(timeout=300)
+    finally:
+        for p in (run_a, run_b):
+            if p.poll() is None:
+                p.kill()
+    assert run_a.returncode == 0, err_a[-3000:]
+    assert run_b.returncode == 75, err_b[-3000:]
+    saved = sorted(p.name for p in (b / "checkpoints").iterdir())
+    stopped_at = max(_rows(b))
+    assert stopped_at in (1, 2, 3), saved  # the step in flight when the signal came was finished
+    assert f"step_{stopped_at:08d}" in saved and not any(n.endswith(".tmp") for n in saved)
+
+    resumed = subprocess.run(_cmd(tiny_moe, b, resume=True), cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows_a, rows_b = _rows(a), _rows(b)
+    assert sorted(rows_b) == [1, 2, 3, 4, 5]  # resumed at the next step, nothing repeated or lost
+    for step in range(stopped_at + 1, 6):
+        want, got = _deterministic(rows_a[step]), _deterministic(rows_b[step])
+        assert set(got) == set(want)
+        assert {"reward", "train/loss", "train/grad_norm", "train/lr", "response_len"} <= set(got)
+        for k in want:
+            assert abs(got[k] - want[k]) <= 1e-6 * (1 + abs(want[k])), (step, k, got[k], want[k])
+    # the weights moved between the resumed steps (a frozen learner would also "agree")
+    assert rows_a[5]["train/grad_norm"] > 0 and rows_a[4]["train/lr"] != rows_a[5]["train/lr"]
+
+
+def test_resume_from_a_checkpoint_saved_before_any_update(tmp_path, tiny_moe):
+    """Equal rewards in every group: dynamic sampling keeps none, every update is skipped, so Adam has
+    no state when step 2 is saved. Resuming with an informative reward must load it and train."""
+    env = _env(tmp_path)
+    out = tmp_path / "run"
+    skipped = subprocess.run(_cmd(tiny_moe, out, "train.steps=2", "data.dynamic_sampling=true",
+                                  "data.max_sampling_rounds=1", "data.reward=resume_rewards:constant"),
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    assert "no informative group" in skipped.stderr
+    assert all("train/loss" not in r for r in _rows(out).values())  # no update happened
+    resumed = subprocess.run(_cmd(tiny_moe, out, "train.steps=3", "rollout.n_samples=8", resume=True),
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = _rows(out)
+    assert sorted(rows) == [1, 2, 3]
+    assert rows[3]["train/grad_norm"] > 0
