@@ -1,0 +1,96 @@
+"""The trainer survives bad numbers and does not hang on a dead peer.
+
+- A NaN loss (here: the objective's loss times NaN, through the learner's loss_fn hook) skips the optimizer step: every weight, the LR schedule and
+  the learner's step counter stay as they were, and the step reports `skipped_nonfinite: 1`; the next
+  finite step updates normally (reference: the weights before the step, compared tensor by tensor).
+- A collective whose peer never arrives ends with a timeout error and a non-zero exit of the whole
+  torchrun group instead of hanging (2 gloo processes, rank 1 asleep, 5 s process-group timeout).
+Both run in subprocesses so torch.distributed state does not leak into other tests.
+"""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+NAN_SCRIPT = r"""
+import json, math, sys
+import torch
+from megapo.config import OptimConfig, ParallelConfig
+from megapo.learner.learner import Learner
+
+poison = {"on": False}
+
+def loss_fn(*args, **kwargs):  # policy_loss, made NaN while poison is on (as a diverged loss would be)
+    from megapo.algorithms import policy_loss
+    loss, metrics = policy_loss(*args, **kwargs)
+    return (loss * float("nan") if poison["on"] else loss), metrics
+
+if __name__ == "__main__":
+    learner = Learner(sys.argv[1], ParallelConfig(), OptimConfig(lr=0.01, warmup_steps=0), total_steps=4,
+                      loss_fn=loss_fn)
+    def sample(adv):
+        tokens = [5, 6, 7, 8, 9, 10]
+        return {"tokens": tokens, "prompt_len": 3, "advantage": adv, "old_logp": [-6.0] * 3,
+                "rollout_logp": [-6.0] * 3}
+    def weights():
+        return {n: p.detach().clone() for n, p in learner.module.named_parameters()}
+    before, sched_before = weights(), learner.scheduler.num_steps
+    poison["on"] = True
+    bad = learner.train_step([sample(-1.0), sample(1.0)], "ppo")
+    poison["on"] = False
+    after_bad, sched_after_bad = weights(), learner.scheduler.num_steps
+    good = learner.train_step([sample(1.0), sample(-1.0)], "ppo")
+    after_good = weights()
+    print(json.dumps({
+        "bad_loss_finite": math.isfinite(bad["loss"]), "bad_skipped": bad["skipped_nonfinite"],
+        "bad_changed": sum(not torch.equal(before[n], after_bad[n]) for n in before),
+        "good_skipped": good["skipped_nonfinite"], "good_changed": sum(not torch.equal(after_bad[n], after_good[n]) for n in before),
+        "params": len(before), "step_after_bad_then_good": learner.step, "sched_moved": sched_after_bad != sched_before,
+        "any_nonfinite_weight": any(not torch.isfinite(p).all() for p in after_good.values())}))
+"""
+
+HANG_SCRIPT = r"""
+import os, time
+import torch
+from megapo.config import ParallelConfig
+from megapo.learner import model as model_lib
+from megapo.trainer.stop import StopFlag
+
+if __name__ == "__main__":
+    model_lib.init_distributed(ParallelConfig(dp=2), model_lib.detect_backend(), 0, timeout_s=5)
+    if torch.distributed.get_rank() == 1:
+        time.sleep(3600)  # a dead peer: never joins the next collective
+    StopFlag().agreed()  # the trainer's per-step all-reduce
+    print("rank 0 passed the collective")
+"""
+
+
+def test_nan_loss_skips_the_update(tmp_path, tiny_dense):
+    (tmp_path / "nan_step.py").write_text(NAN_SCRIPT)
+    proc = subprocess.run([sys.executable, str(tmp_path / "nan_step.py"), str(tiny_dense)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["bad_loss_finite"] is False and r["bad_skipped"] == 1
+    assert r["bad_changed"] == 0 and not r["sched_moved"]  # not one weight moved, nor the LR schedule
+    assert r["good_skipped"] == 0 and r["good_changed"] > 0 and not r["any_nonfinite_weight"]
+    assert r["step_after_bad_then_good"] == 1  # only the finite step counted
+
+
+def test_hung_collective_times_out(tmp_path):
+    from launch.local import torchrun_command
+
+    (tmp_path / "hang.py").write_text(HANG_SCRIPT)
+    start = time.monotonic()
+    proc = subprocess.run(torchrun_command([str(tmp_path / "hang.py")], 2), cwd=ROOT, capture_output=True,
+                          text=True, timeout=240,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "rank 0 passed" not in proc.stdout
+    assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-3000:]
+    assert time.monotonic() - start < 200  # bounded by the 5 s timeout plus start-up, not by the sleep
