@@ -54,14 +54,21 @@ if __name__ == "__main__":
 """
 
 HANG_SCRIPT = r"""
-import os, time
+import os, sys, time
 import torch
 from megapo.config import ParallelConfig
 from megapo.learner import model as model_lib
 from megapo.trainer.stop import StopFlag
 
 if __name__ == "__main__":
+    # start together (a file per rank), so the 5 s timeout cannot already fire in init on import skew
+    sync = sys.argv[1]
+    open(os.path.join(sync, os.environ["RANK"]), "w").close()
+    while len(os.listdir(sync)) < 2:
+        time.sleep(0.05)
     model_lib.init_distributed(ParallelConfig(dp=2), model_lib.detect_backend(), 0, timeout_s=5)
+    torch.distributed.barrier()
+    print(f"rank {torch.distributed.get_rank()} initialised", flush=True)
     if torch.distributed.get_rank() == 1:
         time.sleep(3600)  # a dead peer: never joins the next collective
     StopFlag().agreed()  # the trainer's per-step all-reduce
@@ -87,10 +94,12 @@ def test_hung_collective_times_out(tmp_path):
 
     (tmp_path / "hang.py").write_text(HANG_SCRIPT)
     start = time.monotonic()
-    proc = subprocess.run(torchrun_command([str(tmp_path / "hang.py")], 2), cwd=ROOT, capture_output=True,
+    (tmp_path / "sync").mkdir()
+    proc = subprocess.run(torchrun_command([str(tmp_path / "hang.py"), str(tmp_path / "sync")], 2), cwd=ROOT, capture_output=True,
                           text=True, timeout=240,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
+    assert "rank 0 initialised" in proc.stdout and "rank 1 initialised" in proc.stdout  # it hung later, not in init
     assert "rank 0 passed" not in proc.stdout
     assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-3000:]
     assert time.monotonic() - start < 200  # bounded by the 5 s timeout plus start-up, not by the sleep
