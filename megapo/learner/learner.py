@@ -344,7 +344,7 @@ class Learner:
 
         if not Path(ckpt_dir).is_dir():
             raise FileNotFoundError(f"ckpt_dir: {ckpt_dir} is not a folder")
-        common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
+        common = dist_checkpointing.load_common_state_dict(str(ckpt_dir)) if load_optimizer else {}
         with_optimizer = load_optimizer and common.get("optimizer_saved", True)  # False: saved before any step
         state = self._sharded_state(loading=True) if with_optimizer else {"model": self.module.sharded_state_dict()}
         loaded = dist_checkpointing.load(state, str(ckpt_dir))
