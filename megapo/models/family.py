@@ -95,6 +95,49 @@ def rope_theta(hf: dict) -> float:
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
+def transformer_fields(hf: dict) -> dict:
+    """The ModelSpec fields every family reads from config.json the same way."""
+    return dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        norm_eps=hf["rms_norm_eps"],
+        rope_theta=rope_theta(hf),
+        max_positions=hf.get("max_position_embeddings", 4096),
+        tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+# ----------------------------------------------------------------------------- rename rules shared by families
+
+HF_LAYER = "model.layers.{L}."
+
+GLOBAL_RULES = {
+    "embedding.word_embeddings.weight": Rule("vocab", ("model.embed_tokens.weight",)),
+    "decoder.final_layernorm.weight": Rule("copy", ("model.norm.weight",)),
+    "output_layer.weight": Rule("vocab", ("lm_head.weight",)),
+}
+
+
+def attention_rules(*, qk_norm: bool, qkv_bias: bool) -> dict[str, Rule]:
+    """Norms and attention of one decoder layer, in the HF Llama/Qwen naming every family here shares."""
+    rules = {
+        "input_layernorm.weight": Rule("copy", (HF_LAYER + "input_layernorm.weight",)),
+        "self_attention.linear_qkv.weight": Rule("qkv", tuple(HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv")),
+    }
+    if qkv_bias:
+        rules["self_attention.linear_qkv.bias"] = Rule("qkv", tuple(HF_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"))
+    if qk_norm:
+        rules["self_attention.q_layernorm.weight"] = Rule("copy", (HF_LAYER + "self_attn.q_norm.weight",))
+        rules["self_attention.k_layernorm.weight"] = Rule("copy", (HF_LAYER + "self_attn.k_norm.weight",))
+    rules["self_attention.linear_proj.weight"] = Rule("copy", (HF_LAYER + "self_attn.o_proj.weight",))
+    rules["pre_mlp_layernorm.weight"] = Rule("copy", (HF_LAYER + "post_attention_layernorm.weight",))
+    return rules
+
+
 # ----------------------------------------------------------------------------- tensor transforms
 
 

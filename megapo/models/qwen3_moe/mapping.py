@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from megapo.config import ConfigError
 from megapo.layout import num_experts
-from megapo.models.family import Family, ModelSpec, Rule, rope_theta
-
-HF_LAYER = "model.layers.{L}."
+from megapo.models.family import GLOBAL_RULES, HF_LAYER, Family, ModelSpec, Rule, attention_rules, transformer_fields
 
 
 def spec(hf: dict) -> ModelSpec:
@@ -18,17 +16,8 @@ def spec(hf: dict) -> ModelSpec:
         raise ConfigError("model", "Qwen3-MoE with attention_bias=true is not supported yet")
     return ModelSpec(
         family="qwen3_moe",
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        **transformer_fields(hf),
         ffn_hidden_size=hf["moe_intermediate_size"],
-        norm_eps=hf["rms_norm_eps"],
-        rope_theta=rope_theta(hf),
-        max_positions=hf.get("max_position_embeddings", 4096),
-        tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qk_norm=True,
         num_experts=num_experts(hf),  # transformers 5.x writes num_local_experts
         moe_ffn_hidden_size=hf["moe_intermediate_size"],
@@ -38,19 +27,8 @@ def spec(hf: dict) -> ModelSpec:
     )
 
 
-GLOBAL_RULES = {
-    "embedding.word_embeddings.weight": Rule("vocab", ("model.embed_tokens.weight",)),
-    "decoder.final_layernorm.weight": Rule("copy", ("model.norm.weight",)),
-    "output_layer.weight": Rule("vocab", ("lm_head.weight",)),
-}
-
 LAYER_RULES = {
-    "input_layernorm.weight": Rule("copy", (HF_LAYER + "input_layernorm.weight",)),
-    "self_attention.linear_qkv.weight": Rule("qkv", tuple(HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv")),
-    "self_attention.q_layernorm.weight": Rule("copy", (HF_LAYER + "self_attn.q_norm.weight",)),
-    "self_attention.k_layernorm.weight": Rule("copy", (HF_LAYER + "self_attn.k_norm.weight",)),
-    "self_attention.linear_proj.weight": Rule("copy", (HF_LAYER + "self_attn.o_proj.weight",)),
-    "pre_mlp_layernorm.weight": Rule("copy", (HF_LAYER + "post_attention_layernorm.weight",)),
+    **attention_rules(qk_norm=True, qkv_bias=False),
     "mlp.router.weight": Rule("copy", (HF_LAYER + "mlp.gate.weight",)),
 }
 
