@@ -311,103 +311,106 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
     own_engine = engine is None and _rank() == 0  # closed at the end (stops a server megapo started)
     if own_engine:
         engine = build_engine(cfg, model_dir)
-    reference = ReferencePolicy(model_dir) if cfg.algorithm.kl_coef and _rank() == 0 else None
-
-    # data: prompts (rank 0 only needs them; the others get the train batch broadcast)
-    if cfg.data.task:
-        pool = data.PromptPool(tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens, task=cfg.data.task)
-    else:
-        examples = data.load_examples(cfg.data.train_files, cfg.data.prompt_key, cfg.data.answer_key)
-        pool = data.PromptPool(tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens, examples=examples)
-        if pool.dropped_too_long:
-            log.warning("data: dropped %d of %d prompts longer than data.max_prompt_tokens=%d",
-                        pool.dropped_too_long, len(examples), cfg.data.max_prompt_tokens)
-        if len(pool) == 0:
-            raise ValueError("data: every prompt is longer than data.max_prompt_tokens")
-    source = data.PromptSource(len(pool), seed=cfg.train.seed)
-
-    transport = make_transport(cfg, out_dir, model_dir)
-    start_step, version = 0, 0
-    ckpt_root = out_dir / "checkpoints"
-    latest = ckpt.latest_checkpoint(ckpt_root) if resume else None
-    if latest is not None:
-        state = ckpt.load_checkpoint(latest, learner.load, rank=_rank())
-        if engine is not None and "engine" in ckpt.rng_extra(latest):  # sample as the unstopped run would
-            engine.set_rng_state(ckpt.rng_extra(latest)["engine"])
-        source.load_state_dict(state.data_cursor)
-        start_step, version = state.step, state.weight_version
-        if version > 0:
-            sync_weights(learner, engine, version, cfg, transport)
-        log.info("resumed from %s (step %d)", latest, start_step)
-
-    logger = MetricsLogger(out_dir, cfg.train.log, asdict(cfg), cfg.train.steps, print_fn) if _rank() == 0 else None
-    params = SamplingParams(n=cfg.rollout.n_samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                            max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,),
-                            return_routes=cfg.algorithm.routing_replay == "r3")
-    reward_fn = make_reward_fn(cfg, tokenizer)
-    options = loss_options(cfg)
-
-    def held_out() -> dict:
-        if not cfg.data.task or cfg.train.eval_prompts == 0 or engine is None:
-            return {}
-        r = evaluate(engine, cfg.data.task, "test", n=cfg.train.eval_prompts, tokenizer=tokenizer,
-                     chat_template=cfg.data.chat_template, max_new_tokens=cfg.rollout.max_new_tokens)
-        return {"eval/accuracy": r.accuracy, "eval/response_len": r.mean_response_len}
-
-    if start_step == 0 and logger is not None and cfg.train.eval_every:
-        logger.log(0, held_out())
-    row: dict = {}
     producer = None
-    if cfg.train.mode == "async" and _rank() == 0:
-        from megapo.trainer.async_rollout import AsyncRollouts
+    logger = None
+    try:  # a stopped or failed run still ends the rollout thread and any server megapo started
+        reference = ReferencePolicy(model_dir) if cfg.algorithm.kl_coef and _rank() == 0 else None
 
-        producer = AsyncRollouts(lambda: collect_rollouts(engine, params, pool, source, reward_fn, cfg),
-                                 staleness=cfg.train.staleness, version_fn=lambda: engine.weight_version,
-                                 generate_threads=max(1, torch.get_num_threads() // 2))
-        producer.start(cfg.train.steps - start_step)
-    for step in range(start_step + 1, cfg.train.steps + 1):
-        timer = StepTimer()
-        groups, metrics, gen_tokens = [], {}, 0
-        if producer is not None:
-            from megapo.trainer.async_rollout import next_batch
-
-            groups, metrics, gen_tokens = next_batch(producer, version, cfg.train.staleness, timer)
-        elif _rank() == 0:
-            with timer("generate"):
-                groups, metrics, gen_tokens = collect_rollouts(engine, params, pool, source, reward_fn, cfg)
-        groups = _broadcast(groups)
-        if groups:
-            metrics.update(update_policy(learner, groups, cfg, reference, options, timer))
-            with timer("sync"):
-                version += 1
-                metrics.update(sync_weights(learner, engine, version, cfg, transport))
+        # data: prompts (rank 0 only needs them; the others get the train batch broadcast)
+        if cfg.data.task:
+            pool = data.PromptPool(tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens, task=cfg.data.task)
         else:
-            log.warning("step %d: no informative group after %d sampling rounds; skipping the update", step,
-                        cfg.data.max_sampling_rounds)
-        if producer is not None:
-            producer.mark_synced()  # the producer may start one more batch
-        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
-            with timer("eval"):
-                metrics.update(held_out())
-        stopping = stop is not None and stop.agreed() and step < cfg.train.steps  # all ranks agree
-        if stopping or step == cfg.train.steps or (cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0):
-            with timer("checkpoint"):
-                state = ckpt.TrainerState(step, source.state_dict(), version)
-                engine_rng = {"engine": engine.rng_state()} if hasattr(engine, "rng_state") else {}
-                ckpt.save_checkpoint(ckpt_root, state, learner.save, cfg.train.keep_last, _rank() == 0, _barrier,
-                                     rank=_rank(), rng_extra=engine_rng)
-        if logger is not None:  # tokens/s: generated tokens per second of the whole step
-            row = logger.log(step, {**metrics, **timer.pop()}, tokens=gen_tokens)
-        if stopping:
-            from megapo.trainer.stop import TrainingStopped
+            examples = data.load_examples(cfg.data.train_files, cfg.data.prompt_key, cfg.data.answer_key)
+            pool = data.PromptPool(tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens, examples=examples)
+            if pool.dropped_too_long:
+                log.warning("data: dropped %d of %d prompts longer than data.max_prompt_tokens=%d",
+                            pool.dropped_too_long, len(examples), cfg.data.max_prompt_tokens)
+            if len(pool) == 0:
+                raise ValueError("data: every prompt is longer than data.max_prompt_tokens")
+        source = data.PromptSource(len(pool), seed=cfg.train.seed)
 
-            if logger is not None:
-                logger.close()
-            raise TrainingStopped(step)
-    if producer is not None:
-        producer.close()
-    if own_engine:
-        engine.close()
+        transport = make_transport(cfg, out_dir, model_dir)
+        start_step, version = 0, 0
+        ckpt_root = out_dir / "checkpoints"
+        latest = ckpt.latest_checkpoint(ckpt_root) if resume else None
+        if latest is not None:
+            state = ckpt.load_checkpoint(latest, learner.load, rank=_rank())
+            if engine is not None and "engine" in ckpt.rng_extra(latest):  # sample as the unstopped run would
+                engine.set_rng_state(ckpt.rng_extra(latest)["engine"])
+            source.load_state_dict(state.data_cursor)
+            start_step, version = state.step, state.weight_version
+            if version > 0:
+                sync_weights(learner, engine, version, cfg, transport)
+            log.info("resumed from %s (step %d)", latest, start_step)
+
+        logger = MetricsLogger(out_dir, cfg.train.log, asdict(cfg), cfg.train.steps, print_fn) if _rank() == 0 else None
+        params = SamplingParams(n=cfg.rollout.n_samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,),
+                                return_routes=cfg.algorithm.routing_replay == "r3")
+        reward_fn = make_reward_fn(cfg, tokenizer)
+        options = loss_options(cfg)
+
+        def held_out() -> dict:
+            if not cfg.data.task or cfg.train.eval_prompts == 0 or engine is None:
+                return {}
+            r = evaluate(engine, cfg.data.task, "test", n=cfg.train.eval_prompts, tokenizer=tokenizer,
+                         chat_template=cfg.data.chat_template, max_new_tokens=cfg.rollout.max_new_tokens)
+            return {"eval/accuracy": r.accuracy, "eval/response_len": r.mean_response_len}
+
+        if start_step == 0 and logger is not None and cfg.train.eval_every:
+            logger.log(0, held_out())
+        row: dict = {}
+        if cfg.train.mode == "async" and _rank() == 0:
+            from megapo.trainer.async_rollout import AsyncRollouts
+
+            producer = AsyncRollouts(lambda: collect_rollouts(engine, params, pool, source, reward_fn, cfg),
+                                     staleness=cfg.train.staleness, version_fn=lambda: engine.weight_version,
+                                     generate_threads=max(1, torch.get_num_threads() // 2))
+            producer.start(cfg.train.steps - start_step)
+        for step in range(start_step + 1, cfg.train.steps + 1):
+            timer = StepTimer()
+            groups, metrics, gen_tokens = [], {}, 0
+            if producer is not None:
+                from megapo.trainer.async_rollout import next_batch
+
+                groups, metrics, gen_tokens = next_batch(producer, version, cfg.train.staleness, timer)
+            elif _rank() == 0:
+                with timer("generate"):
+                    groups, metrics, gen_tokens = collect_rollouts(engine, params, pool, source, reward_fn, cfg)
+            groups = _broadcast(groups)
+            if groups:
+                metrics.update(update_policy(learner, groups, cfg, reference, options, timer))
+                with timer("sync"):
+                    version += 1
+                    metrics.update(sync_weights(learner, engine, version, cfg, transport))
+            else:
+                log.warning("step %d: no informative group after %d sampling rounds; skipping the update", step,
+                            cfg.data.max_sampling_rounds)
+            if producer is not None:
+                producer.mark_synced()  # the producer may start one more batch
+            if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+                with timer("eval"):
+                    metrics.update(held_out())
+            stopping = stop is not None and stop.agreed() and step < cfg.train.steps  # all ranks agree
+            if stopping or step == cfg.train.steps or (cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0):
+                with timer("checkpoint"):
+                    state = ckpt.TrainerState(step, source.state_dict(), version)
+                    engine_rng = {"engine": engine.rng_state()} if hasattr(engine, "rng_state") else {}
+                    ckpt.save_checkpoint(ckpt_root, state, learner.save, cfg.train.keep_last, _rank() == 0, _barrier,
+                                         rank=_rank(), rng_extra=engine_rng)
+            if logger is not None:  # tokens/s: generated tokens per second of the whole step
+                row = logger.log(step, {**metrics, **timer.pop()}, tokens=gen_tokens)
+            if stopping:
+                from megapo.trainer.stop import TrainingStopped
+
+                if logger is not None:
+                    logger.close()
+                raise TrainingStopped(step)
+    finally:
+        if producer is not None:
+            producer.close()
+        if own_engine:
+            engine.close()
     if logger is not None:
         logger.close()
     return row
