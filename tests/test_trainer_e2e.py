@@ -36,5 +36,9 @@ def test_megapo_train_r3_two_steps(tmp_path, tiny_moe):
     # step 2 samples come from the weights step 1 wrote: learner and engine agree token by token
     assert rows[2]["train/mismatch_max_abs_dlogp"] < 1e-3
     assert rows[2]["train/mismatch_k3"] < 1e-6
+    # on eval steps the log also holds the mismatch KL with the engine's routes replayed and with free routing
+    assert "replay/kl_k3" not in rows[1]
+    assert rows[2]["replay/kl_k3"] < 1e-6
+    assert 0.0 <= rows[2]["replay/kl_k3_free"] < float("inf")
     assert (out / "checkpoints" / "step_00000002" / "trainer_state.json").is_file()
     assert json.loads((out / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())["weight_version"] == 2

@@ -137,15 +137,18 @@ def train_samples(groups: list[Group], cfg: RunConfig) -> list[dict]:
     return out
 
 
-def old_logprob_pass(learner, batch: list[dict], cfg: RunConfig) -> dict:
+def old_logprob_pass(learner, batch: list[dict], cfg: RunConfig, measure_free_kl: bool = False) -> dict:
     """Set each sample's `old_logp` from the learner (collective). Under r2 the pass records the
     learner's routes and under r3 replays the engine's; either way sample["routes"] then holds the
-    routes every train_step on this batch replays (megapo.replay.modes)."""
-    from megapo.replay.modes import old_logprobs
+    routes every train_step on this batch replays (megapo.replay.modes). `measure_free_kl` adds the
+    engine-vs-learner k3 KL with and without replay (one extra forward pass, so only on some steps)."""
+    from megapo.replay.modes import mismatch_kl, old_logprobs
 
     logps, metrics = old_logprobs(learner, batch, cfg.algorithm.routing_replay)
     for sample, lp in zip(batch, logps):
         sample["old_logp"] = lp.tolist()
+    if measure_free_kl and cfg.algorithm.routing_replay != "off" and all("rollout_logp" in s for s in batch):
+        metrics.update(mismatch_kl(learner, batch, logps))
     return metrics
 
 
@@ -246,12 +249,13 @@ def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig) ->
     return groups[:keep], metrics, sum(len(s.output_ids) for s in samples)
 
 
-def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, options: dict, timer: StepTimer) -> dict:
+def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, options: dict, timer: StepTimer,
+                  measure_free_kl: bool = False) -> dict:
     """All ranks: advantages, old (and reference) log-probs, then the optimizer steps on mini-batches."""
     metrics: dict[str, float] = {}
     batch = train_samples(groups, cfg)
     with timer("old_logp"):
-        metrics.update(old_logprob_pass(learner, batch, cfg))
+        metrics.update(old_logprob_pass(learner, batch, cfg, measure_free_kl))
     if cfg.algorithm.kl_coef:
         with timer("ref_logp"):
             ref = _broadcast(reference.response_logprobs(batch) if reference is not None else None)
@@ -379,7 +383,9 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
                     groups, metrics, gen_tokens = collect_rollouts(engine, params, pool, source, reward_fn, cfg)
             groups = _broadcast(groups)
             if groups:
-                metrics.update(update_policy(learner, groups, cfg, reference, options, timer))
+                eval_step = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
+                metrics.update(update_policy(learner, groups, cfg, reference, options, timer,
+                                             measure_free_kl=eval_step))
                 with timer("sync"):
                     version += 1
                     metrics.update(sync_weights(learner, engine, version, cfg, transport))
