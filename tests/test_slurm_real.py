@@ -1,6 +1,7 @@
 """`megapo launch slurm` on a real Slurm: the local test cluster of .ci/slurm_up.sh (nodes n1, n2
-on 127.0.0.1). The job is tests/slurm_standin.py, which keeps the trainer's launch contract
+on 127.0.0.1). Most jobs are tests/slurm_standin.py, which keeps the trainer's launch contract
 (slurm/README.md): ranks under torchrun (gloo), checkpoint on SIGTERM and exit, resume with --resume.
+The last test runs the real tiny `megapo train` job through the same stop / requeue / resume path.
 
 These tests fail (never skip) when the cluster is not up: run .ci/slurm_up.sh first.
 """
@@ -226,3 +227,38 @@ def test_stopped_job_checkpoints_requeues_resumes_and_cancel_is_final(cluster, m
     assert [r["exit"] for r in records] == [EXIT_CHECKPOINTED] * 4
     assert all(a < b for a, b in zip([0, *ends], ends)), ends
     assert json.loads((out_dir / "checkpoints" / "latest.json").read_text()) == {"step": ends[-1]}
+
+
+def test_real_trainer_job_is_stopped_requeued_and_resumes_from_its_checkpoint(cluster, model, tmp_path, capsys, jobs):
+    """The tiny main job itself (`megapo train`, Megatron learner, embedded engine) under sbatch:
+    SIGTERM after step 2 -> checkpoint -> requeue -> the rerun resumes at step 3 and completes."""
+    cfg = yaml.safe_load((REPO / "megapo" / "configs" / "tiny_moe_addition.yaml").read_text())
+    out_dir = tmp_path / "out"
+    cfg["model"] = {"path": str(model)}
+    cfg["sft"]["enabled"] = False
+    cfg["data"].update(prompts_per_step=4, dynamic_sampling=False)
+    cfg["rollout"]["n_samples"] = 4
+    cfg["train"].update(steps=6, eval_every=0, ckpt_every=100, keep_last=2, output_dir=str(out_dir), log=["jsonl"])
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    rc = main(["launch", "slurm", str(config), "--gpus-per-node", "0", "--procs-per-node", "1", "--nodes", "1",
+               "--partition", "debug", "--grace", "60"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    job = re.search(r"submitted job (\d+)", out).group(1)
+    jobs.append(job)
+
+    def steps_logged() -> list[int]:
+        path = out_dir / "metrics.jsonl"
+        return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+    wait_for(lambda: 2 in steps_logged(), 240, "step 2 of the first run", job, out_dir)
+    subprocess.run(["scancel", "--signal=TERM", job], check=True)
+    info = wait_done(job, out_dir, timeout=300)
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), info
+    steps = steps_logged()
+    # every step 1..6 was trained and logged exactly once: the rerun started after the checkpoint of the stop
+    assert sorted(steps) == list(range(1, 7)), steps
+    assert (out_dir / "checkpoints" / "step_00000006" / "trainer_state.json").is_file()
+    log = (out_dir / "logs" / f"slurm-{job}.out").read_text()
+    assert "requeue" in log.lower()
