@@ -106,3 +106,29 @@ class Engine(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def stage_and_reload(engine: Engine, config_dir, staging_root, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                     version: int) -> None:
+    """`update_weights` for servers that only reload from disk: write the tensors as one safetensors file
+    beside copies of the model's config and tokenizer files, reload the server from there, then remove it."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    if config_dir is None:
+        raise ValueError("update_weights needs config_dir (the HF folder of the served model) to stage weights")
+    stage = Path(tempfile.mkdtemp(prefix="megapo-weights-", dir=staging_root))
+    try:
+        for f in Path(config_dir).iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+                shutil.copy(f, stage / f.name)
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
+        if not tensors:
+            raise ValueError("named_tensors is empty")
+        save_file(tensors, str(stage / "model.safetensors"))
+        engine.update_weights_from_disk(str(stage), version)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import base64
 import io
-import shutil
-import tempfile
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megapo.engines.base import FINISH_REASONS, Engine, Sample, SamplingParams, check_prompts
+from megapo.engines.base import FINISH_REASONS, Engine, Sample, SamplingParams, check_prompts, stage_and_reload
 from megapo.engines.http import JSONClient
 
 
@@ -116,22 +114,7 @@ class VLLMEngine(Engine):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Stage the tensors as one safetensors file (plus config files) and reload from there."""
-        from safetensors.torch import save_file
-
-        if self.config_dir is None:
-            raise ValueError("update_weights needs config_dir (the HF folder of the served model) to stage weights")
-        stage = Path(tempfile.mkdtemp(prefix="megapo-weights-", dir=self._staging_root))
-        try:
-            for f in Path(self.config_dir).iterdir():
-                if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
-                    shutil.copy(f, stage / f.name)
-            tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
-            if not tensors:
-                raise ValueError("named_tensors is empty")
-            save_file(tensors, str(stage / "model.safetensors"))
-            self.update_weights_from_disk(str(stage), version)
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
+        stage_and_reload(self, self.config_dir, self._staging_root, named_tensors, version)
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def pause(self) -> None:
