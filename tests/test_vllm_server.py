@@ -1,16 +1,22 @@
-"""A real vLLM server (CPU build, its own venv) driven through megapo's VLLMEngine, checked against transformers.
+"""A real vLLM server (CPU build, its own venv) driven through megapo's VLLMEngine, checked against transformers,
+and synced from a Megatron learner (TP=2 x EP=2, torchrun) through megapo's Router, checked against the learner.
 
 Needs `.venv-vllm` (create it with scripts/vllm_setup.sh, ~2-3 min). One server for the whole module
 (~60 s to start, ~20 s log-prob warm-up, ~3 GB RSS).
 """
 
+import json
 import shutil
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import transformers
 
+from launch.local import run_torchrun
 from megapo.engines.base import SamplingParams
 from megapo.engines.server import VLLMServer, VLLMServerConfig, vllm_python
 from megapo.engines.torch_lm import iter_safetensors
@@ -111,3 +117,52 @@ def test_vllm_generate_reload_and_version(engine, models):
     engine.pause()
     engine.resume()
     assert engine.health()
+
+
+def test_learner_tp2ep2_sync_through_router(engine, models, tmp_path):
+    """A 2-rank Megatron learner (TP=2 x EP=2) takes one optimizer step and syncs to the running server with
+    sync_weights(learner, [Router([VLLMEngine(url)])], DiskTransport); the server's log-probs of what it samples
+    afterwards equal the learner's own (Megatron's forward, fp32) and no longer fit the old weights."""
+    base, _ = models
+    start = time.perf_counter()
+    v0 = engine.weight_version + 1
+    engine.update_weights_from_disk(str(base), version=v0)  # serve the learner's initial weights, whatever ran before
+    gen = torch.Generator().manual_seed(0)
+    batch = []
+    for i, n in enumerate((12, 16, 10, 14)):
+        tokens = torch.randint(0, 512, (n,), generator=gen).tolist()
+        batch.append({"tokens": tokens, "prompt_len": 4, "advantage": 1.0 if i % 2 else -1.0,
+                      "old_logp": [-6.0] * (n - 4)})
+    spec = {"url": engine.url, "model_dir": str(base), "disk_dir": str(tmp_path / "disk"), "version": v0,
+            "prompts": PROMPTS, "n": 2, "max_new_tokens": 8, "seed": 3, "batch": batch, "lr": 1e-2,
+            "bucket_bytes": 256 * 1024}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    script = Path(__file__).parent / "distributed" / "vllm_sync.py"
+    rc = run_torchrun([str(script), "--spec", str(tmp_path / "spec.json"), "--out", str(tmp_path / "out.pt")],
+                      nproc=2, timeout_s=600)
+    engine.weight_version = int(engine.server_weight_version())  # the learner's Router moved the server on
+    assert rc == 0, f"torchrun exited with {rc}"
+    res = torch.load(tmp_path / "out.pt")
+
+    def err(samples, learner_lps):
+        return max(np.abs(np.array(s["logprobs"]) - np.array(lp)).max() for s, lp in zip(samples, learner_lps))
+
+    pre, post = res["pre"], res["post"]
+    assert len(pre) == len(post) == 2 * len(PROMPTS) and all(len(s["output_ids"]) == 8 for s in pre + post)
+    assert all(s["weight_version"] == v0 for s in pre) and all(s["weight_version"] == v0 + 1 for s in post)
+    assert res["server_version"] == str(v0 + 1) and res["router_version"] == v0 + 1 == engine.weight_version
+    assert res["stats"]["buckets"] > 1 and res["stats"]["transport"] == "disk"
+
+    before = err(pre, res["learner_pre"])  # server and learner both on the initial weights
+    after = err(post, res["learner_post"])  # both on the stepped weights
+    stale_server = err(pre, res["learner_new_on_pre"])  # the old weights' samples under the new learner
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    old_weights = max(np.abs(np.array(s["logprobs"]) - hf_logprobs(hf_base, SimpleNamespace(**s))).max() for s in post)
+    print(f"learner TP2xEP2 -> Router -> vLLM {DTYPE}: max |dlogprob| before sync {before:.2e}, after sync "
+          f"{after:.2e}; after-sync samples vs old weights (transformers) {old_weights:.2e}; pre-sync samples vs "
+          f"stepped learner {stale_server:.2e}; sync {res['stats']['seconds']:.2f} s, "
+          f"{res['stats']['bytes'] / 2**20:.1f} MiB in {res['stats']['buckets']} files; "
+          f"test {time.perf_counter() - start:.1f} s")
+    assert before < TOL
+    assert after < TOL
+    assert old_weights > 0.05 and stale_server > 0.05  # the step moved the log-probs far beyond the tolerance
