@@ -17,7 +17,7 @@ from megapo.weights import DiskTransport, TensorTransport, bucket_bytes, sync_na
 from megapo.weights.broadcast import BroadcastReceiver, BroadcastSender, BroadcastTransport, GroupAddress, join_group
 from megapo.weights import memory
 from megapo.weights.buckets import iter_buckets
-from megapo.weights.safetensors_io import write_safetensors
+from megapo.weights.safetensors_io import read_safetensors_into, write_safetensors
 from megapo.learner.model import free_port
 
 IDS = torch.randint(0, 512, (2, 23), generator=torch.Generator().manual_seed(0))
@@ -120,6 +120,11 @@ def test_write_safetensors_views_and_cast(tmp_path):
         for name, t in named:
             assert f.get_tensor(name).dtype == torch.bfloat16
             assert torch.equal(f.get_tensor(name), t.to(torch.bfloat16))
+    # written in place over a longer file: the tail is cut, the official reader sees only the new tensors
+    write_safetensors(tmp_path / "a.safetensors", named[:1])
+    with safe_open(str(tmp_path / "a.safetensors"), "pt") as f:
+        assert list(f.keys()) == ["gate"] and torch.equal(f.get_tensor("gate"), base[:3])
+    assert (tmp_path / "a.safetensors").stat().st_size < (tmp_path / "b.safetensors").stat().st_size
 
 
 # ----------------------------------------------------------------------------------------- transports
@@ -151,6 +156,45 @@ def test_disk_transport(pair, tmp_path):
     sync_named(iter_safetensors(pair[0]), [engine], transport, 64 * 1024, 2)
     assert engine.weight_version == 2 and not folder.exists() and (tmp_path / "v2").is_dir()
     assert_engine_is(engine, pair[0])
+    # v1's files became the staging folder; the next sync overwrites them in place (with fewer, larger
+    # shards here, so some of v1's shards are stale and must go) and renames the folder to v3
+    staging = tmp_path / "staging"
+    assert sorted(p.name for p in staging.iterdir()) == sorted(p.name for p in folder.parent.joinpath("v2").iterdir())
+    stats3 = sync_named(iter_safetensors(pair[1]), [engine], transport, 256 * 1024, 3)
+    v3 = tmp_path / "v3"
+    assert engine.weight_version == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["staging", "v3"]
+    assert len(list(v3.glob("*.safetensors"))) == stats3.buckets < stats.buckets
+    assert_engine_is(engine, pair[1])
+    assert (hf_logits(v3) - hf_logits(pair[1])).abs().max().item() == 0
+    DiskTransport(tmp_path, recycle=False)._prune(3)  # nothing older than v3 is left to drop
+    no_recycle = DiskTransport(tmp_path / "plain", recycle=False)
+    for v in (4, 5):
+        sync_named(iter_safetensors(pair[0]), [engine], no_recycle, 64 * 1024, v)
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["v5"]
+    assert_engine_is(engine, pair[0])
+
+
+def test_read_safetensors_into(tmp_path):
+    """Matching tensors land in their targets (the same memory), the others come back as new tensors;
+    the reference is the official reader."""
+    gen = torch.Generator().manual_seed(0)
+    named = [("a", torch.randn(3, 4, generator=gen)), ("b", torch.randn(5, generator=gen)),
+             ("c", torch.randn(2, 2, generator=gen).to(torch.bfloat16)), ("d", torch.randn(6, generator=gen))]
+    path = tmp_path / "x.safetensors"
+    write_safetensors(path, named)
+    storage = torch.zeros(20)
+    targets = {"a": storage[:12].view(3, 4), "b": storage[12:17], "c": torch.zeros(2, 2), "d": torch.zeros(3, 2)}
+    rest = dict(read_safetensors_into(path, targets))  # c: other dtype, d: other shape
+    with safe_open(str(path), "pt") as f:
+        ref = {name: f.get_tensor(name) for name in f.keys()}
+    assert torch.equal(storage[:12].view(3, 4), ref["a"]) and torch.equal(storage[12:17], ref["b"])
+    assert storage[17:].eq(0).all() and targets["c"].eq(0).all() and targets["d"].eq(0).all()
+    assert sorted(rest) == ["c", "d"] and all(torch.equal(rest[n], ref[n]) for n in rest)
+    # a header that points past the end of the file is refused, naming the file and the tensor
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-8])
+    with pytest.raises(ValueError, match="x.safetensors: d"):
+        list(read_safetensors_into(path, targets))
 
 
 def _broadcast_pair(workers: int = 1):

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from megapo.engines.base import Engine, Sample, SamplingParams, check_prompts
-from megapo.engines.torch_lm import ModelSpec, TorchCausalLM, iter_safetensors
+from megapo.engines.torch_lm import ModelSpec, TorchCausalLM
+from megapo.weights.safetensors_io import read_folder_into
 
 LOGPROB_MODES = ("scaled", "raw")
 
@@ -92,7 +93,12 @@ class EmbeddedEngine(Engine):
     def update_weights_from_disk(self, path: str, version: int) -> None:
         if not Path(path).is_dir():
             raise FileNotFoundError(f"path {path!r} is not a folder")
-        self.update_weights(iter_safetensors(path), version)
+        # each tensor is read from the files straight into the weight it fills (no tensor in between);
+        # only what does not match one (another dtype, say) goes through load's conversion and checks
+        self._check_open()
+        with self._lock:
+            self.model.load(read_folder_into(path, self.model._targets))
+            self.weight_version = int(version)
 
     def rng_state(self) -> torch.Tensor:
         """The sampling generator's state (trainer checkpoints save it so a resumed run samples alike)."""
