@@ -122,6 +122,12 @@ BAD = [
     ("data.prompts_per_step", lambda t, m: [("parallel.dp", 2), ("data.prompts_per_step", 7)]),
     ("rollout.weight_sync", lambda t, m: [("rollout.weight_sync", "broadcast")]),  # embedded is in-process
     ("rollout.weight_sync", lambda t, m: [("rollout.weight_sync", "pigeon")]),
+    # the train loop does not start broadcast receivers on the servers: refused before any server starts
+    ("rollout.weight_sync", lambda t, m: [("rollout.engine", "vllm"), ("algorithm.routing_replay", "r2"),
+                                          ("rollout.weight_sync", "broadcast")]),
+    ("algorithm.old_policy", lambda t, m: [("algorithm.old_policy", "yesterday")]),
+    ("train.async_correction", lambda t, m: [("train.mode", "async"), ("train.async_correction", "tis")]),  # old_policy=engine
+    ("algorithm.mismatch", lambda t, m: [("algorithm.old_policy", "engine"), ("algorithm.mismatch", "icepop")]),
     ("rollout.servers[1]", lambda t, m: [("rollout.engine", "sglang"), ("rollout.servers", ["127.0.0.1:30000", "nohost"])]),
     ("train.mode", lambda t, m: [("train.mode", "eventually")]),
     ("train.mini_batches", lambda t, m: [("train.mini_batches", 3)]),

@@ -8,7 +8,8 @@ embedded engine):
   per-sample versions are right and no sample saw half-updated weights;
 - staleness (updates done when it is trained - its version) is <= k, and > 0 for some samples;
 - generate calls ran while the learner was inside train_step (wall-clock intervals recorded here);
-- TIS is applied by default; k=0 async trains on exactly the tokens sync mode does.
+- by default the objective's π_old is the engine's log-probs (old_policy=engine, no extra correction);
+  with old_policy=learner TIS weights are applied; k=0 async trains on exactly the tokens sync mode does.
 """
 
 import copy
@@ -132,8 +133,10 @@ def test_async_k2_versions_staleness_overlap(tmp_path, tiny_dense, reward_module
 
     assert len(learner.batches) == 6 and engine.inner.weight_version == 6
     assert engine.threads == {"megapo-rollouts"}  # generation ran in the background thread
-    # TIS (the default async correction) with the engine's log-probs
-    assert all(o.get("correction") == "tis" for o in learner.options)
+    # the async default: the objective's π_old is the engine's log-probs of the sampling weights (its clip is
+    # the staleness correction), so no extra correction weights
+    assert all("correction" not in o for o in learner.options)
+    assert all(s["old_logp"] == s["rollout_logp"] for b in learner.batches for s in b)
 
     # every trained sample: its version is <= k behind the learner, and its rollout log-probs are those of
     # that version's weights (recomputed with transformers from the snapshot)
@@ -172,7 +175,8 @@ def test_async_k0_trains_on_what_sync_does(tmp_path, tiny_dense, reward_module):
     runs = {}
     for mode in ("sync", "async"):
         cfg = _cfg(tiny_dense, tmp_path / mode, reward_module, **{
-            "train.mode": mode, "train.staleness": 0, "train.async_correction": "none", "train.steps": 4})
+            "train.mode": mode, "train.staleness": 0, "train.async_correction": "none", "train.steps": 4,
+            "algorithm.old_policy": "learner"})  # the same objective in both modes
         learner = SnapshotLearner(tiny_dense)
         train(cfg, learner=learner, engine=TimedEngine(tiny_dense), print_fn=lambda *_: None)
         runs[mode] = learner
@@ -182,3 +186,73 @@ def test_async_k0_trains_on_what_sync_does(tmp_path, tiny_dense, reward_module):
     for name, p in sync.model.state_dict().items():
         assert torch.allclose(p, asyn.model.state_dict()[name], atol=1e-5), name
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in _rows(tmp_path / "async"))
+
+
+def _prompts(batches):
+    return [sorted({tuple(s["tokens"][:s["prompt_len"]]) for s in b}) for b in batches]
+
+
+def test_async_stop_and_resume_trains_every_prompt_once(tmp_path, tiny_dense, reward_module):
+    """Batches made ahead (up to k) have drawn their prompts but were never trained: a run stopped after
+    step 2 and resumed must train the same prompts at steps 3.. as a run never stopped (none skipped,
+    none repeated), i.e. the checkpoint keeps the cursor after the last *trained* batch."""
+    from megapo.trainer.loop import train
+    from megapo.trainer.stop import StopFlag, TrainingStopped
+
+    reference = SnapshotLearner(tiny_dense)
+    train(_cfg(tiny_dense, tmp_path / "ref", reward_module), learner=reference, engine=TimedEngine(tiny_dense),
+          print_fn=lambda *_: None)
+
+    class StopAfter(SnapshotLearner):
+        def __init__(self, model_dir, flag, after):
+            super().__init__(model_dir, train_sleep=0.2)  # slow learner: the producer runs k batches ahead
+            self.flag, self.after = flag, after
+
+        def train_step(self, *a, **kw):
+            out = super().train_step(*a, **kw)
+            if len(self.batches) == self.after:
+                self.flag.requested = True
+            return out
+
+    flag = StopFlag()
+    first, first_engine = StopAfter(tiny_dense, flag, after=2), TimedEngine(tiny_dense)
+    cfg = _cfg(tiny_dense, tmp_path / "run", reward_module, **{"train.ckpt_every": 1})
+    with pytest.raises(TrainingStopped):
+        train(cfg, learner=first, engine=first_engine, print_fn=lambda *_: None, stop=flag)
+    assert len(first.batches) == 2
+    second = SnapshotLearner(tiny_dense)
+    train(cfg, resume=True, learner=second, engine=TimedEngine(tiny_dense), print_fn=lambda *_: None)
+    assert len(second.batches) == 4
+    assert _prompts(first.batches + second.batches) == _prompts(reference.batches)
+    # the producer really had drawn prompts ahead when the stop came (else this test shows nothing)
+    assert len(first_engine.intervals) > 2
+
+
+def test_old_policy_and_correction_defaults(tmp_path, tiny_dense, reward_module):
+    """sync: π_old from the learner, no correction; async: π_old = the engine's log-probs, no correction;
+    async with old_policy=learner: TIS weights π_old/μ (capped) on the stale samples."""
+    from megapo.trainer.loop import loss_options
+
+    sync = _cfg(tiny_dense, tmp_path, reward_module, **{"train.mode": "sync"})
+    asyn = _cfg(tiny_dense, tmp_path, reward_module)
+    learner_ratio = _cfg(tiny_dense, tmp_path, reward_module, **{"algorithm.old_policy": "learner"})
+    assert (sync.old_policy(), asyn.old_policy(), learner_ratio.old_policy()) == ("learner", "engine", "learner")
+    assert "correction" not in loss_options(sync) and "correction" not in loss_options(asyn)
+    assert loss_options(learner_ratio)["correction"] == "tis"
+
+
+def test_engine_old_policy_metrics_and_batch():
+    """use_engine_logprobs: old_logp becomes the engine's; the learner-vs-engine k3 is measured before,
+    checked against the formula mean(ρ - 1 - log ρ), ρ = π_learner/μ, written out here."""
+    import math
+
+    from megapo.trainer.loop import use_engine_logprobs
+
+    batch = [{"old_logp": [-1.0, -2.0], "rollout_logp": [-1.5, -1.0]},
+             {"old_logp": [-0.1], "rollout_logp": [-0.3]}]
+    log_rho = [0.5, -1.0, 0.2]
+    want = sum(math.exp(x) - 1 - x for x in log_rho) / 3
+    m = use_engine_logprobs(batch)
+    assert m["old_policy/learner_vs_engine_k3"] == pytest.approx(want, rel=1e-9)
+    assert m["old_policy/learner_vs_engine_max_abs_dlogp"] == pytest.approx(1.0)
+    assert [s["old_logp"] for s in batch] == [[-1.5, -1.0], [-0.3]]

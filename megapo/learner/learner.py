@@ -27,6 +27,10 @@ from megapo.learner.rope import set_positions
 from megapo.models.family import family_for
 from megapo.weights import gather
 
+# policy_loss metrics that are a micro-batch's share of the batch total (aggregated with the global
+# normaliser), so the batch's value is their sum, not their mean
+SHARE_METRICS = ("pg_loss",)
+
 
 @dataclass
 class MicroBatch:
@@ -287,7 +291,8 @@ class Learner:
         return metrics
 
     def _reduce_metrics(self, stored: list[dict]) -> dict:
-        """Token-weighted means over micro-batches and DP ranks; the loss is summed (shares of the batch)."""
+        """Metrics of the whole batch from its micro-batches on every DP rank: the loss and other shares
+        summed, *_min / *_max as minimum / maximum, everything else a token-weighted mean."""
         local = {"tokens": 0.0, "loss": 0.0, "entropy_sum": 0.0, "weighted": {}}
         for d in stored:
             local["tokens"] += d["tokens"]
@@ -295,13 +300,23 @@ class Learner:
             local["entropy_sum"] += d["entropy_sum"]
             for k, v in d["metrics"].items():
                 local["weighted"][k] = local["weighted"].get(k, 0.0) + v * d["tokens"]
+        local["each"] = [d["metrics"] for d in stored if d["tokens"]]  # for sums, minima and maxima
         parts = self._share_results([local])
         tokens = sum(p["tokens"] for p in parts)
         out = {"loss": sum(p["loss"] for p in parts), "entropy": sum(p["entropy_sum"] for p in parts) / max(tokens, 1),
                "response_tokens": tokens}
         keys = {k for p in parts for k in p["weighted"]}
         for k in sorted(keys):
-            if k not in out:
+            if k in out:
+                continue
+            values = [d[k] for p in parts for d in p["each"] if k in d]
+            if k in SHARE_METRICS:  # each micro-batch's value is its share of the batch's total
+                out[k] = sum(values)
+            elif k.endswith("_min"):
+                out[k] = min(values)
+            elif k.endswith("_max") or "max_abs" in k:
+                out[k] = max(values)
+            else:
                 out[k] = sum(p["weighted"].get(k, 0.0) for p in parts) / max(tokens, 1)
         return out
 

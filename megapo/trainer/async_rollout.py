@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -36,7 +36,7 @@ class Batch:
     tokens: int
     generate_s: float  # producer wall time spent making this batch
     start_version: int  # engine weight version when generation started
-    extra: dict = field(default_factory=dict)
+    cursor: dict | None = None  # the data cursor right after this batch's prompts were drawn
 
 
 class AsyncRollouts:
@@ -52,7 +52,8 @@ class AsyncRollouts:
     """
 
     def __init__(self, produce: Callable[[], tuple[list, dict, int]], *, staleness: int,
-                 version_fn: Callable[[], int], generate_threads: int | None = None):
+                 version_fn: Callable[[], int], generate_threads: int | None = None,
+                 cursor_fn: Callable[[], dict] | None = None):
         if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
             raise ValueError(f"staleness: must be an int >= 0, got {staleness!r}")
         if generate_threads is not None and generate_threads < 1:
@@ -61,6 +62,9 @@ class AsyncRollouts:
         self.staleness = staleness
         self._version_fn = version_fn
         self._threads = generate_threads
+        # the prompts of batches made ahead are drawn but not trained: a checkpoint must record the
+        # cursor after the last *trained* batch, so each batch carries the cursor as it left it
+        self._cursor_fn = cursor_fn
         self._cond = threading.Condition()
         self._ready: list[Batch] = []
         self._synced = 0  # batches whose update has reached the engine (or were skipped)
@@ -92,7 +96,8 @@ class AsyncRollouts:
                 version = int(self._version_fn())
                 t0 = time.perf_counter()
                 groups, metrics, tokens = self._produce()
-                batch = Batch(groups, metrics, tokens, time.perf_counter() - t0, version)
+                cursor = self._cursor_fn() if self._cursor_fn is not None else None
+                batch = Batch(groups, metrics, tokens, time.perf_counter() - t0, version, cursor)
                 with self._cond:
                     self._ready.append(batch)
                     self._made += 1
@@ -151,13 +156,14 @@ def drop_stale(groups: list, learner_version: int, bound: int) -> tuple[list, di
     return kept, metrics
 
 
-def next_batch(producer: AsyncRollouts, learner_version: int, bound: int, timer) -> tuple[list, dict, int]:
-    """Rank 0, async mode: the next batch for the learner at `learner_version`, stale groups dropped;
-    timer gets `generate_wait` (the learner's wait: small when generation overlaps training)."""
+def next_batch(producer: AsyncRollouts, learner_version: int, bound: int, timer) -> tuple[list, dict, int, dict | None]:
+    """Rank 0, async mode: the next batch for the learner at `learner_version`, stale groups dropped,
+    and the data cursor after it; timer gets `generate_wait` (the learner's wait: small when generation
+    overlaps training)."""
     with timer("generate_wait"):
         batch, _ = producer.get()
     groups, metrics = drop_stale(batch.groups, learner_version, bound)
     metrics.update(batch.metrics)
     metrics["async/generate_s"] = batch.generate_s  # producer time, overlapped with the previous steps
     metrics["async/start_version"] = float(batch.start_version)
-    return groups, metrics, batch.tokens
+    return groups, metrics, batch.tokens, batch.cursor

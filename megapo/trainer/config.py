@@ -24,9 +24,13 @@ GROUP_BASELINE_ESTIMATORS = ("reinforce_pp_baseline",)  # plus every estimator o
 ROUTING_REPLAY = ("off", "r2", "r3")
 ENGINES = ("embedded", "vllm", "sglang")
 WEIGHT_SYNC = ("tensor", "disk", "broadcast")
-# Which weight-sync paths each engine offers: the embedded engine lives in the trainer's process
-# (tensors are handed over directly); servers load from disk or join a broadcast group.
-ENGINE_SYNC = {"embedded": ("tensor", "disk"), "vllm": ("disk", "broadcast"), "sglang": ("tensor", "disk", "broadcast")}
+# Which weight-sync paths `megapo train` drives for each engine: the embedded engine lives in the trainer's
+# process (tensors are handed over directly); servers load from disk. The `broadcast` transport
+# (megapo.weights.broadcast) needs workers on the engine side that join the group; the train loop does
+# not start them yet, so it is refused here rather than after the servers are up.
+ENGINE_SYNC = {"embedded": ("tensor", "disk"), "vllm": ("disk",), "sglang": ("tensor", "disk")}
+# Which log-probs the objective's ratio π_θ/π_old takes as π_old (AlgorithmConfig.old_policy).
+OLD_POLICIES = ("auto", "learner", "engine")
 MODES = ("sync", "async")
 LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -121,6 +125,12 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     mismatch: str = "none"  # rollout/learner mismatch correction: none or a correction name (megapo objectives)
     mismatch_options: dict[str, Any] = field(default_factory=dict)
+    # π_old of the objective's ratio. learner: recomputed by the learner before the update (its clip bounds
+    # the move within one rollout batch; a correction re-weights samples the engine drew from other
+    # weights). engine: the engine's log-probs of the weights that drew the sample (the clip bounds the move
+    # from the sampling policy itself, so samples k versions old stop pushing once the policy has moved
+    # past them). auto: engine in train.mode=async, learner in sync.
+    old_policy: str = "auto"
     # off | r2 (replay the learner's own routes from the old-log-prob pass) | r3 (replay the engine's routes).
     # `bool` because YAML 1.1 reads a bare `off` as false.
     routing_replay: str | bool = "off"
@@ -174,9 +184,10 @@ class TrainConfig:
     micro_batch_tokens: int = 4096
     mode: str = "sync"
     staleness: int = 1  # async: the newest rollouts may come from weights this many versions old
-    # async: rollout/learner correction (with the samples' rollout log-probs) used when algorithm.mismatch
-    # is none -- stale rollouts are off-policy; "none" trains on them uncorrected
-    async_correction: str = "tis"
+    # async with algorithm.old_policy=learner: the correction (π_old/μ weights, megapo objectives) used when
+    # algorithm.mismatch is none -- stale rollouts are off-policy. With old_policy=engine (the async default)
+    # the objective's clipped ratio π_θ/μ is the correction, and this must stay "auto" or "none".
+    async_correction: str = "auto"
     seed: int = 0
     eval_every: int = 50
     eval_prompts: int = 1000
@@ -196,6 +207,21 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+
+    def old_policy(self) -> str:
+        """algorithm.old_policy with auto resolved: engine for async runs, learner for sync ones."""
+        if self.algorithm.old_policy != "auto":
+            return self.algorithm.old_policy
+        return "engine" if self.train.mode == "async" else "learner"
+
+    def async_correction(self) -> str:
+        """train.async_correction with auto resolved: tis when async samples are weighed against the learner's
+        log-probs, none when the objective's ratio is already against the engine's (or the run is sync)."""
+        if self.train.mode != "async":
+            return "none"
+        if self.train.async_correction != "auto":
+            return self.train.async_correction
+        return "tis" if self.old_policy() == "learner" else "none"
 
     def validate(self) -> None:
         """All cross-field rules; the first violated one raises ConfigError naming its field."""
@@ -232,6 +258,8 @@ class RunConfig:
             _check_options("correction", a.mismatch, a.mismatch_options, "algorithm.mismatch_options")
         elif a.mismatch_options:
             raise ConfigError("algorithm.mismatch_options", "given but algorithm.mismatch is 'none'")
+        if a.old_policy not in OLD_POLICIES:
+            raise ConfigError("algorithm.old_policy", f"must be one of {', '.join(OLD_POLICIES)}, got {a.old_policy!r}")
         if a.routing_replay not in ROUTING_REPLAY:
             raise ConfigError("algorithm.routing_replay", f"must be off, r2 or r3, got {a.routing_replay!r}")
 
@@ -286,9 +314,18 @@ class RunConfig:
             raise ConfigError("train.mode", f"must be sync or async, got {t.mode!r}")
         if t.staleness < 0:
             raise ConfigError("train.staleness", f"must be >= 0, got {t.staleness}")
-        if t.async_correction != "none" and t.async_correction not in _registry_names("correction"):
-            raise ConfigError("train.async_correction", f"unknown correction {t.async_correction!r}; known: none, "
+        if t.async_correction not in ("auto", "none") and t.async_correction not in _registry_names("correction"):
+            raise ConfigError("train.async_correction", f"unknown correction {t.async_correction!r}; known: auto, none, "
                               f"{', '.join(_registry_names('correction'))}")
+        if self.old_policy() == "engine":
+            if t.async_correction not in ("auto", "none"):
+                raise ConfigError("train.async_correction", "with algorithm.old_policy=engine the objective's clipped "
+                                  "ratio π_θ/μ already corrects for stale samples; use auto or none, or set "
+                                  "algorithm.old_policy=learner")
+            if self.algorithm.mismatch != "none":
+                raise ConfigError("algorithm.mismatch", "with algorithm.old_policy=engine the objective's ratio is "
+                                  "taken against the engine's log-probs, so π_old/μ is 1; use none, or set "
+                                  "algorithm.old_policy=learner")
         if t.eval_every < 0:
             raise ConfigError("train.eval_every", f"must be >= 0 (0 disables), got {t.eval_every}")
         if t.eval_prompts < 0:

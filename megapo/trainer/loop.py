@@ -152,6 +152,25 @@ def old_logprob_pass(learner, batch: list[dict], cfg: RunConfig, measure_free_kl
     return metrics
 
 
+def use_engine_logprobs(batch: list[dict]) -> dict:
+    """algorithm.old_policy=engine: the objective's π_old becomes the engine's log-probs μ of the weights
+    that drew each sample. Its clip then bounds the move from the sampling policy: a sample k versions
+    old whose probability the last k updates already moved past the clip range stops pushing (the
+    objective's ratio π_θ/μ is a clipped importance weight). Returns how far the learner now is from
+    the engine on these samples: k3 = mean(ρ - 1 - log ρ), ρ = π_learner/μ (the staleness, plus numerics)."""
+    from megapo.algorithms.corrections import mismatch_metrics
+
+    learner = torch.tensor([x for s in batch for x in s["old_logp"]], dtype=torch.float64)
+    engine = torch.tensor([x for s in batch for x in s["rollout_logp"]], dtype=torch.float64)
+    lengths = torch.tensor([0] + [len(s["old_logp"]) for s in batch])
+    m = mismatch_metrics(learner, engine, torch.ones_like(learner, dtype=torch.bool),
+                         cu_seqlens=torch.cumsum(lengths, 0))
+    for sample in batch:
+        sample["old_logp"] = list(sample["rollout_logp"])
+    return {"old_policy/learner_vs_engine_k3": float(m["mismatch_k3"]),
+            "old_policy/learner_vs_engine_max_abs_dlogp": float(m["mismatch_max_abs_dlogp"])}
+
+
 class ReferencePolicy:
     """Frozen starting weights for the KL penalty: per-token log-probs of the RL starting point, from
     the embedded engine's plain-PyTorch model on rank 0 (fine for small models; a large model would
@@ -183,8 +202,8 @@ def loss_options(cfg: RunConfig) -> dict:
         opts["correction"] = a.mismatch
         if a.mismatch_options:
             opts["correction_options"] = dict(a.mismatch_options)
-    elif cfg.train.mode == "async" and cfg.train.async_correction != "none":
-        opts["correction"] = cfg.train.async_correction  # stale rollouts are off-policy
+    elif cfg.async_correction() != "none":
+        opts["correction"] = cfg.async_correction()  # stale rollouts are off-policy
     if a.kl_coef:
         opts.update(kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
     if a.entropy_coef:
@@ -256,6 +275,8 @@ def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, optio
     batch = train_samples(groups, cfg)
     with timer("old_logp"):
         metrics.update(old_logprob_pass(learner, batch, cfg, measure_free_kl))
+    if cfg.old_policy() == "engine":
+        metrics.update(use_engine_logprobs(batch))
     if cfg.algorithm.kl_coef:
         with timer("ref_logp"):
             ref = _broadcast(reference.response_logprobs(batch) if reference is not None else None)
@@ -270,9 +291,11 @@ def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, optio
                                           **options)
     metrics.update({f"train/{k}": v for k, v in last.items()
                     if isinstance(v, (int, float)) and not isinstance(v, bool)})
-    # "kl": to the reference when there is a KL penalty, else the engine-vs-learner mismatch
-    kl_key = "train/kl" if "train/kl" in metrics else "train/mismatch_k3"
-    if kl_key in metrics:
+    # "kl": to the reference when there is a KL penalty, else the engine-vs-learner mismatch (measured
+    # before the update; with old_policy=engine the train step sees π_old = μ and measures nothing)
+    kl_key = next((k for k in ("train/kl", "old_policy/learner_vs_engine_k3", "train/mismatch_k3") if k in metrics),
+                  None)
+    if kl_key is not None:
         metrics["kl"] = metrics[kl_key]
     return metrics
 
@@ -369,18 +392,21 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
 
             producer = AsyncRollouts(lambda: collect_rollouts(engine, params, pool, source, reward_fn, cfg),
                                      staleness=cfg.train.staleness, version_fn=lambda: engine.weight_version,
-                                     generate_threads=max(1, torch.get_num_threads() // 2))
+                                     generate_threads=max(1, torch.get_num_threads() // 2),
+                                     cursor_fn=source.state_dict)
             producer.start(cfg.train.steps - start_step)
+        cursor = source.state_dict()  # after the prompts of the last trained batch (what a checkpoint keeps)
         for step in range(start_step + 1, cfg.train.steps + 1):
             timer = StepTimer()
             groups, metrics, gen_tokens = [], {}, 0
             if producer is not None:
                 from megapo.trainer.async_rollout import next_batch
 
-                groups, metrics, gen_tokens = next_batch(producer, version, cfg.train.staleness, timer)
+                groups, metrics, gen_tokens, cursor = next_batch(producer, version, cfg.train.staleness, timer)
             elif _rank() == 0:
                 with timer("generate"):
                     groups, metrics, gen_tokens = collect_rollouts(engine, params, pool, source, reward_fn, cfg)
+                cursor = source.state_dict()
             groups = _broadcast(groups)
             if groups:
                 eval_step = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
@@ -400,7 +426,7 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
             stopping = stop is not None and stop.agreed() and step < cfg.train.steps  # all ranks agree
             if stopping or step == cfg.train.steps or (cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0):
                 with timer("checkpoint"):
-                    state = ckpt.TrainerState(step, source.state_dict(), version)
+                    state = ckpt.TrainerState(step, cursor, version)
                     engine_rng = {"engine": engine.rng_state()} if hasattr(engine, "rng_state") else {}
                     ckpt.save_checkpoint(ckpt_root, state, learner.save, cfg.train.keep_last, _rank() == 0, _barrier,
                                          rank=_rank(), rng_extra=engine_rng)
