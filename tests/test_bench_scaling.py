@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_layout_names(name, expect):
     lay = parse_layout(name)
     assert (lay.tp, lay.pp, lay.ep, lay.dp) == expect
-    assert lay.world == lay.tp * lay.pp * lay.dp
+    assert lay.world_size == lay.tp * lay.pp * lay.dp
 
 
 @pytest.mark.parametrize("name", ["tq2", "tp", "tp0", "tp2x", "tp2xtp2", "2tp", "tp2+pp2"])

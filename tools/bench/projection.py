@@ -30,7 +30,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from megapo.config import ConfigError
+from megapo.config import ConfigError, ParallelConfig
 from megapo.layout import num_experts
 
 # ----------------------------------------------------------------------------- model description
@@ -203,16 +203,13 @@ class Workload:
         return self.sequences * self.seq_len
 
 
-@dataclass
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    dp: int = 1
+# the learner's own layout type: world size tp*pp*dp, ep divides tp*dp
+Layout = ParallelConfig
 
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
+
+def layout_block(layout: Layout) -> dict:
+    """The layout as the projection's JSON writes it."""
+    return {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "dp": layout.dp, "gpus": layout.world_size}
 
 
 def check_projection(model: ModelShape, layout: Layout, hw: Hardware, work: Workload) -> None:
@@ -272,7 +269,7 @@ def _all_reduce_s(nbytes: float, group: int, stride: int, hw: Hardware) -> float
 
 def project_step(model: ModelShape, layout: Layout, hw: Hardware, work: Workload) -> dict:
     """Seconds of one train pass and one old-log-prob pass over `work` (see module docstring)."""
-    tp, pp, ep, dp, n = layout.tp, layout.pp, layout.ep, layout.dp, layout.world
+    tp, pp, ep, dp, n = layout.tp, layout.pp, layout.ep, layout.dp, layout.world_size
     tokens = work.tokens
     ctx = work.seq_len / 2  # causal: a query sees half the sequence on average
     achieved = hw.peak_tflops * 1e12 * hw.mfu
@@ -505,7 +502,7 @@ def project(model: ModelShape, layout: Layout, hw: Hardware, work: Workload, eng
                   "expert_params": model.expert_params, "non_expert_params": model.non_expert_params,
                   "matmul_active_params": model.matmul_active_params, "hf_tensors": model.hf_tensors,
                   "bf16_bytes": model.total_params * 2},
-        "layout": {**asdict(layout), "gpus": layout.world, "expert_tp": 1},
+        "layout": {**layout_block(layout), "expert_tp": 1},
         "assumptions": {"hardware": asdict(hw), "workload": {**asdict(work), "tokens": work.tokens},
                         "measured_from_scaling": measured,
                         "model_of_time": "train = compute + pp bubble + (1 - comm_overlap) * (tp + ep + dp + pp comm); "
@@ -536,7 +533,7 @@ def run(args: argparse.Namespace) -> int:
     t, w = result["step"]["train"], result["weight_sync"]
     p2p = w["p2p_resharded"]
     print(f"{model.name}: {model.total_params / 1e9:.2f}B params ({model.active_params / 1e9:.2f}B active) on "
-          f"{layout.world} GPUs tp{layout.tp} pp{layout.pp} ep{layout.ep} dp{layout.dp}")
+          f"{layout.world_size} GPUs tp{layout.tp} pp{layout.pp} ep{layout.ep} dp{layout.dp}")
     print(f"  train {t['total_s']:.2f} s (compute {t['compute_s']:.2f}, ep {t['ep_comm_s']:.2f}, "
           f"tp {t['tp_comm_s']:.2f}, dp {t['dp_grad_comm_s']:.2f}, bubble {t['pp_bubble_s']:.2f}),"
           f" old-logp {result['step']['old_logp']['total_s']:.2f} s, MFU {t['mfu_end_to_end']:.3f}")

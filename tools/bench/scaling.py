@@ -51,20 +51,11 @@ PEAK_TFLOPS_DEFAULT = 989.0  # H100/H200 SXM dense BF16; MFU is reported only on
 PHASES = ("generate", "old_logp", "train", "weight_sync")
 
 
-@dataclass(frozen=True)
-class Layout:
-    name: str
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    dp: int = 1
+@dataclass
+class Layout(ParallelConfig):
+    """A learner layout with the name it was given on the command line (`tp2xep2`)."""
 
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def parallel(self) -> ParallelConfig:
-        return ParallelConfig(tp=self.tp, pp=self.pp, ep=self.ep, dp=self.dp)
+    name: str = ""
 
 
 def parse_layout(name: str) -> Layout:
@@ -125,12 +116,12 @@ def check_plan(plan: Plan, max_procs: int | None) -> None:
     if not plan.bucket_mb > 0:
         raise ConfigError("--bucket-mb", f"must be > 0, got {plan.bucket_mb}")
     for lay in plan.layouts:
-        if max_procs is not None and lay.world > max_procs:
-            raise ConfigError("--layouts", f"layout {lay.name} needs {lay.world} processes; this launcher runs at most "
+        if max_procs is not None and lay.world_size > max_procs:
+            raise ConfigError("--layouts", f"layout {lay.name} needs {lay.world_size} processes; this launcher runs at most "
                                            f"{max_procs} (use --plan-only and srun for more)")
         for s in plan.sizes:
             try:
-                check_layout(lay.parallel(), hf_config(SIZES[s]))
+                check_layout(lay, hf_config(SIZES[s]))
             except ConfigError as err:
                 raise ConfigError("--layouts", f"layout {lay.name} does not fit size {s!r}: {err}") from None
         if plan.prompts * plan.n < lay.dp:
@@ -161,7 +152,7 @@ def write_specs(out: Path, plan: Plan, model_dirs: dict[str, str]) -> dict[int, 
     by_world: dict[int, list[dict]] = {}
     for lay in plan.layouts:
         for s in plan.sizes:
-            by_world.setdefault(lay.world, []).append({
+            by_world.setdefault(lay.world_size, []).append({
                 "name": f"{s}/{lay.name}", "size": s, "layout": lay.name, "model_dir": model_dirs[s],
                 "parallel": {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "dp": lay.dp}})
     specs = {}
