@@ -93,6 +93,8 @@ def test_group_address_refused():
         GroupAddress("127.0.0.1", 29000, 1, backend="mpi")
     with pytest.raises(ValueError, match="workers"):
         GroupAddress("127.0.0.1", 29000, 0)
+    with pytest.raises(ValueError, match="threads"):
+        GroupAddress("127.0.0.1", 29000, 1, threads=0)
 
 
 # ----------------------------------------------------------------------------------------- buckets
@@ -197,6 +199,29 @@ def test_read_safetensors_into(tmp_path):
         list(read_safetensors_into(path, targets))
 
 
+def fused_gate_up(path):
+    """The model's tensors, each expert's gate and up yielded as the two halves of one fresh tensor."""
+    tensors = dict(iter_safetensors(path))
+    for name, t in tensors.items():
+        if ".gate_proj." in name:
+            fused = torch.cat([t, tensors[name.replace("gate_proj", "up_proj")]])
+            yield name, fused[:t.shape[0]]
+            yield name.replace("gate_proj", "up_proj"), fused[t.shape[0]:]
+        elif ".up_proj." not in name:
+            yield name, t
+
+
+def test_broadcast_runs():
+    """Tensors back to back in one storage are sent as one run; anything else breaks the run."""
+    from megapo.weights.broadcast import _runs
+
+    a, b = torch.arange(12.0), torch.arange(6.0)
+    index, spans = _runs([a[:4], a[4:8], a[8:], b, a[:4], a[8:], b.to(torch.float64)])
+    assert index == [0, 0, 0, 1, 2, 3, 4]
+    assert torch.equal(spans[0], a.view(torch.uint8)) and torch.equal(spans[1], b.view(torch.uint8))
+    assert [s.numel() for s in spans] == [48, 24, 16, 16, 48]
+
+
 def _broadcast_pair(workers: int = 1):
     """A weight-sync group of 1 sender + `workers` receivers, in threads of this process."""
     address = GroupAddress("127.0.0.1", free_port(), workers, timeout_s=60)
@@ -226,9 +251,11 @@ def test_broadcast_transport(pair):
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    # tensors of 32 KiB and more (here the embedding, lm_head and the attention) go on their own
+    # tensors of 32 KiB and more (the embedding, lm_head, the attention, each expert's gate and up) go on
+    # their own; gate and up are the two halves of one tensor, as in Megatron's fc1: they travel as one run,
+    # received in place by worker 0 (the engine keeps them together too) and into a buffer by worker 1
     sender = BroadcastSender(groups[0], direct_bytes=32 * 1024)
-    stats = sync_named(iter_safetensors(pair[1]), [], BroadcastTransport(sender), 160 * 1024, 7)
+    stats = sync_named(fused_gate_up(pair[1]), [], BroadcastTransport(sender), 1024 * 1024, 7)
     for t in threads:
         t.join()
     total = model_bytes(pair[1])
@@ -259,6 +286,30 @@ def test_broadcast_bf16_cast(pair):
     assert sorted(got) == sorted(ref)
     for name, t in ref.items():
         assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], t.to(torch.bfloat16))
+
+
+def test_broadcast_long_metadata():
+    """A message whose metadata does not fit its header (thousands of small tensors) still arrives whole."""
+    from megapo.weights.broadcast import HEADER_BYTES
+
+    gen = torch.Generator().manual_seed(0)
+    named = [(f"model.layers.{i}.some.rather.long.parameter.name.weight", torch.randn(3, generator=gen))
+             for i in range(3000)]
+    assert len(json.dumps([[n, "F32", [3], 0] for n, _ in named])) > 2 * HEADER_BYTES
+    groups = _broadcast_pair()
+    got = {}
+
+    def worker():
+        receiver = BroadcastReceiver([groups[1]])
+        receiver.finish(receiver.receive(lambda batch, v: got.update({n: t.clone() for n, t in batch}))[0])
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    stats = sync_named(iter(named), [], BroadcastTransport(BroadcastSender(groups[0])), 2**21, 1)
+    thread.join()
+    assert stats.tensors == len(named) and stats.buckets == 1
+    assert sorted(got) == sorted(n for n, _ in named)
+    assert all(torch.equal(got[n], t) for n, t in named)
 
 
 # ----------------------------------------------------------------------------------------- memory
