@@ -290,12 +290,13 @@ def run(args) -> dict:
             report("broadcast", rows, "gloo broadcast", {
                 "gloo_threads": args.gloo_threads, "broadcasts_per_sync": len(sizes),
                 "same_pieces_s_median": pieces,
+                "ratio_to_same_pieces": pieces / statistics.median(r["sync"] for r in rows),
                 "note": "raw = the faster of one broadcast of the model's bytes and broadcasts of the bucket size. "
                         "same_pieces_s (informational, not the reference) is a bare gloo broadcast of the same "
-                        "bytes cut into the sync's own broadcasts (same count and sizes, all in flight): the sync "
-                        "sends each learner parameter from its own memory into the engine's (no copies), so it "
-                        "cannot send fewer pieces than the learner has separate parameters without a copy on "
-                        "each end, and each gloo broadcast costs a rendezvous on this machine."})
+                        "bytes cut into the sync's own broadcasts (same count and sizes, all in flight at once), "
+                        "out of and into one contiguous buffer. The sync sends each learner parameter (or run of "
+                        "back-to-back tensors) from its own memory straight into the engine's weights, no copies, "
+                        "in messages of at most bucket/(2*slots) bytes, each announced by a header."})
             if receiver.wait(timeout=300) != 0:
                 raise RuntimeError("broadcast receiver failed")
         finally:
