@@ -138,9 +138,13 @@ def test_learner_tp2ep2_sync_through_router(engine, models, tmp_path):
             "bucket_bytes": 256 * 1024}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     script = Path(__file__).parent / "distributed" / "vllm_sync.py"
+    conn_before = engine.client._conn().sock.getsockname()  # this thread's kept-alive connection
     rc = run_torchrun([str(script), "--spec", str(tmp_path / "spec.json"), "--out", str(tmp_path / "out.pt")],
                       nproc=2, timeout_s=600)
     engine.weight_version = int(engine.server_weight_version())  # the learner's Router moved the server on
+    # the connection outlived the idle seconds of the learner's step (vLLM closes idle ones after 5 s unless
+    # megapo's server config raises it): rollout batches between training steps do not reconnect
+    assert engine.client._conn().sock.getsockname() == conn_before
     assert rc == 0, f"torchrun exited with {rc}"
     res = torch.load(tmp_path / "out.pt")
 

@@ -59,12 +59,17 @@ class VLLMServerConfig:
     logprobs_mode: str = "processed_logprobs"  # log_softmax(logits / T), megapo's convention (see base.py)
     extra_args: list[str] = field(default_factory=list)
     log_path: str | None = None  # server stdout/stderr; None: a file in the model dir's parent
+    # Seconds an idle HTTP connection stays open (vLLM's default is 5). Rollout batches are separated by training
+    # steps that take longer, and the clients keep one connection per thread: with 5 s every batch reconnects.
+    keep_alive_s: int = 3600
 
     def __post_init__(self) -> None:
         if not (Path(self.model_dir) / "config.json").is_file():
             raise FileNotFoundError(f"model_dir {self.model_dir!r} has no config.json")
         if self.port is not None and not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.keep_alive_s < 1:
+            raise ValueError(f"keep_alive_s must be >= 1, got {self.keep_alive_s}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
@@ -92,7 +97,8 @@ class VLLMServer:
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(VLLM_CPU_KVCACHE_SPACE=str(self.config.kv_cache_gib), VLLM_SERVER_DEV_MODE="1",
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   VLLM_HTTP_TIMEOUT_KEEP_ALIVE=str(self.config.keep_alive_s))
         # the worker extension module is imported inside vLLM's processes
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         env.pop("VIRTUAL_ENV", None)
