@@ -49,7 +49,10 @@ BUCKET, DONE = 1, 0
 HEADER_BYTES = 64 * 1024  # a message's header: 3 int64, then its metadata when it fits
 DIRECT_BYTES = 256 * 1024  # tensors at least this large travel on their own, without packing
 BACKENDS = ("gloo", "nccl")
-GLOO_THREADS = 2  # gloo's own default; 8 and 32 showed no clear gain on the shared 2-core machine
+# gloo worker threads per rank (its default is 2). Measured on the shared 2-core machine, 288 separate 1.5 MB
+# broadcasts against one broadcast of the same bytes, paired trials: 16 threads beat 2 in 31 of 42 trials
+# (median speed-up 1.15-1.39x); idle threads only wait on a condition variable.
+GLOO_THREADS = 16
 
 
 @dataclass(frozen=True)
