@@ -95,6 +95,8 @@ class VLLMEngine(Engine):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
         check_prompts(prompts)
         seeds = [None if params.seed is None else params.seed + i * params.n for i in range(len(prompts))]
+        if len(prompts) == 1:  # one request (the Router sends these from its own threads): no hop through the pool
+            return [self.generate_one(prompts[0], params, seeds[0])]
         futures = [self._pool.submit(self.generate_one, p, params, s) for p, s in zip(prompts, seeds)]
         return [f.result() for f in futures]
 
