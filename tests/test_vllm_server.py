@@ -2,7 +2,7 @@
 and synced from a Megatron learner (TP=2 x EP=2, torchrun) through megapo's Router, checked against the learner.
 
 Needs `.venv-vllm` (create it with scripts/vllm_setup.sh, ~2-3 min). One server for the whole module
-(~60 s to start, ~20 s log-prob warm-up, ~3 GB RSS).
+(~60 s to start, ~20 s log-prob warm-up, ~3 GB RSS), and a second one that a test kills mid-batch.
 """
 
 import json
@@ -117,6 +117,55 @@ def test_vllm_generate_reload_and_version(engine, models):
     engine.pause()
     engine.resume()
     assert engine.health()
+
+
+def test_killing_one_of_two_real_servers_mid_batch_loses_and_duplicates_nothing(engine, models, tmp_path):
+    """Router over the module's server and a second real vLLM server; the second is SIGKILLed (its whole
+    process group, as an OOM kill or a lost node would) while it has requests in flight. The batch still
+    returns every (prompt, sample) exactly once, each with log-probs of the served weights (transformers)."""
+    import os
+    import signal
+    import threading
+
+    from megapo.engines.router import Router
+
+    base, _ = models
+    engine.update_weights_from_disk(str(base), version=engine.weight_version + 1)  # whatever ran before
+    second = VLLMServer(VLLMServerConfig(str(base), dtype=DTYPE, log_path=str(tmp_path / "second.log"), cpu_threads=2))
+    second.start(timeout=600)
+    victim = VLLMEngine(second.url, config_dir=str(base), server=second)
+    router = Router([engine, victim], weight_version=engine.weight_version)
+    prompts = [[5 + i, 6 + 2 * i, 7, 8 + i] for i in range(24)]
+    params = SamplingParams(n=2, max_new_tokens=40, seed=0)
+    killed = {}
+
+    def kill_when_busy():
+        deadline = time.monotonic() + 120
+        while router.in_flight[1] == 0 or router.served[1] == 0:  # mid-batch: answered some, more in flight
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+        killed["in_flight"] = router.in_flight[1]
+        os.killpg(second.process.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_busy)
+    killer.start()
+    try:
+        out = router.generate(prompts, params)
+    finally:
+        killer.join()
+        victim.close()
+    assert killed.get("in_flight", 0) > 0, "the second server was not busy when killed (the test showed nothing)"
+    assert router.alive == [True, False] and router.retries >= 1
+    assert [len(g) for g in out] == [2] * len(prompts)
+    assert all(s.prompt_ids == p for p, g in zip(prompts, out) for s in g)
+    assert sum(router.served) == 2 * len(prompts)  # each (prompt, sample) accepted once: none lost, none twice
+    assert 0 < router.served[1] < 2 * len(prompts)  # both servers answered part of the batch
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    err = max_error(hf_base, out)
+    print(f"killed with {killed['in_flight']} requests in flight; retries {router.retries}; "
+          f"served {router.served}; max |dlogprob| {err:.2e}")
+    assert err < TOL
 
 
 def test_learner_tp2ep2_sync_through_router(engine, models, tmp_path):

@@ -17,22 +17,17 @@ A dense model runs every layout with ep=1 (same tp, pp, dp).
 
 from __future__ import annotations
 
-import argparse
-import json
 
 import torch
 
 from megapo.config import OptimConfig, ParallelConfig
 from megapo.learner.learner import Learner
 from megapo.layout import num_experts, read_hf_config
+from spec_io import read_spec  # this script's folder is on sys.path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    spec = json.loads(open(args.spec).read())
+    spec, out_path = read_spec()
     results = {}
     for layout in spec["layouts"]:
         for model_name, model_dir in spec["models"].items():
@@ -76,7 +71,7 @@ def main() -> None:
         results["moe/loaded"] = {"weights": dict(learner.hf_state_dict())}
         learner.close()
     if torch.distributed.get_rank() == 0:
-        torch.save(results, args.out)
+        torch.save(results, out_path)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

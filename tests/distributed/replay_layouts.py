@@ -19,8 +19,6 @@ Rank 0 saves everything to --out.
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,6 +29,7 @@ from megapo.learner.learner import Learner
 from megapo.replay import cli as route_cli
 from megapo.replay.modes import logprobs_with_routes, mismatch_kl, old_logprobs
 from megapo.replay.routes import load_routes
+from spec_io import read_spec  # this script's folder is on sys.path
 
 
 def linear_loss(objective, logp, old_logp, advantages, mask, rollout_logp=None, *, cu_seqlens=None,
@@ -54,11 +53,7 @@ def router_grads(learner) -> dict[int, torch.Tensor]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    spec = json.loads(Path(args.spec).read_text())
+    spec, out_path = read_spec()
     seqs, batch = spec["sequences"], spec["batch"]
     work = Path(spec["work_dir"])
     results = {}
@@ -114,7 +109,7 @@ def main() -> None:
         results[name] = res
         learner.close()
     if torch.distributed.get_rank() == 0:
-        torch.save(results, args.out)
+        torch.save(results, out_path)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

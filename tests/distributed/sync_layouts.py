@@ -14,8 +14,6 @@ own export, and the allocator peak of the tensor sync.
 
 from __future__ import annotations
 
-import argparse
-import json
 
 import torch
 
@@ -27,14 +25,11 @@ from megapo.weights import gather
 from megapo.weights.broadcast import BroadcastSender, BroadcastTransport, GroupAddress, join_group
 from megapo.weights.memory import allocator_peak
 from sync_receiver import engine_logprobs  # this script's folder is on sys.path
+from spec_io import read_spec  # this script's folder is on sys.path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    spec = json.loads(open(args.spec).read())
+    spec, out_path = read_spec()
     results = {}
     for case in spec["cases"]:
         parallel = ParallelConfig(tp=case["tp"], pp=case["pp"], ep=case["ep"], dp=1)
@@ -92,7 +87,7 @@ def main() -> None:
         results[case["name"]] = res
         learner.close()
     if torch.distributed.get_rank() == 0:
-        torch.save(results, args.out)
+        torch.save(results, out_path)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

@@ -7,13 +7,12 @@ stage), receive one broadcast sync into the engine and record its log-probs of t
 
 from __future__ import annotations
 
-import argparse
-import json
 
 import torch
 
 from megapo.engines.embedded import EmbeddedEngine
 from megapo.weights.broadcast import BroadcastReceiver, GroupAddress, join_group
+from spec_io import read_spec  # this script's folder is on sys.path
 
 
 def engine_logprobs(engine: EmbeddedEngine, sequences: list[list[int]]) -> list[torch.Tensor]:
@@ -27,11 +26,7 @@ def engine_logprobs(engine: EmbeddedEngine, sequences: list[list[int]]) -> list[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    spec = json.loads(open(args.spec).read())
+    spec, out_path = read_spec()
     results = {}
     for case in spec["cases"]:
         engine = EmbeddedEngine(case["model_dir"])
@@ -44,7 +39,7 @@ def main() -> None:
         acked = receiver.finish(version)
         results[case["name"]] = {"broadcast": engine_logprobs(engine, spec["sequences"]), "version": version,
                                  "engine_version": engine.weight_version, "acked": acked, "bytes": moved.bytes}
-    torch.save(results, args.out)
+    torch.save(results, out_path)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ the samples (tokens, vLLM's log-probs, versions), the learner's log-probs of the
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -24,6 +23,7 @@ from megapo.engines.router import Router
 from megapo.engines.vllm import VLLMEngine
 from megapo.learner.learner import Learner
 from megapo.weights import DiskTransport, sync_weights
+from spec_io import read_spec  # this script's folder is on sys.path
 
 
 def share(obj, rank: int):
@@ -46,11 +46,7 @@ def learner_logprobs(learner: Learner, samples: list[dict]) -> list[list[float]]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    spec = json.loads(open(args.spec).read())
+    spec, out_path = read_spec()
     parallel = ParallelConfig(tp=2, pp=1, ep=2, dp=1)
     learner = Learner(spec["model_dir"], parallel, OptimConfig(lr=spec["lr"], grad_clip=0.0), micro_batch_tokens=256)
     rank = torch.distributed.get_rank()
@@ -79,7 +75,7 @@ def main() -> None:
         res["server_version"] = router.engines[0].server_weight_version()
         res["served"] = list(router.served)
         router.close()
-        torch.save(res, args.out)
+        torch.save(res, out_path)
     learner.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -1,0 +1,18 @@
+"""The command line the torchrun scripts in this folder share: `--spec SPEC.json --out RESULTS.pt`.
+
+The test writes the spec (what to run: models, layouts, cases) and reads the results rank 0 saved."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def read_spec() -> tuple[dict, str]:
+    """(the spec, the path results go to)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True, help="JSON written by the test")
+    parser.add_argument("--out", required=True, help="results file (torch.save) rank 0 writes")
+    args = parser.parse_args()
+    return json.loads(Path(args.spec).read_text()), args.out
