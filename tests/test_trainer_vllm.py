@@ -70,29 +70,33 @@ def _max_dlogp(model, state, samples):
     return worst
 
 
-def test_vllm_engine_learns_weights_each_step(tmp_path, tiny_moe, reward_module):
+# MoE (the expert prepack must be redone on every reload) and dense; vLLM's CPU attention needs head_dim 32+
+# (the dense family's head_dim is hidden / heads)
+@pytest.mark.parametrize("family,sizes", [("qwen3_moe", {}), ("qwen2", {"hidden": 128})], ids=["moe", "dense"])
+def test_vllm_engine_learns_weights_each_step(tmp_path, family, sizes, reward_module, tiny_model_factory):
     from transformers import AutoModelForCausalLM
 
     from megapo.engines.base import SamplingParams
     from megapo.trainer.engines import build_engine
     from megapo.trainer.loop import train
 
-    items = {"model.path": str(tiny_moe), "rollout.engine": "vllm", "rollout.weight_sync": "disk",
+    model_dir = tiny_model_factory(family, **sizes)
+    items = {"model.path": str(model_dir), "rollout.engine": "vllm", "rollout.weight_sync": "disk",
              "algorithm.routing_replay": "off", "algorithm.objective": "ppo", "rollout.n_samples": 4,
              "rollout.max_new_tokens": 6, "data.task": "addition", "data.prompts_per_step": 4,
              "data.max_prompt_tokens": 16, "data.dynamic_sampling": False, "data.reward": reward_module,
              "train.steps": 2, "train.eval_every": 0, "train.ckpt_every": 0, "train.output_dir": str(tmp_path / "run"),
              "train.log": ["jsonl"]}
     cfg = load_config(RunConfig, None, [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in items.items()])
-    engine = RecordingEngine(build_engine(cfg, tiny_moe, tmp_path))
+    engine = RecordingEngine(build_engine(cfg, model_dir, tmp_path))
     try:
-        learner = SnapshotLearner(tiny_moe)
+        learner = SnapshotLearner(model_dir)
         train(cfg, learner=learner, engine=engine, print_fn=lambda *_: None)
         assert engine.weight_version == 2 and len(learner.snapshots) == 3
         # the version-2 weights (after the last sync): fresh samples at a few prompts
         final = engine.inner.generate([[21, 22, 13], [30, 31]], SamplingParams(n=4, max_new_tokens=6))
         final = [s for g in final for s in g]
-        check = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32)
+        check = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         by_version = {}
         for s in engine.samples + final:
             by_version.setdefault(s.weight_version, []).append(s)
