@@ -92,13 +92,16 @@ def raw_disk(tensors: dict[str, torch.Tensor], nbytes: int, folder: Path) -> tup
         assert len(loaded) == len(tensors)
         path.unlink()
 
-    def write_read():
-        with open(plain, "wb") as f:
+    def write_then_read(file, mode):
+        with open(file, mode) as f:
             f.write(memoryview(flat.numpy()))
-        with open(plain, "rb", buffering=0) as f:
+        with open(file, "rb", buffering=0) as f:
             view, done = memoryview(back.numpy()), 0
             while done < nbytes:
                 done += f.readinto(view[done:])
+
+    def write_read():
+        write_then_read(plain, "wb")
         plain.unlink()
 
     reused = folder / "reused.bin"
@@ -106,12 +109,7 @@ def raw_disk(tensors: dict[str, torch.Tensor], nbytes: int, folder: Path) -> tup
         f.write(memoryview(flat.numpy()))
 
     def overwrite_read():  # what the sync's disk writes do (it recycles the previous version's files)
-        with open(reused, "r+b") as f:
-            f.write(memoryview(flat.numpy()))
-        with open(reused, "rb", buffering=0) as f:
-            view, done = memoryview(back.numpy()), 0
-            while done < nbytes:
-                done += f.readinto(view[done:])
+        write_then_read(reused, "r+b")
 
     return ({"safetensors_save_load_s": safetensors_save_load, "write_read_new_file_s": write_read},
             {"overwrite_read_s": overwrite_read})
@@ -205,6 +203,8 @@ def run(args) -> dict:
     if args.trials < 1:
         raise ValueError(f"--trials: must be >= 1, got {args.trials}")
     torch.set_num_threads(args.threads)
+    if args.work_dir is not None:
+        Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="megapo-bench-sync-", dir=args.work_dir))
     t0 = time.perf_counter()
     try:
