@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 
+from megapo.net import free_port
+
 TIMEOUT_EXIT = 124
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_command(args: list[str], nproc: int, port: int | None = None) -> list[str]:

@@ -147,9 +147,9 @@ def read_run(config_path: str | Path, overrides: list[str] | None = None) -> Run
     if (model_path / "config.json").is_file():
         hf = read_hf_config(model_path)
     elif model.get("tiny") is not None:  # the trainer writes this tiny model first: check its shape
-        from megapo.trainer.config import TinyModelConfig, _tiny_hf_shape
+        from megapo.trainer.config import TinyModelConfig, tiny_hf_config
 
-        hf = _tiny_hf_shape(from_dict(TinyModelConfig, model["tiny"] or {}, "model.tiny"))
+        hf = tiny_hf_config(from_dict(TinyModelConfig, model["tiny"] or {}, "model.tiny"))
     elif not model_path.is_dir():
         raise LayoutError("model.path", f"model folder {model_path} does not exist")
     else:

@@ -67,18 +67,6 @@ def _args(model, tmp_path, **kw):
     return argparse.Namespace(**base)
 
 
-@pytest.fixture
-def no_launch(monkeypatch):
-    """Fails the test if any process would be started or a learner built."""
-    import launch.local
-
-    def refuse(*a, **k):
-        raise AssertionError("a process was started")
-
-    monkeypatch.setattr(launch.local, "run_torchrun", refuse)
-    monkeypatch.setattr(logprobs_cmd, "_work", refuse)
-
-
 @pytest.mark.parametrize("kw, words", [
     (dict(tp=3), ["tp=3", "num_attention_heads=4"]),
     (dict(pp=3), ["pp=3", "num_hidden_layers=2"]),

@@ -126,17 +126,6 @@ def test_settings_that_would_ignore_replay_refused(field, value, words):
 # ----------------------------------------------------------------------------- command line
 
 
-@pytest.fixture
-def no_launch(monkeypatch):
-    import launch.local
-
-    def refuse(*a, **k):
-        raise AssertionError("a process was started")
-
-    monkeypatch.setattr(launch.local, "run_torchrun", refuse)
-    monkeypatch.setattr(logprobs_cmd, "_work", refuse)
-
-
 def _args(model, tmp_path, **kw):
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"tokens": [1, 2, 3, 4, 5]}) + "\n" + json.dumps({"tokens": [6, 7, 8]}) + "\n")

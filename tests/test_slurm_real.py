@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import yaml
 
 from launch.slurm import EXIT_CHECKPOINTED
 from megapo.cli import main
+from megapo.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STANDIN = REPO / "tests" / "slurm_standin.py"
@@ -154,9 +154,7 @@ def test_colocated_job_runs_every_rank_and_resumes_an_existing_checkpoint(cluste
 
 
 def test_disaggregated_learner_reaches_engine_on_rollout_node(cluster, model, tmp_path, capsys, jobs):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     job, out_dir = submit(tmp_path, capsys, jobs, train={"steps": 2, "step_seconds": 0.05},
                           rollout={"engine": "vllm"},
                           cli=["--nodes", 2, "--rollout-nodes", 1, "--procs-per-node", 2, "--engine-port", port])

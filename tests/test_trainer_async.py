@@ -21,21 +21,8 @@ import time
 import pytest
 import torch
 
-from megapo.config import load_config
-from megapo.trainer.config import RunConfig
-
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from test_trainer_loop import HFLearner  # noqa: E402  (the stand-in learner, defined once)
-
-REWARD_MODULE = "def parity(response, answer):\n    return float(sum(map(ord, response)) % 2)\n"
-
-
-@pytest.fixture()
-def reward_module(tmp_path, monkeypatch):
-    (tmp_path / "async_test_reward.py").write_text(REWARD_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "async_test_reward:parity"
-    sys.modules.pop("async_test_reward", None)
+from test_trainer_loop import HFLearner, run_config  # noqa: E402  (the stand-in learner, defined once)
 
 
 class SnapshotLearner(HFLearner):
@@ -106,7 +93,7 @@ def _cfg(model, out, reward, **over):
         "train.log": ["jsonl"], "train.mode": "async", "train.staleness": 2,
     }
     items.update(over)
-    return load_config(RunConfig, None, [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in items.items()])
+    return run_config(items)
 
 
 def _rows(out):

@@ -7,7 +7,6 @@ split whole groups, and a resumed run continues with exactly the prompts an unin
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,6 @@ import torch
 
 from megapo.config import load_config
 from megapo.trainer.config import RunConfig
-
-REWARD_MODULE = "def parity(response, answer):\n    return float(sum(map(ord, response)) % 2)\n"
 
 
 class HFLearner:
@@ -102,12 +99,9 @@ class RecordingEngine:
         return getattr(self.inner, name)
 
 
-@pytest.fixture()
-def reward_module(tmp_path, monkeypatch):
-    (tmp_path / "loop_test_reward.py").write_text(REWARD_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "loop_test_reward:parity"
-    sys.modules.pop("loop_test_reward", None)
+def run_config(items: dict) -> RunConfig:
+    """A validated RunConfig from {dotted field: value} (strings as written, the rest as JSON)."""
+    return load_config(RunConfig, None, [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in items.items()])
 
 
 def _cfg(tiny_dense, out, reward, **over):
@@ -119,7 +113,7 @@ def _cfg(tiny_dense, out, reward, **over):
         "train.keep_last": 5, "train.output_dir": str(out), "train.log": ["jsonl"],
     }
     items.update(over)
-    return load_config(RunConfig, None, [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in items.items()])
+    return run_config(items)
 
 
 def test_loop_wiring_sync_metrics_dynamic_sampling(tmp_path, tiny_dense, reward_module):

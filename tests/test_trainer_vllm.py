@@ -8,19 +8,14 @@ prepack included. The server is stopped when the engine closes.
 """
 
 import copy
-import json
 import sys
 
 import pytest
 import torch
 
-from megapo.config import load_config
-from megapo.trainer.config import RunConfig
-
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from test_trainer_loop import HFLearner  # noqa: E402  (the stand-in learner, defined once)
+from test_trainer_loop import HFLearner, run_config  # noqa: E402  (the stand-in learner, defined once)
 
-REWARD_MODULE = "def parity(response, answer):\n    return float(sum(map(ord, response)) % 2)\n"
 BF16_ATOL = 5e-2  # vLLM computes in bf16 (the error grows with the logits' size as training sharpens them)
 
 
@@ -47,16 +42,6 @@ class RecordingEngine:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
-
-
-@pytest.fixture()
-def reward_module(tmp_path, monkeypatch):
-    # parity of the response's characters: about half the samples score, so advantages are non-zero on a
-    # random model (exact match would give all-zero rewards and no update)
-    (tmp_path / "vllm_test_reward.py").write_text(REWARD_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "vllm_test_reward:parity"
-    sys.modules.pop("vllm_test_reward", None)
 
 
 def _max_dlogp(model, state, samples):
@@ -87,7 +72,7 @@ def test_vllm_engine_learns_weights_each_step(tmp_path, family, sizes, reward_mo
              "data.max_prompt_tokens": 16, "data.dynamic_sampling": False, "data.reward": reward_module,
              "train.steps": 2, "train.eval_every": 0, "train.ckpt_every": 0, "train.output_dir": str(tmp_path / "run"),
              "train.log": ["jsonl"]}
-    cfg = load_config(RunConfig, None, [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in items.items()])
+    cfg = run_config(items)
     engine = RecordingEngine(build_engine(cfg, model_dir, tmp_path))
     try:
         learner = SnapshotLearner(model_dir)

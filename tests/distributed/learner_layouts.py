@@ -23,7 +23,7 @@ import torch
 from megapo.config import OptimConfig, ParallelConfig
 from megapo.learner.learner import Learner
 from megapo.layout import num_experts, read_hf_config
-from spec_io import read_spec  # this script's folder is on sys.path
+from spec_io import finish, read_spec  # this script's folder is on sys.path
 
 
 def main() -> None:
@@ -70,10 +70,7 @@ def main() -> None:
         learner.load(spec["load_dir"], load_optimizer=False)
         results["moe/loaded"] = {"weights": dict(learner.hf_state_dict())}
         learner.close()
-    if torch.distributed.get_rank() == 0:
-        torch.save(results, out_path)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    finish(results, out_path)
 
 
 def _learner(spec: dict, layout: dict, model_dir: str) -> Learner:

@@ -29,7 +29,7 @@ from megapo.learner.learner import Learner
 from megapo.replay import cli as route_cli
 from megapo.replay.modes import logprobs_with_routes, mismatch_kl, old_logprobs
 from megapo.replay.routes import load_routes
-from spec_io import read_spec  # this script's folder is on sys.path
+from spec_io import finish, read_spec  # this script's folder is on sys.path
 
 
 def linear_loss(objective, logp, old_logp, advantages, mask, rollout_logp=None, *, cu_seqlens=None,
@@ -108,10 +108,7 @@ def main() -> None:
             res["r3"].update(train_metrics=m, train_routes=learner.route_hook.routes_used(len(r3_samples)))
         results[name] = res
         learner.close()
-    if torch.distributed.get_rank() == 0:
-        torch.save(results, out_path)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    finish(results, out_path)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The command line the torchrun scripts in this folder share: `--spec SPEC.json --out RESULTS.pt`.
+"""What the torchrun scripts in this folder share: the command line `--spec SPEC.json --out RESULTS.pt`, and the end.
 
 The test writes the spec (what to run: models, layouts, cases) and reads the results rank 0 saved."""
 
@@ -8,6 +8,8 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
 
 def read_spec() -> tuple[dict, str]:
     """(the spec, the path results go to)."""
@@ -16,3 +18,11 @@ def read_spec() -> tuple[dict, str]:
     parser.add_argument("--out", required=True, help="results file (torch.save) rank 0 writes")
     args = parser.parse_args()
     return json.loads(Path(args.spec).read_text()), args.out
+
+
+def finish(results, out_path: str) -> None:
+    """Rank 0 saves the results; then every rank leaves the process group together."""
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, out_path)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

@@ -25,7 +25,7 @@ from megapo.weights import gather
 from megapo.weights.broadcast import BroadcastSender, BroadcastTransport, GroupAddress, join_group
 from megapo.weights.memory import allocator_peak
 from sync_receiver import engine_logprobs  # this script's folder is on sys.path
-from spec_io import read_spec  # this script's folder is on sys.path
+from spec_io import finish, read_spec  # this script's folder is on sys.path
 
 
 def main() -> None:
@@ -86,10 +86,7 @@ def main() -> None:
         res["broadcast_sent"] = int(sent.item())
         results[case["name"]] = res
         learner.close()
-    if torch.distributed.get_rank() == 0:
-        torch.save(results, out_path)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    finish(results, out_path)
 
 
 if __name__ == "__main__":

@@ -193,7 +193,7 @@ def run(args) -> dict:
     from megapo.config import OptimConfig, ParallelConfig
     from megapo.engines.embedded import EmbeddedEngine
     from megapo.learner.learner import Learner
-    from megapo.learner.model import free_port
+    from megapo.net import free_port
     from megapo.models.tiny import write_tiny_model
     from megapo.weights import DiskTransport, TensorTransport, bucket_bytes, sync_weights
     from megapo.weights.broadcast import BroadcastSender, BroadcastTransport, GroupAddress, join_group
