@@ -169,6 +169,22 @@ def _install_device_mode() -> None:
                    "dist_checkpointing write device='cuda' literals, .cuda() and Tensor.type() checks")
 
 
+@contextlib.contextmanager
+def device_mode_suspended():
+    """Run a block without the device="cuda" rewriting mode: for megapo's own hot loops (the weight sync's
+    gather and send), which never meet such a literal. The mode costs about a microsecond per torch call
+    and a sync makes ~10k of them; GPU runs never have it. A no-op when the mode is not the innermost one."""
+    from torch.overrides import _pop_mode_temporarily
+
+    mode = _STATE.get("mode")
+    depth = torch._C._len_torch_function_stack()
+    if mode is None or depth == 0 or torch._C._get_function_stack_at(depth - 1) is not mode:
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
+
+
 # ----------------------------------------------------------------------------- megatron-core
 
 

@@ -79,3 +79,20 @@ print(json.dumps({"marked": all(getattr(p, "sequence_parallel", False) for p in 
                   "err": float((norm(x) - ref).abs().max())}))
 """)
     assert out["marked"] and out["err"] < 1e-6
+
+
+def test_device_mode_suspended_for_a_block_then_back():
+    out = run_py("""
+import json, torch
+from megapo import compat
+compat.apply()
+with compat.device_mode_suspended():
+    try:
+        torch.zeros(1, device="cuda")
+        inside = "rewritten"
+    except (RuntimeError, AssertionError) as err:  # no CUDA here: the literal reaches torch unchanged
+        inside = "raw"
+after = torch.zeros(1, device="cuda").device.type
+print(json.dumps({"inside": inside, "after": after}))
+""")
+    assert out == {"inside": "raw", "after": "cpu"}

@@ -39,6 +39,10 @@ def test_qkv_interleave_per_kv_group_matches_loop():
     assert all(torch.equal(a, b) for a, b in zip(fam.qkv_split(spec, fam.qkv_full(spec, q, k, v)), (q, k, v)))
     qb, kb, vb = torch.randn(12), torch.randn(6), torch.randn(6)
     assert all(torch.equal(a, b) for a, b in zip(fam.qkv_split(spec, fam.qkv_full(spec, qb, kb, vb)), (qb, kb, vb)))
+    # one buffer, q then k then v back to back (a weight sync sends them as one piece)
+    sq, sk, sv = fam.qkv_split(spec, fam.qkv_full(spec, q, k, v))
+    assert sq.untyped_storage().data_ptr() == sk.untyped_storage().data_ptr() == sv.untyped_storage().data_ptr()
+    assert sk.data_ptr() == sq.data_ptr() + q.numel() * 4 and sv.data_ptr() == sk.data_ptr() + k.numel() * 4
 
 
 def test_qkv_tp_shard_holds_whole_groups():

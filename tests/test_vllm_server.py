@@ -134,7 +134,15 @@ def test_killing_one_of_two_real_servers_mid_batch_loses_and_duplicates_nothing(
     second = VLLMServer(VLLMServerConfig(str(base), dtype=DTYPE, log_path=str(tmp_path / "second.log"), cpu_threads=2))
     second.start(timeout=600)
     victim = VLLMEngine(second.url, config_dir=str(base), server=second)
-    router = Router([engine, victim], weight_version=engine.weight_version)
+    # Both servers warm (a fresh server's first log-prob request takes ~20 s, during which the other would
+    # serve the whole batch) and at most 2 one-sample requests per server: each server works through the
+    # batch in waves, so the victim has answered some requests and holds more when it is killed (with every
+    # request sent at once, equal-length samples all finish together and "answered some, more in flight"
+    # may never be seen).
+    for e in (engine, victim):
+        e.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2, seed=0))
+    router = Router([engine, victim], weight_version=engine.weight_version, max_in_flight_per_engine=2,
+                    samples_per_request=1)
     prompts = [[5 + i, 6 + 2 * i, 7, 8 + i] for i in range(24)]
     params = SamplingParams(n=2, max_new_tokens=40, seed=0)
     killed = {}

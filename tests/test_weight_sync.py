@@ -382,3 +382,112 @@ def test_peak_extra_memory_is_one_bucket(wide, transport, tmp_path):
     assert peak <= bucket + slack + 64 * 1024, (peak, bucket, largest, total)
     # and what a sync that kept every tensor alive would show (the measure can fail)
     assert allocator_peak(lambda: list(stream())) >= total
+
+
+# ----------------------------------------------------------------------------------------- contiguous runs
+
+
+def test_contiguous_parameters_back_to_back_in_registration_order():
+    from megapo.learner.model import contiguous_parameters
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 5, bias=True), torch.nn.LayerNorm(3))
+    module.register_parameter("odd", torch.nn.Parameter(torch.randn(5)))  # 20 bytes: the next start is padded
+    params = list(module.parameters())
+    before = [p.detach().clone() for p in params]
+    contiguous_parameters(module, align_bytes=16)
+    base = params[0].data_ptr()
+    offset = 0
+    for p, old in zip(params, before):
+        assert torch.equal(p, old) and p.is_contiguous()
+        assert p.untyped_storage().data_ptr() == params[0].untyped_storage().data_ptr()
+        assert p.data_ptr() - base == offset * 4  # float32, in registration order
+        offset = -(-(offset + p.numel()) // 4) * 4  # the next start: 16-byte aligned
+    x = torch.randn(2, 4)
+    (module[1](module[0](x)).sum() + module[2](x[:, :3]).sum() + module.odd.sum()).backward()
+    assert all(p.grad.shape == p.shape for p in params)  # still trains
+
+
+def megatron_order_stream(path):
+    """The model's HF tensors as a TP=1 Megatron learner streams them: each expert's gate, up and down lie back
+    to back in one buffer (its fc1 = [gate; up] and fc2 follow each other in contiguous parameter storage),
+    q, k and v back to back in another (the QKV export writes them so)."""
+    tensors = dict(iter_safetensors(path))
+    out, done = [], set()
+    for name, t in tensors.items():
+        if name in done:
+            continue
+        if ".experts.0.gate_proj." in name:
+            prefix = name.split(".experts.")[0] + ".experts."
+            parts = []
+            e = 0
+            while f"{prefix}{e}.gate_proj.weight" in tensors:
+                parts += [f"{prefix}{e}.{k}.weight" for k in ("gate_proj", "up_proj", "down_proj")]
+                e += 1
+        elif name.endswith("q_proj.weight"):
+            parts = [name, name.replace("q_proj", "k_proj"), name.replace("q_proj", "v_proj")]
+        else:
+            out.append((name, t))
+            continue
+        flat = torch.cat([tensors[n].reshape(-1) for n in parts])
+        offset = 0
+        for n in parts:
+            out.append((n, flat[offset:offset + tensors[n].numel()].view(tensors[n].shape)))
+            offset += tensors[n].numel()
+            done.add(n)
+    return out
+
+
+def test_broadcast_sends_a_layers_experts_in_one_piece_into_the_engine(pair):
+    """With contiguous storage on both ends, a MoE layer's experts (gate, up, down of every expert) are one
+    broadcast from the sender's memory straight into the engine's weights (no buffer, nothing to apply)."""
+    config = json.loads((pair[1] / "config.json").read_text())
+    e = config.get("num_experts", config.get("num_local_experts"))  # (transformers 5 writes the latter)
+    f, h = config["moe_intermediate_size"], config["hidden_size"]
+    experts_bytes = e * 3 * f * h * 4
+    groups = _broadcast_pair()
+    engine = EmbeddedEngine(pair[0])
+    before = {n: t.data_ptr() for n, t in engine.weight_buffers().items()}
+    applied = []
+
+    def apply(named, version):
+        applied.extend(n for n, _ in named)
+        engine.update_weights(named, version)
+
+    def worker():
+        receiver = BroadcastReceiver([groups[1]])
+        receiver.finish(receiver.receive(apply, engine.weight_buffers())[0])
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    sender = BroadcastSender(groups[0], direct_bytes=1024)
+    sync_named(megatron_order_stream(pair[1]), [], BroadcastTransport(sender), 16 * experts_bytes, 3)
+    thread.join()
+    assert sender.sizes.count(experts_bytes) == config["num_hidden_layers"]
+    assert not [n for n in applied if ".experts." in n or "_proj." in n]  # all received in place
+    assert {n: t.data_ptr() for n, t in engine.weight_buffers().items()} == before
+    assert engine.weight_version == 3
+    assert_engine_is(engine, pair[1])
+
+
+def test_broadcast_message_boundaries_keep_runs_whole(monkeypatch):
+    """Messages hold at most bucket/(2*slots) = 64 MiB of large tensors here. A run that would be cut at a
+    message's end although the next message can hold it moves there whole; a run longer than a message is cut
+    into full messages. (Sender only: the broadcasts are recorded, not sent.)"""
+    import megapo.weights.broadcast as bc
+
+    class Done:
+        def wait(self):
+            pass
+
+    monkeypatch.setattr(bc, "_bcast", lambda group, t, async_op=False: Done())
+    mib = 1 << 20
+    a, b = torch.zeros(64 * mib), torch.zeros(16 * mib)  # float32: 4 bytes each
+    sender = BroadcastSender(None)
+    alone = [("alone", b[:10 * mib])]  # 40 MiB, then a run of 5 x 8 MiB
+    run = [(f"r{i}", a[i * 2 * mib:(i + 1) * 2 * mib]) for i in range(5)]
+    sender.send(alone + run, 512 * mib, 1)
+    head = bc.HEADER_BYTES
+    assert sender.sizes == [head, head, 40 * mib, 40 * mib]  # (header k+1 goes before payload k)
+    sender.send([(f"r{i}", a[i * 2 * mib:(i + 1) * 2 * mib]) for i in range(30)], 512 * mib, 2)  # 240 MiB run
+    assert sender.sizes == [head, head, 64 * mib, head, 64 * mib, head, 64 * mib, 48 * mib]

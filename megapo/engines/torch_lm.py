@@ -9,7 +9,8 @@ Built from an HF config.json and HF-named tensors; no transformers and no Megatr
 Every family: RMSNorm pre-norm, rotary embedding (rotate-half), GQA, SiLU-gated MLP.
 
 Weights live in fused tensors (qkv, gate_up, stacked experts) so a forward is few large ops; every HF name maps to
-a view of one of them, so a weight update copies in place and never reallocates.
+a view of one of them, so a weight update copies in place and never reallocates. A layer's expert (or dense MLP)
+weights share one buffer in HF order (gate, up, down per expert).
 """
 
 from __future__ import annotations
@@ -119,6 +120,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _mlp_weights(experts: int, ffn: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [E, 2*ffn, hidden] and down [E, hidden, ffn] as views of one buffer holding, per expert, its
+    gate, up and down weights back to back: the order of an HF checkpoint and of a Megatron learner's
+    parameters, so a weight sync can write a layer's experts in one piece (megapo.weights.broadcast)."""
+    block = torch.zeros(experts, 3 * ffn * hidden, dtype=dtype)
+    gate_up = block[:, :2 * ffn * hidden].unflatten(1, (2 * ffn, hidden))
+    down = block[:, 2 * ffn * hidden:].unflatten(1, (hidden, ffn))
+    return gate_up, down
+
+
 class TorchCausalLM:
     """Weights + forward. `step` runs T new tokens per row against a KV cache; `logits` is a plain full forward."""
 
@@ -136,10 +147,11 @@ class TorchCausalLM:
                          qkv_bias=z(q + 2 * kv) if s.qkv_bias else None,
                          q_norm=z(s.head_dim) if s.qk_norm else None, k_norm=z(s.head_dim) if s.qk_norm else None)
             if moe:
-                layer.update(router=z(s.experts, s.hidden), gate_up=z(s.experts, 2 * s.moe_ffn, s.hidden),
-                             down=z(s.experts, s.hidden, s.moe_ffn))
+                gate_up, down = _mlp_weights(s.experts, s.moe_ffn, s.hidden, dtype)
+                layer.update(router=z(s.experts, s.hidden), gate_up=gate_up, down=down)
             else:
-                layer.update(gate_up=z(2 * s.ffn, s.hidden), down=z(s.hidden, s.ffn))
+                gate_up, down = _mlp_weights(1, s.ffn, s.hidden, dtype)
+                layer.update(gate_up=gate_up[0], down=down[0])
             self.layers.append(layer)
         self.weight_views = self._hf_names()  # HF name -> the view of our tensors it loads into
         inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64).float() / s.head_dim))

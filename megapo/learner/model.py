@@ -200,6 +200,8 @@ def build_model(spec: ModelSpec, parallel: ParallelConfig, backend: Backend, con
         use_position_ids(model)
     if backend.device == "cuda":
         model = model.cuda()
+    if not parallel.distributed_optimizer:  # (the distributed optimizer lays them out in its own buffer)
+        contiguous_parameters(model)
     if not ddp:
         return model
     ddp_config = DistributedDataParallelConfig(
@@ -208,6 +210,29 @@ def build_model(spec: ModelSpec, parallel: ParallelConfig, backend: Backend, con
         use_distributed_optimizer=parallel.distributed_optimizer,
     )
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def contiguous_parameters(model: torch.nn.Module, align_bytes: int = 16) -> None:
+    """Move the parameters into one buffer per (dtype, device), back to back in registration order (each
+    start aligned to `align_bytes`). That is the order in which a weight sync streams them as HF tensors, so
+    tensors that follow each other there (a layer's experts: gate, up, down, gate, ...) also follow each other
+    in memory and travel as one piece (megapo.weights.broadcast) instead of one message each. Parameters of
+    tensor subclasses (e.g. FP8) keep their own storage."""
+    groups: dict[tuple, list[torch.nn.Parameter]] = {}
+    for p in model.parameters():
+        if type(p.data) is torch.Tensor:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+    for (dtype, device), params in groups.items():
+        step = max(1, align_bytes // dtype.itemsize)
+        starts, end = [], 0
+        for p in params:
+            starts.append(end)
+            end = -(-(end + p.numel()) // step) * step
+        flat = torch.empty(end, dtype=dtype, device=device)
+        for p, start in zip(params, starts):  # (the old storages are freed as their parameters move)
+            view = flat[start:start + p.numel()].view(p.shape)
+            view.copy_(p.data)
+            p.data = view
 
 
 def unwrap(model):

@@ -154,12 +154,20 @@ def qkv_full(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
 
 
 def qkv_split(spec: ModelSpec, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron's per-KV-group rows [g0: q heads, k, v | g1: ...] -> HF q, k, v. They are views of one new
+    buffer holding q, k, v back to back (with one group: views of `qkv` itself), so a weight sync can send
+    them as one piece into an engine that keeps them fused the same way."""
     groups, d = spec.num_kv_heads, spec.head_dim
     per = spec.num_heads // groups
     rest = qkv.shape[1:]
-    grouped = qkv.reshape(groups, (per + 2) * d, *rest)
-    q, k, v = torch.split(grouped, [per * d, d, d], dim=1)
-    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+    sizes = [per * d, d, d]
+    if groups > 1:
+        grouped = qkv.reshape(groups, (per + 2) * d, *rest)
+        out = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+        for dst, src in zip(torch.split(out, [groups * n for n in sizes]), torch.split(grouped, sizes, dim=1)):
+            dst.view(src.shape).copy_(src)
+        qkv = out
+    return tuple(torch.split(qkv, [groups * n for n in sizes]))
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:

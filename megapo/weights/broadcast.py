@@ -14,17 +14,21 @@ Wire protocol, per message, all broadcasts from rank 0 (no pickles anywhere):
     uint8 [p]   the small tensors, packed (a FlatBucket's bytes), if any
     then one broadcast per run of large tensors, in entry order, straight from the learner's memory and,
     when the worker passes `targets`, straight into the engine's weights (zero copies on both ends). A run
-    is a sequence of large tensors that lie back to back in one storage on the sender (the gate and up
-    halves of a Megatron fc1, the pieces of one gathered buffer): one broadcast instead of several, since
-    every gloo broadcast costs a rendezvous and thread hand-offs on both ends (measured on 2 shared cores:
-    416 separately allocated 1 MB tensors broadcast one by one take ~1.4x one broadcast of the same bytes,
-    52 of 8 MB ~1.1x). The worker receives a run in place when its targets also lie back to back (the
-    engine keeps gate and up of an expert together), else into a buffer.
-The payload broadcasts are asynchronous on both ends, so their round trips overlap; the worker waits
-only for each message's header (one broadcast: a second one for the metadata would add a round trip and
-a thread wake-up per message to the critical path). After every stage
-is done, an all-reduce(MIN) of the weight versions is the acknowledgement: the sender learns that
-every worker applied version v (a worker contributes the version it applied).
+    is a sequence of large tensors that lie back to back in one storage on the sender: one broadcast
+    instead of several, since every gloo broadcast costs a rendezvous and thread hand-offs on both ends
+    (measured on 2 shared cores: 288 pieces of the same bytes cost 1.3x one broadcast, 32 pieces ~1.05x).
+    Runs are long because both ends keep HF order in memory: a learner's parameters lie back to back in
+    registration order (learner.model.contiguous_parameters: a layer's experts are gate, up, down, gate...;
+    the QKV export writes q, k, v into one buffer), and the embedded engine keeps a layer's experts in one
+    buffer in the same order. A message boundary does not cut a run that the next message can hold whole.
+    The worker receives a run in place when its targets also lie back to back, else into a buffer.
+Order on the wire: header 0 [metadata 0], then for k = 1, 2, ...: header k, payload k-1, [metadata k];
+then the DONE header and the last payload. The header of the next message arrives before this message's
+payload, so the worker posts the payload's receives while the previous payload is still arriving and no
+message waits for a round trip (gloo sends only once the receive is posted). All broadcasts are
+asynchronous on both ends; the worker waits only for headers. After every stage is done, an
+all-reduce(MIN) of the weight versions is the acknowledgement: the sender learns that every worker
+applied version v (a worker contributes the version it applied).
 
 Memory: a message holds at most `bucket_bytes / (2 * slots)` packed plus as much in large tensors, and
 at most `slots` messages are in flight, so the extra memory stays one `bucket_bytes` per end (large
@@ -152,6 +156,8 @@ class _Message:
     large_bytes: int = 0
     works: list | None = None  # the broadcasts in flight
     header: tuple | None = None  # their small tensors, kept alive until done
+    spans: list | None = None  # one uint8 view per run of large tensors, once announced
+    meta: list | None = None  # the metadata broadcast, when it does not fit the header
 
     def empty(self) -> bool:
         return not self.packed.entries and not self.large
@@ -165,6 +171,8 @@ class _Message:
             work.wait()
         self.works = None
         self.header = None
+        self.spans = None
+        self.meta = None
         self.large = []
         self.large_bytes = 0
         self.packed.clear()
@@ -198,21 +206,26 @@ class BroadcastSender:
             m.wait()
         return self._messages
 
-    def _post(self, msg: _Message, version: int) -> None:
-        runs, spans = _runs([t for _, t in msg.large])
-        entries = msg.entries(runs)
-        meta = encode_metadata(entries, version=version)
+    def _announce(self, msg: _Message, version: int) -> None:
+        """Post the message's header (its payload follows once the next message is announced)."""
+        runs, msg.spans = _runs([t for _, t in msg.large])
+        meta = encode_metadata(msg.entries(runs), version=version)
         head = _header(BUCKET, meta, msg.packed.used, self.device)
-        extra = [] if _inline(meta) else [_bytes_tensor(meta, self.device)]
-        # all asynchronous: the sender goes on gathering and packing while the worker catches up
-        msg.header = (head, extra)  # alive until the broadcasts are done
-        works = [_bcast(self.group, t, async_op=True) for t in [head] + extra]
+        msg.meta = [] if _inline(meta) else [_bytes_tensor(meta, self.device)]
+        msg.header = (head, msg.meta)  # alive until the broadcasts are done
+        msg.works = [_bcast(self.group, head, async_op=True)]
+        self.sizes.append(head.numel())
+
+    def _metadata(self, msg: _Message) -> None:
+        msg.works += [_bcast(self.group, t, async_op=True) for t in msg.meta]
+        self.sizes += [t.numel() for t in msg.meta]
+
+    def _payload(self, msg: _Message) -> None:
+        # asynchronous: the sender goes on gathering and packing while the worker catches up
         if msg.packed.used:
-            works.append(_bcast(self.group, msg.packed.payload(), async_op=True))
-        works += [_bcast(self.group, span, async_op=True) for span in spans]
-        msg.works = works
-        self.sizes += [t.numel() for t in [head] + extra]
-        self.sizes += ([msg.packed.used] if msg.packed.used else []) + [span.numel() for span in spans]
+            msg.works.append(_bcast(self.group, msg.packed.payload(), async_op=True))
+        msg.works += [_bcast(self.group, span, async_op=True) for span in msg.spans]
+        self.sizes += ([msg.packed.used] if msg.packed.used else []) + [span.numel() for span in msg.spans]
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, version: int,
              dtype: torch.dtype | None = None) -> Moved:
@@ -222,13 +235,21 @@ class BroadcastSender:
         self.sizes = []
         size = messages[0].packed.capacity
         moved, k = Moved(), 0
+        announced = None  # the last message announced, its payload not posted yet
 
         def flush():
-            nonlocal k
+            # order on the wire: header k, payload k-1, metadata k (when not inline): the worker learns what
+            # message k holds while message k-1 is still arriving, and has its receives posted before the
+            # sender gets to them, so no message waits for a round trip
+            nonlocal k, announced
             msg = messages[k % len(messages)]
             if msg.empty():
                 return
-            self._post(msg, version)
+            self._announce(msg, version)
+            if announced is not None:
+                self._payload(announced)
+            self._metadata(msg)
+            announced = msg
             moved.add_bucket(msg.packed.used + msg.large_bytes, len(msg.packed.entries) + len(msg.large))
             k += 1
             messages[k % len(messages)].wait()  # the next slot may still be on the wire
@@ -240,12 +261,17 @@ class BroadcastSender:
             n = nbytes(t, d)
             msg = messages[k % len(messages)]
             if n >= self.direct_bytes or n > size:  # on its own, from its own memory when it can be
-                if msg.large and msg.large_bytes + n > size:
-                    flush()
-                    msg = messages[k % len(messages)]
                 single = t.detach()
                 if single.dtype != d or single.device != self.device or not single.is_contiguous():
                     single = single.to(device=self.device, dtype=d).contiguous()
+                if msg.large and msg.large_bytes + n > size:
+                    carry = _run_tail(msg.large, single, size - n)  # a run is not cut if the next message holds it
+                    del msg.large[len(msg.large) - len(carry):]
+                    msg.large_bytes -= sum(nbytes(c) for _, c in carry)
+                    flush()
+                    msg = messages[k % len(messages)]
+                    msg.large += carry
+                    msg.large_bytes += sum(nbytes(c) for _, c in carry)
                 msg.large.append((name, single))
                 msg.large_bytes += n
                 del t, single
@@ -256,9 +282,12 @@ class BroadcastSender:
             msg.packed.add(name, t.detach(), d)
             del t  # packed: drop it before the stream produces the next one
         flush()
+        done = _bcast(self.group, _header(DONE, b"", 0, self.device), async_op=True)
+        if announced is not None:
+            self._payload(announced)
         for msg in messages:
             msg.wait()
-        _bcast(self.group, _header(DONE, b"", 0, self.device))
+        done.wait()
         return moved
 
     def finish(self, version: int) -> int:
@@ -294,20 +323,12 @@ class BroadcastReceiver:
         for group in self.groups:
             pending = None  # the previous message, applied while the next one arrives
             k = 0
-            while True:
-                head = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
-                _bcast(group, head)
-                head = head.cpu()
-                kind, m, p = (int(x) for x in head[:HEAD_INTS * 8].view(torch.int64).tolist())
-                if kind == DONE:
-                    break
-                if _inline_size(m):
-                    meta = head[HEAD_INTS * 8:HEAD_INTS * 8 + m]
-                else:
-                    meta = torch.empty(m, dtype=torch.uint8, device=self.device)
-                    _bcast(group, meta)
-                entries, extra = decode_metadata(bytes(meta.cpu().numpy()))
-                version = int(extra["version"])
+            head = self._head(group, self._recv_header(group))
+            while head is not None:
+                entries, version, p = head
+                # the next header comes before this message's payload (see BroadcastSender.send)
+                following = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
+                next_work = _bcast(group, following, async_op=True)
                 packed = [e for e in entries if e.offset >= 0]
                 buf = self._buffer(k % 2, p)
                 works = [_bcast(group, buf, async_op=True)] if p else []
@@ -321,11 +342,33 @@ class BroadcastReceiver:
                 if pending is not None:
                     self._apply(apply, pending, version, moved)
                 pending = (packed, buf, loose, works, sum(e.nbytes for e in entries), len(entries))
+                next_work.wait()
+                head = self._head(group, following)
                 k += 1
             if pending is not None:
                 self._apply(apply, pending, version, moved)
         apply([], version)  # sets the version when every tensor went straight into its target
         return version, moved
+
+    def _recv_header(self, group) -> torch.Tensor:
+        head = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
+        _bcast(group, head)
+        return head
+
+    def _head(self, group, head: torch.Tensor) -> tuple[list[Entry], int, int] | None:
+        """A received header -> (entries, version, packed bytes), or None when the stage is done. Receives
+        the metadata when it did not fit the header."""
+        head = head.cpu()
+        kind, m, p = (int(x) for x in head[:HEAD_INTS * 8].view(torch.int64).tolist())
+        if kind == DONE:
+            return None
+        if _inline_size(m):
+            meta = head[HEAD_INTS * 8:HEAD_INTS * 8 + m]
+        else:
+            meta = torch.empty(m, dtype=torch.uint8, device=self.device)
+            _bcast(group, meta)
+        entries, extra = decode_metadata(bytes(meta.cpu().numpy()))
+        return entries, int(extra["version"]), p
 
     @staticmethod
     def _apply(apply, pending, version: int, moved: Moved) -> None:
@@ -384,6 +427,22 @@ def _runs(tensors: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
             groups.append([t])
         index.append(len(groups) - 1)
     return index, [_span(g) for g in groups]
+
+
+def _run_tail(large: list[tuple[str, torch.Tensor]], t: torch.Tensor, room: int) -> list[tuple[str, torch.Tensor]]:
+    """The start of `t`'s run: the last tensors of `large` that `t` continues in memory, when the run starts
+    after the first of `large` and they fit in `room` bytes; else [] (nothing to carry, or a run longer than
+    a message, which is cut anyway)."""
+    tail, nxt, used = [], t, 0
+    for name, prev in reversed(large):
+        if not _follows(prev, nxt):
+            return tail
+        used += nbytes(prev)
+        if used > room:
+            return []
+        tail.insert(0, (name, prev))
+        nxt = prev
+    return []
 
 
 def _group_runs(entries: list[Entry]) -> list[list[Entry]]:

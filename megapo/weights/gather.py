@@ -22,6 +22,7 @@ not all-gathered is copied for it, since a gather already writes into a new buff
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -87,8 +88,42 @@ def _params(module, spec: ModelSpec):
         yield name, param
 
 
-def _expert_names(where: Located, i: int, ep_size: int, per_rank: int, local_index: int) -> list[str]:
-    return [Located(where.rule, where.layer, r * per_rank + local_index).hf_names()[i] for r in range(ep_size)]
+@dataclass(frozen=True)
+class _Step:
+    """How one parameter is exported: where it goes, how it is sharded, and for an expert parameter the HF
+    names of its tensors on every expert-parallel rank ([tensor i][ep rank])."""
+    param: torch.nn.Parameter
+    where: Located
+    dim: int | None
+    group: object  # its tensor-parallel group, or None
+    expert_names: tuple[tuple[str, ...], ...] | None
+
+
+# The export plan of a module: name lookups and rules computed once, not on every weight sync (they cost
+# about as much as sending a small model). Parameters are held by object, so their storage may move.
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _plan(module, family: Family, spec: ModelSpec) -> list[_Step]:
+    key = (family.name, spec)
+    cached = _PLANS.get(module)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    ps = _groups()
+    ep_size, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    per_rank = spec.num_experts // ep_size if spec.num_experts else 0
+    steps = []
+    for name, param in _params(module, spec):
+        where = locate(name, module, family, spec)
+        dim, group = tp_shard(param)
+        names = None
+        if where.expert is not None:
+            local_index = where.expert - ep_rank * per_rank
+            names = tuple(tuple(Located(where.rule, where.layer, r * per_rank + local_index).hf_names()[i]
+                                for r in range(ep_size)) for i in range(len(where.rule.hf)))
+        steps.append(_Step(param, where, dim, group, names))
+    _PLANS[module] = (key, steps)
+    return steps
 
 
 def iter_stage_tensors(module, family: Family, spec: ModelSpec, *, meta: bool = False, dtype: torch.dtype | None = None,
@@ -97,14 +132,11 @@ def iter_stage_tensors(module, family: Family, spec: ModelSpec, *, meta: bool = 
     meta=True: the same names and shapes on the meta device, without communication.
     dtype: convert each parameter to it first (None: keep the parameter's dtype).
     owned: no tensor is a view of a parameter (see the module docstring)."""
-    ps = _groups()
-    ep_group = ps.get_expert_model_parallel_group()
-    ep_size, ep_rank = ep_group.size(), ps.get_expert_model_parallel_rank()
-    per_rank = spec.num_experts // ep_size if spec.num_experts else 0
+    ep_group = _groups().get_expert_model_parallel_group()
+    ep_size = ep_group.size()
     with torch.no_grad():
-        for name, param in _params(module, spec):
-            where = locate(name, module, family, spec)
-            dim, group = tp_shard(param)
+        for step in _plan(module, family, spec):
+            param, where, dim, group = step.param, step.where, step.dim, step.group
             target = dtype or param.dtype
             if meta:
                 local = torch.empty(param.shape, dtype=target, device="meta")
@@ -115,15 +147,13 @@ def iter_stage_tensors(module, family: Family, spec: ModelSpec, *, meta: bool = 
                 shards = _tp_shards(local, group, dim, where.rule.kind)
             tensors = _to_hf(where, spec, shards, dim)
             del local, shards  # (the `del`s: a generator frame keeps its locals alive across yields)
-            if where.expert is None:
+            if step.expert_names is None:
                 yield from zip(where.hf_names(), tensors)
                 del tensors
                 continue
-            local_index = where.expert - ep_rank * per_rank
             for i in range(len(tensors)):
-                names = _expert_names(where, i, ep_size, per_rank, local_index)
                 gathered = [tensors[i]] * ep_size if meta else _all_gather(tensors[i], ep_group)
-                yield from zip(names, gathered)
+                yield from zip(step.expert_names[i], gathered)
                 del gathered
             del tensors
 

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from megapo import compat
 from megapo.weights.buckets import check_bucket_bytes
 from megapo.weights.transports import Transport
 
@@ -69,7 +70,8 @@ def sync_named(named: Iterable[tuple[str, torch.Tensor]], engines: Sequence, tra
         for engine in engines:
             engine.pause()
     try:
-        moved = transport.send(named, engines, bucket_bytes, version, dtype)
+        with compat.device_mode_suspended():
+            moved = transport.send(named, engines, bucket_bytes, version, dtype)
     finally:
         if pause:
             for engine in engines:
