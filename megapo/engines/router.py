@@ -154,6 +154,27 @@ class Router(Engine):
             engine.update_weights_from_disk(path, version)
         self.weight_version = int(version)
 
+    # broadcast: every engine's workers are ranks of the learner's weight-sync groups, engine after engine.
+    # The group is fixed when joined: a server that dies stops the broadcast (its gloo timeout), use `disk`
+    # for servers that come and go.
+    @property
+    def workers(self) -> int:
+        return sum(getattr(e, "workers", 1) for e in self.engines)
+
+    def join_weight_groups(self, address, rank_offset: int, stages: int) -> None:
+        offsets = [rank_offset + sum(getattr(e, "workers", 1) for e in self.engines[:k]) for k in range(len(self.engines))]
+        self._all(lambda e, k: e.join_weight_groups(address, offsets[k], stages))
+
+    def receive_weights(self, version: int) -> None:
+        self._all(lambda e, k: e.receive_weights(version))
+        self.weight_version = int(version)
+
+    def _all(self, call) -> None:
+        """call(engine, index) on every engine at once (each blocks until the whole group takes part)."""
+        with ThreadPoolExecutor(len(self.engines), thread_name_prefix="megapo-router-sync") as pool:
+            for future in [pool.submit(call, e, k) for k, e in enumerate(self.engines)]:
+                future.result()
+
     def pause(self) -> None:
         for engine in self._live():
             engine.pause()

@@ -7,6 +7,8 @@
   calls the worker extension's `megapo_reload_weights` through `/collective_rpc`, clears the prefix cache
   (cached KV blocks were computed by the old weights), sets the version (`/update_weight_version`) and resumes.
   `update_weights` writes the tensors as safetensors into a staging folder and reloads from there.
+  Broadcast: `join_weight_groups` once, then `receive_weights(version)` per sync while the learner sends
+  (megapo.weights.broadcast; the worker extension streams what it receives into vLLM's reload).
 - log-probs: megapo's convention (log_softmax(logits / T), see base.py) needs the server started with
   `--logprobs-mode processed_logprobs` (megapo.engines.server does); with top_p < 1 vLLM's processed log-probs are
   renormalised over the nucleus, so they differ from the embedded engine's by log(nucleus mass).
@@ -27,6 +29,7 @@ import torch
 
 from megapo.engines.base import FINISH_REASONS, Engine, Sample, SamplingParams, check_prompts, stage_and_reload
 from megapo.engines.http import JSONClient
+from megapo.weights.broadcast import GroupAddress
 
 
 def decode_routed_experts(payload: str) -> np.ndarray:
@@ -117,6 +120,29 @@ class VLLMEngine(Engine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Stage the tensors as one safetensors file (plus config files) and reload from there."""
         stage_and_reload(self, self.config_dir, self._staging_root, named_tensors, version)
+
+    # broadcast (megapo.weights.broadcast): the server's worker is a receiving rank of the learner's groups
+    workers = 1  # receiving ranks per server: its tensor-parallel workers (megapo starts TP=1 servers)
+
+    def join_weight_groups(self, address: GroupAddress, rank_offset: int, stages: int) -> None:
+        """Make the server's workers join the weight-sync group of every learner stage as ranks rank_offset..;
+        blocks until the whole group has joined, so the learner's stage roots join at the same time."""
+        self.client.post("/collective_rpc", {"method": "megapo_join_weight_groups", "kwargs": {
+            "host": address.host, "base_port": address.base_port, "workers": address.workers,
+            "rank_offset": rank_offset, "stages": stages, "timeout_s": address.timeout_s,
+            "threads": address.threads, "backend": address.backend}})
+
+    def receive_weights(self, version: int) -> None:
+        """The server's side of one broadcast sync: returns once the workers have loaded and acknowledged it
+        (the learner sends at the same time, from another thread or process)."""
+        self.pause()
+        try:
+            self.client.post("/collective_rpc", {"method": "megapo_receive_weights"})
+            self.client.post("/reset_prefix_cache")
+            self.client.post("/update_weight_version", {"new_version": str(int(version))})
+            self.weight_version = int(version)
+        finally:
+            self.resume()
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def pause(self) -> None:

@@ -318,6 +318,18 @@ class Learner:
         time. Each is a copy the caller may keep while the optimizer goes on updating the parameters."""
         return gather.iter_model_tensors(self.module, self.family, self.spec, dtype=torch.float32, owned=True)
 
+    def stage_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This pipeline stage's full HF tensors, gathered over TP/EP (collective over the stage); with TP=1
+        views of the parameters: consume each before the next optimizer step (a weight sync does)."""
+        return gather.iter_stage_tensors(self.module, self.family, self.spec)
+
+    def sync_stage(self) -> tuple[int, int, bool]:
+        """(this rank's pipeline stage, the number of stages, whether it speaks for its stage in a weight sync)."""
+        from megatron.core import parallel_state
+
+        return (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size(),
+                gather.is_stage_root())
+
     def save(self, ckpt_dir) -> None:
         from megatron.core import dist_checkpointing
 

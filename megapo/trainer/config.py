@@ -25,10 +25,10 @@ ROUTING_REPLAY = ("off", "r2", "r3")
 ENGINES = ("embedded", "vllm", "sglang")
 WEIGHT_SYNC = ("tensor", "disk", "broadcast")
 # Which weight-sync paths `megapo train` drives for each engine: the embedded engine lives in the trainer's
-# process (tensors are handed over directly); servers load from disk. The `broadcast` transport
-# (megapo.weights.broadcast) needs workers on the engine side that join the group; the train loop does
-# not start them yet, so it is refused here rather than after the servers are up.
-ENGINE_SYNC = {"embedded": ("tensor", "disk"), "vllm": ("disk",), "sglang": ("tensor", "disk")}
+# process (tensors are handed over directly); servers load from disk, and vLLM servers also receive over
+# `broadcast` (megapo.weights.broadcast: megapo's worker extension joins the learner's group). SGLang's own
+# broadcast API is driven by SGLangEngine.update_weights_from_distributed, not by the train loop yet.
+ENGINE_SYNC = {"embedded": ("tensor", "disk"), "vllm": ("disk", "broadcast"), "sglang": ("tensor", "disk")}
 # Which log-probs the objective's ratio π_θ/π_old takes as π_old (AlgorithmConfig.old_policy).
 OLD_POLICIES = ("auto", "learner", "engine")
 MODES = ("sync", "async")
@@ -151,6 +151,10 @@ class RolloutConfig:
     max_new_tokens: int = 64
     weight_sync: str = "tensor"
     bucket_mb: int = 512
+    # broadcast: the learner's stage roots listen here for the servers' workers (host: an address of the
+    # learner's node the servers can reach; port 0: a free one, picked at start; stage s uses port + s)
+    sync_host: str = "127.0.0.1"
+    sync_port: int = 0
 
 
 @dataclass
@@ -290,6 +294,8 @@ class RunConfig:
                               f"not {r.weight_sync!r}")
         if r.bucket_mb <= 0:
             raise ConfigError("rollout.bucket_mb", f"must be > 0, got {r.bucket_mb}")
+        if not 0 <= r.sync_port < 65536:
+            raise ConfigError("rollout.sync_port", f"must be in 0..65535 (0: a free port), got {r.sync_port}")
         if self.algorithm.routing_replay == "r3":
             ok, why = engine_returns_routes(r.engine)
             if not ok:

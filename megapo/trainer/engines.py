@@ -8,8 +8,9 @@
 - sglang:   clients of running SGLang servers (`rollout.servers` is required: the SGLang wheel is
             CUDA-only, megapo does not start it).
 
-Weights reach the servers through megapo.weights with `rollout.weight_sync` (disk for vLLM: the servers
-must see the trainer's output folder, i.e. the same machine or a shared filesystem).
+Weights reach the servers through megapo.weights with `rollout.weight_sync`: `disk` (the servers must see the
+trainer's output folder, i.e. the same machine or a shared filesystem) or, for vLLM, `broadcast` (the servers'
+workers join the learner's weight-sync group at `rollout.sync_host`, see megapo.trainer.loop.broadcast_transport).
 """
 
 from __future__ import annotations

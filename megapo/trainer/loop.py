@@ -214,22 +214,46 @@ def loss_options(cfg: RunConfig) -> dict:
 # ----------------------------------------------------------------------------- weight sync
 
 
-def make_transport(cfg: RunConfig, out_dir: Path, model_dir: Path):
+def make_transport(cfg: RunConfig, out_dir: Path, model_dir: Path, learner, engine):
     from megapo.weights import DiskTransport, TensorTransport
 
     if cfg.rollout.weight_sync == "tensor":
         return TensorTransport()
     if cfg.rollout.weight_sync == "disk":
         return DiskTransport(out_dir / "weights_sync", config_dir=model_dir)
-    raise NotImplementedError("rollout.weight_sync=broadcast is not wired into the loop yet")
+    return broadcast_transport(cfg, learner, engine)
+
+
+def broadcast_transport(cfg: RunConfig, learner, engine):
+    """Form the weight-sync groups once (collective): every stage root of the learner joins its stage's
+    group as rank 0 while rank 0 has the engine's workers join as ranks 1.. (megapo.weights.broadcast)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megapo.net import free_port
+    from megapo.weights.broadcast import BroadcastSender, BroadcastTransport, GroupAddress, join_group
+
+    r = cfg.rollout
+    stage, stages, root = learner.sync_stage()
+    port, workers = _broadcast((r.sync_port or free_port(r.sync_host), engine.workers) if _rank() == 0 else None)
+    address = GroupAddress(r.sync_host, port, workers)
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(engine.join_weight_groups, address, 1, stages) if engine is not None else None
+        group = join_group(address, stage, 0) if root else None
+        if joined is not None:
+            joined.result()
+    log.info("weight sync: broadcast groups formed on %s:%d (%d stage(s), %d engine worker(s))", r.sync_host, port,
+             stages, workers)
+    return BroadcastTransport(BroadcastSender(group) if root else None)
 
 
 def sync_weights(learner, engine, version: int, cfg: RunConfig, transport) -> dict:
     """Hand the learner's weights to the engine through megapo.weights (collective on the learner side:
-    every rank streams the gathered tensors; only rank 0 has an engine)."""
+    every rank streams the gathered tensors; only rank 0 has an engine). A per-stage transport (broadcast)
+    takes each stage's tensors on its own ranks, as views: nothing is copied on the learner."""
     from megapo.weights import bucket_bytes, sync_named
 
-    stats = sync_named(learner.hf_state_dict(), [engine] if engine is not None else [], transport,
+    named = learner.stage_tensors() if transport.per_stage else learner.hf_state_dict()
+    stats = sync_named(named, [engine] if engine is not None else [], transport,
                        bucket_bytes(cfg.rollout.bucket_mb, "rollout.bucket_mb"), version)
     return {"sync/bytes": stats.bytes, "sync/buckets": stats.buckets}
 
@@ -356,7 +380,7 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
                 raise ValueError("data: every prompt is longer than data.max_prompt_tokens")
         source = data.PromptSource(len(pool), seed=cfg.train.seed)
 
-        transport = make_transport(cfg, out_dir, model_dir)
+        transport = make_transport(cfg, out_dir, model_dir, learner, engine)
         start_step, version = 0, 0
         ckpt_root = out_dir / "checkpoints"
         latest = ckpt.latest_checkpoint(ckpt_root) if resume else None

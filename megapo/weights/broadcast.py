@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import datetime
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -469,7 +470,10 @@ def _split(span: torch.Tensor, run: list[Entry]) -> list[tuple[str, torch.Tensor
 
 
 class BroadcastTransport(Transport):
-    """Learner side. `sender` only on a stage root (None on the other learner ranks, which drain)."""
+    """Learner side. `sender` only on a stage root (None on the other learner ranks, which drain). The engines
+    passed to a sync, if any, are servers whose workers joined the groups (`join_weight_groups`): the sync
+    calls their `receive_weights(version)`. Engine workers in other processes (tests, benchmarks) receive on
+    their own and are not passed."""
 
     name = "broadcast"
     per_stage = True
@@ -478,10 +482,18 @@ class BroadcastTransport(Transport):
         self.sender = sender
 
     def send(self, named, engines, bucket_bytes, version, dtype) -> Moved:
-        if self.sender is None:
-            return drain(named)
-        moved = self.sender.send(named, bucket_bytes, version, dtype)
-        acked = self.sender.finish(version)
-        if acked != version:
-            raise RuntimeError(f"broadcast: an engine worker acknowledged weight version {acked}, expected {version}")
+        # engines given on this rank are servers whose workers receive (VLLMEngine, Router): each is told to
+        # receive first, from its own thread (the call returns once its workers have loaded the weights)
+        with ThreadPoolExecutor(max(1, len(engines)), thread_name_prefix="megapo-receive") as pool:
+            receiving = [pool.submit(engine.receive_weights, version) for engine in engines]
+            if self.sender is None:
+                moved = drain(named)
+            else:
+                moved = self.sender.send(named, bucket_bytes, version, dtype)
+                acked = self.sender.finish(version)
+                if acked != version:
+                    raise RuntimeError(f"broadcast: an engine worker acknowledged weight version {acked}, "
+                                       f"expected {version}")
+            for future in receiving:
+                future.result()
         return moved

@@ -4,16 +4,19 @@ running vLLM server through megapo's Router + VLLMEngine and the disk transport.
     python -m torch.distributed.run --nproc-per-node 2 tests/distributed/vllm_sync.py --spec S.json --out R.pt
 
 SPEC: {"url", "model_dir", "disk_dir", "version" (the server's current weight version), "prompts", "n",
-       "max_new_tokens", "seed", "batch" (train samples), "lr", "bucket_bytes"}
+       "max_new_tokens", "seed", "batch" (train samples), "lr", "bucket_bytes", "sync_port" (broadcast group)}
 Rank 0 owns the Router. Steps: the server samples from the base weights (`pre`); every rank computes the learner's
 log-probs of those samples; the learner takes one optimizer step; sync_weights(version + 1); the server samples
-again (`post`); every rank computes the learner's log-probs of the new samples and of the old ones. Rank 0 saves
+again (`post`); every rank computes the learner's log-probs of the new samples and of the old ones. Then the
+server's worker joins a broadcast group, the learner steps again, syncs(version + 2) by broadcast, and the server
+samples once more (`post2`). Rank 0 saves
 the samples (tokens, vLLM's log-probs, versions), the learner's log-probs of the sampled tokens and the sync stats.
 """
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -23,6 +26,7 @@ from megapo.engines.router import Router
 from megapo.engines.vllm import VLLMEngine
 from megapo.learner.learner import Learner
 from megapo.weights import DiskTransport, sync_weights
+from megapo.weights.broadcast import BroadcastSender, BroadcastTransport, GroupAddress, join_group
 from spec_io import read_spec  # this script's folder is on sys.path
 
 
@@ -69,8 +73,24 @@ def main() -> None:
     res["post"] = sample()
     res["learner_post"] = learner_logprobs(learner, res["post"])  # updated weights
     res["learner_new_on_pre"] = learner_logprobs(learner, res["pre"])
+
+    # then the broadcast transport: the server's worker joins a group with the stage root (rank 0; rank 1
+    # takes part in the TP/EP gather only), the learner takes a second step and streams its stage's tensors
+    address = GroupAddress("127.0.0.1", spec["sync_port"], workers=1, timeout_s=300)
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(router.join_weight_groups, address, 1, 1) if rank == 0 else None
+        group = join_group(address, 0, 0) if rank == 0 else None
+        if joined is not None:
+            joined.result()
+    res["train2"] = learner.train_step(spec["batch"], "reinforce", "token-mean")
+    transport = BroadcastTransport(BroadcastSender(group) if rank == 0 else None)
+    stats2 = sync_weights(learner, [router] if rank == 0 else [], transport, spec["bucket_bytes"], version + 2)
+    res["post2"] = sample()
+    res["learner_post2"] = learner_logprobs(learner, res["post2"])
+    res["learner_v2_on_post"] = learner_logprobs(learner, res["post"])
     if rank == 0:
         res["stats"] = stats.to_dict()
+        res["stats2"] = stats2.to_dict()
         res["router_version"] = router.weight_version
         res["server_version"] = router.engines[0].server_weight_version()
         res["served"] = list(router.served)
