@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import datetime
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
