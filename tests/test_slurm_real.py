@@ -164,7 +164,8 @@ def test_disaggregated_learner_reaches_engine_on_rollout_node(cluster, model, tm
     [record] = runs(out_dir)
     assert record["rank_nodes"] == [learner_node, learner_node]
     server = f"{node_addr(rollout_node)}:{port}"
-    assert record["overrides"] == ["parallel.dp=2", f'rollout.servers=["{server}"]']
+    assert record["overrides"] == ["parallel.dp=2", f'rollout.servers=["{server}"]',
+                                   f"rollout.sync_host={node_addr(learner_node)}"]
     assert record["servers"] == [{"server": server, "node": rollout_node, "port": port}]
     engine_log = (out_dir / "logs" / f"slurm-{job}" / "run0" / "engine-node0.log").read_text()
     assert "GET /health" in engine_log and "got SIGTERM" in engine_log  # stopped gently at the end

@@ -491,3 +491,27 @@ def test_broadcast_message_boundaries_keep_runs_whole(monkeypatch):
     assert sender.sizes == [head, head, 40 * mib, 40 * mib]  # (header k+1 goes before payload k)
     sender.send([(f"r{i}", a[i * 2 * mib:(i + 1) * 2 * mib]) for i in range(30)], 512 * mib, 2)  # 240 MiB run
     assert sender.sizes == [head, head, 64 * mib, head, 64 * mib, head, 64 * mib, 48 * mib]
+
+
+def test_groups_of_every_stage_meet_at_stores_served_by_one_process():
+    """host_stores: one process serves the rendezvous of every stage (as learner rank 0 does for stage roots
+    on other nodes); each stage's root joins with host_store=False, its worker as usual, and the group works."""
+    from megapo.weights.broadcast import _bcast, host_stores
+
+    address = GroupAddress("127.0.0.1", free_port(), workers=1, timeout_s=60)
+    stores = host_stores(address, stages=2)
+    got = {}
+
+    def member(stage, rank):
+        group = join_group(address, stage, rank, host_store=False if rank == 0 else None)
+        t = torch.full((3,), float(stage + 1)) if rank == 0 else torch.zeros(3)
+        _bcast(group, t)
+        got[(stage, rank)] = t.tolist()
+
+    threads = [threading.Thread(target=member, args=(s, r)) for s in range(2) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert got == {(0, 0): [1.0] * 3, (0, 1): [1.0] * 3, (1, 0): [2.0] * 3, (1, 1): [2.0] * 3}
+    assert len(stores) == 2

@@ -151,8 +151,9 @@ class RolloutConfig:
     max_new_tokens: int = 64
     weight_sync: str = "tensor"
     bucket_mb: int = 512
-    # broadcast: the learner's stage roots listen here for the servers' workers (host: an address of the
-    # learner's node the servers can reach; port 0: a free one, picked at start; stage s uses port + s)
+    # broadcast: where the servers' workers meet the learner's stage roots (host: an address of the learner's
+    # rank-0 node the servers can reach, set by the Slurm templates; port 0: a free one picked at start;
+    # stage s uses port + s)
     sync_host: str = "127.0.0.1"
     sync_port: int = 0
 

@@ -226,24 +226,27 @@ def make_transport(cfg: RunConfig, out_dir: Path, model_dir: Path, learner, engi
 
 def broadcast_transport(cfg: RunConfig, learner, engine):
     """Form the weight-sync groups once (collective): every stage root of the learner joins its stage's
-    group as rank 0 while rank 0 has the engine's workers join as ranks 1.. (megapo.weights.broadcast)."""
+    group as rank 0 while rank 0 has the engine's workers join as ranks 1.. (megapo.weights.broadcast).
+    Rank 0 serves every stage's rendezvous at rollout.sync_host (an address of its node), so stage roots
+    on other nodes meet there too."""
     from concurrent.futures import ThreadPoolExecutor
 
     from megapo.net import free_port
-    from megapo.weights.broadcast import BroadcastSender, BroadcastTransport, GroupAddress, join_group
+    from megapo.weights.broadcast import BroadcastSender, BroadcastTransport, GroupAddress, host_stores, join_group
 
     r = cfg.rollout
     stage, stages, root = learner.sync_stage()
     port, workers = _broadcast((r.sync_port or free_port(r.sync_host), engine.workers) if _rank() == 0 else None)
     address = GroupAddress(r.sync_host, port, workers)
+    stores = host_stores(address, stages) if _rank() == 0 else []
     with ThreadPoolExecutor(1) as pool:
         joined = pool.submit(engine.join_weight_groups, address, 1, stages) if engine is not None else None
-        group = join_group(address, stage, 0) if root else None
+        group = join_group(address, stage, 0, host_store=False) if root else None
         if joined is not None:
             joined.result()
     log.info("weight sync: broadcast groups formed on %s:%d (%d stage(s), %d engine worker(s))", r.sync_host, port,
              stages, workers)
-    return BroadcastTransport(BroadcastSender(group) if root else None)
+    return BroadcastTransport(BroadcastSender(group) if root else None, stores)
 
 
 def sync_weights(learner, engine, version: int, cfg: RunConfig, transport) -> dict:

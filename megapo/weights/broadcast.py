@@ -88,14 +88,25 @@ class GroupAddress:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
 
 
-def join_group(address: GroupAddress, stage: int, rank: int):
+def host_stores(address: GroupAddress, stages: int) -> list:
+    """Serve the rendezvous stores of all `stages` groups from this process, at address.host (an address of
+    this node): every stage's group then meets there, whichever node its stage root runs on, and the stage
+    roots join with host_store=False. Keep the stores alive while the groups are in use."""
+    timeout = datetime.timedelta(seconds=address.timeout_s)
+    return [dist.TCPStore(address.host, address.base_port + stage, address.workers + 1, True, timeout=timeout,
+                          wait_for_workers=False) for stage in range(stages)]
+
+
+def join_group(address: GroupAddress, stage: int, rank: int, host_store: bool | None = None):
     """Join stage `stage`'s weight-sync group as `rank` (0 = the learner's stage root). Blocks until all
-    workers + 1 ranks have joined."""
+    workers + 1 ranks have joined. The rendezvous store is served by rank 0 unless host_store says otherwise
+    (False: another process serves it, see host_stores)."""
     if not 0 <= rank <= address.workers:
         raise ValueError(f"rank: must be in 0..{address.workers}, got {rank}")
     timeout = datetime.timedelta(seconds=address.timeout_s)
     size = address.workers + 1
-    store = dist.TCPStore(address.host, address.base_port + stage, size, rank == 0, timeout=timeout)
+    master = rank == 0 if host_store is None else host_store
+    store = dist.TCPStore(address.host, address.base_port + stage, size, master, timeout=timeout)
     store = dist.PrefixStore(f"megapo-weights-{stage}", store)
     if address.backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
@@ -478,8 +489,9 @@ class BroadcastTransport(Transport):
     name = "broadcast"
     per_stage = True
 
-    def __init__(self, sender: BroadcastSender | None):
+    def __init__(self, sender: BroadcastSender | None, stores: list | None = None):
         self.sender = sender
+        self.stores = stores or []  # rendezvous stores this rank serves (host_stores), kept alive with it
 
     def send(self, named, engines, bucket_bytes, version, dtype) -> Moved:
         # engines given on this rank are servers whose workers receive (VLLMEngine, Router): each is told to
