@@ -159,11 +159,14 @@ class Router(Engine):
     # for servers that come and go.
     @property
     def workers(self) -> int:
-        return sum(getattr(e, "workers", 1) for e in self.engines)
+        return sum(self._worker_counts())
+
+    def _worker_counts(self) -> list[int]:
+        return [getattr(e, "workers", 1) for e in self.engines]
 
     def join_weight_groups(self, address, rank_offset: int, stages: int) -> None:
-        offsets = [rank_offset + sum(getattr(e, "workers", 1) for e in self.engines[:k]) for k in range(len(self.engines))]
-        self._all(lambda e, k: e.join_weight_groups(address, offsets[k], stages))
+        counts = self._worker_counts()
+        self._all(lambda e, k: e.join_weight_groups(address, rank_offset + sum(counts[:k]), stages))
 
     def receive_weights(self, version: int) -> None:
         self._all(lambda e, k: e.receive_weights(version))

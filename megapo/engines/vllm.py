@@ -107,10 +107,15 @@ class VLLMEngine(Engine):
     def update_weights_from_disk(self, path: str, version: int) -> None:
         if not Path(path).is_dir():
             raise FileNotFoundError(f"path {path!r} is not a folder")
+        self._load_weights({"method": "megapo_reload_weights",
+                            "kwargs": {"weights_path": str(Path(path).resolve())}}, version)
+
+    def _load_weights(self, rpc: dict, version: int) -> None:
+        """Paused: the worker extension's `rpc` loads new weights, the prefix cache (KV blocks of the old
+        weights) is cleared and the server's weight version set."""
         self.pause()
         try:
-            self.client.post("/collective_rpc", {"method": "megapo_reload_weights",
-                                                 "kwargs": {"weights_path": str(Path(path).resolve())}})
+            self.client.post("/collective_rpc", rpc)
             self.client.post("/reset_prefix_cache")
             self.client.post("/update_weight_version", {"new_version": str(int(version))})
             self.weight_version = int(version)
@@ -135,14 +140,7 @@ class VLLMEngine(Engine):
     def receive_weights(self, version: int) -> None:
         """The server's side of one broadcast sync: returns once the workers have loaded and acknowledged it
         (the learner sends at the same time, from another thread or process)."""
-        self.pause()
-        try:
-            self.client.post("/collective_rpc", {"method": "megapo_receive_weights"})
-            self.client.post("/reset_prefix_cache")
-            self.client.post("/update_weight_version", {"new_version": str(int(version))})
-            self.weight_version = int(version)
-        finally:
-            self.resume()
+        self._load_weights({"method": "megapo_receive_weights"}, version)
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def pause(self) -> None:

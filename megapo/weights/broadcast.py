@@ -278,12 +278,13 @@ class BroadcastSender:
                     single = single.to(device=self.device, dtype=d).contiguous()
                 if msg.large and msg.large_bytes + n > size:
                     carry = _run_tail(msg.large, single, size - n)  # a run is not cut if the next message holds it
+                    carried = sum(nbytes(c) for _, c in carry)
                     del msg.large[len(msg.large) - len(carry):]
-                    msg.large_bytes -= sum(nbytes(c) for _, c in carry)
+                    msg.large_bytes -= carried
                     flush()
                     msg = messages[k % len(messages)]
                     msg.large += carry
-                    msg.large_bytes += sum(nbytes(c) for _, c in carry)
+                    msg.large_bytes += carried
                 msg.large.append((name, single))
                 msg.large_bytes += n
                 del t, single
