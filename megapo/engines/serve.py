@@ -1,10 +1,12 @@
 """`megapo serve`: start a vLLM server that megapo's VLLMEngine (or a Router over several) can use.
 
   megapo serve --model DIR [--host 127.0.0.1] [--port 8000] [--dtype bfloat16] [--max-model-len 2048]
+               [--cpu-cores 0-7]
   megapo serve CONFIG.yaml [--host H] [--port P] [section.field=value ...]   # as slurm/disaggregated.sbatch does
 
 With a run config, the model is model.path and the context length the run's longest prompt plus response
-(the same server megapo starts itself for rollout.engine=vllm without rollout.servers). The config must
+and the dtype rollout.dtype (the same server megapo starts itself for rollout.engine=vllm without
+rollout.servers). The config must
 name rollout.engine=vllm. Runs until interrupted (SIGINT or SIGTERM). vLLM comes from its own venv
 (scripts/vllm_setup.sh), never megapo's .venv.
 """
@@ -25,22 +27,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF model folder (config.json + safetensors), instead of CONFIG")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     parser.add_argument("--port", type=int, default=None, help="default: a free port")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=None, help="default: rollout.dtype of CONFIG, else bfloat16")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: from CONFIG, else 2048")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)")
+    parser.add_argument("--cpu-cores", default=None,
+                        help="CPU cores the worker computes on (VLLM_CPU_OMP_THREADS_BIND, e.g. 0-7); give each "
+                             "server on a machine its own (default: vLLM's auto binding, the same for all)")
     parser.add_argument("--venv", default=None, help="vLLM venv (default <repo>/.venv-vllm)")
     parser.add_argument("--log", default=None, help="server log file")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
 
 
-def _model_and_len(args: argparse.Namespace) -> tuple[str, int]:
-    """(model folder, max model len) from --model or the run config; errors name the argument."""
+def _model_len_dtype(args: argparse.Namespace) -> tuple[str, int, str]:
+    """(model folder, max model len, dtype) from --model or the run config; errors name the argument."""
     if (args.model is None) == (args.config is None):
         raise ValueError("give exactly one of --model DIR or CONFIG")
     if args.model is not None:
         if args.overrides:
             raise ValueError(f"overrides {args.overrides} need a CONFIG (with --model there is no config)")
-        return args.model, args.max_model_len or 2048
+        return args.model, args.max_model_len or 2048, args.dtype or "bfloat16"
     from megapo.config import ConfigError, load_config
     from megapo.trainer.config import RunConfig
     from megapo.trainer.engines import server_max_model_len
@@ -48,7 +53,7 @@ def _model_and_len(args: argparse.Namespace) -> tuple[str, int]:
     cfg = load_config(RunConfig, args.config, args.overrides)
     if cfg.rollout.engine != "vllm":
         raise ConfigError("rollout.engine", f"megapo serve starts vLLM; the config says {cfg.rollout.engine!r}")
-    return cfg.model.path, args.max_model_len or server_max_model_len(cfg)
+    return cfg.model.path, args.max_model_len or server_max_model_len(cfg), args.dtype or cfg.rollout.dtype
 
 
 def _interrupt(signum, frame) -> None:
@@ -60,10 +65,10 @@ def run(args: argparse.Namespace) -> int:
     from megapo.engines.server import VLLMServer, VLLMServerConfig
 
     try:
-        model, max_len = _model_and_len(args)
+        model, max_len, dtype = _model_len_dtype(args)
         server = VLLMServer(VLLMServerConfig(
-            model, host=args.host, port=args.port, venv=args.venv, dtype=args.dtype,
-            max_model_len=max_len, kv_cache_gib=args.kv_cache_gib, log_path=args.log))
+            model, host=args.host, port=args.port, venv=args.venv, dtype=dtype, max_model_len=max_len,
+            kv_cache_gib=args.kv_cache_gib, cpu_cores=args.cpu_cores, log_path=args.log))
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"megapo serve: {exc}", file=sys.stderr)
         return 2

@@ -73,7 +73,10 @@ class VLLMServerConfig:
     dtype: str = "bfloat16"
     max_model_len: int = 256
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE
-    cpu_threads: int | None = None  # OMP threads of the worker (None: vLLM's default)
+    # Cores the CPU worker's OpenMP threads are bound to (VLLM_CPU_OMP_THREADS_BIND: "0-7", "1", "nobind"); its
+    # thread count follows. None: vLLM's auto binding, which gives every server on a node the same cores (all
+    # but one reserved): when starting several servers on one machine, give each its own.
+    cpu_cores: str | None = None
     logprobs_mode: str = "processed_logprobs"  # log_softmax(logits / T), megapo's convention (see base.py)
     extra_args: list[str] = field(default_factory=list)
     log_path: str | None = None  # server stdout/stderr; None: a file in the model dir's parent
@@ -121,8 +124,8 @@ class VLLMServer:
         # the worker extension module is imported inside vLLM's processes
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         env.pop("VIRTUAL_ENV", None)
-        if self.config.cpu_threads:
-            env["OMP_NUM_THREADS"] = str(self.config.cpu_threads)
+        if self.config.cpu_cores:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.config.cpu_cores
         return env
 
     def start(self, timeout: float = 300.0, warmup: bool = True) -> "VLLMServer":

@@ -24,6 +24,7 @@ GROUP_BASELINE_ESTIMATORS = ("reinforce_pp_baseline",)  # plus every estimator o
 ROUTING_REPLAY = ("off", "r2", "r3")
 ENGINES = ("embedded", "vllm", "sglang")
 WEIGHT_SYNC = ("tensor", "disk", "broadcast")
+SERVER_DTYPES = ("bfloat16", "float16", "float32")  # rollout.dtype: what vLLM's --dtype takes
 # Which weight-sync paths `megapo train` drives for each engine: the embedded engine lives in the trainer's
 # process (tensors are handed over directly); servers load from disk, and vLLM servers also receive over
 # `broadcast` (megapo.weights.broadcast: megapo's worker extension joins the learner's group). SGLang's own
@@ -156,6 +157,9 @@ class RolloutConfig:
     # stage s uses port + s)
     sync_host: str = "127.0.0.1"
     sync_port: int = 0
+    # compute dtype of a vLLM server megapo starts itself (rollout.engine=vllm, no rollout.servers); float32
+    # makes the server's log-probs match the learner's to ~1e-6 (tests, mismatch studies) at about 2x the cost
+    dtype: str = "bfloat16"
 
 
 @dataclass
@@ -295,6 +299,8 @@ class RunConfig:
                               f"not {r.weight_sync!r}")
         if r.bucket_mb <= 0:
             raise ConfigError("rollout.bucket_mb", f"must be > 0, got {r.bucket_mb}")
+        if r.dtype not in SERVER_DTYPES:
+            raise ConfigError("rollout.dtype", f"must be one of {', '.join(SERVER_DTYPES)}, got {r.dtype!r}")
         if not 0 <= r.sync_port < 65536:
             raise ConfigError("rollout.sync_port", f"must be in 0..65535 (0: a free port), got {r.sync_port}")
         if self.algorithm.routing_replay == "r3":

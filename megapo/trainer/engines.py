@@ -62,7 +62,7 @@ def build_engine(cfg: RunConfig, model_dir: Path, out_dir: Path):
         from megapo.engines.server import VLLMServer, VLLMServerConfig
         from megapo.engines.vllm import VLLMEngine
 
-        server = VLLMServer(VLLMServerConfig(str(model_dir), host=cfg.rollout.host,
+        server = VLLMServer(VLLMServerConfig(str(model_dir), host=cfg.rollout.host, dtype=cfg.rollout.dtype,
                                              max_model_len=server_max_model_len(cfg),
                                              log_path=str(out_dir / "vllm-server.log")))
         server.start()

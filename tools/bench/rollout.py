@@ -158,7 +158,7 @@ def bench_vllm(args, model_dir: str) -> dict:
     server = None
     url = args.url
     if url is None:
-        server = VLLMServer(VLLMServerConfig(model_dir, dtype=args.dtype, cpu_threads=args.threads)).start()
+        server = VLLMServer(VLLMServerConfig(model_dir, dtype=args.dtype)).start()
         url = server.url
     server_pid = server.process.pid if server is not None else None
     try:
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="vllm: unmeasured rounds first")
     p.add_argument("--seed", type=int, default=0, help="vllm: seed of the per-round random order")
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. what else ran on the machine)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="embedded: torch threads")
     p.add_argument("--dtype", default="bfloat16", help="vllm server dtype")
     p.add_argument("--out", default="rollout_bench.json")
     args = p.parse_args(argv)
