@@ -10,6 +10,7 @@ Both run in subprocesses so torch.distributed state does not leak into other tes
 
 import json
 import subprocess
+import signal
 import sys
 import time
 from pathlib import Path
@@ -103,3 +104,39 @@ def test_hung_collective_times_out(tmp_path):
     assert "rank 0 passed" not in proc.stdout
     assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-3000:]
     assert time.monotonic() - start < 200  # bounded by the 5 s timeout plus start-up, not by the sleep
+
+
+REPEATED_STOP_SCRIPT = r"""
+import json, multiprocessing, os, signal, time
+from megapo.trainer.stop import StopFlag
+
+if __name__ == "__main__":
+    flag = StopFlag()
+    flag.install()
+    os.kill(os.getpid(), signal.SIGTERM)  # Slurm's: a stop request
+    time.sleep(0.2)
+    # the save starts a helper as Megatron's checkpoint writer does (a spawned multiprocessing Manager) ...
+    queue = multiprocessing.get_context("spawn").Manager().Queue()
+    os.killpg(0, signal.SIGTERM)  # ... and torchrun's SIGTERM to the worker's whole process group arrives
+    time.sleep(0.5)
+    try:
+        queue.put("written")
+        helper = queue.get(timeout=10)
+    except Exception as exc:  # the helper died: the save would fail here
+        helper = f"{type(exc).__name__}: {exc}"
+    print(json.dumps({"requested": flag.requested, "signals": flag.signals, "helper": helper}))
+"""
+
+
+def test_a_repeated_stop_signal_does_not_kill_the_saves_helpers(tmp_path):
+    """After the first SIGTERM the trainer checkpoints; a second SIGTERM to the process group (torchrun does
+    that) must not kill the helper process the checkpoint writer starts (seen in CI: EOFError in the save, no
+    checkpoint, the requeued run started over at step 1)."""
+    (tmp_path / "stop.py").write_text(REPEATED_STOP_SCRIPT)
+    proc = subprocess.run([sys.executable, str(tmp_path / "stop.py")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, start_new_session=True,  # its own process group: killpg stays inside
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["helper"] == "written", r["helper"]
+    assert r["requested"] and r["signals"] == [signal.SIGTERM]  # the second one was ignored

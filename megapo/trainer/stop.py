@@ -1,6 +1,9 @@
 """Stopping early on a signal (slurm/README.md, "Stopping: the trainer's contract").
 
-SIGTERM / SIGUSR1 only set a flag (they may arrive several times, from Slurm and from torchrun).
+SIGTERM / SIGUSR1 only set a flag. The first one is enough: from then on both are ignored, by this process
+and by every process it starts while it saves (an ignored signal stays ignored in children). They do arrive
+again: Slurm signals every process of the step and torchrun then sends SIGTERM to the worker's whole process
+group, which would kill the helper process Megatron's checkpoint writer spawns, and the save with it.
 The loop asks `StopFlag.agreed()` at every step boundary: an all-reduce of the flag, so every rank
 stops after the same step, saves the same checkpoint and raises `TrainingStopped`; `megapo train`
 then exits with EXIT_CHECKPOINTED (75) and a rerun with `--resume` continues at the next step.
@@ -29,15 +32,19 @@ class TrainingStopped(Exception):
 class StopFlag:
     requested: bool = False
     signals: list[int] = field(default_factory=list)  # what arrived, for the log
+    _installed: tuple = field(default=(), repr=False)
 
     def install(self, signals=STOP_SIGNALS) -> None:
         """Main thread only (Python delivers signals there)."""
+        self._installed = tuple(signals)
         for sig in signals:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
         self.signals.append(signum)
+        for sig in self._installed:  # the stop is decided: later signals must not reach the save's helpers
+            signal.signal(sig, signal.SIG_IGN)
 
     def agreed(self) -> bool:
         """True on every rank when any rank was asked to stop (collective when distributed)."""
