@@ -4,7 +4,8 @@ starts the server from .venv-vllm, made by scripts/vllm_setup.sh), weights synce
 Independent checks: after each step's sync, the log-probs vLLM reports for its samples equal the
 learner's (transformers fp32, recomputed here from a snapshot of the learner's weights at that version)
 -- which holds only if the learner's weights reached the server intact, MoE expert prepack included. The
-MoE run serves in float32 (rollout.dtype), so the match is tight; the dense run serves in the default bf16. The server is stopped when the engine closes.
+MoE run serves in float32 (rollout.dtype), so the match is tight; the dense run serves in the default bf16.
+The server is stopped when the engine closes.
 """
 
 import copy
@@ -72,7 +73,8 @@ def test_vllm_engine_learns_weights_each_step(tmp_path, family, sizes, sync, dty
 
     model_dir = tiny_model_factory(family, **sizes)
     items = {"model.path": str(model_dir), "rollout.engine": "vllm", "rollout.weight_sync": sync,
-             "rollout.dtype": dtype, "algorithm.routing_replay": "off", "algorithm.objective": "ppo", "rollout.n_samples": 4,
+             "rollout.dtype": dtype, "algorithm.routing_replay": "off", "algorithm.objective": "ppo",
+             "rollout.n_samples": 4,
              "rollout.max_new_tokens": 6, "data.task": "addition", "data.prompts_per_step": 4,
              "data.max_prompt_tokens": 16, "data.dynamic_sampling": False, "data.reward": reward_module,
              "train.steps": 2, "train.eval_every": 0, "train.ckpt_every": 0, "train.output_dir": str(tmp_path / "run"),

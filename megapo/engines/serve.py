@@ -4,10 +4,9 @@
                [--cpu-cores 0-7]
   megapo serve CONFIG.yaml [--host H] [--port P] [section.field=value ...]   # as slurm/disaggregated.sbatch does
 
-With a run config, the model is model.path and the context length the run's longest prompt plus response
-and the dtype rollout.dtype (the same server megapo starts itself for rollout.engine=vllm without
-rollout.servers). The config must
-name rollout.engine=vllm. Runs until interrupted (SIGINT or SIGTERM). vLLM comes from its own venv
+With a run config, the model is model.path, the context length the run's longest prompt plus response and
+the dtype rollout.dtype (the same server megapo starts itself for rollout.engine=vllm without
+rollout.servers). The config must name rollout.engine=vllm. Runs until interrupted (SIGINT or SIGTERM). vLLM comes from its own venv
 (scripts/vllm_setup.sh), never megapo's .venv.
 """
 
@@ -40,12 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _model_len_dtype(args: argparse.Namespace) -> tuple[str, int, str]:
     """(model folder, max model len, dtype) from --model or the run config; errors name the argument."""
+    from megapo.engines.server import VLLMServerConfig
+
     if (args.model is None) == (args.config is None):
         raise ValueError("give exactly one of --model DIR or CONFIG")
     if args.model is not None:
         if args.overrides:
             raise ValueError(f"overrides {args.overrides} need a CONFIG (with --model there is no config)")
-        return args.model, args.max_model_len or 2048, args.dtype or "bfloat16"
+        return args.model, args.max_model_len or 2048, args.dtype or VLLMServerConfig.dtype
     from megapo.config import ConfigError, load_config
     from megapo.trainer.config import RunConfig
     from megapo.trainer.engines import server_max_model_len

@@ -158,7 +158,7 @@ class RolloutConfig:
     sync_host: str = "127.0.0.1"
     sync_port: int = 0
     # compute dtype of a vLLM server megapo starts itself (rollout.engine=vllm, no rollout.servers); float32
-    # makes the server's log-probs match the learner's to ~1e-6 (tests, mismatch studies) at about 2x the cost
+    # makes the server's log-probs match the learner's to ~1e-6 (tests, mismatch studies)
     dtype: str = "bfloat16"
 
 
