@@ -1,6 +1,7 @@
 """Prompt loading, filtering, resumable order and dynamic sampling."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -8,26 +9,158 @@ from megapo.config import ConfigError
 from megapo.trainer import data
 
 
-def test_load_jsonl_and_parquet_via_datasets(tmp_path):
+def _parquet(path, columns):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    pq.write_table(pa.table(columns), path)
+    return str(path)
+
+
+def test_load_jsonl_json_parquet_and_a_mixed_list(tmp_path):
     rows = [{"q": f"{i}+1=", "a": str(i + 1)} for i in range(5)]
-    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    pq.write_table(pa.table({"q": [r["q"] for r in rows], "a": [r["a"] for r in rows]}), tmp_path / "d.parquet")
-    for name in ("d.jsonl", "d.parquet"):
-        path = str(tmp_path / name)
-        assert data.check_data_files([path], "q", "a") == 5
-        exs = data.load_examples([path], "q", "a")
-        assert [(e.prompt, e.answer) for e in exs] == [(r["q"], r["a"]) for r in rows]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:3]) + "\n\n")  # a blank line
+    (tmp_path / "d.json").write_text(json.dumps(rows[3:]))  # one JSON array
+    pq_path = _parquet(tmp_path / "d.parquet", {"q": [r["q"] for r in rows], "a": [r["a"] for r in rows]})
+    for paths, expected in (([str(tmp_path / "d.jsonl")], rows[:3]), ([str(tmp_path / "d.json")], rows[3:]),
+                            ([pq_path], rows), ([str(tmp_path / "d.jsonl"), pq_path], rows[:3] + rows)):
+        exs = data.load_examples(paths, "q", "a")
+        assert [(e.prompt, e.answer) for e in exs] == [(r["q"], r["a"]) for r in expected]
+
+
+def test_integer_answers_kept_as_their_digits(tmp_path):
+    p = tmp_path / "ints.jsonl"
+    p.write_text('{"prompt": "2+2=", "answer": 4}\n')
+    assert data.load_examples([str(p)], "prompt", "answer")[0].answer == "4"
 
 
 def test_malformed_row_names_line(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": 3, "answer": "b"}\n')
     with pytest.raises(ConfigError, match=r"bad.jsonl:2") as err:
-        data.check_data_files([str(p)], "prompt", "answer", "data.val_files")
+        data.load_examples([str(p)], "prompt", "answer", "data.val_files")
     assert err.value.field == "data.val_files[0]"
+
+
+@pytest.mark.parametrize("name, content, words", [
+    # values that str() would silently turn into other answers: null -> "None", true -> "True", 4.0 -> "4.0"
+    ("null.jsonl", '{"prompt": "a", "answer": "b"}\n{"prompt": "c", "answer": null}\n',
+     ["null.jsonl:2:", "'answer' is null"]),
+    ("bool.jsonl", '{"prompt": "a", "answer": true}\n', ["bool.jsonl:1:", "'answer' is true"]),
+    ("float.jsonl", '{"prompt": "a", "answer": 4.0}\n', ["float.jsonl:1:", "the number 4.0"]),
+    ("list.jsonl", '[1, 2]\n', ["list.jsonl:1:", "not a JSON object"]),
+    ("nokey.jsonl", '{"prompt": "a"}\n', ["nokey.jsonl:1:", "no field 'answer'"]),
+])
+def test_coercions_refused_naming_file_and_line(tmp_path, name, content, words):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(ConfigError) as err:
+        data.load_examples([str(tmp_path / name)], "prompt", "answer")
+    assert err.value.field == "data.train_files[0]"
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_parquet_integer_prompts_and_null_answers_refused(tmp_path):
+    ints = _parquet(tmp_path / "ints.parquet", {"prompt": [0, 1], "answer": ["a", "b"]})
+    with pytest.raises(ConfigError, match=r"ints.parquet: row 1: 'prompt' is the number 0; prompts must be strings"):
+        data.load_examples([ints], "prompt", "answer")
+    nulls = _parquet(tmp_path / "nulls.parquet", {"prompt": ["x", "y"], "answer": ["a", None]})
+    with pytest.raises(ConfigError, match=r"nulls.parquet: row 2: 'answer' is null"):
+        data.load_examples([nulls], "prompt", "answer")
+    with pytest.raises(ConfigError, match=r"has no column 'question'") as err:
+        data.load_examples([nulls], "question", "answer")
+    assert err.value.field == "data.prompt_key"
+
+
+def test_unreadable_and_empty_files_named(tmp_path):
+    good = '{"prompt": "a", "answer": "b"}\n'
+    cases = {
+        "latin1.jsonl": (good.encode() + '{"prompt": "caf\u00e9", "answer": "b"}\n'.encode("latin-1"),
+                         ["latin1.jsonl:2:", "not UTF-8"]),
+        "cut.jsonl": ((good * 2 + good[:12]).encode(), ["cut.jsonl:3:", "not valid JSON", "cut off"]),
+        "empty.jsonl": (b"", ["empty.jsonl holds no rows"]),
+        "blank.jsonl": (b"\n  \n", ["blank.jsonl holds no rows"]),
+        "empty.parquet": (b"", ["empty.parquet: not a readable parquet file"]),
+    }
+    full = Path(_parquet(tmp_path / "full.parquet", {"prompt": ["a"] * 50, "answer": ["b"] * 50})).read_bytes()
+    cases["cut.parquet"] = (full[:len(full) // 2], ["cut.parquet: not a readable parquet file"])
+    for name, (content, words) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ConfigError) as err:
+            data.load_examples([str(tmp_path / name)], "prompt", "answer")
+        for w in words:
+            assert w in str(err.value), (name, str(err.value))
+    no_rows = _parquet(tmp_path / "norows.parquet", {"prompt": pa_strings([]), "answer": pa_strings([])})
+    with pytest.raises(ConfigError, match="norows.parquet holds no rows"):
+        data.load_examples([no_rows], "prompt", "answer")
+
+
+def pa_strings(values):
+    import pyarrow as pa
+
+    return pa.array(values, type=pa.string())
+
+
+def test_read_jsonl_skips_a_cut_off_last_line_when_asked(tmp_path, caplog):
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"step": 1}\n{"step": 2}\n{"ste')
+    with caplog.at_level("WARNING", logger="megapo.trainer.data"):
+        assert [row for _, row in data.read_jsonl(p, "f", skip_cut_tail=True)] == [{"step": 1}, {"step": 2}]
+    assert any("m.jsonl:3" in r.getMessage() and "cut-off" in r.getMessage() for r in caplog.records)
+    p.write_text('{"step": 1}\n{"ste\n{"step": 2}\n')  # damaged in the middle: not a cut-off write
+    with pytest.raises(ConfigError, match=r"m.jsonl:2: not valid JSON"):
+        list(data.read_jsonl(p, "f", skip_cut_tail=True))
+
+
+def _prompt_len(tok, text):
+    """Token count of a raw prompt, written out: the text's ids plus BOS when the tokenizer has one."""
+    return len(tok(text, add_special_tokens=False)["input_ids"]) + (tok.bos_token_id is not None)
+
+
+def test_every_prompt_too_long_refused_at_validation(tmp_path, tiny_moe):
+    from transformers import AutoTokenizer
+
+    from megapo.config import load_config
+    from megapo.trainer.config import RunConfig
+
+    tok = AutoTokenizer.from_pretrained(tiny_moe)
+    prompts = ["12345+67890=", "1234567+1=", "99999999999+99999999999="]
+    p = tmp_path / "long.jsonl"
+    p.write_text("".join(json.dumps({"prompt": q, "answer": "x"}) + "\n" for q in prompts))
+    shortest = min(_prompt_len(tok, q) for q in prompts)
+    over = [f"model.path={tiny_moe}", f"data.train_files=[{p}]", "data.prompts_per_step=8"]
+    with pytest.raises(ConfigError) as err:
+        load_config(RunConfig, None, over + [f"data.max_prompt_tokens={shortest - 1}"])
+    assert err.value.field == "data.max_prompt_tokens"
+    assert f"longer than {shortest - 1} tokens (the shortest has {shortest})" in str(err.value)
+    load_config(RunConfig, None, over + [f"data.max_prompt_tokens={shortest}"])  # one fits: accepted
+
+
+def test_every_prompt_too_long_refused_before_the_learner_is_built(tmp_path, monkeypatch):
+    """A tiny model written at start-up has no tokenizer at validation: train() finds it before the
+    learner and the engine are built."""
+    from transformers import AutoTokenizer
+
+    from megapo.config import load_config
+    from megapo.trainer import loop
+    from megapo.trainer.config import RunConfig
+
+    def refuse(*a, **k):
+        raise AssertionError("built before the prompts were checked")
+
+    monkeypatch.setattr(loop, "build_learner", refuse)
+    monkeypatch.setattr(loop, "build_engine", refuse)
+    p = tmp_path / "long.jsonl"
+    p.write_text(json.dumps({"prompt": "123456789+987654321=", "answer": "x"}) + "\n")
+    model = tmp_path / "model"
+    cfg = load_config(RunConfig, None, [f"model.path={model}", "model.tiny={}", f"data.train_files=[{p}]",
+                                        "data.prompts_per_step=8", "data.max_prompt_tokens=4",
+                                        f"train.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError) as err:
+        loop.train(cfg)
+    assert err.value.field == "data.max_prompt_tokens"
+    shortest = _prompt_len(AutoTokenizer.from_pretrained(model), "123456789+987654321=")
+    assert f"longer than 4 tokens (the shortest has {shortest})" in str(err.value)
 
 
 def test_over_long_prompts_filtered_with_count(tiny_moe):

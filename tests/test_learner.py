@@ -87,9 +87,9 @@ def test_dense_model_with_ep_refused(tiny_dense, tmp_path, capsys, no_launch):
 
 
 @pytest.mark.parametrize("content, words", [
-    ('{"tokens": [1]}\n', ["--input", "line 1", "at least 2"]),
-    ('{"toks": [1, 2]}\n', ["--input", "line 1"]),
-    ('{"tokens": [1, 99999]}\n', ["--input", "line 1", "512"]),
+    ('{"tokens": [1]}\n', ["--input", "in.jsonl:1:", "at least 2"]),
+    ('{"toks": [1, 2]}\n', ["--input", "in.jsonl:1:"]),
+    ('{"tokens": [1, 99999]}\n', ["--input", "in.jsonl:1:", "512"]),
 ])
 def test_bad_input_refused(tiny_moe, tmp_path, capsys, no_launch, content, words):
     (tmp_path / "in.jsonl").write_text(content)

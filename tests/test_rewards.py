@@ -58,3 +58,172 @@ def test_overlong_shaping_formula():
     lens = [12, 16, 20, 25]
     assert rewards.shape_overlong([1.0] * 4, lens, 20, 8) == pytest.approx([1.0, 1.0 - 4 / 8, 0.0, 0.0])
     assert rewards.shape_overlong([0.0, 0.0], [5, 25], 20, 8, penalty=0.5) == pytest.approx([0.0, -0.5])
+
+
+# ----------------------------------------------------------------------------- guarded calls
+
+BAD_REWARDS = '''
+import threading
+
+def raises(response, answer):
+    raise ValueError("boom")
+
+def nan(response, answer):
+    return float("nan")
+
+def none(response, answer):
+    return None
+
+def text(response, answer):
+    return "1.0"
+
+def one_arg(response):
+    return 1.0
+
+def three_args(response, answer, extra):
+    return 1.0
+
+def with_defaults(response, answer, scale=1.0, **kw):
+    return scale
+
+def flag(response, answer):
+    return response == answer
+
+def hangs_on(response, answer):
+    if response == "hang":
+        while True:  # pure Python: the timeout's interrupt ends it
+            pass
+    return 1.0
+'''
+
+
+@pytest.fixture()
+def bad_rewards(tmp_path, monkeypatch):
+    (tmp_path / "bad_rewards_mod.py").write_text(BAD_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "bad_rewards_mod"
+    sys.modules.pop("bad_rewards_mod", None)
+
+
+@pytest.mark.parametrize("name", ["one_arg", "three_args"])
+def test_wrong_signature_refused_when_resolved(bad_rewards, name):
+    with pytest.raises(ConfigError) as err:
+        rewards.get_reward(f"{bad_rewards}:{name}")
+    assert err.value.field == "data.reward"
+    assert f"'{bad_rewards}:{name}' must take (response, answer)" in str(err.value)
+    assert f"{name}(response" in str(err.value)
+
+
+def test_compatible_signatures_and_bools_accepted(bad_rewards):
+    assert rewards.GuardedReward(f"{bad_rewards}:with_defaults", timeout_s=0)("x", "y") == 1.0
+    flag = rewards.GuardedReward(f"{bad_rewards}:flag")
+    assert (flag("a", "a"), flag("a", "b")) == (1.0, 0.0)  # a bool counts as 1/0
+    flag.close()
+
+
+@pytest.mark.parametrize("name, problem", [
+    ("raises", "raised ValueError: boom"),
+    ("nan", "returned nan (a float); a reward must be a finite number"),
+    ("none", "returned None (a NoneType)"),
+    ("text", "returned '1.0' (a str)"),  # not read as 1.0
+])
+@pytest.mark.parametrize("timeout_s", [0, 30])  # inline, and on the worker thread
+def test_reward_failures_name_the_reward_and_sample(bad_rewards, name, problem, timeout_s):
+    spec = f"{bad_rewards}:{name}"
+    fail = rewards.GuardedReward(spec, timeout_s, "fail")
+    with pytest.raises(rewards.RewardError) as err:
+        fail("the response " + "x" * 500, "the answer")
+    msg = str(err.value)
+    assert msg.startswith(f"reward '{spec}' {problem}"), msg
+    assert "on response 'the response xxx" in msg and "with answer 'the answer'" in msg
+    assert len(msg) < 500  # the sample is truncated
+    zero = rewards.GuardedReward(spec, timeout_s, "zero")
+    assert [zero("r", "a"), zero("r", "a")] == [0.0, 0.0]
+    assert zero.pop_errors() == 2 and zero.pop_errors() == 0
+    fail.close()
+    zero.close()
+
+
+def test_hung_reward_times_out_and_its_thread_ends(bad_rewards):
+    import threading
+
+    spec = f"{bad_rewards}:hangs_on"
+    zero = rewards.GuardedReward(spec, timeout_s=0.3, errors="zero")
+    assert zero("fine", "a") == 1.0
+    hung = [t for t in threading.enumerate() if t.name == "megapo-reward" and t.is_alive()]
+    assert zero("hang", "a") == 0.0 and zero.pop_errors() == 1
+    assert zero("fine", "a") == 1.0  # a fresh thread serves the next call
+    assert hung  # the thread that served the first call, abandoned by the second
+    for t in hung:
+        t.join(30)  # interrupted by the timeout: the abandoned thread does not spin forever
+    assert not any(t.is_alive() for t in hung)
+    zero.close()
+    fail = rewards.GuardedReward(spec, timeout_s=0.3, errors="fail")
+    with pytest.raises(rewards.RewardError, match=rf"reward '{spec}' did not return within "
+                                                  r"data.reward_timeout_s=0.3 s, on response 'hang'"):
+        fail("hang", "a")
+    fail.close()
+
+
+def test_reward_checked_before_anything_starts(bad_rewards, tmp_path, tiny_moe, capsys):
+    """`megapo train` with a reward that fails on the first example: exit 2 naming it, nothing written."""
+    from megapo.cli import main
+
+    out = tmp_path / "run"
+    argv = ["train", "megapo/configs/tiny_moe_addition.yaml", f"model.path={tiny_moe}", "model.tiny=null",
+            f"train.output_dir={out}", f"data.reward={bad_rewards}:nan"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"data.reward: start-up check: reward '{bad_rewards}:nan' returned nan" in err, err
+    assert "on response '" in err
+    assert not out.exists()
+    assert main(argv[:-1] + [f"data.reward={bad_rewards}:one_arg"]) == 2
+    assert "must take (response, answer)" in capsys.readouterr().err
+
+
+STRICT_REWARD = '''
+def strict(response, answer):
+    if response != answer:
+        raise ValueError("not the answer")
+    return 1.0
+'''
+
+
+def test_loop_scores_failures_zero_and_counts_them(tmp_path, monkeypatch, tiny_moe):
+    """make_reward_fn + collect_rollouts: with reward_errors=zero a failing call scores 0 and is counted in
+    reward/errors; with fail the step stops with RewardError naming the reward."""
+    from transformers import AutoTokenizer
+
+    from megapo.config import load_config
+    from megapo.engines.base import Sample
+    from megapo.trainer import data, loop
+    from megapo.trainer.config import RunConfig
+
+    (tmp_path / "strict_reward_mod.py").write_text(STRICT_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(tiny_moe)
+
+    class Engine:  # sample 0 of each prompt is the right answer then EOS, the others a wrong "7"
+        def generate(self, prompts, params):
+            right = [list(tok(pool[0][0].answer, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]]
+            wrong = list(tok("7", add_special_tokens=False)["input_ids"])
+            return [[Sample(p, ids, [0.0] * len(ids), "stop" if k == 0 else "length", 0)
+                     for k, ids in enumerate(right + [wrong] * (params.n - 1))] for p in prompts]
+
+    def cfg_for(errors):
+        return load_config(RunConfig, None, [f"model.path={tiny_moe}", "data.task=addition", "rollout.n_samples=4",
+                                             "data.prompts_per_step=1", "data.reward=strict_reward_mod:strict",
+                                             f"data.reward_errors={errors}"])
+
+    cfg = cfg_for("zero")
+    pool = data.prompt_pool(cfg, tok)
+    source = data.PromptSource(1, shuffle=False)  # always pool[0]
+    params = type("P", (), {"n": 4})()
+    groups, metrics, _ = loop.collect_rollouts(Engine(), params, pool, source, loop.make_reward_fn(cfg, tok), cfg)
+    assert groups[0].rewards == [1.0, 0.0, 0.0, 0.0]
+    assert metrics["reward/errors"] == 3 and metrics["reward"] == 0.25
+    cfg = cfg_for("fail")
+    with pytest.raises(rewards.RewardError, match=r"reward 'strict_reward_mod:strict' raised ValueError: not the "
+                                                  r"answer, on response '7'"):
+        loop.collect_rollouts(Engine(), params, pool, source, loop.make_reward_fn(cfg, tok), cfg)
+    sys.modules.pop("strict_reward_mod", None)

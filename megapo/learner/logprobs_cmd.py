@@ -35,22 +35,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set for torchrun's processes
 
 
-def read_sequences(path: str | Path) -> list[list[int]]:
+def read_sequences(path: str | Path, vocab: int | None = None) -> list[list[int]]:
+    """The token lists of an input file; ConfigError("--input") naming `path:line` for a line that is not
+    UTF-8 / JSON / {"tokens": [>= 2 integers in [0, vocab)]} (JSON true/false are not token ids), or a
+    file with none."""
+    from megapo.trainer.data import read_jsonl
+
     path = Path(path)
     if not path.is_file():
         raise ConfigError("--input", f"{path} does not exist")
     sequences = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            tokens = json.loads(line)["tokens"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ConfigError("--input", f'line {n}: expected {{"tokens": [...]}}') from None
-        if not isinstance(tokens, list) or len(tokens) < 2 or not all(isinstance(t, int) for t in tokens):
-            raise ConfigError("--input", f"line {n}: tokens must be a list of at least 2 integers")
+    for n, row in read_jsonl(path, "--input"):
+        tokens = row.get("tokens") if isinstance(row, dict) else None
+        if tokens is None:
+            raise ConfigError("--input", f'{path}:{n}: expected {{"tokens": [...]}}')
+        if not isinstance(tokens, list) or len(tokens) < 2 or not all(_is_token_id(t) for t in tokens):
+            raise ConfigError("--input", f"{path}:{n}: tokens must be a list of at least 2 integers"
+                              + ("; true/false are not token ids" if any(isinstance(t, bool) for t in tokens) else ""))
+        if vocab is not None and (min(tokens) < 0 or max(tokens) >= vocab):
+            raise ConfigError("--input", f"{path}:{n}: token ids must be in [0, {vocab})")
         sequences.append(tokens)
+    if not sequences:
+        raise ConfigError("--input", f"{path} holds no sequences")
     return sequences
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is a Python int subclass
 
 
 def parallel_from_args(args) -> ParallelConfig:
@@ -62,11 +73,7 @@ def run(args: argparse.Namespace) -> int:
         parallel = parallel_from_args(args)
         hf = read_hf_config(args.model)
         check_layout(parallel, hf)
-        sequences = read_sequences(args.input)
-        vocab = hf["vocab_size"]
-        for i, seq in enumerate(sequences):
-            if min(seq) < 0 or max(seq) >= vocab:
-                raise ConfigError("--input", f"line {i + 1}: token ids must be in [0, {vocab})")
+        sequences = read_sequences(args.input, hf["vocab_size"])
         if args.micro_batch_tokens < 1:
             raise ConfigError("--micro-batch-tokens", f"must be >= 1, got {args.micro_batch_tokens}")
         route_cli.check(args, hf, sequences)  # routing replay flags

@@ -11,6 +11,7 @@ the parquet footer.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,11 @@ class DataConfig:
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4  # dynamic sampling: rounds of refills before training on fewer groups
     reward: str = "exact_match"
+    # a reward call that takes longer fails (0: no limit, and the reward runs in the caller's thread)
+    reward_timeout_s: float = 60.0
+    # a reward that raises, times out or returns no finite number: fail (stop, naming the reward and the
+    # sample) | zero (score it 0 and count it in the metric reward/errors)
+    reward_errors: str = "fail"
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
 
 
@@ -242,6 +248,7 @@ class RunConfig:
         self._validate_data()
         self._validate_sft()
         self._validate_model()  # reads config.json / tokenizer file names: last, after the cheap checks
+        self._validate_sources()  # reads the data files and the tokenizer, calls the reward once
 
     # --- sections -------------------------------------------------------------------------------
 
@@ -382,11 +389,20 @@ class RunConfig:
                                   f"got {self.train.eval_prompts}")
         elif not d.train_files:
             raise ConfigError("data.train_files", "no data: set data.task or data.train_files")
-        else:
-            data.check_data_files(d.train_files, d.prompt_key, d.answer_key, "data.train_files")
-            if d.val_files:
-                data.check_data_files(d.val_files, d.prompt_key, d.answer_key, "data.val_files")
+        if not (math.isfinite(d.reward_timeout_s) and d.reward_timeout_s >= 0):
+            raise ConfigError("data.reward_timeout_s", f"must be a finite number >= 0 (0: no limit), got {d.reward_timeout_s}")
+        if d.reward_errors not in rewards.REWARD_ERRORS:
+            raise ConfigError("data.reward_errors", f"must be one of {', '.join(rewards.REWARD_ERRORS)}, "
+                              f"got {d.reward_errors!r}")
         rewards.get_reward(d.reward, "data.reward")
+
+    def _validate_sources(self) -> None:
+        """The data files' rows, whether a prompt fits (megapo.trainer.data.check_sources), and one call of
+        the reward on the first training example."""
+        from megapo.trainer import data, rewards
+
+        first = data.check_sources(self)
+        rewards.check_reward(self.data.reward, first, self.data.reward_timeout_s, "data.reward")
 
     def _validate_sft(self) -> None:
         s = self.sft

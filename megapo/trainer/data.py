@@ -1,8 +1,11 @@
 """Prompts for RL: where they come from, how they are tokenized, in what order.
 
-- `check_data_files` reads local jsonl/parquet files cheaply (no tokenizer) so `RunConfig.validate`
-  can refuse an empty file or a malformed row before anything starts.
-- `load_examples` loads them through Hugging Face `datasets`; `task_examples` gives a built-in task.
+- `read_jsonl` reads JSON Lines naming the file and line of bytes that are not UTF-8 or a line that is
+  not JSON (a cut-off last line can be skipped instead: a file still being written).
+- `load_examples` reads local jsonl/json/parquet files (one list may mix them) into Examples; every row
+  needs a string prompt and a string (or integer) answer, else a ConfigError names the file and line.
+- `check_sources` is the data part of `RunConfig.validate`: files, and when the model folder already
+  holds its tokenizer, that some prompt fits data.max_prompt_tokens; `task_examples` gives a built-in task.
 - `encode_prompts` applies the chat template (or not) and drops prompts over the token limit, with a count.
 - `PromptSource` hands out batches in a seeded shuffled order; its `DataCursor` (epoch, index, seed)
   is saved in checkpoints so a resumed run continues with exactly the next prompts.
@@ -13,14 +16,17 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from megapo.config import ConfigError
 from megapo.tasks.base import Example
+
+log = logging.getLogger(__name__)
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 BUILTIN_TASKS = ("addition",)
@@ -29,59 +35,179 @@ BUILTIN_TASKS = ("addition",)
 def _format(path: str, field: str) -> str:
     suffix = Path(path).suffix.lower()
     if suffix not in FORMATS:
-        raise ConfigError(field, f"{path}: unsupported file type {suffix!r}; use .jsonl or .parquet")
+        raise ConfigError(field, f"{path}: unsupported file type {suffix!r}; use .jsonl, .json or .parquet")
     return FORMATS[suffix]
 
 
-def check_data_files(paths: Sequence[str], prompt_key: str, answer_key: str, field: str = "data.train_files") -> int:
-    """Row count over `paths`; ConfigError naming the file (and line) when a file is missing, empty, or a row
-    lacks a string prompt / an answer."""
-    total = 0
-    for i, path in enumerate(paths):
-        fname = f"{field}[{i}]"
-        if not Path(path).is_file():
-            raise ConfigError(fname, f"{path} does not exist")
-        if _format(path, fname) == "parquet":
-            import pyarrow.parquet as pq
-
-            meta = pq.ParquetFile(path)
-            columns = meta.schema_arrow.names
-            for key, kname in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
-                if key not in columns:
-                    raise ConfigError(kname, f"{path} has no column {key!r} (columns: {', '.join(columns)})")
-            rows = meta.metadata.num_rows
-        else:
-            rows = 0
-            with open(path, encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise ConfigError(fname, f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-                    if not isinstance(row, dict):
-                        raise ConfigError(fname, f"{path}:{lineno}: row is not a JSON object")
-                    if not isinstance(row.get(prompt_key), str):
-                        raise ConfigError(fname, f"{path}:{lineno}: no string field {prompt_key!r} (data.prompt_key)")
-                    if answer_key not in row:
-                        raise ConfigError(fname, f"{path}:{lineno}: no field {answer_key!r} (data.answer_key)")
-                    rows += 1
-        if rows == 0:
-            raise ConfigError(fname, f"{path} holds no rows")
-        total += rows
-    return total
+# ----------------------------------------------------------------------------- reading files
 
 
-def load_examples(paths: Sequence[str], prompt_key: str, answer_key: str) -> list[Example]:
-    """All rows of local jsonl/parquet files as Examples, read with Hugging Face `datasets`."""
-    import datasets
+def read_jsonl(path: str | Path, field: str, skip_cut_tail: bool = False) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) of each non-blank line; ConfigError(field) naming `path:line` when a
+    line is not UTF-8 or not JSON. A last line without its newline that does not parse is a cut-off
+    write: with `skip_cut_tail` it is skipped with a warning, else the error says the file looks cut off."""
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            try:
+                value = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
+            except UnicodeDecodeError as exc:
+                problem = f"not UTF-8 (byte {exc.start + 1} of the line is {raw[exc.start:exc.start + 1]!r})"
+            except json.JSONDecodeError as exc:
+                problem = f"not valid JSON ({exc.msg}, column {exc.colno})"
+            else:
+                yield lineno, value
+                continue
+            cut = not raw.endswith(b"\n")
+            if cut and skip_cut_tail:
+                log.warning("%s:%d: skipped a cut-off last line (the file is still being written?)", path, lineno)
+                return
+            raise ConfigError(field, f"{path}:{lineno}: {problem}"
+                              + ("; the file looks cut off (its last line has no newline)" if cut else ""))
 
-    if not paths:
-        return []
-    fmt = _format(paths[0], "data.train_files")
-    ds = datasets.load_dataset(fmt, data_files=list(paths), split="train")
-    return [Example(str(row[prompt_key]), str(row[answer_key])) for row in ds]
+
+def _describe(value: Any) -> str:
+    """A JSON value as a user wrote it: null, true, the number 3, a list, ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return f"the string {value[:40]!r}"
+    return f"a {type(value).__name__}"
+
+
+def _example(row: Any, where: str, prompt_key: str, answer_key: str, field: str) -> Example:
+    """The Example of one row; ConfigError naming `where` (file:line or file: row N) when the row lacks a
+    string prompt or a string/integer answer (a null, boolean or float answer would be scored as its
+    text -- "None", "True", "4.0" -- so it is refused rather than converted)."""
+    if not isinstance(row, dict):
+        raise ConfigError(field, f"{where}: row is {_describe(row)}, not a JSON object")
+    for key, key_field in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
+        if key not in row:
+            raise ConfigError(field, f"{where}: no field {key!r} ({key_field})")
+    prompt, answer = row[prompt_key], row[answer_key]
+    if not isinstance(prompt, str):
+        raise ConfigError(field, f"{where}: {prompt_key!r} is {_describe(prompt)}; prompts must be strings")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int)):
+        raise ConfigError(field, f"{where}: {answer_key!r} is {_describe(answer)}; answers must be strings "
+                          "(or integers)")
+    return Example(prompt, str(answer))
+
+
+def _json_rows(path: str, field: str) -> Iterator[tuple[str, Any]]:
+    """(where, row) of a .jsonl file, or of a .json file holding one array of rows."""
+    with open(path, "rb") as fh:
+        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    if path.lower().endswith(".json") and head.startswith(b"["):
+        try:
+            rows = json.loads(Path(path).read_bytes().decode("utf-8-sig"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(field, f"{path}: not a valid JSON array of rows ({exc})") from None
+        yield from ((f"{path}: item {i + 1}", row) for i, row in enumerate(rows))
+        return
+    yield from ((f"{path}:{lineno}", row) for lineno, row in read_jsonl(path, field))
+
+
+def _parquet_rows(path: str, prompt_key: str, answer_key: str, field: str) -> Iterator[tuple[str, Any]]:
+    """(where, row) of a parquet file's prompt and answer columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path)
+        columns = meta.schema_arrow.names
+        for key, key_field in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
+            if key not in columns:
+                raise ConfigError(key_field, f"{path} has no column {key!r} (columns: {', '.join(columns)})")
+        table = meta.read(columns=list(dict.fromkeys((prompt_key, answer_key))))
+        prompts, answers = table.column(prompt_key).to_pylist(), table.column(answer_key).to_pylist()
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(field, f"{path}: not a readable parquet file ({exc})") from None
+    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+        yield f"{path}: row {i + 1}", {prompt_key: prompt, answer_key: answer}
+
+
+def file_examples(path: str, prompt_key: str, answer_key: str, field: str) -> list[Example]:
+    """Every row of one jsonl/json/parquet file; ConfigError(field) naming the file (and line) when it is
+    missing, unreadable, empty, or holds a malformed row."""
+    if not Path(path).is_file():
+        raise ConfigError(field, f"{path} does not exist")
+    rows = (_parquet_rows(path, prompt_key, answer_key, field) if _format(path, field) == "parquet"
+            else _json_rows(path, field))
+    examples = [_example(row, where, prompt_key, answer_key, field) for where, row in rows]
+    if not examples:
+        raise ConfigError(field, f"{path} holds no rows")
+    return examples
+
+
+def load_examples(paths: Sequence[str], prompt_key: str, answer_key: str,
+                  field: str = "data.train_files") -> list[Example]:
+    """All rows of local files (jsonl, json and parquet may be mixed) as Examples, in file order."""
+    return [ex for i, path in enumerate(paths) for ex in file_examples(path, prompt_key, answer_key, f"{field}[{i}]")]
+
+
+def check_sources(cfg) -> Example:
+    """The data checks of `RunConfig.validate` that read files (after the cheap field checks): every
+    data.train_files / data.val_files row well-formed, and, when the model folder already holds its
+    tokenizer, at least one training prompt within data.max_prompt_tokens (a tiny model written at
+    start-up is checked by `prompt_pool` instead, still before the learner is built). Returns the
+    first training example (the reward's start-up check scores it)."""
+    d = cfg.data
+    if d.task:
+        return task_examples(d.task, "train", 1)[0]
+    examples = load_examples(d.train_files, d.prompt_key, d.answer_key, "data.train_files")
+    if d.val_files:
+        load_examples(d.val_files, d.prompt_key, d.answer_key, "data.val_files")
+    tokenizer = _tokenizer_if_present(cfg.model.path)
+    if tokenizer is not None:
+        check_prompts_fit(tokenizer, examples, d.chat_template, d.max_prompt_tokens)
+    return examples[0]
+
+
+def _tokenizer_if_present(model_path: str):
+    from megapo.trainer.config import TOKENIZER_FILES
+
+    path = Path(model_path)
+    if not (path / "config.json").is_file() or not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("model.path", f"cannot load the tokenizer of {path}: {exc}") from None
+
+
+def check_prompts_fit(tokenizer, examples: Sequence[Example], chat_template: bool, max_prompt_tokens: int) -> None:
+    """ConfigError when no prompt fits max_prompt_tokens (stops at the first that does)."""
+    shortest = None
+    for ex in examples:
+        n = len(encode_prompt(tokenizer, ex.prompt, chat_template))
+        if n <= max_prompt_tokens:
+            return
+        shortest = n if shortest is None else min(shortest, n)
+    raise ConfigError("data.max_prompt_tokens", f"every one of the {len(examples)} prompts of data.train_files is "
+                      f"longer than {max_prompt_tokens} tokens (the shortest has {shortest})")
+
+
+def prompt_pool(cfg, tokenizer) -> "PromptPool":
+    """The training prompts of `cfg.data`, tokenized (files) or on demand (a task); ConfigError when no
+    prompt fits data.max_prompt_tokens, a warning with the count when some do not."""
+    d = cfg.data
+    if d.task:
+        return PromptPool(tokenizer, d.chat_template, d.max_prompt_tokens, task=d.task)
+    examples = load_examples(d.train_files, d.prompt_key, d.answer_key, "data.train_files")
+    pool = PromptPool(tokenizer, d.chat_template, d.max_prompt_tokens, examples=examples)
+    if len(pool) == 0:
+        check_prompts_fit(tokenizer, examples, d.chat_template, d.max_prompt_tokens)  # raises, naming the lengths
+    if pool.dropped_too_long:
+        log.warning("data: dropped %d of %d prompts longer than data.max_prompt_tokens=%d", pool.dropped_too_long,
+                    len(examples), d.max_prompt_tokens)
+    return pool
 
 
 def task_examples(task: str, split: str, n: int | None = None, seed: int | None = None) -> list[Example]:

@@ -92,15 +92,18 @@ class Group:
 
 
 def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[Any, Any], float]:
-    """(example, sample) -> reward: the configured reward of the decoded response (stop token removed)."""
-    from megapo.trainer.rewards import get_reward
+    """(example, sample) -> reward: the configured reward of the decoded response (stop token removed),
+    guarded (megapo.trainer.rewards.GuardedReward: data.reward_timeout_s, data.reward_errors);
+    `reward.pop_errors()` counts the failures scored 0 since its last call."""
+    from megapo.trainer.rewards import GuardedReward
 
-    fn = get_reward(cfg.data.reward)
+    fn = GuardedReward(cfg.data.reward, cfg.data.reward_timeout_s, cfg.data.reward_errors)
 
     def reward(example, sample) -> float:
         ids = sample.output_ids[:-1] if sample.finish_reason == "stop" else sample.output_ids
-        return float(fn(tokenizer.decode(ids, skip_special_tokens=True), example.answer))
+        return fn(tokenizer.decode(ids, skip_special_tokens=True), example.answer)
 
+    reward.pop_errors = fn.pop_errors
     return reward
 
 
@@ -291,6 +294,8 @@ def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig) ->
         "reward": sum(rewards) / len(rewards),
         "response_len": sum(len(s.output_ids) for s in samples) / len(samples),
         "finish_length_frac": sum(s.finish_reason == "length" for s in samples) / len(samples)})
+    if cfg.data.reward_errors == "zero" and hasattr(reward_fn, "pop_errors"):
+        metrics["reward/errors"] = reward_fn.pop_errors()  # failed reward calls scored 0 this step
     keep = len(groups) - len(groups) % cfg.parallel.dp  # every DP rank gets whole groups
     return groups[:keep], metrics, sum(len(s.output_ids) for s in samples)
 
@@ -361,6 +366,11 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
         (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
     model_dir = prepare_model(cfg, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # prompts and reward before the learner and engine exist: a prompt set of which none fits is refused
+    # without building them (rank 0 only needs the prompts; the others get the train batch broadcast)
+    pool = data.prompt_pool(cfg, tokenizer)
+    source = data.PromptSource(len(pool), seed=cfg.train.seed)
+    reward_fn = make_reward_fn(cfg, tokenizer)
     learner = learner if learner is not None else build_learner(cfg, model_dir)
     own_engine = engine is None and _rank() == 0  # closed at the end (stops a server megapo started)
     if own_engine:
@@ -369,20 +379,6 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
     logger = None
     try:  # a stopped or failed run still ends the rollout thread and any server megapo started
         reference = ReferencePolicy(model_dir) if cfg.algorithm.kl_coef and _rank() == 0 else None
-
-        # data: prompts (rank 0 only needs them; the others get the train batch broadcast)
-        if cfg.data.task:
-            pool = data.PromptPool(tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens, task=cfg.data.task)
-        else:
-            examples = data.load_examples(cfg.data.train_files, cfg.data.prompt_key, cfg.data.answer_key)
-            pool = data.PromptPool(tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens, examples=examples)
-            if pool.dropped_too_long:
-                log.warning("data: dropped %d of %d prompts longer than data.max_prompt_tokens=%d",
-                            pool.dropped_too_long, len(examples), cfg.data.max_prompt_tokens)
-            if len(pool) == 0:
-                raise ValueError("data: every prompt is longer than data.max_prompt_tokens")
-        source = data.PromptSource(len(pool), seed=cfg.train.seed)
-
         transport = make_transport(cfg, out_dir, model_dir, learner, engine)
         start_step, version = 0, 0
         ckpt_root = out_dir / "checkpoints"
@@ -401,7 +397,6 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
         params = SamplingParams(n=cfg.rollout.n_samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                 max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,),
                                 return_routes=cfg.algorithm.routing_replay == "r3")
-        reward_fn = make_reward_fn(cfg, tokenizer)
         options = loss_options(cfg)
 
         def held_out() -> dict:

@@ -127,13 +127,11 @@ def progress_line(step: int, row: dict, total: int | None = None) -> str:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl. A cut-off last line (a run still writing) is skipped with a
+    warning; a damaged line elsewhere raises ConfigError naming the file and line."""
+    from megapo.trainer.data import read_jsonl
+
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
-    rows = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if line:
-                rows.append(json.loads(line))
-    return rows
+    return [row for _, row in read_jsonl(path, "run_dir", skip_cut_tail=True)]

@@ -58,8 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from megapo.config import ConfigError
 
-    if not (Path(args.run_dir) / "metrics.jsonl").is_file():
-        raise ConfigError("run_dir", f"{args.run_dir} has no metrics.jsonl")
-    counts = plot_run(args.run_dir, args.out)
+    run_dir = Path(args.run_dir)  # a ConfigError here (or a damaged metrics line) is exit 2 (megapo.cli)
+    if not run_dir.is_dir():
+        raise ConfigError("run_dir", f"{run_dir} does not exist (or is not a folder)")
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise ConfigError("run_dir", f"{run_dir} has no metrics.jsonl")
+    counts = plot_run(run_dir, args.out)
     print(f"wrote {args.out} ({', '.join(f'{k}: {n} points' for k, n in counts.items())})")
     return 0

@@ -3,18 +3,27 @@
     reward_fn = get_reward("exact_match")          # or "math", or "my_pkg.my_mod:score"
     r = reward_fn(response_text, answer_text)
 
-A user function is called as `fn(response: str, answer: str) -> float`.
-Length shaping (DAPO's overlong penalty) is added on top by `shape_overlong`.
+A user function is called as `fn(response: str, answer: str) -> float`; its signature is checked when
+it is resolved. The trainer calls it through `GuardedReward`: the result must be a finite real number
+(a bool counts as 0/1), it must come within data.reward_timeout_s, and a failure stops the run naming
+the reward and the sample (data.reward_errors=fail) or scores 0 and is counted (zero). `check_reward`
+calls it once at start-up. Length shaping (DAPO's overlong penalty) is added on top by `shape_overlong`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
+import inspect
 import logging
 import math
+import numbers
+import queue
 import re
+import threading
+import weakref
 from fractions import Fraction
-from typing import Callable
+from typing import Any, Callable
 
 from megapo.config import ConfigError
 
@@ -22,6 +31,8 @@ log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float]
 BUILTIN = ("exact_match", "math")
+REWARD_ERRORS = ("fail", "zero")  # data.reward_errors
+WARN_FIRST = 3  # with reward_errors=zero, failures logged one by one before only the count is kept
 
 
 def exact_match(response: str, answer: str) -> float:
@@ -96,9 +107,15 @@ def _math_verify_fn() -> RewardFn | None:
     except ImportError:
         return None
 
+    # math-verify's own timeouts use SIGALRM, which works only in the main thread; elsewhere (GuardedReward's
+    # worker thread, which times the call itself) they are turned off where this version allows it
+    no_alarm = ({"parsing_timeout": None} if "parsing_timeout" in inspect.signature(parse).parameters else {},
+                {"timeout_seconds": None} if "timeout_seconds" in inspect.signature(verify).parameters else {})
+
     def math_verify_reward(response: str, answer: str) -> float:
-        gold = parse(answer if "\\boxed" in answer else f"\\boxed{{{answer}}}")
-        return 1.0 if verify(gold, parse(response)) else 0.0
+        parse_kw, verify_kw = ({}, {}) if threading.current_thread() is threading.main_thread() else no_alarm
+        gold = parse(answer if "\\boxed" in answer else f"\\boxed{{{answer}}}", **parse_kw)
+        return 1.0 if verify(gold, parse(response, **parse_kw), **verify_kw) else 0.0
 
     return math_verify_reward
 
@@ -107,7 +124,22 @@ def _math_verify_fn() -> RewardFn | None:
 
 
 def get_reward(spec: str, field: str = "data.reward") -> RewardFn:
-    """Resolve a reward name or "module:function"; raise ConfigError naming `field` if it cannot."""
+    """Resolve a reward name or "module:function"; raise ConfigError naming `field` if it cannot, or if
+    the function cannot be called as fn(response, answer)."""
+    fn = _resolve(spec, field)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have none: they fail at the start-up call instead
+        return fn
+    try:
+        signature.bind("response", "answer")
+    except TypeError:
+        raise ConfigError(field, f"reward {spec!r} must take (response, answer); its signature is "
+                          f"{fn.__name__}{signature}") from None
+    return fn
+
+
+def _resolve(spec: str, field: str) -> RewardFn:
     if spec == "exact_match":
         return exact_match
     if spec == "math":
@@ -129,6 +161,162 @@ def get_reward(spec: str, field: str = "data.reward") -> RewardFn:
     if not callable(fn):
         raise ConfigError(field, f"module {module_name!r} has no function {func_name!r}")
     return fn
+
+
+class RewardError(RuntimeError):
+    """A reward function failed on a sample: it raised, returned something other than a finite number,
+    or did not return within data.reward_timeout_s. The message names the reward and the sample."""
+
+
+class RewardTimeout(BaseException):
+    """Raised into a reward's worker thread that ran past its timeout (stops a pure-Python loop; a
+    BaseException so that the reward's own `except Exception` does not swallow it)."""
+
+
+class GuardedReward:
+    """`guarded(response, answer) -> float` around the reward `spec` (see the module docstring).
+
+    With timeout_s > 0 the calls run on one persistent worker thread (`_RewardThread`), so a hung call
+    can be abandoned; 0 calls the function in the caller's thread without a limit. One caller at a time.
+    `pop_errors()`: failures scored 0 (errors="zero") since the last pop, for the metric reward/errors."""
+
+    def __init__(self, spec: str, timeout_s: float = 60.0, errors: str = "fail", field: str = "data.reward"):
+        if errors not in REWARD_ERRORS:
+            raise ConfigError("data.reward_errors", f"must be one of {', '.join(REWARD_ERRORS)}, got {errors!r}")
+        self.spec = spec
+        self.fn = get_reward(spec, field)
+        self.timeout_s = float(timeout_s)
+        self.errors = errors
+        self._thread = _RewardThread() if self.timeout_s > 0 else None
+        self._failures = 0  # since the last pop_errors()
+        self._failures_total = 0
+
+    def __call__(self, response: str, answer: str) -> float:
+        try:
+            return self._score(response, answer)
+        except RewardError as err:
+            if self.errors == "fail":
+                raise
+            self._failures += 1
+            self._failures_total += 1
+            if self._failures_total <= WARN_FIRST:
+                log.warning("%s; scored 0 (data.reward_errors=zero)%s", err, "; further failures are only counted "
+                            "in the metric reward/errors" if self._failures_total == WARN_FIRST else "")
+            return 0.0
+
+    def _score(self, response: str, answer: str) -> float:
+        try:
+            value = (self._thread.call(self.fn, response, answer, self.timeout_s) if self._thread is not None
+                     else self.fn(response, answer))
+        except RewardTimeout:
+            raise RewardError(self._about(f"did not return within data.reward_timeout_s={self.timeout_s:g} s",
+                                          response, answer)) from None
+        except Exception as exc:
+            raise RewardError(self._about(f"raised {type(exc).__name__}: {exc}", response, answer)) from exc
+        if isinstance(value, numbers.Real) and _finite(value):
+            return float(value)
+        raise RewardError(self._about(f"returned {_clip(value)} (a {type(value).__name__}); a reward must be a "
+                                      "finite number", response, answer))
+
+    def _about(self, problem: str, response: str, answer: str) -> str:
+        return f"reward {self.spec!r} {problem}, on response {_clip(response)} with answer {_clip(answer)}"
+
+    def pop_errors(self) -> int:
+        count, self._failures = self._failures, 0
+        return count
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.close()
+
+
+def _finite(value: numbers.Real) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond the float range
+        return False
+
+
+def _clip(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text) - limit} more characters)"
+
+
+class _Job:
+    def __init__(self, fn: Callable, args: tuple):
+        self.fn, self.args = fn, args
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn(*self.args)
+        except BaseException as exc:  # handed to the caller, which decides
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    try:
+        while (job := jobs.get()) is not None:
+            job.run()
+    except RewardTimeout:  # the interrupt of an abandoned thread landed between jobs
+        pass
+
+
+class _RewardThread:
+    """One daemon thread that runs reward calls, so that the caller can stop waiting after a timeout
+    without a thread per call. A call past its timeout is abandoned: its thread is sent RewardTimeout
+    (which ends a pure-Python loop; a call blocked in C finishes on its own) and told to exit, and the
+    next call starts a fresh thread. The thread also exits when this object is collected."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._finalizer = None
+
+    def _start(self) -> None:
+        self._jobs = queue.SimpleQueue()
+        self._thread = threading.Thread(target=_serve, args=(self._jobs,), name="megapo-reward", daemon=True)
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, self._jobs.put, None)
+
+    def call(self, fn: Callable, response: str, answer: str, timeout_s: float) -> Any:
+        if self._thread is None:
+            self._start()
+        job = _Job(fn, (response, answer))
+        self._jobs.put(job)
+        if not job.done.wait(timeout_s):
+            self._abandon()
+            raise RewardTimeout
+        if job.error is not None:
+            raise job.error
+        return job.value
+
+    def _abandon(self) -> None:
+        thread = self._thread
+        self.close()
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(RewardTimeout))
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # tells the thread to exit after its current job
+        self._jobs = self._thread = self._finalizer = None
+
+
+def check_reward(spec: str, example, timeout_s: float, field: str = "data.reward") -> None:
+    """Call the reward once before anything starts, on `example` (megapo.tasks.base.Example) with its
+    reference answer as the response; ConfigError naming `field` when the call fails (whatever
+    data.reward_errors says: a reward that fails on the reference itself is broken)."""
+    guarded = GuardedReward(spec, timeout_s, "fail", field)
+    try:
+        guarded(example.answer, example.answer)
+    except RewardError as err:
+        raise ConfigError(field, f"start-up check: {err}") from None
+    finally:
+        guarded.close()
 
 
 def math_backend() -> str:
