@@ -13,6 +13,7 @@ from pathlib import Path
 
 from megapo.config import ConfigError, ParallelConfig
 from megapo.convert.support import check_config, expected_hf_tensors
+from megapo.integrity import read_dist_metadata
 from megapo.layout import LayoutError, check_layout
 from megapo.models.family import Family, ModelSpec, padded_vocab
 
@@ -159,11 +160,36 @@ def find_checkpoint(path, arg: str) -> Path:
                            f"nor learner/metadata.json)")
 
 
+def stored_model_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key -> global shape of the model tensors of a torch_dist folder, from its `.metadata`
+    read through megapo.integrity's allow-list (a planted pickle raises UnsafePickle, unrun)."""
+    metadata = read_dist_metadata(folder)
+    return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
+            if hasattr(v, "size") and k.split(".")[0] in ("embedding", "decoder", "output_layer")}
+
+
+def model_mismatch(stored: dict[str, tuple[int, ...]], spec: ModelSpec, config_folder: Path) -> str | None:
+    """How the stored tensors differ from the model `spec` (read from config_folder) describes, or None."""
+    rows = stored.get("embedding.word_embeddings.weight", (0,))[0]
+    expected = checkpoint_shapes(spec, rows)
+    missing = [k for k in expected if k not in stored]
+    if missing:
+        return f"checkpoint lacks {missing[:3]} which the config ({config_folder}) describes"
+    extra = [k for k in stored if k not in expected]
+    if extra:
+        return f"checkpoint holds {extra[:3]} which the config ({config_folder}) does not describe"
+    for key, shape in expected.items():
+        if stored[key] != shape:
+            return (f"checkpoint tensor {key} has shape {stored[key]}, the config ({config_folder}/config.json) "
+                    f"implies {shape}")
+    if rows < spec.vocab_size:
+        return f"checkpoint embedding has {rows} rows for vocab_size {spec.vocab_size}"
+    return None
+
+
 def read_checkpoint(path, arg: str, model_dir=None, model_arg: str = "--model") -> CheckpointInput:
     """A torch_dist checkpoint plus the config describing it: the checkpoint's own config.json
     (written by hf-to-megatron) or `model_dir` (needed for a trainer checkpoint, which has none)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     folder = find_checkpoint(path, arg)
     own = read_config(folder, arg) if (folder / "config.json").is_file() else None
     given = read_config(model_dir, model_arg) if model_dir is not None else None
@@ -179,25 +205,12 @@ def read_checkpoint(path, arg: str, model_dir=None, model_arg: str = "--model") 
     meta_path = folder / MEGAPO_META
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
     try:
-        metadata = FileSystemReader(str(folder)).read_metadata()
-    except Exception as exc:
-        raise ConfigError(arg, f"{folder}/.metadata cannot be read ({exc})") from None
-    stored = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
-              if hasattr(v, "size") and k.split(".")[0] in ("embedding", "decoder", "output_layer")}
-    rows = stored.get("embedding.word_embeddings.weight", (0,))[0]
-    expected = checkpoint_shapes(model.spec, rows)
-    missing = [k for k in expected if k not in stored]
-    if missing:
-        raise ConfigError(arg, f"checkpoint lacks {missing[:3]} which the config ({model.folder}) describes")
-    extra = [k for k in stored if k not in expected]
-    if extra:
-        raise ConfigError(arg, f"checkpoint holds {extra[:3]} which the config ({model.folder}) does not describe")
-    for key, shape in expected.items():
-        if stored[key] != shape:
-            raise ConfigError(arg, f"checkpoint tensor {key} has shape {stored[key]}, the config "
-                                   f"({model.folder}/config.json) implies {shape}")
-    if rows < model.spec.vocab_size:
-        raise ConfigError(arg, f"checkpoint embedding has {rows} rows for vocab_size {model.spec.vocab_size}")
+        stored = stored_model_shapes(folder)
+    except (OSError, ValueError) as exc:  # ValueError includes UnsafePickle: nothing of the file's ran
+        raise ConfigError(arg, str(exc)) from None
+    problem = model_mismatch(stored, model.spec, model.folder)
+    if problem is not None:
+        raise ConfigError(arg, problem)
     return CheckpointInput(folder, model, meta, stored)
 
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from megapo.config import ParallelConfig
+from megapo.integrity import check_finite_all_ranks
 
 
 @dataclass
@@ -82,6 +83,7 @@ def hf_to_megatron(job: Job, parallel: ParallelConfig) -> None:
 
     module, family, spec = _build(job.config_dir, parallel)
     weights.load_hf_weights(module, family, spec, job.hf_dir)
+    check_finite_all_ranks(module.named_parameters(), f"--hf {job.hf_dir}")
     dist_checkpointing.save({"model": module.sharded_state_dict()}, job.ckpt)
     torch.distributed.barrier()
     if job.inject_failure == "after_save":
@@ -105,6 +107,7 @@ def megatron_to_hf(job: Job, parallel: ParallelConfig) -> None:
     from megapo.weights import gather
 
     module, family, spec = load_checkpoint_model(job, parallel)
+    check_finite_all_ranks(module.named_parameters(), f"checkpoint {job.ckpt}")  # nothing exported yet
     rank0 = torch.distributed.get_rank() == 0
     writer = ShardWriter(job.out, job.max_shard_bytes, getattr(torch, job.dtype)) if rank0 else None
     fail_after = int(job.inject_failure.split(":")[1]) if job.inject_failure.startswith("after_shards:") else None

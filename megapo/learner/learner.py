@@ -333,7 +333,10 @@ class Learner:
     def save(self, ckpt_dir) -> None:
         from megatron.core import dist_checkpointing
 
+        from megapo.integrity import check_finite_all_ranks
+
         ckpt_dir = Path(ckpt_dir)
+        check_finite_all_ranks(self.module.named_parameters(), f"checkpoint {ckpt_dir}")  # every rank raises
         ckpt_dir.mkdir(parents=True, exist_ok=True)  # dist_checkpointing needs an existing folder
         # Adam's state appears at the first optimizer step; saved before it (every update skipped so
         # far), the checkpoint would lack exp_avg and loading it would fail. Save without it and mark

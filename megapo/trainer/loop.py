@@ -384,7 +384,7 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
         ckpt_root = out_dir / "checkpoints"
         latest = ckpt.latest_checkpoint(ckpt_root) if resume else None
         if latest is not None:
-            state = ckpt.load_checkpoint(latest, learner.load, rank=_rank())
+            state = ckpt.load_checkpoint(latest, learner.load, rank=_rank(), model_dir=model_dir)  # verified first
             if engine is not None and "engine" in ckpt.rng_extra(latest):  # sample as the unstopped run would
                 engine.set_rng_state(ckpt.rng_extra(latest)["engine"])
             source.load_state_dict(state.data_cursor)
