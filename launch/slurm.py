@@ -237,8 +237,10 @@ def render(run: RunSpec, job: SlurmJob) -> str:
                 f"--rollout-nodes {job.rollout_nodes} runs engine servers, but the embedded engine runs inside "
                 "the trainer; use a server engine (vllm, sglang) or launch colocated (no --rollout-nodes)",
             )
-        if run.rollout.get("servers"):
-            raise ConfigError("rollout.servers", "is set by the launcher with --rollout-nodes; remove it from the config")
+        for name in ("servers", "api_key_file"):  # the job's engine addresses and its per-job key
+            if run.rollout.get(name):
+                raise ConfigError(f"rollout.{name}", "is set by the launcher with --rollout-nodes; remove it from "
+                                  "the config")
     where = f"{job.learner_nodes} learner node(s) x {job.procs} processes"
     extra_overrides = resolve_layout(run, job.world_size, where)
     if job.entry_script is None:

@@ -9,8 +9,8 @@ trainer is plugged in. It does no learning, only what the launch relies on:
         and every rank exits with EXIT_CHECKPOINTED. With --resume it continues from that file.
         Rank 0 appends one line per run to <output_dir>/runs.jsonl and writes <output_dir>/progress.
         train.crash_rank / train.crash_step make one rank fail (exit 3), as a crashing trainer would.
-    serve CONFIG --host H --port P [overrides]   an HTTP server answering GET /health with its
-        Slurm node name; exits 0 on SIGTERM.
+    serve CONFIG --host H [--allow-remote] --port P [overrides]   an HTTP server answering GET /health
+        with its Slurm node name (and the key file it was given); exits 0 on SIGTERM.
 """
 
 from __future__ import annotations
@@ -150,12 +150,17 @@ def serve(argv: list[str]) -> int:
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--allow-remote", action="store_true")
     args = ap.parse_intermixed_args(argv)
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
+    key_file = load(args.config, args.overrides).get("rollout", {}).get("api_key_file")
+    if args.host != "127.0.0.1" and not (args.allow_remote and key_file):  # megapo serve's rule
+        print(f"[serve {node}] refusing --host {args.host} without --allow-remote and a key file", flush=True)
+        return 2
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            body = json.dumps({"node": node, "port": args.port}).encode()
+            body = json.dumps({"node": node, "port": args.port, "api_key_file": key_file}).encode()
             self.send_response(200 if self.path == "/health" else 404)
             self.send_header("Content-Type", "application/json")
             self.end_headers()

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from megapo.cli import main
+from megapo.engines.auth import read_key_file
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "megapo" / "configs" / "tiny_moe_addition.yaml"
@@ -133,6 +134,9 @@ def test_disaggregated_needs_a_server_engine(tmp_path, tiny_moe, capsys):
     config = write_config(tmp_path, tiny_moe, rollout={"engine": "vllm", "servers": ["a:1"]})
     rc, _, err = launch(capsys, "slurm", config, "--nodes", 2, "--rollout-nodes", 1, "--dry-run")
     assert rc == 2 and "rollout.servers" in err
+    config = write_config(tmp_path, tiny_moe, rollout={"engine": "vllm", "api_key_file": "/shared/key"})
+    rc, _, err = launch(capsys, "slurm", config, "--nodes", 2, "--rollout-nodes", 1, "--dry-run")
+    assert rc == 2 and "rollout.api_key_file: is set by the launcher" in err
 
 
 def test_trainer_config_errors_are_refused_before_submission(tmp_path, tiny_moe, fake_sbatch, capsys):
@@ -225,6 +229,35 @@ def test_disaggregated_script(tmp_path, tiny_moe, capsys):
     assert re.search(r"^LEARNER_NODES=2$", script, re.M) and re.search(r"^ENGINE_PORT=31000$", script, re.M)
     assert bash_array(script, "SERVE_ENTRY") == ["-m", "megapo.cli", "serve"]
     assert "rollout.servers=" in script
+    # the servers bind every interface only with --allow-remote and the run's key; the learner gets the same key
+    [serve_line] = [line for line in script.splitlines() if '"${SERVE_ENTRY[@]}"' in line]
+    assert "--host 0.0.0.0 --allow-remote" in serve_line
+    assert re.search(r'"\$\{TRAIN_ENTRY\[@\]\}".*"\$KEY_OVERRIDE"', script)
+    assert re.search(r'"\$\{OVERRIDES\[@\]\}" "\$KEY_OVERRIDE" &$', script, re.M)  # the serve command's end
+
+
+def test_disaggregated_script_writes_a_private_key_per_run(tmp_path, tiny_moe, capsys):
+    """The key-writing lines of the rendered script, run by bash: a new 64-hex-digit key, mode 600, per run."""
+    config = write_config(tmp_path, tiny_moe, rollout={"engine": "vllm", "weight_sync": "disk"})
+    rc, script, err = launch(capsys, "slurm", config, "--nodes", 2, "--rollout-nodes", 1, "--gpus-per-node", 0,
+                             "--procs-per-node", 1, "--dry-run", "algorithm.routing_replay=r2")
+    assert rc == 0, err
+    lines = script.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("KEY_FILE="))
+    end = next(i for i, line in enumerate(lines) if line.startswith("KEY_OVERRIDE="))
+    snippet = "\n".join(["log() { echo \"$*\"; }"] + lines[start:end + 1] + ['echo "$KEY_OVERRIDE"'])
+    keys = []
+    for run in ("run0", "run1"):
+        (tmp_path / run).mkdir()
+        out = subprocess.run(["bash", "-c", snippet], env={**os.environ, "RUN_LOG": str(tmp_path / run)},
+                             capture_output=True, text=True, check=True).stdout
+        key_file = tmp_path / run / "engine-api-key"
+        assert out.strip() == f"rollout.api_key_file={key_file}"
+        assert key_file.stat().st_mode & 0o777 == 0o600
+        keys.append(key_file.read_text())
+        assert re.fullmatch(r"[0-9a-f]{64}", keys[-1])
+        assert read_key_file(key_file) == keys[-1]  # what megapo serve and the trainer accept
+    assert keys[0] != keys[1]
 
 
 def test_submit_writes_the_dry_run_script_and_calls_sbatch(tmp_path, tiny_moe, fake_sbatch, capsys):

@@ -27,14 +27,14 @@ def _vllm_overrides(model) -> list[str]:
 def test_dtype_from_the_run_config_unless_given(tiny_model_factory, extra, expected):
     model = tiny_model_factory()
     args = _args(CONFIG, *_vllm_overrides(model), "rollout.dtype=float32", *extra)
-    path, max_len, dtype = serve._model_len_dtype(args)
-    assert (path, dtype) == (str(model), expected)
-    assert max_len > 0
+    served = serve._served(args)
+    assert (served["model_dir"], served["dtype"]) == (str(model), expected)
+    assert served["max_model_len"] > 0
 
 
 def test_dtype_default_with_a_bare_model(tiny_model_factory):
     model = tiny_model_factory()
-    assert serve._model_len_dtype(_args("--model", str(model)))[2] == "bfloat16"
+    assert serve._served(_args("--model", str(model)))["dtype"] == "bfloat16"
 
 
 def test_bad_dtype_in_the_config_is_refused_naming_the_field(tiny_model_factory, capsys):

@@ -164,9 +164,12 @@ def test_disaggregated_learner_reaches_engine_on_rollout_node(cluster, model, tm
     [record] = runs(out_dir)
     assert record["rank_nodes"] == [learner_node, learner_node]
     server = f"{node_addr(rollout_node)}:{port}"
+    key_file = out_dir / "logs" / f"slurm-{job}" / "run0" / "engine-api-key"
     assert record["overrides"] == ["parallel.dp=2", f'rollout.servers=["{server}"]',
-                                   f"rollout.sync_host={node_addr(learner_node)}"]
-    assert record["servers"] == [{"server": server, "node": rollout_node, "port": port}]
+                                   f"rollout.api_key_file={key_file}", f"rollout.sync_host={node_addr(learner_node)}"]
+    # the engine got the same per-run key file, readable by this user only
+    assert record["servers"] == [{"server": server, "node": rollout_node, "port": port, "api_key_file": str(key_file)}]
+    assert key_file.stat().st_mode & 0o777 == 0o600 and len(key_file.read_text()) == 64
     engine_log = (out_dir / "logs" / f"slurm-{job}" / "run0" / "engine-node0.log").read_text()
     assert "GET /health" in engine_log and "got SIGTERM" in engine_log  # stopped gently at the end
 

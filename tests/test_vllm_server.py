@@ -2,7 +2,8 @@
 and synced from a Megatron learner (TP=2 x EP=2, torchrun) through megapo's Router, checked against the learner.
 
 Needs `.venv-vllm` (create it with scripts/vllm_setup.sh, ~2-3 min). One server for the whole module
-(~60 s to start, ~20 s log-prob warm-up, ~3 GB RSS), and a second one that a test kills mid-batch.
+(~60 s to start, ~20 s log-prob warm-up, ~3 GB RSS), and a second one that a test kills mid-batch. The servers
+load weights only from the test session's temporary folder and answer only requests with their API key.
 """
 
 import json
@@ -55,11 +56,28 @@ def engine(models, tmp_path_factory):
     vllm_python()  # a missing venv fails here with the setup command in the message
     base, _ = models
     log = tmp_path_factory.mktemp("vllm_log") / "server.log"
-    server = VLLMServer(VLLMServerConfig(str(base), dtype=DTYPE, log_path=str(log), cpu_cores="0"))
+    # the session's temporary folder holds every weights folder the tests reload from (staging included)
+    server = VLLMServer(VLLMServerConfig(str(base), dtype=DTYPE, log_path=str(log), cpu_cores="0",
+                                         weights_dirs=[str(tmp_path_factory.getbasetemp())]))
     server.start(timeout=600)
-    eng = VLLMEngine(server.url, config_dir=str(base), server=server)
+    eng = VLLMEngine(server.url, config_dir=str(base), server=server,
+                     staging_dir=str(tmp_path_factory.mktemp("staging")))
     yield eng
     eng.close()
+
+
+def raw_request(url: str, method: str, path: str, body: dict | None = None, key: str | None = None):
+    """(status, JSON answer) of one request sent with the standard library, not megapo's client."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    data = None if body is None else json.dumps(body).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path, data, headers, method=method), timeout=60) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"null")
 
 
 def hf_logprobs(model, sample, temperature=1.0):
@@ -98,7 +116,34 @@ def test_vllm_generate_reload_and_version(engine, models):
     s = stopped[0][0]
     assert s.finish_reason == "stop" and s.output_ids[-1] == stop_id and stop_id not in s.output_ids[:-1]
 
-    # reload changed MoE weights from disk: log-probs now follow the new experts
+    # megapo's guard in front of the server: control requests without the key, other worker methods and weights
+    # folders outside the allowed one are refused, and the server keeps its weights
+    import tempfile
+
+    key, url = engine._server.api_key, engine.url
+    version_before = engine.server_weight_version()
+    outside = Path(tempfile.mkdtemp(prefix="megapo-outside-"))  # not under the session's temporary folder
+    try:
+        shutil.copytree(changed, outside / "changed")
+        reload_changed = {"method": "megapo_reload_weights", "kwargs": {"weights_path": str(changed)}}
+        assert raw_request(url, "GET", "/health")[0] == 200
+        for k in (None, "not-the-key-" + key):
+            assert raw_request(url, "POST", "/collective_rpc", reload_changed, k)[0] == 401
+            assert raw_request(url, "POST", "/pause", {}, k)[0] == 401
+            assert raw_request(url, "POST", "/inference/v1/generate", {"token_ids": [1]}, k)[0] == 401
+        status, answer = raw_request(url, "POST", "/collective_rpc",
+                                     {"method": "reload_weights", "kwargs": {"weights_path": str(changed)}}, key)
+        assert status == 403 and "not one megapo calls" in answer["error"]
+        status, answer = raw_request(url, "POST", "/collective_rpc", {"method": "megapo_reload_weights", "kwargs": {
+            "weights_path": str(outside / "changed")}}, key)
+        assert status == 403 and "outside the folders" in answer["error"]
+        assert raw_request(url, "POST", "/v1/completions", {"prompt": "hi"}, key)[0] == 404  # not exposed
+    finally:
+        shutil.rmtree(outside)
+    kept = engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=8, seed=0))
+    assert max_error(hf_base, kept) < TOL and engine.server_weight_version() == version_before
+
+    # reload changed MoE weights from disk (megapo's client, with the key): log-probs now follow the new experts
     engine.update_weights_from_disk(str(changed), version=1)
     assert engine.server_weight_version() == "1"
     new = engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=8, seed=0))
@@ -195,7 +240,8 @@ def test_learner_tp2ep2_sync_through_router(engine, models, tmp_path):
         tokens = torch.randint(0, 512, (n,), generator=gen).tolist()
         batch.append({"tokens": tokens, "prompt_len": 4, "advantage": 1.0 if i % 2 else -1.0,
                       "old_logp": [-6.0] * (n - 4)})
-    spec = {"url": engine.url, "model_dir": str(base), "disk_dir": str(tmp_path / "disk"), "version": v0,
+    spec = {"url": engine.url, "api_key_file": engine._server.api_key_file, "model_dir": str(base),
+            "disk_dir": str(tmp_path / "disk"), "version": v0,
             "prompts": PROMPTS, "n": 2, "max_new_tokens": 8, "seed": 3, "batch": batch, "lr": 1e-2,
             "bucket_bytes": 256 * 1024, "sync_port": free_port()}
     (tmp_path / "spec.json").write_text(json.dumps(spec))

@@ -1,4 +1,6 @@
-"""Minimal JSON-over-HTTP for the engine clients (standard library only; one connection per thread, kept alive)."""
+"""Minimal JSON-over-HTTP for the engine clients (standard library only; one connection per thread, kept alive).
+
+With an api_key every request carries it (`Authorization: Bearer <key>`, megapo.engines.auth)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,8 @@ import http.client
 import json
 import threading
 from urllib.parse import urlsplit
+
+from megapo.engines.auth import bearer
 
 
 class HTTPError(RuntimeError):
@@ -21,13 +25,14 @@ class ConnectionLost(ConnectionError):
 
 
 class JSONClient:
-    def __init__(self, base_url: str, timeout: float = 600.0):
+    def __init__(self, base_url: str, timeout: float = 600.0, api_key: str | None = None):
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"url must look like http://HOST:PORT, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self.host, self.port = parts.hostname, parts.port or 80
         self.timeout = timeout
+        self._auth = bearer(api_key)
         self._local = threading.local()
 
     def _conn(self) -> http.client.HTTPConnection:
@@ -46,7 +51,7 @@ class JSONClient:
     def request(self, method: str, path: str, body=None, timeout: float | None = None):
         """Send JSON, return the decoded JSON answer (None for an empty body)."""
         data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
+        headers = {**self._auth, **({"Content-Type": "application/json"} if data is not None else {})}
         for attempt in range(2):  # a kept-alive connection the server closed fails once; reconnect
             conn = self._conn()
             conn.timeout = timeout or self.timeout

@@ -1,13 +1,19 @@
 """`megapo serve`: start a vLLM server that megapo's VLLMEngine (or a Router over several) can use.
 
   megapo serve --model DIR [--host 127.0.0.1] [--port 8000] [--dtype bfloat16] [--max-model-len 2048]
-               [--cpu-cores 0-7]
-  megapo serve CONFIG.yaml [--host H] [--port P] [section.field=value ...]   # as slurm/disaggregated.sbatch does
+               [--cpu-cores 0-7] [--api-key-file F] [--weights-dir D ...]
+  megapo serve CONFIG.yaml [--host H --allow-remote] [--port P] [section.field=value ...]   # as slurm does
 
-With a run config, the model is model.path, the context length the run's longest prompt plus response and
-the dtype rollout.dtype (the same server megapo starts itself for rollout.engine=vllm without
-rollout.servers). The config must name rollout.engine=vllm. Runs until interrupted (SIGINT or SIGTERM). vLLM comes from its own venv
+With a run config, the model is model.path, the context length the run's longest prompt plus response, the
+dtype rollout.dtype (the same server megapo starts itself for rollout.engine=vllm without rollout.servers), the
+API key file rollout.api_key_file and the weights folders train.output_dir and model.path. The config must name
+rollout.engine=vllm. Runs until interrupted (SIGINT or SIGTERM). vLLM comes from its own venv
 (scripts/vllm_setup.sh), never megapo's .venv.
+
+Every request but GET /health needs the API key in the key file (created, mode 600, if missing; without one, a
+fresh key in a private temporary folder whose path is printed): give the trainer that file as
+rollout.api_key_file. Only loopback addresses are bound unless --allow-remote (then a key file must be named).
+A taken --port is refused before anything starts (exit 2).
 """
 
 from __future__ import annotations
@@ -25,6 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the run config, e.g. model.path=DIR")
     parser.add_argument("--model", default=None, help="HF model folder (config.json + safetensors), instead of CONFIG")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    parser.add_argument("--allow-remote", action="store_true",
+                        help="allow a --host other machines reach (needs an API key file the trainer reads too)")
+    parser.add_argument("--api-key-file", default=None,
+                        help="file holding the server's API key, created (mode 600) if missing (default: "
+                             "rollout.api_key_file of CONFIG, else a new key in a private temporary folder)")
+    parser.add_argument("--weights-dir", action="append", default=None,
+                        help="folder the trainer may reload weights from (repeatable; default: train.output_dir "
+                             "and model.path of CONFIG, else the --model folder)")
     parser.add_argument("--port", type=int, default=None, help="default: a free port")
     parser.add_argument("--dtype", default=None, help="default: rollout.dtype of CONFIG, else bfloat16")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: from CONFIG, else 2048")
@@ -37,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
 
 
-def _model_len_dtype(args: argparse.Namespace) -> tuple[str, int, str]:
-    """(model folder, max model len, dtype) from --model or the run config; errors name the argument."""
+def _served(args: argparse.Namespace) -> dict:
+    """What to serve (VLLMServerConfig's model_dir, max_model_len, dtype, api_key_file, weights_dirs) from --model
+    or the run config; errors name the argument."""
     from megapo.engines.server import VLLMServerConfig
 
     if (args.model is None) == (args.config is None):
@@ -46,7 +61,9 @@ def _model_len_dtype(args: argparse.Namespace) -> tuple[str, int, str]:
     if args.model is not None:
         if args.overrides:
             raise ValueError(f"overrides {args.overrides} need a CONFIG (with --model there is no config)")
-        return args.model, args.max_model_len or 2048, args.dtype or VLLMServerConfig.dtype
+        return {"model_dir": args.model, "max_model_len": args.max_model_len or 2048,
+                "dtype": args.dtype or VLLMServerConfig.dtype, "api_key_file": args.api_key_file,
+                "weights_dirs": args.weights_dir or [args.model]}
     from megapo.config import ConfigError, load_config
     from megapo.trainer.config import RunConfig
     from megapo.trainer.engines import server_max_model_len
@@ -54,7 +71,10 @@ def _model_len_dtype(args: argparse.Namespace) -> tuple[str, int, str]:
     cfg = load_config(RunConfig, args.config, args.overrides)
     if cfg.rollout.engine != "vllm":
         raise ConfigError("rollout.engine", f"megapo serve starts vLLM; the config says {cfg.rollout.engine!r}")
-    return cfg.model.path, args.max_model_len or server_max_model_len(cfg), args.dtype or cfg.rollout.dtype
+    return {"model_dir": cfg.model.path, "max_model_len": args.max_model_len or server_max_model_len(cfg),
+            "dtype": args.dtype or cfg.rollout.dtype,
+            "api_key_file": args.api_key_file or cfg.rollout.api_key_file or None,
+            "weights_dirs": args.weights_dir or [cfg.train.output_dir, cfg.model.path]}
 
 
 def _interrupt(signum, frame) -> None:
@@ -63,13 +83,13 @@ def _interrupt(signum, frame) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megapo.config import ConfigError
-    from megapo.engines.server import VLLMServer, VLLMServerConfig
+    from megapo.engines.server import ServerError, VLLMServer, VLLMServerConfig
 
     try:
-        model, max_len, dtype = _model_len_dtype(args)
+        served = _served(args)
         server = VLLMServer(VLLMServerConfig(
-            model, host=args.host, port=args.port, venv=args.venv, dtype=dtype, max_model_len=max_len,
-            kv_cache_gib=args.kv_cache_gib, cpu_cores=args.cpu_cores, log_path=args.log))
+            **served, host=args.host, port=args.port, venv=args.venv, kv_cache_gib=args.kv_cache_gib,
+            cpu_cores=args.cpu_cores, log_path=args.log, allow_remote=args.allow_remote))
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"megapo serve: {exc}", file=sys.stderr)
         return 2
@@ -77,10 +97,17 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         server.start(timeout=args.timeout)
-        print(f"vLLM serving {model} at {server.url} (log: {server.log_path}); Ctrl-C to stop", flush=True)
+        print(f"vLLM serving {served['model_dir']} at {server.url} (API key file: {server.api_key_file}, give "
+              f"it to the trainer as rollout.api_key_file; log: {server.log_path}); Ctrl-C to stop", flush=True)
         while server.process.poll() is None:
             time.sleep(1.0)
         print(f"server exited with code {server.process.returncode}; last log lines:\n{server.tail()}")
+        return 1
+    except ValueError as exc:  # the port was taken between the check and the start
+        print(f"megapo serve: {exc}", file=sys.stderr)
+        return 2
+    except ServerError as exc:
+        print(f"megapo serve: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0

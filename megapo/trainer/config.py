@@ -161,6 +161,9 @@ class RolloutConfig:
     # compute dtype of a vLLM server megapo starts itself (rollout.engine=vllm, no rollout.servers); float32
     # makes the server's log-probs match the learner's to ~1e-6 (tests, mismatch studies)
     dtype: str = "bfloat16"
+    # file holding the API key of the vLLM servers in rollout.servers (the file `megapo serve` was given or
+    # printed; the Slurm template makes one per job); required with vLLM servers, mode 600
+    api_key_file: str = ""
 
 
 @dataclass
@@ -288,6 +291,7 @@ class RunConfig:
                 host, sep, port = server.rpartition(":")
                 if not sep or not host or not port.isdigit():
                     raise ConfigError(f"rollout.servers[{i}]", f"expected host:port, got {server!r}")
+        self._validate_api_key_file()
         if r.n_samples < 1:
             raise ConfigError("rollout.n_samples", f"must be >= 1, got {r.n_samples}")
         if r.n_samples == 1 and needs_group(self.algorithm.advantage):
@@ -403,6 +407,21 @@ class RunConfig:
 
         first = data.check_sources(self)
         rewards.check_reward(self.data.reward, first, self.data.reward_timeout_s, "data.reward")
+
+    def _validate_api_key_file(self) -> None:
+        """vLLM servers (megapo serve) answer only requests with their key: the trainer needs the key file; a
+        file that exists must be private (megapo serve creates a missing one)."""
+        from megapo.engines.auth import read_key_file
+
+        r = self.rollout
+        if r.engine == "vllm" and r.servers and not r.api_key_file:
+            raise ConfigError("rollout.api_key_file", "is required with vLLM rollout.servers: megapo serve's servers "
+                              "refuse requests without their key (the file megapo serve was given or printed)")
+        if r.api_key_file and (r.servers or Path(r.api_key_file).exists()):
+            try:
+                read_key_file(r.api_key_file, "rollout.api_key_file")
+            except (OSError, ValueError) as err:
+                raise ConfigError("rollout.api_key_file", str(err).removeprefix("rollout.api_key_file: ")) from None
 
     def _validate_sft(self) -> None:
         s = self.sft

@@ -28,9 +28,11 @@ def server_max_model_len(cfg: RunConfig) -> int:
 
 def _clients(cfg: RunConfig, model_dir: Path):
     if cfg.rollout.engine == "vllm":
+        from megapo.engines.auth import read_key_file
         from megapo.engines.vllm import VLLMEngine
 
-        return [VLLMEngine(f"http://{s}", config_dir=str(model_dir)) for s in cfg.rollout.servers]
+        key = read_key_file(cfg.rollout.api_key_file, "rollout.api_key_file")
+        return [VLLMEngine(f"http://{s}", config_dir=str(model_dir), api_key=key) for s in cfg.rollout.servers]
     from megapo.engines.sglang import SGLangEngine
 
     return [SGLangEngine(f"http://{s}", config_dir=str(model_dir)) for s in cfg.rollout.servers]
@@ -54,6 +56,8 @@ def build_engine(cfg: RunConfig, model_dir: Path, out_dir: Path):
         for server, client in zip(cfg.rollout.servers, clients):
             if not client.health():
                 raise ConnectionError(f"rollout.servers: {server} does not answer its health check")
+            if kind == "vllm":
+                client.check_access("rollout.api_key_file")
         return clients[0] if len(clients) == 1 else Router(clients)
     if kind == "sglang":
         raise ConfigError("rollout.servers", "rollout.engine=sglang needs running servers (host:port); "
@@ -62,9 +66,12 @@ def build_engine(cfg: RunConfig, model_dir: Path, out_dir: Path):
         from megapo.engines.server import VLLMServer, VLLMServerConfig
         from megapo.engines.vllm import VLLMEngine
 
+        # weights reach it from the run folder (disk sync) or the model folder
         server = VLLMServer(VLLMServerConfig(str(model_dir), host=cfg.rollout.host, dtype=cfg.rollout.dtype,
                                              max_model_len=server_max_model_len(cfg),
-                                             log_path=str(out_dir / "vllm-server.log")))
+                                             log_path=str(out_dir / "vllm-server.log"),
+                                             api_key_file=cfg.rollout.api_key_file or None,
+                                             weights_dirs=[str(out_dir), str(model_dir)]))
         server.start()
         return VLLMEngine(server.url, config_dir=str(model_dir), server=server)
     raise ConfigError("rollout.engine", f"unknown engine {kind!r}")

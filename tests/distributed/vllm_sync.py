@@ -3,7 +3,7 @@ running vLLM server through megapo's Router + VLLMEngine and the disk transport.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/distributed/vllm_sync.py --spec S.json --out R.pt
 
-SPEC: {"url", "model_dir", "disk_dir", "version" (the server's current weight version), "prompts", "n",
+SPEC: {"url", "api_key_file" (the server's key), "model_dir", "disk_dir", "version" (the server's current weight version), "prompts", "n",
        "max_new_tokens", "seed", "batch" (train samples), "lr", "bucket_bytes", "sync_port" (broadcast group)}
 Rank 0 owns the Router. Steps: the server samples from the base weights (`pre`); every rank computes the learner's
 log-probs of those samples; the learner takes one optimizer step; sync_weights(version + 1); the server samples
@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from megapo.config import OptimConfig, ParallelConfig
+from megapo.engines.auth import read_key_file
 from megapo.engines.base import SamplingParams
 from megapo.engines.router import Router
 from megapo.engines.vllm import VLLMEngine
@@ -57,7 +58,8 @@ def main() -> None:
     version = int(spec["version"])
     router = None
     if rank == 0:
-        router = Router([VLLMEngine(spec["url"], weight_version=version, config_dir=spec["model_dir"])],
+        key = read_key_file(spec["api_key_file"])
+        router = Router([VLLMEngine(spec["url"], weight_version=version, config_dir=spec["model_dir"], api_key=key)],
                         weight_version=version)
     params = SamplingParams(n=spec["n"], max_new_tokens=spec["max_new_tokens"], seed=spec["seed"])
 

@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megapo.engines.auth import bearer, read_key_file  # noqa: E402
 from megapo.engines.base import SamplingParams  # noqa: E402
 
 
@@ -77,9 +78,10 @@ class RawLoad:
     """The plainest fast client: concurrent HTTP to /inference/v1/generate with the same bodies megapo sends, one
     kept-alive connection per thread, no megapo code. The reference megapo's client and router must keep up with."""
 
-    def __init__(self, url: str, threads: int = 64):
+    def __init__(self, url: str, threads: int = 64, api_key: str | None = None):
         parts = urlsplit(url)
         self.host, self.port = parts.hostname, parts.port
+        self.headers = {"Content-Type": "application/json", **bearer(api_key)}
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="raw")
         self.local = threading.local()
 
@@ -88,7 +90,7 @@ class RawLoad:
             conn = getattr(self.local, "conn", None) or http.client.HTTPConnection(self.host, self.port, timeout=600)
             self.local.conn = conn
             try:
-                conn.request("POST", "/inference/v1/generate", body, {"Content-Type": "application/json"})
+                conn.request("POST", "/inference/v1/generate", body, self.headers)
                 return json.loads(conn.getresponse().read())
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 conn.close()
@@ -130,10 +132,10 @@ def process_tree_cpu(pid: int | None) -> float:
     return total
 
 
-def engine_steps(url: str) -> float:
+def engine_steps(url: str, api_key: str | None = None) -> float:
     """vLLM's count of engine steps so far (/metrics). Steps per batch show how well a client feeds the server:
     requests that arrive together share every step, staggered ones need extra steps, whatever the CPU load."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+    with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=bearer(api_key)), timeout=30) as r:
         for line in r.read().decode().splitlines():
             if line.startswith("vllm:iteration_tokens_total_count"):
                 return float(line.rsplit(" ", 1)[1])
@@ -156,19 +158,19 @@ def bench_vllm(args, model_dir: str) -> dict:
     from megapo.engines.vllm import VLLMEngine
 
     server = None
-    url = args.url
+    url, key = args.url, read_key_file(args.api_key_file, "--api-key-file") if args.api_key_file else None
     if url is None:
         server = VLLMServer(VLLMServerConfig(model_dir, dtype=args.dtype)).start()
-        url = server.url
+        url, key = server.url, server.api_key
     server_pid = server.process.pid if server is not None else None
     try:
-        raw = RawLoad(url)
-        client = VLLMEngine(url)
-        router = Router([VLLMEngine(url)])  # one request per prompt (all n samples)
-        per_sample = Router([VLLMEngine(url)], samples_per_request=1)
+        raw = RawLoad(url, api_key=key)
+        client = VLLMEngine(url, api_key=key)
+        router = Router([VLLMEngine(url, api_key=key)])  # one request per prompt (all n samples)
+        per_sample = Router([VLLMEngine(url, api_key=key)], samples_per_request=1)
         prompts = make_prompts(args.prompts, args.prompt_len, 500)
         params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, seed=0)
-        control = RawLoad(url)
+        control = RawLoad(url, api_key=key)
         runs = {"raw": lambda: raw.run(prompts, params),
                 # the raw load again (its own pool and connections): an A/A check of the design, whose ratio
                 # should come out 1 up to the noise of the shared CPU
@@ -184,13 +186,13 @@ def bench_vllm(args, model_dir: str) -> dict:
         def measure(name: str) -> dict:
             # CPU seconds per 1000 tokens, of this (client) process and of the server's process tree: megapo's
             # own overhead, and the server work its requests cause
-            steps, sc = engine_steps(url), process_tree_cpu(server_pid)
+            steps, sc = engine_steps(url, key), process_tree_cpu(server_pid)
             t, c = time.perf_counter(), time.process_time()
             tokens = runs[name]()
             wall = time.perf_counter() - t
             return {"way": name, "tokens_per_s": tokens / wall, "client_cpu": 1000 * (time.process_time() - c) / tokens,
                     "server_cpu": 1000 * (process_tree_cpu(server_pid) - sc) / tokens,
-                    "engine_steps": engine_steps(url) - steps}
+                    "engine_steps": engine_steps(url, key) - steps}
 
         # The load of a shared CPU drifts on a scale of seconds, so every run of a megapo way is bracketed by two
         # raw runs (raw, A, raw, B, raw, ...; the ways in a fresh random order each round) and compared with
@@ -247,6 +249,7 @@ def main(argv=None) -> int:
     p.add_argument("--engine", choices=("embedded", "vllm"), default="embedded")
     p.add_argument("--model", help="HF model folder (default: a tiny Qwen3-MoE written to a temp folder)")
     p.add_argument("--url", help="vllm: a running server instead of starting one")
+    p.add_argument("--api-key-file", help="vllm with --url: the server's API key file (megapo serve's)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=16)
