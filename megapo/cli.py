@@ -2,7 +2,8 @@
 
 Each subcommand lives in the module that owns the feature; this file only lists them. A command
 module exposes `add_arguments(parser)` and `run(args) -> int`, and is imported only when its
-command runs, so `megapo objectives` does not pay for importing Megatron.
+command runs, so `megapo objectives` does not pay for importing Megatron. A ConfigError a command
+raises (bad config field, input file, layout) ends as `megapo <command>: <message>` and exit code 2.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from megapo.config import ConfigError
+
+EXIT_BAD_INPUT = 2  # a config or input error, reported before anything is written (docs/CONTRACTS.md)
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -50,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     # INTERMIXED_ARGS: positionals may follow options (`megapo serve CONFIG --port P key=value ...`)
     parse = parser.parse_intermixed_args if getattr(module, "INTERMIXED_ARGS", False) else parser.parse_args
     args = parse(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except ConfigError as err:  # the one error surface for bad configs and inputs (LayoutError, InputError too)
+        print(f"megapo {name}: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -3,14 +3,18 @@
     cfg = load_config(RunConfig, "run.yaml", ["algorithm.objective=ppo", "parallel.tp=2"])
 
 Loading checks types and unknown fields (naming the dotted field and suggesting the closest
-name); cross-field rules live in one `validate()` per config, so every bad input is refused with
-a `ConfigError` naming the field before any process or allocation starts.
+name), that every number is finite (NaN and inf are refused everywhere, option dicts included), and
+the range each field declares with `bounded(default, "> 0")`; cross-field rules live in one
+`validate()` per config, so every bad input is refused with a `ConfigError` naming the field before
+any process or allocation starts. YAML syntax errors name the file (or override) and the line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,7 +29,79 @@ class ConfigError(ValueError):
 
     def __init__(self, field_name: str, message: str):
         self.field = field_name
+        self.message = message
         super().__init__(f"{field_name}: {message}" if field_name else message)
+
+
+class InputError(ConfigError):
+    """An input file is wrong (data, model folder, run folder); `field` is the file (and line, where known)."""
+
+
+# ----------------------------------------------------------------------------- declared ranges
+
+_BOUND = re.compile(r"^(>=|>|<=|<)\s*(\S+)$")  # "> 0", ">= 1"
+_INTERVAL = re.compile(r"^([\[(])\s*([^,]+),\s*([^\])]+)([\])])$")  # "(0, 1]", "[0, 1)"
+
+
+@dataclass(frozen=True)
+class Range:
+    """Allowed values of a number field, written as in math: "> 0", ">= 1", "(0, 1]", "[0, 1)"."""
+
+    text: str
+    note: str = ""  # what a boundary value means, e.g. "0 disables"
+
+    def __post_init__(self) -> None:
+        if not (_BOUND.match(self.text) or _INTERVAL.match(self.text)):
+            raise ValueError(f"range {self.text!r}: expected e.g. '> 0', '>= 1', '(0, 1]' or '[0, 1)'")
+        self.contains(0.0)  # the bounds are numbers: float() raises here, where the field is declared
+
+    def contains(self, value: float) -> bool:
+        bound = _BOUND.match(self.text)
+        if bound:
+            op, limit = bound[1], float(bound[2])
+            return {">": value > limit, ">=": value >= limit, "<": value < limit, "<=": value <= limit}[op]
+        opening, lo, hi, closing = _INTERVAL.match(self.text).groups()
+        above = value > float(lo) if opening == "(" else value >= float(lo)
+        below = value < float(hi) if closing == ")" else value <= float(hi)
+        return above and below
+
+    def check(self, name: str, value) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(name, f"expected a number, got {value!r}")
+        if not self.contains(value):
+            kind = f"in {self.text}" if self.text[0] in "[(" else self.text
+            raise ConfigError(name, f"must be {kind}{f' ({self.note})' if self.note else ''}, got {value!r}")
+
+
+def bounded(default, allowed: str, note: str = ""):
+    """A dataclass field whose value must lie in `allowed` (see Range); the loader and `check_fields` check it."""
+    return field(default=default, metadata={"range": Range(allowed, note)})
+
+
+def check_fields(cfg, prefix: str = "", recursive: bool = True) -> None:
+    """Raise ConfigError naming the first field of dataclass `cfg` (and, recursive, of its sections) that is
+    not finite or outside its declared range. The loader calls it on every section it builds; `validate()`
+    methods call it too, so a config built in Python is held to the same rules."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        name = _join(prefix, f.name)
+        _check_finite(value, name)
+        if "range" in f.metadata:
+            f.metadata["range"].check(name, value)
+        if recursive and dataclasses.is_dataclass(value):
+            check_fields(value, name)
+
+
+def _check_finite(value, name: str) -> None:
+    """NaN and inf are never a meaningful setting (an option that can be off takes null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(name, f"must be a finite number, got {value!r}")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_finite(item, f"{name}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_finite(item, f"{name}[{i}]")
 
 
 # ----------------------------------------------------------------------------- sections shared by
@@ -36,10 +112,10 @@ class ConfigError(ValueError):
 class ParallelConfig:
     """How the learner is split over processes. World size = tp * pp * dp; ep divides tp * dp."""
 
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    dp: int = 1
+    tp: int = bounded(1, ">= 1")
+    pp: int = bounded(1, ">= 1")
+    ep: int = bounded(1, ">= 1")
+    dp: int = bounded(1, ">= 1")
     dispatcher: str = "alltoall"  # MoE token dispatcher: "alltoall" | "allgather"
     distributed_optimizer: bool = False
     recompute: bool = False  # full activation recompute
@@ -50,10 +126,10 @@ class ParallelConfig:
         return self.tp * self.pp * self.dp
 
     def validate(self, prefix: str = "parallel") -> None:
+        check_fields(self, prefix)
         for name in ("tp", "pp", "ep", "dp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{prefix}.{name}", f"must be an integer >= 1, got {value!r}")
+            if not isinstance(getattr(self, name), int):
+                raise ConfigError(f"{prefix}.{name}", f"must be an integer >= 1, got {getattr(self, name)!r}")
         if self.dispatcher not in ("alltoall", "allgather"):
             raise ConfigError(f"{prefix}.dispatcher", f"must be 'alltoall' or 'allgather', got {self.dispatcher!r}")
         if (self.tp * self.dp) % self.ep:
@@ -65,25 +141,22 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
-    min_lr: float = 0.0
+    lr: float = bounded(1e-3, "> 0")
+    min_lr: float = bounded(0.0, ">= 0")
     lr_schedule: str = "constant"  # "constant" | "cosine" | "linear"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
+    warmup_steps: int = bounded(0, ">= 0")
+    weight_decay: float = bounded(0.0, ">= 0")
+    adam_beta1: float = bounded(0.9, "[0, 1)")
+    adam_beta2: float = bounded(0.999, "[0, 1)")
+    adam_eps: float = bounded(1e-8, "> 0")
+    grad_clip: float = bounded(1.0, ">= 0", "0 disables")
 
     def validate(self, prefix: str = "optim") -> None:
-        if not self.lr > 0:
-            raise ConfigError(f"{prefix}.lr", f"must be > 0, got {self.lr}")
+        check_fields(self, prefix)
         if self.lr_schedule not in ("constant", "cosine", "linear"):
             raise ConfigError(f"{prefix}.lr_schedule", f"must be constant, cosine or linear, got {self.lr_schedule!r}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"{prefix}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        if self.grad_clip < 0:
-            raise ConfigError(f"{prefix}.grad_clip", f"must be >= 0 (0 disables), got {self.grad_clip}")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"{prefix}.min_lr", f"{self.min_lr} is above {prefix}.lr={self.lr}")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -96,23 +169,47 @@ def load_config(cls: type, path: str | Path | None = None, overrides: list[str] 
         path = Path(path)
         if not path.is_file():
             raise ConfigError("", f"config file {path} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = _parse_yaml(path)
         if not isinstance(loaded, dict):
             raise ConfigError("", f"{path} must hold a mapping at the top level")
         data = loaded
     for item in overrides or []:
         apply_override(data, item)
-    cfg = from_dict(cls, data)
-    if hasattr(cfg, "validate"):
+    validates = hasattr(cls, "validate")  # then validate() checks the fields, naming them with its own prefix
+    cfg = from_dict(cls, data, check=not validates)
+    if validates:
         cfg.validate()
     return cfg
+
+
+def _parse_yaml(path: Path):
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise InputError(str(path), f"not UTF-8 text (byte {err.start})") from None
+    except yaml.YAMLError as err:
+        raise InputError(_yaml_where(str(path), err), f"not valid YAML: {_yaml_problem(err)}") from None
+
+
+def _yaml_where(source: str, err) -> str:
+    mark = getattr(err, "problem_mark", None)
+    return f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
+
+
+def _yaml_problem(err) -> str:
+    problem = getattr(err, "problem", None)
+    context = getattr(err, "context", None)
+    return " ".join(p for p in (context, problem) if p) or str(err).splitlines()[0]
 
 
 def apply_override(data: dict, item: str) -> None:
     if "=" not in item:
         raise ConfigError(item, "override must look like section.field=value")
     key, raw = item.split("=", 1)
-    value = yaml.safe_load(raw) if raw != "" else ""
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(key, f"value {raw!r} is not valid YAML: {_yaml_problem(err)}") from None
     parts = key.strip().split(".")
     node = data
     for part in parts[:-1]:
@@ -122,8 +219,8 @@ def apply_override(data: dict, item: str) -> None:
     node[parts[-1]] = value
 
 
-def from_dict(cls: type, data: Any, prefix: str = ""):
-    """Recursively build dataclass `cls` from plain data, checking field names and types."""
+def from_dict(cls: type, data: Any, prefix: str = "", check: bool = True):
+    """Recursively build dataclass `cls` from plain data, checking field names, types and (`check`) ranges."""
     if not isinstance(data, dict):
         raise ConfigError(prefix, f"expected a mapping for {cls.__name__}, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
@@ -138,9 +235,12 @@ def from_dict(cls: type, data: Any, prefix: str = ""):
     for name, value in data.items():
         kwargs[name] = _coerce(hints[name], value, _join(prefix, name))
     try:
-        return cls(**kwargs)
+        cfg = cls(**kwargs)
     except TypeError as exc:  # a required field is missing
         raise ConfigError(prefix, str(exc)) from None
+    if check:
+        check_fields(cfg, prefix, recursive=False)  # nested sections were checked when they were built
+    return cfg
 
 
 def to_dict(cfg) -> dict:
@@ -157,6 +257,9 @@ def _coerce(tp, value, name: str):
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        options = [arg for arg in args if arg is not type(None)]
+        if len(options) == 1:  # X | None: X's own error names the field inside it
+            return _coerce(options[0], value, name)
         errors = []
         for arg in args:
             if arg is type(None):

@@ -17,11 +17,18 @@ class LayoutError(ConfigError):
     pass
 
 
-def read_hf_config(model_dir: str | Path) -> dict:
+def read_hf_config(model_dir: str | Path, field_name: str = "model") -> dict:
+    """An HF folder's config.json; LayoutError naming `field_name` and the file when it is absent or not JSON."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise LayoutError("model", f"no config.json in {model_dir}")
-    return json.loads(path.read_text())
+        raise LayoutError(field_name, f"no config.json in {model_dir}")
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise LayoutError(field_name, f"{path} is not valid JSON: {err}") from None
+    if not isinstance(hf, dict):
+        raise LayoutError(field_name, f"{path} must hold a JSON object")
+    return hf
 
 
 def num_experts(hf: dict) -> int:

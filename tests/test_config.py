@@ -236,3 +236,40 @@ def test_train_cli_refuses_bad_config_before_work(tmp_path, capsys):
     assert rc == 2
     assert "rollout.top_p" in capsys.readouterr().err
     assert not out.exists() and not (tmp_path / "m").exists()  # nothing was created
+
+
+# Numbers a run config must refuse, as a user would type them on the command line (YAML: .inf, .nan).
+BAD_NUMBERS = [
+    ("optim.lr=.inf", "optim.lr"), ("optim.lr=-1e-3", "optim.lr"), ("optim.min_lr=.nan", "optim.min_lr"),
+    ("optim.min_lr=1", "optim.min_lr"),  # above optim.lr
+    ("optim.adam_beta1=2", "optim.adam_beta1"), ("optim.adam_beta2=1", "optim.adam_beta2"),
+    ("optim.adam_eps=0", "optim.adam_eps"), ("optim.grad_clip=-1", "optim.grad_clip"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay"), ("optim.warmup_steps=-1", "optim.warmup_steps"),
+    ("algorithm.kl_coef=.nan", "algorithm.kl_coef"), ("algorithm.entropy_coef=.inf", "algorithm.entropy_coef"),
+    ("algorithm.objective_options={eps_low: .nan}", "algorithm.objective_options.eps_low"),
+    ("rollout.temperature=.inf", "rollout.temperature"), ("rollout.top_p=.nan", "rollout.top_p"),
+    ("rollout.max_new_tokens=0", "rollout.max_new_tokens"),
+    ("data.overlong.penalty=-1", "data.overlong.penalty"), ("sft.lr=0", "sft.lr"), ("sft.threshold=1.5", "sft.threshold"),
+    ("train.eval_every=-1", "train.eval_every"), ("train.ckpt_every=-2", "train.ckpt_every"),
+    ("model.tiny.vocab=100", "model.tiny.vocab"), ("model.tiny.topk=9", "model.tiny.topk"),  # 8 experts
+]
+
+
+@pytest.mark.parametrize("override,field", BAD_NUMBERS, ids=[o for o, _ in BAD_NUMBERS])
+def test_bad_numbers_name_their_field(tmp_path, override, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(RunConfig, REPO / "megapo/configs/tiny_moe_addition.yaml", [f"model.path={tmp_path}/new", override])
+    assert err.value.field == field, str(err.value)
+
+
+def test_sglang_without_servers_and_sft_with_servers_are_refused_in_validation(tmp_path, tiny_moe):
+    """Both used to be found only when the engine was built, after the run folder was written."""
+    data = _set(_base(tiny_moe), "rollout.engine", "sglang")
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, data)
+    assert err.value.field == "rollout.servers"
+    _set(data, "rollout.servers", ["127.0.0.1:30000"])
+    _set(data, "sft.enabled", True)
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, data)
+    assert err.value.field == "sft.enabled"

@@ -1,10 +1,11 @@
 """The generic config loader: YAML + dotted overrides -> typed dataclasses, errors name the field."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
-from megapo.config import ConfigError, OptimConfig, ParallelConfig, load_config
+from megapo.config import ConfigError, InputError, OptimConfig, ParallelConfig, Range, bounded, check_fields, load_config
 
 
 @dataclass
@@ -20,6 +21,16 @@ class Outer:
     inner: Inner = field(default_factory=Inner)
     maybe: int | None = None
     flag: bool = False
+    weights: list[float] = field(default_factory=list)
+    opts: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Ranged:
+    share: float = bounded(0.5, "(0, 1]")
+    beta: float = bounded(0.9, "[0, 1)")
+    count: int = bounded(1, ">= 1")
+    every: int = bounded(0, ">= 0", "0 disables")
 
 
 def test_yaml_then_overrides(tmp_path):
@@ -38,7 +49,7 @@ def test_yaml_then_overrides(tmp_path):
     ("flag=1", "flag", "true or false"),
     ("name=[1]", "name", "string"),
     ("inner=5", "inner", "mapping"),
-    ("maybe=x", "maybe", "does not fit"),
+    ("maybe=x", "maybe", "expected an integer"),  # X | None: X's own message
     ("noequals", "noequals", "section.field=value"),
 ])
 def test_errors_name_the_field(override, field_name, words):
@@ -68,3 +79,65 @@ def test_parallel_world_size_and_optim_checks():
     with pytest.raises(ConfigError) as err:
         load_config(OptimConfig, None, ["lr_schedule=step"])
     assert err.value.field == "optim.lr_schedule"
+
+
+@pytest.mark.parametrize("override, field_name", [
+    ("inner.rate=.nan", "inner.rate"), ("inner.rate=.inf", "inner.rate"), ("inner.rate=-.inf", "inner.rate"),
+    ("weights=[1.0, .nan]", "weights[1]"), ("opts={clip: {low: .inf}}", "opts.clip.low"),
+])
+def test_non_finite_numbers_are_refused_anywhere(override, field_name):
+    with pytest.raises(ConfigError) as err:
+        load_config(Outer, None, [override])
+    assert err.value.field == field_name and "finite" in str(err.value)
+
+
+@pytest.mark.parametrize("override, field_name, message", [
+    ("share=0", "share", "must be in (0, 1], got 0.0"),
+    ("share=1.01", "share", "must be in (0, 1], got 1.01"),
+    ("beta=1", "beta", "must be in [0, 1), got 1.0"),
+    ("beta=-0.1", "beta", "must be in [0, 1), got -0.1"),
+    ("count=0", "count", "must be >= 1, got 0"),
+    ("every=-1", "every", "must be >= 0 (0 disables), got -1"),
+])
+def test_declared_ranges_name_the_field_and_the_range(override, field_name, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(Ranged, None, [override])
+    assert err.value.field == field_name and str(err.value) == f"{field_name}: {message}"
+
+
+def test_range_boundaries_that_are_allowed():
+    cfg = load_config(Ranged, None, ["share=1", "beta=0", "count=1", "every=0"])
+    assert (cfg.share, cfg.beta, cfg.count, cfg.every) == (1.0, 0.0, 1, 0)
+
+
+def test_configs_built_in_python_are_held_to_the_same_ranges():
+    with pytest.raises(ConfigError) as err:
+        check_fields(Ranged(share=2.0), "section")
+    assert err.value.field == "section.share"
+    with pytest.raises(ConfigError) as err:
+        OptimConfig(adam_beta2=1.0).validate()
+    assert err.value.field == "optim.adam_beta2"
+    with pytest.raises(ConfigError) as err:
+        OptimConfig(lr=float("nan")).validate()
+    assert err.value.field == "optim.lr"
+
+
+def test_a_range_written_wrong_fails_where_it_is_declared():
+    with pytest.raises(ValueError, match="range '=> 0'"):
+        Range("=> 0")
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("name: a\ninner:\n\twidth: 3\n")  # a tab cannot indent YAML
+    with pytest.raises(InputError) as err:
+        load_config(Outer, path)
+    assert err.value.field == f"{path}:3:1" and "not valid YAML" in str(err.value)
+
+
+def test_non_utf8_config_names_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"name: \xff\xfe\n")
+    with pytest.raises(InputError) as err:
+        load_config(Outer, path)
+    assert err.value.field == str(path) and "UTF-8" in str(err.value)

@@ -1,4 +1,7 @@
-"""`megapo train CONFIG.yaml [section.field=value ...] [--resume]`."""
+"""`megapo train CONFIG.yaml [section.field=value ...] [--resume | --overwrite]`.
+
+A config or run-folder error raises ConfigError, which `megapo` reports as `megapo train: <field>: <message>`
+with exit code 2 before anything is written (docs/CONTRACTS.md, "Error contract")."""
 
 from __future__ import annotations
 
@@ -9,32 +12,31 @@ import logging
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config (YAML), e.g. megapo/configs/tiny_moe_addition.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10 parallel.tp=2")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in output_dir/checkpoints (none: start at step 0)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in train.output_dir from its newest complete checkpoint")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in a used train.output_dir: remove the previous run's checkpoints, metrics "
+                             "and config (not the model folders the config points at; see megapo/trainer/run_dir.py)")
 
 
 def run(args: argparse.Namespace) -> int:
     from megapo.config import load_config
     from megapo.trainer.config import RunConfig
-    from megapo.trainer.loop import train
-
-    import sys
-
-    from megapo.config import ConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    try:
-        cfg = load_config(RunConfig, args.config, args.overrides)  # every config error before any work
-    except ConfigError as exc:
-        print(f"megapo train: config error: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config(RunConfig, args.config, args.overrides)  # every config error before any work
+
+    from megapo.trainer.loop import train
     from megapo.trainer.stop import EXIT_CHECKPOINTED, StopFlag, TrainingStopped
 
     stop = StopFlag()
-    stop.install()  # SIGTERM/SIGUSR1: checkpoint after the current step, exit 75 (slurm/README.md)
+    stop.install()  # SIGTERM/SIGUSR1/SIGINT: checkpoint after the current step, exit 75 (slurm/README.md)
     try:
-        train(cfg, resume=args.resume, stop=stop)
+        train(cfg, resume=args.resume, overwrite=args.overwrite, stop=stop)
     except TrainingStopped as exc:
         logging.getLogger(__name__).warning("megapo train: %s on signal %s; exit %d", exc, stop.signals,
                                             EXIT_CHECKPOINTED)
         return EXIT_CHECKPOINTED
+    finally:
+        stop.uninstall()
     return 0

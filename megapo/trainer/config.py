@@ -11,21 +11,18 @@ the parquet footer.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megapo.config import ConfigError, OptimConfig, ParallelConfig
+from megapo.config import ConfigError, OptimConfig, ParallelConfig, bounded, check_fields
 
-# Objective, advantage, correction, aggregation and KL names come from megapo.algorithms' registry.
-# Advantage estimators whose baseline is the mean of the prompt's group: with one sample per
-# prompt every advantage is 0, so they need n_samples >= 2.
-GROUP_BASELINE_ESTIMATORS = ("reinforce_pp_baseline",)  # plus every estimator of granularity "group"
+# Objective, advantage, correction, aggregation and KL names come from megapo.algorithms' registry
+# (which also says how many samples per prompt an advantage estimator needs: Entry.min_group).
 ROUTING_REPLAY = ("off", "r2", "r3")
 ENGINES = ("embedded", "vllm", "sglang")
 WEIGHT_SYNC = ("tensor", "disk", "broadcast")
-SERVER_DTYPES = ("bfloat16", "float16", "float32")  # rollout.dtype: what vLLM's --dtype takes
+SERVER_DTYPES = ("bfloat16", "float16", "float32")  # rollout.dtype (or auto): what vLLM's --dtype takes
 # Which weight-sync paths `megapo train` drives for each engine: the embedded engine lives in the trainer's
 # process (tensors are handed over directly); servers load from disk, and vLLM servers also receive over
 # `broadcast` (megapo.weights.broadcast: megapo's worker extension joins the learner's group). SGLang's own
@@ -54,11 +51,11 @@ def _check_options(kind: str, name: str, options: dict, field_name: str) -> None
         raise ConfigError(field_name, str(exc).removeprefix("options: ")) from None
 
 
-def needs_group(estimator: str) -> bool:
-    """Whether advantage `estimator` compares samples of one prompt (needs n_samples >= 2)."""
+def min_group(estimator: str) -> int:
+    """The fewest samples per prompt advantage `estimator` is defined for (its registry entry says)."""
     from megapo.algorithms.registry import get
 
-    return get("advantage", estimator).granularity == "group" or estimator in GROUP_BASELINE_ESTIMATORS
+    return get("advantage", estimator).min_group
 
 
 def engine_returns_routes(engine: str) -> tuple[bool, str]:
@@ -82,16 +79,16 @@ class TinyModelConfig:
     """Arguments of megapo.models.tiny.write_tiny_model; the model is written to model.path if absent."""
 
     family: str = "qwen3_moe"
-    layers: int = 2
-    experts: int = 8
-    topk: int = 2
-    hidden: int = 64
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 32
-    ffn: int = 128
-    moe_ffn: int = 128
-    vocab: int = 512
+    layers: int = bounded(2, ">= 1")
+    experts: int = bounded(8, ">= 1")
+    topk: int = bounded(2, ">= 1")
+    hidden: int = bounded(64, ">= 1")
+    heads: int = bounded(4, ">= 1")
+    kv_heads: int = bounded(2, ">= 1")
+    head_dim: int = bounded(32, ">= 1")
+    ffn: int = bounded(128, ">= 1")
+    moe_ffn: int = bounded(128, ">= 1")
+    vocab: int = bounded(512, ">= 300", "256 byte symbols + specials + merges")
     seed: int = 0
 
 
@@ -106,12 +103,12 @@ class SFTConfig:
     """Supervised warm start on the built-in task before RL (see megapo.trainer.sft)."""
 
     enabled: bool = False
-    examples: int = 2000  # fixed training examples (fewer are memorised, more solve the task outright)
-    lr: float = 2e-3
-    batch_size: int = 128
-    threshold: float = 0.2  # stop when validation exact-match reaches this
-    check_every: int = 20
-    max_steps: int = 2000
+    examples: int = bounded(2000, ">= 1")  # fixed training examples (fewer are memorised, more solve the task outright)
+    lr: float = bounded(2e-3, "> 0")
+    batch_size: int = bounded(128, ">= 1")
+    threshold: float = bounded(0.2, "(0, 1]")  # stop when validation exact-match reaches this
+    check_every: int = bounded(20, ">= 1")
+    max_steps: int = bounded(2000, ">= 1")
     seed: int = 0
 
 
@@ -121,10 +118,10 @@ class AlgorithmConfig:
     objective_options: dict[str, Any] = field(default_factory=dict)  # e.g. clip_low, clip_high
     advantage: str = "grpo"
     advantage_options: dict[str, Any] = field(default_factory=dict)
-    loss_agg: str = "token-mean"
-    kl_coef: float = 0.0
+    loss_agg: str = "auto"  # auto: the objective's paper aggregation (`megapo objectives` lists each)
+    kl_coef: float = bounded(0.0, ">= 0")
     kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
+    entropy_coef: float = bounded(0.0, ">= 0")
     mismatch: str = "none"  # rollout/learner mismatch correction: none or a correction name (megapo objectives)
     mismatch_options: dict[str, Any] = field(default_factory=dict)
     # π_old of the objective's ratio. learner: recomputed by the learner before the update (its clip bounds
@@ -147,30 +144,38 @@ class RolloutConfig:
     engine: str = "embedded"
     servers: list[str] = field(default_factory=list)  # host:port of running vLLM/SGLang servers
     host: str = "127.0.0.1"
-    n_samples: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
+    n_samples: int = bounded(8, ">= 1")
+    temperature: float = bounded(1.0, "> 0")
+    top_p: float = bounded(1.0, "(0, 1]")
+    max_new_tokens: int = bounded(64, ">= 1")
     weight_sync: str = "tensor"
-    bucket_mb: int = 512
+    bucket_mb: int = bounded(512, ">= 1")
     # broadcast: where the servers' workers meet the learner's stage roots (host: an address of the learner's
     # rank-0 node the servers can reach, set by the Slurm templates; port 0: a free one picked at start;
     # stage s uses port + s)
     sync_host: str = "127.0.0.1"
-    sync_port: int = 0
-    # compute dtype of a vLLM server megapo starts itself (rollout.engine=vllm, no rollout.servers); float32
-    # makes the server's log-probs match the learner's to ~1e-6 (tests, mismatch studies)
-    dtype: str = "bfloat16"
+    sync_port: int = bounded(0, "[0, 65535]", "0: a free port")
+    # compute dtype of the embedded engine and of a vLLM server megapo starts itself (rollout.engine=vllm, no
+    # rollout.servers); auto: float32 for the embedded engine (its log-probs and routes match the learner's),
+    # bfloat16 for vLLM. float32 makes a server's log-probs match the learner's to ~1e-6 (tests, mismatch
+    # studies); a lower one makes a real train-inference mismatch for the embedded engine.
+    dtype: str = "auto"
     # file holding the API key of the vLLM servers in rollout.servers (the file `megapo serve` was given or
     # printed; the Slurm template makes one per job); required with vLLM servers, mode 600
     api_key_file: str = ""
+
+    def compute_dtype(self) -> str:
+        """rollout.dtype with auto resolved for this engine."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.engine == "embedded" else "bfloat16"
 
 
 @dataclass
 class OverlongConfig:
     enabled: bool = False
-    buffer: int = 16  # tokens before max_new_tokens where the penalty starts
-    penalty: float = 1.0
+    buffer: int = bounded(16, ">= 1")  # tokens before max_new_tokens where the penalty starts
+    penalty: float = bounded(1.0, ">= 0")
 
 
 @dataclass
@@ -181,13 +186,13 @@ class DataConfig:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     chat_template: bool = False
-    max_prompt_tokens: int = 512
-    prompts_per_step: int = 64
+    max_prompt_tokens: int = bounded(512, ">= 1")
+    prompts_per_step: int = bounded(64, ">= 1")
     dynamic_sampling: bool = False
-    max_sampling_rounds: int = 4  # dynamic sampling: rounds of refills before training on fewer groups
+    max_sampling_rounds: int = bounded(4, ">= 1")  # dynamic sampling: rounds of refills before training on fewer groups
     reward: str = "exact_match"
     # a reward call that takes longer fails (0: no limit, and the reward runs in the caller's thread)
-    reward_timeout_s: float = 60.0
+    reward_timeout_s: float = bounded(60.0, ">= 0", "0: no limit")
     # a reward that raises, times out or returns no finite number: fail (stop, naming the reward and the
     # sample) | zero (score it 0 and count it in the metric reward/errors)
     reward_errors: str = "fail"
@@ -196,21 +201,24 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
-    updates_per_rollout: int = 1  # passes over each rollout batch
-    mini_batches: int = 1  # optimizer steps per pass
-    micro_batch_tokens: int = 4096
+    steps: int = bounded(100, ">= 1")
+    updates_per_rollout: int = bounded(1, ">= 1")  # passes over each rollout batch
+    mini_batches: int = bounded(1, ">= 1")  # optimizer steps per pass
+    micro_batch_tokens: int = bounded(4096, ">= 1")  # tokens per micro-batch: rows x row width
+    # width of a packed row (megapo/learner/packing.py): 0 the batch's longest sequence; a sequence longer
+    # than it gets a row of its own (1: one sequence per row)
+    row_tokens: int = bounded(0, ">= 0", "0: the longest sequence")
     mode: str = "sync"
-    staleness: int = 1  # async: the newest rollouts may come from weights this many versions old
+    staleness: int = bounded(1, ">= 0")  # async: the newest rollouts may come from weights this many versions old
     # async with algorithm.old_policy=learner: the correction (π_old/μ weights, megapo objectives) used when
     # algorithm.mismatch is none -- stale rollouts are off-policy. With old_policy=engine (the async default)
     # the objective's clipped ratio π_θ/μ is the correction, and this must stay "auto" or "none".
     async_correction: str = "auto"
     seed: int = 0
-    eval_every: int = 50
-    eval_prompts: int = 1000
-    ckpt_every: int = 0  # 0: only at the end
-    keep_last: int = 2
+    eval_every: int = bounded(50, ">= 0", "0 disables")
+    eval_prompts: int = bounded(1000, ">= 0")
+    ckpt_every: int = bounded(0, ">= 0", "0: only at the end")
+    keep_last: int = bounded(2, ">= 1")
     output_dir: str = "runs/run"
     log: list[str] = field(default_factory=lambda: ["jsonl"])
 
@@ -243,6 +251,7 @@ class RunConfig:
 
     def validate(self) -> None:
         """All cross-field rules; the first violated one raises ConfigError naming its field."""
+        check_fields(self)  # finite numbers in their declared ranges (the loader checked them already)
         self.parallel.validate()
         self.optim.validate()
         self._validate_algorithm()
@@ -261,15 +270,11 @@ class RunConfig:
                                        ("advantage", a.advantage, "algorithm.advantage"),
                                        ("aggregation", a.loss_agg, "algorithm.loss_agg"),
                                        ("kl", a.kl_estimator, "algorithm.kl_estimator")):
-            known = _registry_names(kind)
+            known = _registry_names(kind) + (["auto"] if kind == "aggregation" else [])
             if name not in known:
                 raise ConfigError(field_name, f"unknown {kind} {name!r}; known: {', '.join(known)}")
         _check_options("objective", a.objective, a.objective_options, "algorithm.objective_options")
         _check_options("advantage", a.advantage, a.advantage_options, "algorithm.advantage_options")
-        if a.kl_coef < 0:
-            raise ConfigError("algorithm.kl_coef", f"must be >= 0, got {a.kl_coef}")
-        if a.entropy_coef < 0:
-            raise ConfigError("algorithm.entropy_coef", f"must be >= 0, got {a.entropy_coef}")
         if a.mismatch != "none":
             known = _registry_names("correction")
             if a.mismatch not in known:
@@ -286,34 +291,25 @@ class RunConfig:
         r = self.rollout
         if r.engine not in ENGINES:
             raise ConfigError("rollout.engine", f"unknown engine {r.engine!r}; choose from {', '.join(ENGINES)}")
+        if r.engine == "sglang" and not r.servers:
+            raise ConfigError("rollout.servers", "rollout.engine=sglang needs running servers (host:port); megapo "
+                              "starts only vLLM servers itself")
         if r.engine != "embedded":
             for i, server in enumerate(r.servers):
                 host, sep, port = server.rpartition(":")
                 if not sep or not host or not port.isdigit():
                     raise ConfigError(f"rollout.servers[{i}]", f"expected host:port, got {server!r}")
         self._validate_api_key_file()
-        if r.n_samples < 1:
-            raise ConfigError("rollout.n_samples", f"must be >= 1, got {r.n_samples}")
-        if r.n_samples == 1 and needs_group(self.algorithm.advantage):
+        if r.n_samples < min_group(self.algorithm.advantage):
             raise ConfigError("rollout.n_samples", f"advantage {self.algorithm.advantage!r} compares samples within a "
-                              "group; it needs n_samples >= 2, got 1")
-        if not r.temperature > 0:
-            raise ConfigError("rollout.temperature", f"must be > 0, got {r.temperature}")
-        if not 0 < r.top_p <= 1:
-            raise ConfigError("rollout.top_p", f"must be in (0, 1], got {r.top_p}")
-        if r.max_new_tokens < 1:
-            raise ConfigError("rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
+                              f"group; it needs n_samples >= {min_group(self.algorithm.advantage)}, got {r.n_samples}")
         if r.weight_sync not in WEIGHT_SYNC:
             raise ConfigError("rollout.weight_sync", f"must be one of {', '.join(WEIGHT_SYNC)}, got {r.weight_sync!r}")
         if r.weight_sync not in ENGINE_SYNC[r.engine]:
             raise ConfigError("rollout.weight_sync", f"engine {r.engine!r} supports {', '.join(ENGINE_SYNC[r.engine])}, "
                               f"not {r.weight_sync!r}")
-        if r.bucket_mb <= 0:
-            raise ConfigError("rollout.bucket_mb", f"must be > 0, got {r.bucket_mb}")
-        if r.dtype not in SERVER_DTYPES:
-            raise ConfigError("rollout.dtype", f"must be one of {', '.join(SERVER_DTYPES)}, got {r.dtype!r}")
-        if not 0 <= r.sync_port < 65536:
-            raise ConfigError("rollout.sync_port", f"must be in 0..65535 (0: a free port), got {r.sync_port}")
+        if r.dtype not in ("auto",) + SERVER_DTYPES:
+            raise ConfigError("rollout.dtype", f"must be auto or one of {', '.join(SERVER_DTYPES)}, got {r.dtype!r}")
         if self.algorithm.routing_replay == "r3":
             ok, why = engine_returns_routes(r.engine)
             if not ok:
@@ -321,12 +317,6 @@ class RunConfig:
 
     def _validate_train(self) -> None:
         t = self.train
-        if t.steps <= 0:
-            raise ConfigError("train.steps", f"must be > 0, got {t.steps}")
-        if t.updates_per_rollout < 1:
-            raise ConfigError("train.updates_per_rollout", f"must be >= 1, got {t.updates_per_rollout}")
-        if t.mini_batches < 1:
-            raise ConfigError("train.mini_batches", f"must be >= 1, got {t.mini_batches}")
         if self.data.prompts_per_step % t.mini_batches:
             raise ConfigError("train.mini_batches", f"must divide data.prompts_per_step={self.data.prompts_per_step} "
                               "(a mini-batch holds whole groups)")
@@ -334,10 +324,11 @@ class RunConfig:
         if t.micro_batch_tokens < seq_len:
             raise ConfigError("train.micro_batch_tokens", f"{t.micro_batch_tokens} cannot hold one sequence of up to "
                               f"max_prompt_tokens + max_new_tokens = {seq_len} tokens")
+        if t.row_tokens > t.micro_batch_tokens:
+            raise ConfigError("train.row_tokens", f"{t.row_tokens} is wider than a micro-batch "
+                              f"(train.micro_batch_tokens={t.micro_batch_tokens})")
         if t.mode not in MODES:
             raise ConfigError("train.mode", f"must be sync or async, got {t.mode!r}")
-        if t.staleness < 0:
-            raise ConfigError("train.staleness", f"must be >= 0, got {t.staleness}")
         if t.async_correction not in ("auto", "none") and t.async_correction not in _registry_names("correction"):
             raise ConfigError("train.async_correction", f"unknown correction {t.async_correction!r}; known: auto, none, "
                               f"{', '.join(_registry_names('correction'))}")
@@ -350,16 +341,9 @@ class RunConfig:
                 raise ConfigError("algorithm.mismatch", "with algorithm.old_policy=engine the objective's ratio is "
                                   "taken against the engine's log-probs, so π_old/μ is 1; use none, or set "
                                   "algorithm.old_policy=learner")
-        if t.eval_every < 0:
-            raise ConfigError("train.eval_every", f"must be >= 0 (0 disables), got {t.eval_every}")
-        if t.eval_prompts < 0:
-            raise ConfigError("train.eval_prompts", f"must be >= 0, got {t.eval_prompts}")
-        if t.ckpt_every < 0:
-            raise ConfigError("train.ckpt_every", f"must be >= 0 (0: only at the end), got {t.ckpt_every}")
-        if t.keep_last < 1:
-            raise ConfigError("train.keep_last", f"must be >= 1, got {t.keep_last}")
         if not t.output_dir:
             raise ConfigError("train.output_dir", "must be set")
+        _check_creatable_dir(t.output_dir, "train.output_dir")
         for i, backend in enumerate(t.log):
             if backend not in LOG_BACKENDS:
                 raise ConfigError(f"train.log[{i}]", f"unknown backend {backend!r}; choose from {', '.join(LOG_BACKENDS)}")
@@ -368,16 +352,10 @@ class RunConfig:
         from megapo.trainer import data, rewards
 
         d = self.data
-        if d.prompts_per_step < 1:
-            raise ConfigError("data.prompts_per_step", f"must be >= 1, got {d.prompts_per_step}")
         if d.prompts_per_step % self.parallel.dp:
             raise ConfigError("data.prompts_per_step", f"{d.prompts_per_step} is not divisible by parallel.dp={self.parallel.dp}")
-        if d.max_prompt_tokens < 1:
-            raise ConfigError("data.max_prompt_tokens", f"must be >= 1, got {d.max_prompt_tokens}")
         if d.dynamic_sampling and self.rollout.n_samples < 2:
             raise ConfigError("data.dynamic_sampling", "drops groups whose samples agree; needs rollout.n_samples >= 2")
-        if d.max_sampling_rounds < 1:
-            raise ConfigError("data.max_sampling_rounds", f"must be >= 1, got {d.max_sampling_rounds}")
         if d.overlong.enabled and not 0 < d.overlong.buffer < self.rollout.max_new_tokens:
             raise ConfigError("data.overlong.buffer", f"must be in (0, rollout.max_new_tokens={self.rollout.max_new_tokens}), "
                               f"got {d.overlong.buffer}")
@@ -393,8 +371,6 @@ class RunConfig:
                                   f"got {self.train.eval_prompts}")
         elif not d.train_files:
             raise ConfigError("data.train_files", "no data: set data.task or data.train_files")
-        if not (math.isfinite(d.reward_timeout_s) and d.reward_timeout_s >= 0):
-            raise ConfigError("data.reward_timeout_s", f"must be a finite number >= 0 (0: no limit), got {d.reward_timeout_s}")
         if d.reward_errors not in rewards.REWARD_ERRORS:
             raise ConfigError("data.reward_errors", f"must be one of {', '.join(rewards.REWARD_ERRORS)}, "
                               f"got {d.reward_errors!r}")
@@ -429,32 +405,32 @@ class RunConfig:
             return
         if not self.data.task:
             raise ConfigError("sft.enabled", "the warm start trains on a built-in task; set data.task")
-        for name in ("examples", "batch_size", "check_every", "max_steps"):
-            if getattr(s, name) < 1:
-                raise ConfigError(f"sft.{name}", f"must be >= 1, got {getattr(s, name)}")
-        if not s.lr > 0:
-            raise ConfigError("sft.lr", f"must be > 0, got {s.lr}")
-        if not 0 < s.threshold <= 1:
-            raise ConfigError("sft.threshold", f"must be in (0, 1], got {s.threshold}")
+        if self.rollout.servers:  # the servers loaded model.path, not the warm-started copy the learner starts from
+            raise ConfigError("sft.enabled", "rollout.servers serve model.path; run the warm start first and point "
+                              "model.path at its output (or leave rollout.servers empty)")
 
     def _validate_model(self) -> None:
-        from megapo.layout import check_layout, num_experts
+        from megapo.layout import check_layout, num_experts, read_hf_config
 
         m = self.model
         if not m.path:
             raise ConfigError("model.path", "must be set (an HF folder, or where model.tiny writes one)")
         path = Path(m.path)
         if not (path / "config.json").is_file():
-            if m.tiny is not None:
-                hf = tiny_hf_config(m.tiny)  # the model will be created: check the layout against its shape
-            else:
+            if m.tiny is None:
                 raise ConfigError("model.path", f"{m.path} has no config.json (and no model.tiny block to create one)")
+            _check_creatable_dir(m.path, "model.path")
+            hf = tiny_hf_config(m.tiny)  # the model will be created: check the layout against its shape
+            where = "model.tiny"
         else:
-            hf = json.loads((path / "config.json").read_text())
+            hf = read_hf_config(path, "model.path")
+            where = str(path / "config.json")
             if not any((path / f).is_file() for f in TOKENIZER_FILES):
                 raise ConfigError("model.path", f"{m.path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
             if self.data.chat_template and not _has_chat_template(path):
                 raise ConfigError("data.chat_template", f"the tokenizer in {m.path} has no chat template")
+        learner_spec(hf, where)
+        self._check_torch_model(hf, where)
         check_layout(self.parallel, hf)
         if self.rollout.engine == "vllm" and not self.rollout.servers:  # megapo starts the server here
             from megapo.engines.server import check_servable_here
@@ -465,6 +441,52 @@ class RunConfig:
                 raise ConfigError("rollout.engine", str(err)) from None
         if self.algorithm.routing_replay != "off" and not num_experts(hf):
             raise ConfigError("algorithm.routing_replay", "routing replay needs an MoE model; this one is dense")
+
+    def _check_torch_model(self, hf: dict, where: str) -> None:
+        """The embedded engine and the KL reference run megapo's in-process PyTorch model, which knows fewer
+        families than the learner (no llama): refuse here, not after the learner is built."""
+        users = {"rollout.engine": self.rollout.engine == "embedded", "algorithm.kl_coef": self.algorithm.kl_coef > 0}
+        field_name = next((name for name, uses in users.items() if uses), None)
+        if field_name is None:
+            return
+        from megapo.engines.torch_lm import ModelSpec
+
+        try:
+            ModelSpec.from_config(hf)
+        except (ValueError, KeyError) as err:
+            why = err.args[0] if isinstance(err, ValueError) else f"it has no field {err}"
+            user = "the embedded engine" if field_name == "rollout.engine" else "the KL reference policy"
+            raise ConfigError(field_name, f"{user} runs megapo's PyTorch model, which cannot run {where}: {why}") from None
+
+
+def _check_creatable_dir(path: str, field_name: str) -> None:
+    """`path` is a folder, or one can be made there: no file in its place or above it."""
+    p = Path(path)
+    for existing in (p, *p.parents):
+        if existing.exists():
+            if not existing.is_dir():
+                what = "is a file" if existing == p else f"lies under {existing}, which is a file"
+                raise ConfigError(field_name, f"{path} {what}; it must be a folder")
+            return
+
+
+def learner_spec(hf: dict, where: str):
+    """The learner's ModelSpec of `hf` (config.json at `where`), or ConfigError saying why the learner cannot
+    train it: an unknown model_type, a missing field, or an MoE config under a dense family (e.g. llama)."""
+    from megapo.layout import num_experts
+    from megapo.models.family import family_for
+
+    try:
+        spec = family_for(hf).spec(hf)
+    except ConfigError as err:
+        raise ConfigError("model.path", f"{where}: {err.message}") from None
+    except KeyError as err:
+        raise ConfigError("model.path", f"{where}: model_type {hf.get('model_type')!r} needs field {err}") from None
+    if num_experts(hf) and not spec.num_experts:
+        raise ConfigError("model.path", f"{where}: model_type {hf.get('model_type')!r} is a dense family, but the config "
+                          f"declares {num_experts(hf)} experts; an MoE model needs its MoE model_type "
+                          "(qwen3_moe, mixtral)")
+    return spec
 
 
 def _has_chat_template(path: Path) -> bool:
@@ -480,6 +502,8 @@ def tiny_hf_config(t: TinyModelConfig) -> dict:
 
     if t.family not in FAMILIES:
         raise ConfigError("model.tiny.family", f"must be one of {', '.join(FAMILIES)}, got {t.family!r}")
+    if t.family != "qwen2" and t.topk > t.experts:
+        raise ConfigError("model.tiny.topk", f"must be at most model.tiny.experts={t.experts}, got {t.topk}")
     return build_config(t.family, vocab_size=t.vocab, hidden=t.hidden, layers=t.layers, experts=t.experts,
                         topk=t.topk, heads=t.heads, kv_heads=t.kv_heads, head_dim=t.head_dim, ffn=t.ffn,
                         moe_ffn=t.moe_ffn, eos_id=0, pad_id=0).to_dict()  # token ids do not matter here

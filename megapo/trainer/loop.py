@@ -4,7 +4,8 @@ One step (sync mode):
     prompts ─► engine.generate (n samples each, log-probs, routes for R3)
             ─► rewards (+ overlong shaping) ─► dynamic sampling (drop equal-reward groups, refill)
             ─► advantages (megapo.algorithms) ─► learner old log-probs (R2 records routes, R3 replays
-               the engine's) ─► reference log-probs when kl_coef > 0
+               the engine's; none when on-policy: then the train forward gives π_old and the routing
+               metrics) ─► reference log-probs when kl_coef > 0
             ─► learner.train_step per mini-batch ─► weight sync learner.hf_state_dict() → engine
             ─► metrics ─► held-out eval / checkpoint
 
@@ -14,7 +15,6 @@ computes rewards and writes files, and broadcasts each step's train batch to the
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -128,7 +128,9 @@ def train_samples(groups: list[Group], cfg: RunConfig) -> list[dict]:
 
     n = cfg.rollout.n_samples
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
-    adv = compute_advantages(cfg.algorithm.advantage, rewards, group_size=n, **cfg.algorithm.advantage_options)
+    lengths = torch.tensor([[len(s.output_ids) for s in g.samples] for g in groups])  # token-weighted estimators
+    adv = compute_advantages(cfg.algorithm.advantage, rewards, group_size=n, lengths=lengths,
+                             **cfg.algorithm.advantage_options)
     out = []
     for gi, g in enumerate(groups):
         for si, s in enumerate(g.samples):
@@ -151,8 +153,17 @@ def old_logprob_pass(learner, batch: list[dict], cfg: RunConfig, measure_free_kl
     for sample, lp in zip(batch, logps):
         sample["old_logp"] = lp.tolist()
     if measure_free_kl and cfg.algorithm.routing_replay != "off" and all("rollout_logp" in s for s in batch):
-        metrics.update(mismatch_kl(learner, batch, logps))
+        free = logps if cfg.algorithm.routing_replay == "r2" else None  # r2's pass routed freely already
+        metrics.update(mismatch_kl(learner, batch, logps, free_logps=free))
     return metrics
+
+
+def on_policy(cfg: RunConfig, learner) -> bool:
+    """Whether π_old is the policy being trained (one update on one mini-batch, π_old from the learner): the
+    train forward then is the old-log-prob pass too (megapo.replay.modes.on_policy_step). A learner without
+    train_step_on_policy gets the separate pass."""
+    return (cfg.train.updates_per_rollout == 1 and cfg.train.mini_batches == 1 and cfg.old_policy() == "learner"
+            and hasattr(learner, "train_step_on_policy"))
 
 
 def use_engine_logprobs(batch: list[dict]) -> dict:
@@ -303,10 +314,16 @@ def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig) ->
 def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, options: dict, timer: StepTimer,
                   measure_free_kl: bool = False) -> dict:
     """All ranks: advantages, old (and reference) log-probs, then the optimizer steps on mini-batches."""
+    from megapo.replay.modes import free_logprobs, on_policy_step
+
     metrics: dict[str, float] = {}
     batch = train_samples(groups, cfg)
+    fused, free = on_policy(cfg, learner), None
     with timer("old_logp"):
-        metrics.update(old_logprob_pass(learner, batch, cfg, measure_free_kl))
+        if not fused:
+            metrics.update(old_logprob_pass(learner, batch, cfg, measure_free_kl))
+        elif measure_free_kl:  # the KL without replay needs free routing before the update (a pass under r3)
+            free = free_logprobs(learner, batch, cfg.algorithm.routing_replay)
     if cfg.old_policy() == "engine":
         metrics.update(use_engine_logprobs(batch))
     if cfg.algorithm.kl_coef:
@@ -317,7 +334,12 @@ def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, optio
     with timer("train"):
         per_mb = max(1, len(groups) // cfg.train.mini_batches) * cfg.rollout.n_samples  # whole groups
         last: dict = {}
-        for _ in range(cfg.train.updates_per_rollout):
+        if fused:  # one update on the whole batch, π_old from its own forward
+            last, old_pass = on_policy_step(learner, batch, cfg.algorithm.routing_replay, cfg.algorithm.objective,
+                                            cfg.algorithm.loss_agg, measure_kl=measure_free_kl, free_logps=free,
+                                            **options)
+            metrics.update(old_pass)
+        for _ in range(0 if fused else cfg.train.updates_per_rollout):
             for lo in range(0, len(batch), per_mb):
                 last = learner.train_step(batch[lo:lo + per_mb], cfg.algorithm.objective, cfg.algorithm.loss_agg,
                                           **options)
@@ -345,25 +367,30 @@ def build_learner(cfg: RunConfig, model_dir: Path):
     from megapo.learner.learner import Learner
 
     return Learner(model_dir, cfg.parallel, cfg.optim, seed=cfg.train.seed,
-                   micro_batch_tokens=cfg.train.micro_batch_tokens,
+                   micro_batch_tokens=cfg.train.micro_batch_tokens, row_tokens=cfg.train.row_tokens,
                    total_steps=cfg.train.steps * cfg.train.updates_per_rollout * cfg.train.mini_batches,
                    routing_replay=cfg.algorithm.routing_replay != "off")
 
 
-def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, print_fn=print, stop=None) -> dict:
+def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, learner=None, engine=None,
+          print_fn=print, stop=None) -> dict:
     """Run RL as configured; return the last metrics row. `learner`/`engine` may be passed in (tests).
-    `stop` (megapo.trainer.stop.StopFlag): when set on any rank, every rank saves a checkpoint after the
-    current step and raises TrainingStopped."""
+    `resume` / `overwrite`: what to do with a previous run in train.output_dir (megapo.trainer.run_dir; a
+    ConfigError before anything is written when neither fits). `stop` (megapo.trainer.stop.StopFlag): when
+    set on any rank, every rank saves a checkpoint after the current step and raises TrainingStopped."""
     from transformers import AutoTokenizer
 
     from megapo.engines.base import SamplingParams
-    from megapo.trainer import data
+    from megapo.trainer import data, run_dir
     from megapo.trainer.eval import evaluate
 
-    out_dir = Path(cfg.train.output_dir)
-    if _rank() == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    start = run_dir.plan_start(cfg, resume=resume, overwrite=overwrite)  # reads only: refusals come before any write
+    if start.step == cfg.train.steps:
+        log.warning("--resume: %s is at train.steps=%d already; nothing to do", start.checkpoint, start.step)
+        return {}
+    out_dir = start.out_dir
+    if run_dir.is_launch_rank0():  # torch.distributed is not initialised yet
+        run_dir.begin(start)
     model_dir = prepare_model(cfg, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # prompts and reward before the learner and engine exist: a prompt set of which none fits is refused
@@ -382,7 +409,7 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
         transport = make_transport(cfg, out_dir, model_dir, learner, engine)
         start_step, version = 0, 0
         ckpt_root = out_dir / "checkpoints"
-        latest = ckpt.latest_checkpoint(ckpt_root) if resume else None
+        latest = start.checkpoint
         if latest is not None:
             state = ckpt.load_checkpoint(latest, learner.load, rank=_rank(), model_dir=model_dir)  # verified first
             if engine is not None and "engine" in ckpt.rng_extra(latest):  # sample as the unstopped run would
@@ -393,6 +420,8 @@ def train(cfg: RunConfig, *, resume: bool = False, learner=None, engine=None, pr
                 sync_weights(learner, engine, version, cfg, transport)
             log.info("resumed from %s (step %d)", latest, start_step)
 
+        if _rank() == 0:  # the run has started (a resume has loaded its checkpoint): metrics rows, config.json
+            run_dir.started(start, cfg)
         logger = MetricsLogger(out_dir, cfg.train.log, asdict(cfg), cfg.train.steps, print_fn) if _rank() == 0 else None
         params = SamplingParams(n=cfg.rollout.n_samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                 max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,),

@@ -1,7 +1,8 @@
 """Stopping early on a signal (slurm/README.md, "Stopping: the trainer's contract").
 
-SIGTERM / SIGUSR1 only set a flag. The first one is enough: from then on both are ignored, by this process
-and by every process it starts while it saves (an ignored signal stays ignored in children). They do arrive
+SIGTERM / SIGUSR1 / SIGINT (Ctrl-C) only set a flag. The first one is enough: from then on all three are ignored,
+by this process and by every process it starts while it saves (an ignored signal stays ignored in children), and
+a line on stderr says so (a second Ctrl-C does not abort: SIGKILL does, losing the step). They do arrive
 again: Slurm signals every process of the step and torchrun then sends SIGTERM to the worker's whole process
 group, which would kill the helper process Megatron's checkpoint writer spawns, and the save with it.
 The loop asks `StopFlag.agreed()` at every step boundary: an all-reduce of the flag, so every rank
@@ -11,13 +12,15 @@ then exits with EXIT_CHECKPOINTED (75) and a rerun with `--resume` continues at 
 
 from __future__ import annotations
 
+import os
 import signal
 from dataclasses import dataclass, field
 
 import torch
 
 EXIT_CHECKPOINTED = 75  # = launch.slurm.EXIT_CHECKPOINTED (EX_TEMPFAIL: stopped early, try again)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# SIGINT: a terminal sends it to the whole foreground process group, like torchrun's SIGTERM
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class TrainingStopped(Exception):
@@ -33,18 +36,27 @@ class StopFlag:
     requested: bool = False
     signals: list[int] = field(default_factory=list)  # what arrived, for the log
     _installed: tuple = field(default=(), repr=False)
+    _previous: dict = field(default_factory=dict, repr=False)
 
     def install(self, signals=STOP_SIGNALS) -> None:
         """Main thread only (Python delivers signals there)."""
         self._installed = tuple(signals)
         for sig in signals:
-            signal.signal(sig, self._handle)
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        """Give the signals back their handlers from before `install` (the run is over)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
         self.signals.append(signum)
         for sig in self._installed:  # the stop is decided: later signals must not reach the save's helpers
             signal.signal(sig, signal.SIG_IGN)
+        os.write(2, f"megapo: {signal.Signals(signum).name}: stopping after the current step with a checkpoint "
+                    f"(exit {EXIT_CHECKPOINTED}); further stop signals are ignored\n".encode())
 
     def agreed(self) -> bool:
         """True on every rank when any rank was asked to stop (collective when distributed)."""
