@@ -44,12 +44,71 @@ def test_rloo():
         assert row == pytest.approx(expected, rel=1e-12, abs=1e-15)
 
 
-def test_reinforce_pp_baseline():
-    a = compute_advantages("reinforce_pp_baseline", _t(REWARDS), eps=1e-8)
+def test_reinforce_pp_baseline_whitened_over_responses():
+    a = compute_advantages("reinforce_pp_baseline", _t(REWARDS), eps=1e-8, whiten="response", unbiased=True)
     centred = [r - statistics.mean(g) for g in REWARDS for r in g]
     mu, sd = statistics.mean(centred), statistics.stdev(centred)
     assert [x for row in a.tolist() for x in row] == pytest.approx(
         [(c - mu) / (sd + 1e-8) for c in centred], rel=1e-10, abs=1e-12)
+
+
+LENGTHS = [[3, 1, 7, 2], [5, 5, 1, 4], [2, 9, 3, 6]]  # response tokens of each sample of REWARDS
+
+
+def test_reinforce_pp_baseline_whitens_over_tokens_by_default():
+    """OpenRLHF's reinforce_baseline: the group-centred return sits on every response token, and the
+    tokens of the whole batch are whitened (population variance): a response counts once per token."""
+    a = compute_advantages("reinforce_pp_baseline", _t(REWARDS), lengths=torch.tensor(LENGTHS), eps=0.0)
+    centred = [[r - statistics.mean(g) for r in g] for g in REWARDS]
+    tokens = [c for row, lens in zip(centred, LENGTHS) for c, n in zip(row, lens) for _ in range(n)]
+    mu, sd = statistics.mean(tokens), statistics.pstdev(tokens)
+    assert a.flatten().tolist() == pytest.approx([(c - mu) / sd for row in centred for c in row], rel=1e-12)
+    by_response = compute_advantages("reinforce_pp_baseline", _t(REWARDS), eps=0.0, whiten="response")
+    assert not torch.allclose(a, by_response)  # the lengths matter: the two forms differ here
+    flat = compute_advantages("reinforce_pp_baseline", _t(REWARDS).flatten(), group_size=4,
+                              lengths=torch.tensor(LENGTHS).flatten(), eps=0.0)
+    assert torch.allclose(flat, a.flatten(), rtol=1e-12, atol=0)
+
+
+def test_token_whitening_needs_lengths():
+    with pytest.raises(ValueError, match=r"^lengths: .*whiten='response'"):
+        compute_advantages("reinforce_pp_baseline", _t(REWARDS))
+    with pytest.raises(ValueError, match=r"^lengths: expected the rewards' shape"):
+        compute_advantages("reinforce_pp_baseline", _t(REWARDS), lengths=torch.tensor([3, 1]))
+    with pytest.raises(ValueError, match=r"^whiten"):
+        compute_advantages("reinforce_pp_baseline", _t(REWARDS), lengths=torch.tensor(LENGTHS), whiten="batch")
+
+
+# Why each estimator needs two samples per prompt: grpo divides by the std of the group (undefined for
+# one sample), rloo by n-1 (no sample left out), dr_grpo and reinforce_pp_baseline subtract the group
+# mean (one sample is its own baseline: every advantage 0, nothing to learn).
+MIN_GROUP = {"grpo": 2, "rloo": 2, "dr_grpo": 2, "reinforce_pp_baseline": 2}
+
+
+@pytest.mark.parametrize("name", sorted(MIN_GROUP))
+def test_group_of_one_is_one_rule_in_one_place(name, tmp_path, tiny_moe):
+    """compute_advantages and the run config refuse the same group sizes: the registry's min_group."""
+    from megapo.algorithms import entries
+    from megapo.config import ConfigError, load_config
+    from megapo.trainer.config import RunConfig
+
+    assert {e.name for e in entries("advantage")} == set(MIN_GROUP)  # a new estimator must say its minimum
+    need = MIN_GROUP[name]
+    rewards = _t([[1.0, 0.0, 0.5][:need - 1]] * 3)
+    with pytest.raises(ValueError, match=rf"^group_size: {name} needs at least {need} samples per group, got 1"):
+        compute_advantages(name, rewards, lengths=torch.ones(rewards.shape, dtype=torch.long))
+    ok = compute_advantages(name, _t(REWARDS)[:, :need], lengths=torch.tensor(LENGTHS)[:, :need])
+    assert bool(torch.isfinite(ok).all())
+
+    def config(n: int):
+        return load_config(RunConfig, None, [f"model.path={tiny_moe}", "data.task=addition", f"algorithm.advantage={name}",
+                                             f"rollout.n_samples={n}", "data.dynamic_sampling=false",
+                                             f"train.output_dir={tmp_path / 'run'}"])
+
+    with pytest.raises(ConfigError) as err:
+        config(need - 1)
+    assert err.value.field == "rollout.n_samples" and f"n_samples >= {need}, got {need - 1}" in str(err.value)
+    assert config(need).rollout.n_samples == need
 
 
 @pytest.mark.parametrize(

@@ -113,3 +113,45 @@ def test_global_counts_scale_the_loss():
     base, _ = policy_loss("reinforce", lp, old, adv, mask, loss_agg="seq-mean-token-sum")
     scaled, _ = policy_loss("reinforce", lp, old, adv, mask, loss_agg="seq-mean-token-sum", global_seqs=8)
     assert scaled.item() == pytest.approx(base.item() * 2 / 8)
+
+
+# The aggregation each objective's paper uses (what loss_agg "auto", the config's default, must pick):
+# GSPO, GSPO-token, GMPO and SAPO average per sequence (1/G Σ_i 1/|y_i| Σ_t), VESPO sums a sequence's
+# tokens (Σ_t log π per sequence), CISPO normalises by all tokens; the rest take DAPO's token mean.
+PAPER_AGG = {"gspo": "seq-mean-token-mean", "gspo_token": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean",
+             "sapo": "seq-mean-token-mean", "vespo": "seq-mean-token-sum", "cispo": "token-mean", "ppo": "token-mean",
+             "ctpo": "token-mean", "minirl": "token-mean", "reinforce": "token-mean"}
+
+
+def test_each_objective_defaults_to_its_papers_aggregation():
+    from megapo.algorithms import entries
+    from megapo.trainer.config import AlgorithmConfig
+
+    assert {e.name: e.loss_agg for e in entries("objective")} == PAPER_AGG
+    assert AlgorithmConfig().loss_agg == "auto"  # a config that does not say gets the objective's own
+    seqs = make_batch(3, [2, 6, 3])
+    (lp, old, adv), mask, _ = as_padded(seqs, 6)
+    tau_pos, tau_neg = 1.0, 1.05  # SAPO's defaults
+    per_tok = []
+    for l, o, a in seqs:
+        tau = tau_pos if a[0] > 0 else tau_neg
+        per_tok.append([-(torch.sigmoid(tau * (torch.exp(x - y) - 1)) * 4 / tau).item() * a[0].item()
+                        for x, y in zip(l, o)])
+    seq_mean = sum(sum(t) / len(t) for t in per_tok) / len(per_tok)
+    token_mean = sum(map(sum, per_tok)) / sum(map(len, per_tok))
+    for agg in (None, "auto"):
+        kw = {} if agg is None else {"loss_agg": agg}
+        loss, _ = policy_loss("sapo", lp, old, adv, mask, **kw)
+        assert loss.item() == pytest.approx(seq_mean, rel=1e-12)
+    assert seq_mean != pytest.approx(token_mean, rel=1e-3)  # unequal lengths: the two conventions differ
+    loss, _ = policy_loss("sapo", lp, old, adv, mask, loss_agg="token-mean")  # still overridable
+    assert loss.item() == pytest.approx(token_mean, rel=1e-12)
+    # GSPO: one clipped value per sequence, averaged over sequences
+    eps_low, eps_high = 3e-4, 4e-4
+    per_seq = []
+    for l, o, a in seqs:
+        s = torch.exp((l - o).mean()).item()
+        A = a[0].item()
+        per_seq.append(max(-A * s, -A * min(max(s, 1 - eps_low), 1 + eps_high)))
+    loss, _ = policy_loss("gspo", lp, old, adv, mask)
+    assert loss.item() == pytest.approx(sum(per_seq) / len(per_seq), rel=1e-12)

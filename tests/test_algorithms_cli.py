@@ -27,6 +27,11 @@ def test_objectives_lists_every_entry(capsys):
     assert kinds == {"objective", "advantage", "correction", "aggregation", "kl", "shaping"}
     names = {e.name for e in entries("objective")}
     assert {"ppo", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "vespo", "ctpo", "minirl", "reinforce"} <= names
+    # each objective's default aggregation (used when the config leaves loss_agg "auto") is on its row
+    shown = {line.split()[0]: line.split()[3] for line in out.splitlines()[1:] if line and not line.startswith(" ")}
+    assert shown["gspo"] == shown["sapo"] == "loss_agg=seq-mean-token-mean"
+    assert shown["ppo"] == "loss_agg=token-mean" and shown["vespo"] == "loss_agg=seq-mean-token-sum"
+    assert shown["grpo"] == "n_samples>=2"
 
 
 def test_objectives_console_script_with_formulas():

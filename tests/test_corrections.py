@@ -50,13 +50,16 @@ def ref_weights(name, s, opts):
         return [min(x, opts.get("cap", 2.0)) for x in k]
     if name == "seq_tis":
         return [min(math.prod(k), opts.get("cap", 2.0))] * n
-    if name == "mis_token":
-        lo, hi = opts.get("lo", 0.5), opts.get("hi", 2.0)
+    lo, hi = opts.get("lo", 0.5), opts.get("hi", 2.0)
+    if name == "mis_token":  # masked IS (the MIS write-up, TRL's token_mask): the ratio is kept inside the band
+        return [x if lo <= x <= hi else 0.0 for x in k]
+    if name == "mis_seq":  # sequence MIS (verl's, slime's): the sequence ratio on each of its tokens
+        return [math.prod(k) if lo <= math.prod(k) <= hi else 0.0] * n
+    if name == "rs_token":  # rejection: keep or drop, weight 1
         return [1.0 if lo <= x <= hi else 0.0 for x in k]
-    if name == "mis_seq":
-        lo, hi = opts.get("lo", 0.5), opts.get("hi", 2.0)
+    if name == "rs_seq":
         return [1.0 if lo <= math.prod(k) <= hi else 0.0] * n
-    if name == "mis_geo":
+    if name == "rs_geo":
         lo, hi = opts.get("lo", 0.999), opts.get("hi", 1.001)
         g = math.prod(k) ** (1.0 / n)
         return [1.0 if lo <= g <= hi else 0.0] * n
@@ -71,8 +74,11 @@ CASES = [
     ("tis", {}),
     ("seq_tis", {"cap": 1.5}),
     ("mis_token", {"lo": 0.7, "hi": 1.3}),
+    ("mis_token", {}),
     ("mis_seq", {"lo": 0.5, "hi": 2.0}),
-    ("mis_geo", {"lo": 0.9, "hi": 1.1}),
+    ("rs_token", {"lo": 0.7, "hi": 1.3}),
+    ("rs_seq", {"lo": 0.5, "hi": 2.0}),
+    ("rs_geo", {"lo": 0.9, "hi": 1.1}),
     ("icepop", {"alpha": 0.8, "beta": 1.25}),
     ("icepop", {}),
 ]
@@ -112,9 +118,24 @@ def test_masking_corrections_do_mask_something():
     """The random data has tokens on both sides of each band (so the tests above can fail)."""
     seqs = make(seed=1)
     for name, opts in CASES:
-        if name.startswith("mis") or (name == "icepop" and opts):
+        if name.startswith(("mis", "rs_")) or (name == "icepop" and opts):
             flat = [x for s in seqs for x in ref_weights(name, s, opts)]
             assert 0 < flat.count(0.0) < len(flat), name
+        if name.startswith("mis"):  # and kept weights that differ from 1 (so ρ-kept and rejection differ)
+            assert any(x not in (0.0, 1.0) for s in seqs for x in ref_weights(name, s, opts)), name
+
+
+def test_mis_keeps_the_ratio_where_rejection_keeps_one():
+    """The same tokens survive mis_* and rs_*; mis_* weights them by their ratio, rs_* by 1."""
+    seqs = make(seed=1)
+    t, mask, cu = packed(seqs)
+    for mis, rs in (("mis_token", "rs_token"), ("mis_seq", "rs_seq")):
+        w_mis, _ = correction_weights(mis, t["old"], t["roll"], mask, cu_seqlens=cu)
+        w_rs, _ = correction_weights(rs, t["old"], t["roll"], mask, cu_seqlens=cu)
+        assert torch.equal(w_mis > 0, w_rs > 0) and set(w_rs.unique().tolist()) == {0.0, 1.0}
+    rho = torch.exp(t["old"] - t["roll"])  # token level: the kept weight is the token's own ratio
+    w_mis, _ = correction_weights("mis_token", t["old"], t["roll"], mask, cu_seqlens=cu)
+    assert torch.allclose(w_mis[w_mis > 0], rho[w_mis > 0], rtol=1e-12)
 
 
 def test_mismatch_metrics():

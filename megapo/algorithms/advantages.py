@@ -1,8 +1,10 @@
 """Advantage estimators over groups of n responses per prompt.
 
 Input: rewards [P, n] (P prompts, n samples each) or flat [P·n] with `group_size=n`, samples of a
-prompt contiguous. Output: one advantage per response, same shape as the input; the caller
-broadcasts it over the response's tokens.
+prompt contiguous; `lengths` (response tokens per sample, same shape) for estimators that weigh
+tokens. Output: one advantage per response, same shape as the input; the caller broadcasts it over
+the response's tokens. Each estimator registers `min_group`, the fewest samples per prompt it is
+defined for; compute_advantages refuses fewer, and the run config asks the same number.
 """
 
 from __future__ import annotations
@@ -26,14 +28,30 @@ class NoOptions:
     pass
 
 
-@register("grpo", "advantage", "group", "Shao et al. 2024, DeepSeekMath / GRPO (arXiv:2402.03300)", StdOptions)
-def grpo(r: Tensor, o: StdOptions) -> Tensor:
+WHITEN = ("token", "response")
+
+
+@dataclass
+class WhitenOptions:
+    eps: float = 1e-6
+    unbiased: bool = False  # population std, as OpenRLHF's token whitening
+    whiten: str = "token"  # token: each response weighted by its length (OpenRLHF); response: each once
+
+    def __post_init__(self):
+        if self.whiten not in WHITEN:
+            raise ValueError(f"whiten: must be one of {', '.join(WHITEN)}, got {self.whiten!r}")
+
+
+@register("grpo", "advantage", "group", "Shao et al. 2024, DeepSeekMath / GRPO (arXiv:2402.03300)", StdOptions,
+          min_group=2)  # the std of one sample is undefined
+def grpo(r: Tensor, o: StdOptions, lengths: Tensor | None) -> Tensor:
     """A_i = (R_i - mean_g(R)) / (std_g(R) + eps) within each group g."""
     return (r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True, unbiased=o.unbiased) + o.eps)
 
 
-@register("dr_grpo", "advantage", "group", "Liu et al. 2025, Dr. GRPO (arXiv:2503.20783)", NoOptions)
-def dr_grpo(r: Tensor, o: NoOptions) -> Tensor:
+@register("dr_grpo", "advantage", "group", "Liu et al. 2025, Dr. GRPO (arXiv:2503.20783)", NoOptions,
+          min_group=2)  # one sample is its own baseline: every advantage 0
+def dr_grpo(r: Tensor, o: NoOptions, lengths: Tensor | None) -> Tensor:
     """A_i = R_i - mean_g(R)  (no division by the std)."""
     return r - r.mean(-1, keepdim=True)
 
@@ -41,9 +59,9 @@ def dr_grpo(r: Tensor, o: NoOptions) -> Tensor:
 @register(
     "rloo", "advantage", "group",
     "Ahmadian et al. 2024, Back to Basics: REINFORCE-style optimization (RLOO, arXiv:2402.14740)",
-    NoOptions,
+    NoOptions, min_group=2,  # no one left out to be the baseline
 )
-def rloo(r: Tensor, o: NoOptions) -> Tensor:
+def rloo(r: Tensor, o: NoOptions, lengths: Tensor | None) -> Tensor:
     """A_i = R_i - (1/(n-1))·Σ_{j≠i} R_j  (leave-one-out baseline)."""
     n = r.shape[-1]
     return r - (r.sum(-1, keepdim=True) - r) / (n - 1)
@@ -51,20 +69,32 @@ def rloo(r: Tensor, o: NoOptions) -> Tensor:
 
 @register(
     "reinforce_pp_baseline", "advantage", "batch",
-    "Hu et al. 2025, REINFORCE++ (arXiv:2501.03262), with group-mean baseline",
-    StdOptions,
+    "Hu et al. 2025, REINFORCE++ (arXiv:2501.03262), with group-mean baseline; whiten='token' as its "
+    "authors' OpenRLHF (reinforce_baseline)",
+    WhitenOptions, min_group=2,  # the group-mean baseline of one sample is itself: every advantage 0
 )
-def reinforce_pp_baseline(r: Tensor, o: StdOptions) -> Tensor:
-    """A'_i = R_i - mean_g(R); then whiten over the whole batch: A_i = (A'_i - mean(A'))/(std(A') + eps)."""
+def reinforce_pp_baseline(r: Tensor, o: WhitenOptions, lengths: Tensor | None) -> Tensor:
+    """A'_i = R_i - mean_g(R); then whiten over the batch: A_i = (A'_i - m)/(s + eps), where m and s
+    are the mean and std of A' over every response token (whiten="token", default: response i counts
+    |y_i| times, OpenRLHF's masked whitening) or over the responses (whiten="response": each once);
+    unbiased: s with N-1."""
     a = r - r.mean(-1, keepdim=True)
-    return (a - a.mean()) / (a.std(unbiased=o.unbiased) + o.eps)
+    if o.whiten == "response":
+        return (a - a.mean()) / (a.std(unbiased=o.unbiased) + o.eps)
+    if lengths is None:
+        raise ValueError("lengths: reinforce_pp_baseline whitens over tokens (whiten='token'): pass each "
+                         "response's token count, or whiten='response'")
+    w = lengths.to(a.dtype)
+    n = w.sum()
+    mean = (w * a).sum() / n
+    var = (w * (a - mean) ** 2).sum() / (n - 1 if o.unbiased else n)
+    return (a - mean) / (var.sqrt() + o.eps)
 
 
-_MIN_GROUP = {"grpo": 2, "rloo": 2}
-
-
-def compute_advantages(name: str, rewards: Tensor, *, group_size: int | None = None, **options) -> Tensor:
-    """Advantages of estimator `name` for `rewards` ([P, n], or flat [P·n] with group_size)."""
+def compute_advantages(name: str, rewards: Tensor, *, group_size: int | None = None, lengths: Tensor | None = None,
+                       **options) -> Tensor:
+    """Advantages of estimator `name` for `rewards` ([P, n], or flat [P·n] with group_size); `lengths`:
+    response tokens per sample, shaped like `rewards` (used by token-weighted estimators)."""
     entry = get("advantage", name)
     opts = entry.make_options(options)
     if not isinstance(rewards, Tensor) or not rewards.is_floating_point():
@@ -84,6 +114,18 @@ def compute_advantages(name: str, rewards: Tensor, *, group_size: int | None = N
         grouped = rewards
     else:
         raise ValueError(f"rewards: expected [P, n] or [P*n], got shape {tuple(shape)}")
-    if grouped.shape[1] < _MIN_GROUP.get(name, 1) or grouped.numel() < 2 and name == "reinforce_pp_baseline":
-        raise ValueError(f"group_size: {name} needs at least 2 samples per group, got {grouped.shape[1]}")
-    return entry.fn(grouped, opts).reshape(shape)
+    if grouped.shape[1] < entry.min_group:
+        raise ValueError(f"group_size: {name} needs at least {entry.min_group} samples per group, got "
+                         f"{grouped.shape[1]}")
+    return entry.fn(grouped, opts, _lengths(lengths, shape, grouped.shape)).reshape(shape)
+
+
+def _lengths(lengths, shape, grouped_shape) -> Tensor | None:
+    if lengths is None:
+        return None
+    lengths = torch.as_tensor(lengths)
+    if tuple(lengths.shape) != tuple(shape):
+        raise ValueError(f"lengths: expected the rewards' shape {tuple(shape)}, got {tuple(lengths.shape)}")
+    if bool((lengths < 1).any()):
+        raise ValueError("lengths: every response has at least one token")
+    return lengths.reshape(grouped_shape)

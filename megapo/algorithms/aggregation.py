@@ -4,6 +4,9 @@ With `global_tokens` / `global_seqs` (the counts over the whole batch: every mic
 DP rank) the result is this shard's share of the full-batch loss: summing the shards' results gives
 the full-batch loss, so the gradient does not depend on how the batch was split. Without them the
 local counts are used (correct only when this shard is the whole batch).
+
+loss_agg="auto" (the config's default) is the objective's own: the aggregation its paper uses,
+registered with it (`megapo objectives` shows it).
 """
 
 from __future__ import annotations
@@ -59,6 +62,17 @@ def seq_mean_token_sum_norm(loss: Tensor, b: TokenBatch, n: Norm) -> Tensor:
     if n.max_len is None:
         raise ValueError("max_len: required by loss_agg='seq-mean-token-sum-norm' (a constant, e.g. the generation budget)")
     return b.seq_sum(loss).sum() / (n.max_len * _seqs(b, n))
+
+
+AUTO = "auto"
+
+
+def resolve(loss_agg: str | None, objective: str) -> str:
+    """The aggregation to use: `loss_agg`, or for "auto" (or None) the objective's registered default."""
+    if loss_agg is None or loss_agg == AUTO:
+        return get("objective", objective).loss_agg
+    get("aggregation", loss_agg, argument="loss_agg")
+    return loss_agg
 
 
 def aggregate(loss: Tensor, b: TokenBatch, loss_agg: str, norm: Norm) -> Tensor:

@@ -91,21 +91,42 @@ def _inside(ratio: Tensor, lo: float, hi: float) -> Tensor:
     return ((ratio >= lo) & (ratio <= hi)).to(ratio.dtype)
 
 
+# MIS (masked importance sampling, the MIS write-up; TRL's and ms-swift's *_mask modes, slime's and verl's
+# sequence-level MIS) keeps the ratio inside the band: ρ·1[lo ≤ ρ ≤ hi]. The rs_* forms are rejection
+# sampling (verl's rollout_rs): they keep or drop the token/sequence but do not re-weight it.
+
+
 @register("mis_token", "correction", "token", _MIS_PAPER, BoundsOptions)
 def mis_token(b: TokenBatch, o: BoundsOptions) -> Tensor:
-    """w_t = 1 if lo <= π_old(y_t)/μ(y_t) <= hi else 0  (token mask)."""
-    return _inside(torch.exp(_log_k(b)), o.lo, o.hi)
+    """ρ_t = π_old(y_t)/μ(y_t); w_t = ρ_t if lo <= ρ_t <= hi else 0  (masked importance sampling, token)."""
+    k = torch.exp(_log_k(b))
+    return k * _inside(k, o.lo, o.hi)
 
 
 @register("mis_seq", "correction", "sequence", _MIS_PAPER, BoundsOptions)
 def mis_seq(b: TokenBatch, o: BoundsOptions) -> Tensor:
-    """w_i = 1 if lo <= Π_t π_old/μ <= hi else 0, for the whole sequence."""
+    """ρ_i = Π_t π_old/μ; w_i = ρ_i if lo <= ρ_i <= hi else 0, on every token of sequence i
+    (masked importance sampling, sequence)."""
+    k = torch.exp(_log_k(b).sum(-1))
+    return (k * _inside(k, o.lo, o.hi))[:, None].expand_as(b.logp)
+
+
+@register("rs_token", "correction", "token", _MIS_PAPER + ", rejection sampling", BoundsOptions)
+def rs_token(b: TokenBatch, o: BoundsOptions) -> Tensor:
+    """w_t = 1 if lo <= π_old(y_t)/μ(y_t) <= hi else 0  (token rejection: a mask, no re-weighting)."""
+    return _inside(torch.exp(_log_k(b)), o.lo, o.hi)
+
+
+@register("rs_seq", "correction", "sequence", _MIS_PAPER + ", rejection sampling", BoundsOptions)
+def rs_seq(b: TokenBatch, o: BoundsOptions) -> Tensor:
+    """w_i = 1 if lo <= Π_t π_old/μ <= hi else 0, for the whole sequence (sequence rejection)."""
     return _inside(torch.exp(_log_k(b).sum(-1)), o.lo, o.hi)[:, None].expand_as(b.logp)
 
 
-@register("mis_geo", "correction", "sequence", _MIS_PAPER, GeoBoundsOptions)
-def mis_geo(b: TokenBatch, o: GeoBoundsOptions) -> Tensor:
-    """w_i = 1 if lo <= exp((1/|y_i|)·Σ_t log(π_old/μ)) <= hi else 0 (geometric-mean ratio)."""
+@register("rs_geo", "correction", "sequence", _MIS_PAPER + ", geometric rejection sampling", GeoBoundsOptions)
+def rs_geo(b: TokenBatch, o: GeoBoundsOptions) -> Tensor:
+    """w_i = 1 if lo <= exp((1/|y_i|)·Σ_t log(π_old/μ)) <= hi else 0 (geometric-mean ratio; rejection
+    only: the geometric mean is not an importance weight)."""
     return _inside(torch.exp(b.seq_mean(_log_k(b))), o.lo, o.hi)[:, None].expand_as(b.logp)
 
 

@@ -1,7 +1,7 @@
 """`policy_loss`: the one entry point the learner calls (docs/CONTRACTS.md).
 
-    loss, metrics = policy_loss("gspo", logp, old_logp, adv, mask, loss_agg="seq-mean-token-mean",
-                                global_seqs=n_seqs_all_ranks)
+    loss, metrics = policy_loss("gspo", logp, old_logp, adv, mask, global_seqs=n_seqs_all_ranks)
+    # loss_agg "auto" (default): the objective's own, here GSPO's "seq-mean-token-mean"
 
 Steps: check and bring the inputs to the padded view (batch.py) → the objective's per-token loss
 (objectives.py) → × the mismatch correction weights (corrections.py) → aggregate (aggregation.py)
@@ -18,7 +18,7 @@ from torch import Tensor
 
 from megapo.algorithms import batch as batch_mod
 from megapo.algorithms import corrections
-from megapo.algorithms.aggregation import Norm, aggregate
+from megapo.algorithms.aggregation import AUTO, Norm, aggregate, resolve
 from megapo.algorithms.kl import kl_penalty
 from megapo.algorithms.registry import get
 
@@ -55,20 +55,21 @@ def policy_loss(
     rollout_logp: Tensor | None = None,
     *,
     cu_seqlens: Tensor | None = None,
-    loss_agg: str = "token-mean",
+    loss_agg: str = AUTO,
     global_tokens: int | float | None = None,
     global_seqs: int | float | None = None,
     **options: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss of objective `name` and its metrics (detached 0-d tensors, local to this shard).
 
+    loss_agg: an aggregation name, or "auto" for the objective's registered (paper) default.
     Common options: correction (a correction name) and correction_options (dict); max_len (for
     loss_agg="seq-mean-token-sum-norm"); ref_logp + kl_coef (+ kl_estimator, default "k3") for a
     KL loss term; entropy (per-token entropies, differentiable) + entropy_coef for an entropy
     bonus. Any other keyword is an option of the objective (see `megapo objectives`).
     """
     entry = get("objective", name)
-    get("aggregation", loss_agg, argument="loss_agg")
+    loss_agg = resolve(loss_agg, name)
     common = {k: options.pop(k) for k in _COMMON if k in options}
     obj_opts = entry.make_options(options)
     norm = Norm(

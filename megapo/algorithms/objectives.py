@@ -7,7 +7,8 @@ A_t the advantage, sg[·] stop-gradient, |y| the sequence's number of valid toke
 
 Sequence-level objectives (gspo, gmpo, vespo) compute one value per sequence and give it to each
 of its tokens, so with loss_agg="seq-mean-token-mean" the loss is exactly the paper's per-sequence
-objective averaged over sequences. They use A_t token by token; the caller broadcasts a
+objective averaged over sequences. Each objective registers its paper's aggregation (`loss_agg=`
+below), which policy_loss uses when loss_agg is "auto" (the config's default). They use A_t token by token; the caller broadcasts a
 per-sequence advantage (docs/CONTRACTS.md), which is the case the papers cover.
 """
 
@@ -86,6 +87,7 @@ class PPOOptions:
     "Schulman et al. 2017, PPO (arXiv:1707.06347); clip-higher: DAPO, Yu et al. 2025 "
     "(arXiv:2503.14476); dual clip: Ye et al. 2020 (arXiv:1912.09729)",
     PPOOptions,
+    loss_agg="token-mean",  # PPO's per-token mean, as DAPO writes it
 )
 def ppo(b: TokenBatch, o: PPOOptions) -> ObjectiveOut:
     """loss_t = max(-A_t·r_t, -A_t·clip(r_t, 1-ε_low, 1+ε_high)); with dual clip c and A_t<0:
@@ -137,11 +139,12 @@ def _seq_ratio_clip(b: TokenBatch, log_s: Tensor, o) -> ObjectiveOut:
     "gspo", "objective", "sequence",
     "Zheng et al. 2025, Group Sequence Policy Optimization (arXiv:2507.18071)",
     GSPOOptions,
+    loss_agg="seq-mean-token-mean",  # the paper's 1/G Σ_i over sequences
 )
 def gspo(b: TokenBatch, o: GSPOOptions) -> ObjectiveOut:
     """s_i = exp((1/|y_i|)·Σ_t log r_{i,t}); loss = max(-A·s_i, -A·clip(s_i, 1-ε_low, 1+ε_high)),
-    the same value on every token of sequence i (use loss_agg="seq-mean-token-mean" for the paper's
-    1/G Σ_i form)."""
+    the same value on every token of sequence i (its default loss_agg "seq-mean-token-mean" gives the
+    paper's 1/G Σ_i form)."""
     log_s = b.seq_mean(_log_ratio(b))[:, None].expand_as(b.logp)
     return _seq_ratio_clip(b, log_s, o)
 
@@ -150,6 +153,7 @@ def gspo(b: TokenBatch, o: GSPOOptions) -> ObjectiveOut:
     "gspo_token", "objective", "token",
     "Zheng et al. 2025, Group Sequence Policy Optimization (arXiv:2507.18071), GSPO-token",
     GSPOOptions,
+    loss_agg="seq-mean-token-mean",  # the paper's 1/G Σ_i 1/|y_i| Σ_t
 )
 def gspo_token(b: TokenBatch, o: GSPOOptions) -> ObjectiveOut:
     """s_{i,t} = sg[s_i]·π_θ(y_t)/sg[π_θ(y_t)] (value s_i, gradient s_i·∇log π_θ(y_t));
@@ -174,6 +178,7 @@ class GMPOOptions:
     "gmpo", "objective", "sequence",
     "Zhao et al. 2025, Geometric-Mean Policy Optimization (arXiv:2507.20673)",
     GMPOOptions,
+    loss_agg="seq-mean-token-mean",  # the paper's 1/G Σ_i over sequences
 )
 def gmpo(b: TokenBatch, o: GMPOOptions) -> ObjectiveOut:
     """ℓ_t = log r_t, c_t = clip(ℓ_t, -ε_low, ε_high), sgn = sign(A_t);
@@ -211,6 +216,7 @@ class SAPOOptions:
     "sapo", "objective", "token",
     "Gao et al. 2025, Soft Adaptive Policy Optimization (arXiv:2511.20347)",
     SAPOOptions,
+    loss_agg="seq-mean-token-mean",  # the paper's 1/G Σ_i 1/|y_i| Σ_t (GRPO's form)
 )
 def sapo(b: TokenBatch, o: SAPOOptions) -> ObjectiveOut:
     """f(r) = σ(τ·(r-1))·4/τ with τ = τ_pos if A_t > 0 else τ_neg; loss_t = -f(r_t)·A_t.
@@ -241,6 +247,7 @@ class CISPOOptions:
     "cispo", "objective", "token",
     "MiniMax 2025, MiniMax-M1 (arXiv:2506.13585), CISPO",
     CISPOOptions,
+    loss_agg="token-mean",  # the paper normalises by Σ_i |o_i|
 )
 def cispo(b: TokenBatch, o: CISPOOptions) -> ObjectiveOut:
     """loss_t = -sg[clip(r_t, 1-ε_low, 1+ε_high)]·A_t·log π_θ(y_t); every token keeps a gradient."""
@@ -269,13 +276,14 @@ class VESPOOptions:
     "vespo", "objective", "sequence",
     "Shen et al. 2026, VESPO: Variational Sequence-level Soft Policy Optimization (arXiv:2602.10693)",
     VESPOOptions,
+    loss_agg="seq-mean-token-sum",  # the paper's Σ_t log π per sequence
 )
 def vespo(b: TokenBatch, o: VESPOOptions) -> ObjectiveOut:
     """W_i = Π_t r_{i,t} (no length normalisation), computed as log W_i = Σ_t log r_{i,t};
     φ(W) = e^λ·W^k·e^{-λW} = exp(λ + k·log W - λ·W) (φ(1) = 1);
     loss_t = -sg[φ(W_i)]·A_t·log π_θ(y_t): the importance-weighted policy gradient with W replaced
-    by the reshaped weight φ(W). Its value is a surrogate; only its gradient is meaningful. Use
-    loss_agg="seq-mean-token-sum" for the paper's Σ_t log π per sequence."""
+    by the reshaped weight φ(W). Its value is a surrogate; only its gradient is meaningful. Its
+    default loss_agg "seq-mean-token-sum" is the paper's Σ_t log π per sequence."""
     log_w = b.seq_sum(_log_ratio(b))
     # W = e^{log W} may overflow to inf: then -λW = -inf and φ = 0, which is the kernel's limit
     log_phi = o.lam + o.k * log_w - o.lam * torch.exp(log_w)
@@ -302,6 +310,7 @@ class CTPOOptions:
     "Zhang et al. 2026, Rethinking Importance Sampling in LLM Policy Optimization: "
     "A Cumulative Token Perspective (arXiv:2605.07331), CTPO",
     CTPOOptions,
+    loss_agg="token-mean",  # the paper's choice not verified here: DAPO's token mean
 )
 def ctpo(b: TokenBatch, o: CTPOOptions) -> ObjectiveOut:
     """c_t = Σ_{s≤t} log r_s (cumulative token log-ratio; with detach_prefix the prefix Σ_{s<t} is
@@ -343,6 +352,7 @@ class MiniRLOptions:
     "Zheng et al. 2025, Stabilizing Reinforcement Learning with LLMs: Formulation and Practices "
     "(arXiv:2512.01374), MiniRL",
     MiniRLOptions,
+    loss_agg="token-mean",  # the paper's choice not verified here: DAPO's token mean
 )
 def minirl(b: TokenBatch, o: MiniRLOptions) -> ObjectiveOut:
     """w_t = sg[π_θ/μ] = sg[r_t]·sg[π_old/μ] (staleness × train-inference mismatch; μ = the engine's
@@ -376,6 +386,7 @@ class ReinforceOptions:
     "reinforce", "objective", "token",
     "Williams 1992, Simple statistical gradient-following algorithms (REINFORCE)",
     ReinforceOptions,
+    loss_agg="token-mean",  # Williams fixes none: DAPO's token mean
 )
 def reinforce(b: TokenBatch, o: ReinforceOptions) -> ObjectiveOut:
     """loss_t = -A_t·log π_θ(y_t), or -sg[r_t]·A_t·log π_θ(y_t) with importance_weight."""

@@ -2,8 +2,11 @@
 
 An entry says what a name is (`kind`), what it acts on (`granularity`), where it comes from
 (`paper`), its formula (the function's docstring) and its options (a dataclass whose fields are the
-option names with their defaults). `megapo objectives` prints this table; `policy_loss` and
-`compute_advantages` look names up here and refuse unknown names or options with a ValueError.
+option names with their defaults). An objective also carries its paper's loss aggregation
+(`loss_agg`, used when a caller or config leaves it "auto"); an advantage estimator the fewest
+samples per prompt it is defined for (`min_group`: the one rule `compute_advantages` and the config
+both ask). `megapo objectives` prints this table; `policy_loss` and `compute_advantages` look names
+up here and refuse unknown names or options with a ValueError.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ class Entry:
     paper: str
     fn: Callable[..., Any] | None
     options: type | None = None  # a dataclass: its fields are the accepted options
+    loss_agg: str | None = None  # objectives: the paper's aggregation (loss_agg="auto" picks it)
+    min_group: int = 1  # advantage estimators: samples per prompt it needs
 
     @property
     def formula(self) -> str:
@@ -60,18 +65,24 @@ _MODULES = (
 )
 
 
-def register(name: str, kind: str, granularity: str, paper: str, options: type | None = None):
-    """Decorator: register `fn` under (kind, name)."""
+def register(name: str, kind: str, granularity: str, paper: str, options: type | None = None, *,
+             loss_agg: str | None = None, min_group: int = 1):
+    """Decorator: register `fn` under (kind, name). Every objective names its paper's `loss_agg`;
+    an advantage estimator that compares samples of a prompt sets `min_group`."""
     if kind not in KINDS:
         raise ValueError(f"kind: {kind!r} not in {KINDS}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity: {granularity!r} not in {GRANULARITIES}")
+    if (kind == "objective") != (loss_agg is not None):
+        raise ValueError(f"loss_agg: every objective names its default aggregation, nothing else does ({name!r})")
+    if min_group != 1 and kind != "advantage":
+        raise ValueError(f"min_group: only advantage estimators have one ({name!r})")
 
     def wrap(fn):
         key = (kind, name)
         if key in _REGISTRY and _REGISTRY[key].fn is not fn:
             raise ValueError(f"name: {kind} {name!r} registered twice")
-        _REGISTRY[key] = Entry(name, kind, granularity, paper, fn, options)
+        _REGISTRY[key] = Entry(name, kind, granularity, paper, fn, options, loss_agg, min_group)
         return fn
 
     return wrap
