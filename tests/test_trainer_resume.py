@@ -107,3 +107,46 @@ def test_resume_from_a_checkpoint_saved_before_any_update(tmp_path, tiny_moe):
     rows = _rows(out)
     assert sorted(rows) == [1, 2, 3]
     assert rows[3]["train/grad_norm"] > 0
+
+
+class _Payload:
+    """A pickle that writes a marker file when loaded (what a hostile rng.pt would do)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "ran"))
+
+
+def test_hostile_old_format_checkpoint_exits_2_and_names_the_earlier_one_that_resumes(tmp_path, tiny_moe):
+    """The newest checkpoint made a pre-manifest one whose rng.pt carries a payload: `--resume` exits 2
+    without a traceback, naming rng.pt and offering step 1; the payload never runs; after moving the
+    named folder aside as told, `--resume` continues from step 1."""
+    import pickle
+
+    env = _env(tmp_path)
+    out = tmp_path / "run"
+    first = subprocess.run(_cmd(tiny_moe, out, "train.steps=2", "train.ckpt_every=1"), cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    newest = out / "checkpoints" / "step_00000002"
+    (newest / "manifest.json").unlink()
+    (newest / "rng.safetensors").unlink()
+    marker = tmp_path / "payload_ran"
+    (newest / "rng.pt").write_bytes(pickle.dumps(_Payload(marker)))
+
+    refused = subprocess.run(_cmd(tiny_moe, out, "train.steps=3", "train.ckpt_every=1", resume=True), cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert f"{newest}" in refused.stderr and "rng.pt" in refused.stderr, refused.stderr[-3000:]
+    assert f"earlier checkpoint that verifies is {out / 'checkpoints' / 'step_00000001'}" in refused.stderr
+    assert not marker.exists()
+
+    newest.rename(newest.with_name(newest.name + ".damaged"))  # what the message says to do
+    resumed = subprocess.run(_cmd(tiny_moe, out, "train.steps=3", "train.ckpt_every=1", resume=True), cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step_00000001" in resumed.stderr  # resumed from it
+    assert sorted(_rows(out)) == [1, 2, 3] and not marker.exists()
