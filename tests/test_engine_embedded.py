@@ -118,6 +118,26 @@ def test_stop_tokens_and_max_tokens(tiny_moe):
     assert n_stopped >= 1
 
 
+def test_batches_of_other_shapes_on_one_engine_match_fresh_engines(tiny_moe):
+    """The engine keeps its KV cache between batches: a batch after a larger or smaller one (other prompt lengths,
+    n, rows stopping at different steps) samples exactly what a fresh engine samples (fresh engines match
+    transformers, above)."""
+    engine = EmbeddedEngine(tiny_moe)
+    batches = [(PROMPTS, 4, 12), ([[3, 4]], 2, 3), ([list(range(30, 50)), [7]], 6, 20)]
+    finishes = set()
+    for prompts, n, max_new in batches:
+        free = SamplingParams(n=n, max_new_tokens=max_new, seed=n)
+        stop = EmbeddedEngine(tiny_moe).generate(prompts, free)[0][0].output_ids[max_new // 2]  # some rows stop
+        params = SamplingParams(n=n, max_new_tokens=max_new, seed=n, stop_token_ids=(stop,), return_routes=True)
+        got, ref = engine.generate(prompts, params), EmbeddedEngine(tiny_moe).generate(prompts, params)
+        for g, r in zip([s for grp in got for s in grp], [s for grp in ref for s in grp]):
+            assert (g.output_ids, g.finish_reason, g.logprobs) == (r.output_ids, r.finish_reason, r.logprobs)
+            assert np.array_equal(g.routes, r.routes)
+            finishes.add((len(prompts), g.finish_reason))
+    assert {(3, "stop"), (3, "length"), (2, "stop"), (2, "length")} <= finishes
+    assert engine._cache.batch == 12 and engine._cache.max_len == 20 + 19  # grown to the largest batch seen
+
+
 def test_seed_determinism(tiny_moe):
     a = EmbeddedEngine(tiny_moe).generate(PROMPTS, SamplingParams(n=3, max_new_tokens=8, seed=11))
     b = EmbeddedEngine(tiny_moe, seed=99).generate(PROMPTS, SamplingParams(n=3, max_new_tokens=8, seed=11))
@@ -189,3 +209,41 @@ def test_pause_blocks_new_batches(tiny_moe):
     assert engine.health()
     engine.close()
     assert not engine.health()
+
+
+def test_compute_dtype_follows_rollout_dtype(tiny_moe, tmp_path):
+    """rollout.dtype sets the embedded engine's compute dtype (auto = float32): the weights are bfloat16 and the
+    log-probs carry bfloat16 rounding (off transformers' float32 by more than a float32 engine ever is, and
+    still within bfloat16's reach of them)."""
+    from megapo.config import load_config
+    from megapo.trainer.config import RunConfig
+    from megapo.trainer.engines import build_engine
+
+    def engine_for(*overrides):
+        cfg = load_config(RunConfig, None, [f"model.path={tiny_moe}", "data.task=addition", *overrides])
+        return build_engine(cfg, tiny_moe, tmp_path)
+
+    assert engine_for().model.embed.dtype == torch.float32
+    assert engine_for("rollout.dtype=float16").model.embed.dtype == torch.float16
+    engine = engine_for("rollout.dtype=bfloat16")
+    assert all(t.dtype == torch.bfloat16 for t in engine.weight_buffers().values())
+    [[s]] = engine.generate([PROMPTS[2]], SamplingParams(max_new_tokens=8, seed=0))
+    logits, _ = hf_forward(hf_model(tiny_moe), PROMPTS[2] + s.output_ids, False)
+    ref = torch.log_softmax(logits, -1)[len(PROMPTS[2]) - 1:-1].gather(1, torch.tensor(s.output_ids)[:, None])[:, 0]
+    err = np.abs(np.array(s.logprobs) - ref.numpy()).max()
+    assert 1e-4 < err < 2e-2, err
+
+
+def test_auto_dtype_stays_bfloat16_for_a_vllm_server(tiny_moe):
+    """rollout.dtype=auto (the default) is float32 only for the embedded engine: `megapo serve` on a config that
+    leaves it out still starts vLLM in bfloat16."""
+    import argparse
+
+    from megapo.engines import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_intermixed_args(["megapo/configs/tiny_moe_addition.yaml", f"model.path={tiny_moe}",
+                                         "rollout.engine=vllm", "algorithm.routing_replay=r2",
+                                         "rollout.weight_sync=disk"])
+    assert serve._served(args)["dtype"] == "bfloat16"

@@ -1,8 +1,10 @@
 """The embedded engine: in-process sampling on CPU with a KV cache, on the trainer's machine, no server.
 
 One `generate` call is one batch of prompts x n rows:
-- prefill each distinct prompt once (left-padded to the longest), then repeat its cache rows n times;
-- decode one token per row per step; rows that finish are dropped from the batch (and their cache rows);
+- prefill each distinct prompt once (left-padded to the longest), then copy its cache rows into the n rows of
+  its samples in one KV cache allocated for the whole batch (prompts x n rows, prompt + max_new_tokens columns);
+- decode one token for every running row per step, in one batched forward; rows that finish leave the batch: the
+  running rows move to the cache's front in place (no reallocation), so a step computes only running rows;
 - every row samples with the same torch.Generator, so a batch is reproducible given `SamplingParams.seed`
   (or, without one, given the engine's seed and the sequence of calls).
 
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 
 from megapo.engines.base import Engine, Sample, SamplingParams, check_prompts
-from megapo.engines.torch_lm import ModelSpec, TorchCausalLM
+from megapo.engines.torch_lm import KVCache, ModelSpec, TorchCausalLM
 from megapo.weights.safetensors_io import read_folder_into
 
 LOGPROB_MODES = ("scaled", "raw")
@@ -52,6 +54,7 @@ class EmbeddedEngine(Engine):
         self.weight_version = int(weight_version)
         self.logprob_mode = logprobs
         self._generator = torch.Generator().manual_seed(int(seed))
+        self._cache: KVCache | None = None  # reused by every batch (_cache_for)
         self._lock = threading.Lock()  # one batch or one weight update at a time
         self._running = threading.Event()  # set = not paused
         self._running.set()
@@ -154,74 +157,86 @@ class EmbeddedEngine(Engine):
         model, n = self.model, params.n
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
         U, P, max_new = len(prompts), max(len(p) for p in prompts), params.max_new_tokens
-        total = P + max_new
         pads = torch.tensor([P - len(p) for p in prompts])
         ids = torch.zeros(U, P, dtype=torch.long)
         for u, p in enumerate(prompts):
             ids[u, P - len(p):] = torch.tensor(p)
-        cols = torch.arange(total)
-        key_ok = cols[None, :] >= pads[:, None]  # [U, total]: False on left padding
-        # Prefill: causal, no padded keys; a padded query sees itself only (its output is never used).
-        causal = cols[:P, None] >= cols[None, :P]
-        mask = (causal & key_ok[:, None, :P]) | torch.eye(P, dtype=torch.bool)
+        cols = torch.arange(P + max_new)
+        key_ok = cols[None, :] >= pads[:, None]  # [U, P + max_new]: False on left padding
+        padded = bool(pads.any())  # without left padding no key is ever masked: attention runs unmasked
+        mask = None
+        if padded:  # prefill: causal, no padded keys; a padded query sees itself only (its output is never used)
+            causal = cols[:P, None] >= cols[None, :P]
+            mask = ((causal & key_ok[:, None, :P]) | torch.eye(P, dtype=torch.bool))[:, None]
         positions = (cols[None, :P] - pads[:, None]).clamp(min=0)
-        cache = model.new_cache(U, total)
+        # Every sample's row in one cache, prompt-major (row = u * n + j); the last sampled token is never fed,
+        # so P + max_new - 1 columns hold every key.
+        B = U * n
+        cache = self._cache_for(B, P + max_new - 1)
         want_routes = params.return_routes
         prompt_routes: list[torch.Tensor] | None = [] if want_routes else None
-        logits = model.step(ids, positions, cache, 0, mask[:, None], prompt_routes)
-        # Repeat each prompt's state n times: rows are prompt-major (row = u * n + j).
-        B = U * n
-        rep = torch.arange(U).repeat_interleave(n)
-        if n > 1:
-            cache.select(rep)
-            logits = logits.index_select(0, rep)
-        pads_b, key_ok_b = pads[rep], key_ok[rep]
-        if want_routes:
-            prompt_routes_t = torch.stack(prompt_routes, dim=2)  # [U, P, L, k]
-            decode_routes = torch.zeros(B, max(max_new - 1, 1), self.spec.num_moe_layers, self.spec.topk,
-                                        dtype=prompt_routes_t.dtype)
+        logits = model.step(ids, positions, cache, 0, mask, prompt_routes)
+        cache.repeat_rows(U, n, P)
+        logits = logits.repeat_interleave(n, 0) if n > 1 else logits
+        pads_b, key_ok_b = pads.repeat_interleave(n), key_ok.repeat_interleave(n, 0)
+        routes = None
+        if want_routes:  # per row, every fed position's top-k experts: [B, P + max_new - 1, L, k]
+            routes = torch.zeros(B, P + max_new - 1, self.spec.num_moe_layers, self.spec.topk, dtype=torch.int32)
+            routes[:, :P].view(U, n, P, *routes.shape[2:]).copy_(torch.stack(prompt_routes, dim=2)[:, None])
         out_tokens = torch.zeros(B, max_new, dtype=torch.long)
         out_logps = torch.zeros(B, max_new, dtype=torch.float32)
         lengths = torch.zeros(B, dtype=torch.long)
-        finish = ["length"] * B
+        stopped = torch.zeros(B, dtype=torch.bool)
         stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long)
-        active = torch.arange(B)  # original row id of each live row
+        active = torch.arange(B)  # original row id of each live row; live rows are the cache's first rows
         for t in range(max_new):
             uniform = torch.rand(B, generator=gen, dtype=torch.float64).float()[active]
             token, logp = self._sample(logits, params, uniform)
             out_tokens[active, t], out_logps[active, t] = token, logp
             lengths[active] = t + 1
-            done = torch.isin(token, stop) if len(stop) else torch.zeros_like(token, dtype=torch.bool)
-            for r in active[done].tolist():
-                finish[r] = "stop"
-            if t == max_new - 1 or bool(done.all()):
+            done = torch.isin(token, stop)
+            any_done = bool(done.any())
+            if any_done:
+                stopped[active[done]] = True
+            if t == max_new - 1 or (any_done and bool(done.all())):
                 break
-            if bool(done.any()):
+            if any_done:  # finished rows leave the batch: the live ones move to the cache's front
                 keep = (~done).nonzero()[:, 0]
                 active, token = active[keep], token[keep]
-                cache.select(keep)
+                cache.compact(keep, P + t)
                 pads_b, key_ok_b = pads_b[keep], key_ok_b[keep]
             col = P + t
             routes_t: list[torch.Tensor] | None = [] if want_routes else None
-            logits = model.step(token[:, None], (col - pads_b)[:, None], cache, col,
-                                key_ok_b[:, None, None, :col + 1], routes_t)
+            step_mask = key_ok_b[:, None, None, :col + 1] if padded else None
+            logits = model.step(token[:, None], (col - pads_b)[:, None], cache, col, step_mask, routes_t)
             if want_routes:
-                decode_routes[active, t] = torch.stack(routes_t, dim=2)[:, 0]
-        return self._collect(prompts, n, P, pads, out_tokens, out_logps, lengths, finish,
-                             prompt_routes_t if want_routes else None, decode_routes if want_routes else None)
+                routes[active, col] = torch.stack(routes_t, dim=2)[:, 0].to(torch.int32)
+        return self._collect(prompts, n, P, pads, out_tokens, out_logps, lengths, stopped, routes)
 
-    def _collect(self, prompts, n, P, pads, out_tokens, out_logps, lengths, finish, prompt_routes, decode_routes):
+    def _cache_for(self, batch: int, columns: int) -> KVCache:
+        """The engine's KV cache, kept between batches (fresh pages cost more than the copies that fill them);
+        regrown when a batch needs more rows or columns."""
+        cache = self._cache
+        if cache is None or not cache.fits(batch, columns):
+            if cache is not None:
+                batch, columns = max(batch, cache.batch), max(columns, cache.max_len)
+            self._cache = cache = None  # the old buffers go before the new ones are allocated
+            self._cache = self.model.new_cache(batch, columns)
+        return self._cache
+
+    def _collect(self, prompts, n, P, pads, out_tokens, out_logps, lengths, stopped, routes) -> list[list[Sample]]:
         result: list[list[Sample]] = []
         tokens_l, logps_l, lengths_l = out_tokens.tolist(), out_logps.tolist(), lengths.tolist()
+        stopped_l, pads_l = stopped.tolist(), pads.tolist()
+        routes_np = routes.numpy() if routes is not None else None
         for u, prompt in enumerate(prompts):
             group = []
-            for j in range(n):
-                r, L = u * n + j, lengths_l[u * n + j]
-                routes = None
-                if prompt_routes is not None:
-                    routes = torch.cat([prompt_routes[u, int(pads[u]):], decode_routes[r, :L - 1]]).numpy()
-                    routes = routes.astype(np.int32)
+            for r in range(u * n, (u + 1) * n):
+                L = lengths_l[r]
+                # a sample's fed positions: its prompt (after the left padding) and all its tokens but the last
+                sample_routes = routes_np[r, pads_l[u]:P + L - 1] if routes_np is not None else None
                 group.append(Sample(prompt_ids=list(prompt), output_ids=tokens_l[r][:L], logprobs=logps_l[r][:L],
-                                    finish_reason=finish[r], weight_version=self.weight_version, routes=routes))
+                                    finish_reason="stop" if stopped_l[r] else "length",
+                                    weight_version=self.weight_version, routes=sample_routes))
             result.append(group)
         return result

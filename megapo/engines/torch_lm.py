@@ -95,16 +95,41 @@ class ModelSpec:
 
 
 class KVCache:
-    """Per-layer K/V [B, kv_heads, max_len, head_dim]; rows can be dropped (finished samples) or repeated (n>1)."""
+    """Per-layer K/V [batch, kv_heads, max_len, head_dim]: a forward of B rows uses rows 0..B-1. Row moves
+    (n samples per prefilled prompt, finished samples dropping out) copy into a second buffer of the same shape,
+    which then becomes the cache: no allocation per step, and one cache can serve many batches (`fits`)."""
 
     def __init__(self, spec: ModelSpec, batch: int, max_len: int, dtype: torch.dtype):
+        self.batch, self.max_len = batch, max_len
         shape = (batch, spec.kv_heads, max_len, spec.head_dim)
         self.k = [torch.empty(shape, dtype=dtype) for _ in range(spec.layers)]
         self.v = [torch.empty(shape, dtype=dtype) for _ in range(spec.layers)]
+        self._spare: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # made at the first row move
 
-    def select(self, rows: torch.Tensor) -> None:
-        self.k = [t.index_select(0, rows) for t in self.k]
-        self.v = [t.index_select(0, rows) for t in self.v]
+    def fits(self, batch: int, max_len: int) -> bool:
+        return batch <= self.batch and max_len <= self.max_len
+
+    def _swap(self, moved: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+        self._spare, (self.k, self.v) = (self.k, self.v), moved
+
+    def _spare_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if self._spare is None:
+            self._spare = ([torch.empty_like(t) for t in self.k], [torch.empty_like(t) for t in self.v])
+        return self._spare
+
+    def repeat_rows(self, rows: int, n: int, columns: int) -> None:
+        """Rows u * n + j (u < rows, j < n) <- row u, columns 0..columns-1."""
+        spare = self._spare_buffers()
+        for src, dst in zip(self.k + self.v, spare[0] + spare[1]):
+            dst[:rows * n].view(rows, n, *dst.shape[1:])[:, :, :, :columns].copy_(src[:rows, None, :, :columns])
+        self._swap(spare)
+
+    def compact(self, keep: torch.Tensor, columns: int) -> None:
+        """Rows `keep` become rows 0..len(keep)-1, columns 0..columns-1."""
+        spare = self._spare_buffers()
+        for src, dst in zip(self.k + self.v, spare[0] + spare[1]):
+            torch.index_select(src[:, :, :columns], 0, keep, out=dst[:len(keep), :, :columns])
+        self._swap(spare)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -252,11 +277,14 @@ class TorchCausalLM:
              routes: list[torch.Tensor] | None = None, last_only: bool = True) -> torch.Tensor:
         """Feed ids [B, T] at cache columns start..start+T-1 (rotary positions `positions` [B, T]).
 
-        mask: bool [B, 1, T, start+T], True where a query may attend a key. When `routes` is a list, the top-k
-        expert ids of every MoE layer are appended to it ([B, T, topk] each). Returns float32 logits
-        [B, V] of the last column (last_only) or [B, T, V]."""
+        The rows use the cache's rows 0..B-1. mask: bool [B, 1, T, start+T], True where a query may attend a
+        key, or None when no key is padded (causal from column 0, or one new token that sees every key). When
+        `routes` is a list, the top-k expert ids of every MoE layer are appended to it ([B, T, topk] each).
+        Returns float32 logits [B, V] of the last column (last_only) or [B, T, V]."""
         s = self.spec
         B, T = ids.shape
+        if mask is None and T > 1 and start > 0:
+            raise ValueError("step: mask=None is causal from column 0; give a mask for T > 1 new tokens at start > 0")
         x = self.embed[ids]
         cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)  # [B, 1, T, D]
         qn, kvn = s.heads * s.head_dim, s.kv_heads * s.head_dim
@@ -272,9 +300,9 @@ class TorchCausalLM:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            cache.k[i][:, :, start:end] = k
-            cache.v[i][:, :, start:end] = v
-            att = F.scaled_dot_product_attention(q, cache.k[i][:, :, :end], cache.v[i][:, :, :end], attn_mask=mask,
+            keys, values = cache.k[i][:B, :, :end], cache.v[i][:B, :, :end]
+            keys[:, :, start:], values[:, :, start:] = k, v
+            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1,
                                                  enable_gqa=s.heads != s.kv_heads)
             x = x + F.linear(att.transpose(1, 2).reshape(B, T, qn), layer["o"])
             h = _rms_norm(x, layer["ln2"], s.rms_eps).view(B * T, s.hidden)
@@ -291,28 +319,27 @@ class TorchCausalLM:
         return F.linear(_rms_norm(x, self.final_norm, s.rms_eps), self.lm_head).float()
 
     def _moe(self, h: torch.Tensor, layer: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k routed experts, computing each expert only on the tokens routed to it."""
+        """Top-k routed experts, computing each expert only on the tokens routed to it: the routed copies are
+        gathered once in expert order, each expert runs on its contiguous slice, one index_add combines."""
         s = self.spec
         probs = torch.softmax(F.linear(h, layer["router"]).float(), dim=-1)
         weights, top = torch.topk(probs, s.topk, dim=-1)
         if s.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(h.dtype)
         flat = top.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=s.experts).tolist()
         token = order // s.topk
-        w = weights.reshape(-1)[order].unsqueeze(-1)
-        out = torch.zeros_like(h)
-        gate_up, down, lo = layer["gate_up"], layer["down"], 0
+        routed = h.index_select(0, token)
+        out = torch.empty_like(routed)
+        gate_up, down, f, lo = layer["gate_up"], layer["down"], s.moe_ffn, 0
         for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            idx = token[lo:lo + c]
-            g, u = F.linear(h[idx], gate_up[e]).chunk(2, dim=-1)
-            out.index_add_(0, idx, F.linear(F.silu(g) * u, down[e]) * w[lo:lo + c])
-            lo += c
-        return out, top
+            if c:
+                g = F.linear(routed[lo:lo + c], gate_up[e])
+                torch.mm(F.silu(g[:, :f]) * g[:, f:], down[e].t(), out=out[lo:lo + c])
+                lo += c
+        out *= weights.reshape(-1)[order].to(h.dtype).unsqueeze(-1)
+        return torch.zeros_like(h).index_add_(0, token, out), top
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor, with_routes: bool = False):
@@ -321,10 +348,9 @@ class TorchCausalLM:
         if T > self.spec.max_positions:
             raise ValueError(f"input_ids length {T} exceeds max_position_embeddings {self.spec.max_positions}")
         cache = self.new_cache(B, T)
-        mask = torch.ones(T, T, dtype=torch.bool).tril().expand(B, 1, T, T)
         positions = torch.arange(T).expand(B, T)
         routes = [] if with_routes else None
-        out = self.step(input_ids, positions, cache, 0, mask, routes, last_only=False)
+        out = self.step(input_ids, positions, cache, 0, None, routes, last_only=False)
         if with_routes:
             return out, torch.stack(routes, dim=2)
         return out

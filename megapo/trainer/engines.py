@@ -1,6 +1,7 @@
 """The rollout engine of a run, built from its config (`rollout.engine`, `rollout.servers`).
 
-- embedded: megapo's in-process engine (megapo.engines.embedded) on the trainer's rank 0.
+- embedded: megapo's in-process engine (megapo.engines.embedded) on the trainer's rank 0, computing in
+            rollout.dtype (auto: float32).
 - vllm:     with `rollout.servers` (host:port, e.g. from the Slurm template), one VLLMEngine client per
             server, behind a Router when there are several; with no servers, megapo starts its own vLLM
             server from <repo>/.venv-vllm on `rollout.host` (megapo.engines.server), and the engine stops it
@@ -42,9 +43,11 @@ def build_engine(cfg: RunConfig, model_dir: Path, out_dir: Path):
     """The engine (rank 0 only). The caller closes it at the end of the run."""
     kind = cfg.rollout.engine
     if kind == "embedded":
+        import torch
+
         from megapo.engines.embedded import EmbeddedEngine
 
-        return EmbeddedEngine(model_dir, seed=cfg.train.seed)
+        return EmbeddedEngine(model_dir, seed=cfg.train.seed, dtype=getattr(torch, cfg.rollout.compute_dtype()))
     if cfg.rollout.servers:
         from megapo.engines.router import Router
 
@@ -67,7 +70,7 @@ def build_engine(cfg: RunConfig, model_dir: Path, out_dir: Path):
         from megapo.engines.vllm import VLLMEngine
 
         # weights reach it from the run folder (disk sync) or the model folder
-        server = VLLMServer(VLLMServerConfig(str(model_dir), host=cfg.rollout.host, dtype=cfg.rollout.dtype,
+        server = VLLMServer(VLLMServerConfig(str(model_dir), host=cfg.rollout.host, dtype=cfg.rollout.compute_dtype(),
                                              max_model_len=server_max_model_len(cfg),
                                              log_path=str(out_dir / "vllm-server.log"),
                                              api_key_file=cfg.rollout.api_key_file or None,
