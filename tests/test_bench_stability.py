@@ -1,0 +1,286 @@
+"""The stability study: the collapse rule on synthetic metrics files, and `megapo bench stability`'s grid
+(resume after a kill, done markers, summary/table verdicts, the small grid's questions) with a fake cell
+runner that writes metrics instead of training; one real 2-step cell of the tiny model."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from megapo.config import ConfigError
+from megapo.trainer.collapse import Collapse, detect_collapse, run_collapse
+from tools.bench import stability as st
+
+CONFIG = Path(__file__).resolve().parents[1] / "megapo" / "configs" / "stability_base.yaml"
+
+
+def write_metrics(run_dir: Path, rows: list[dict], cut_tail: str = "") -> Path:
+    """metrics.jsonl as MetricsLogger writes it (json.dumps per line; NaN as NaN), plus an optional cut-off
+    last line without its newline."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps({"time": 0.0, **r}) + "\n" for r in rows) + cut_tail
+    (run_dir / "metrics.jsonl").write_text(text)
+    return run_dir
+
+
+def healthy_rows(steps: int = 40, start_acc: float = 0.30) -> list[dict]:
+    """A noisy run that does not collapse: accuracy dips by 0.08 at worst, the reward dips below 0.05 on 9
+    consecutive steps at most, the loss stays finite."""
+    rows = [{"step": 0, "eval/accuracy": start_acc}]
+    for s in range(1, steps + 1):
+        reward = 0.01 if 11 <= s <= 19 else 0.12 + 0.05 * math.sin(s)  # 9 low steps, then back
+        row = {"step": s, "reward": reward, "train/loss": 0.3 * math.cos(s), "train/skipped_nonfinite": 0}
+        if s % 10 == 0:
+            row["eval/accuracy"] = start_acc + (-0.08, 0.05, -0.02, 0.1)[s // 10 - 1]
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- the collapse rule
+
+
+def test_noisy_but_fine_run_does_not_collapse(tmp_path):
+    assert run_collapse(write_metrics(tmp_path, healthy_rows())) == Collapse(False, None, "")
+
+
+def test_accuracy_drop_alone(tmp_path):
+    rows = healthy_rows()
+    rows[20]["eval/accuracy"] = 0.19  # step 20: below 0.30 - 0.1
+    rows[30]["eval/accuracy"] = 0.10
+    assert run_collapse(write_metrics(tmp_path, rows)) == Collapse(True, 20, "accuracy")
+    rows[20]["eval/accuracy"], rows[30]["eval/accuracy"] = 0.21, 0.205  # 0.09 / 0.095 below: not yet
+    assert not detect_collapse(rows).collapsed
+
+
+def test_reward_floor_for_ten_steps_alone(tmp_path):
+    rows = healthy_rows()
+    for s in range(25, 35):  # ten consecutive steps below 0.05, from step 25
+        rows[s]["reward"] = 0.049
+    assert run_collapse(write_metrics(tmp_path, rows)) == Collapse(True, 25, "reward")
+    rows[30]["reward"] = 0.05  # not below: the stretch is broken into 5 + 4
+    assert not detect_collapse(rows).collapsed
+
+
+def test_non_finite_loss_alone(tmp_path):
+    for bad in (float("nan"), float("inf")):
+        rows = healthy_rows()
+        rows[7]["train/loss"] = bad
+        assert run_collapse(write_metrics(tmp_path, rows)) == Collapse(True, 7, "loss")
+    rows = healthy_rows()
+    rows[12]["train/skipped_nonfinite"] = 1  # the learner dropped a non-finite update
+    assert detect_collapse(rows) == Collapse(True, 12, "loss")
+
+
+def test_earliest_rule_wins_and_a_resumed_run_counts_a_step_once(tmp_path):
+    rows = healthy_rows()
+    rows[30]["train/loss"] = float("nan")
+    rows[20]["eval/accuracy"] = 0.1
+    assert detect_collapse(rows) == Collapse(True, 20, "accuracy")
+    # a resume logged steps 15..20 again: the later rows replace the earlier ones
+    again = [dict(r) for r in healthy_rows()[15:21]]
+    assert detect_collapse(rows + again) == Collapse(True, 30, "loss")
+
+
+def test_cut_off_last_line_is_tolerated(tmp_path):
+    rows = healthy_rows()
+    write_metrics(tmp_path, rows, cut_tail='{"step": 41, "reward": 0.0, "train/loss": Na')
+    assert run_collapse(tmp_path) == Collapse(False, None, "")
+    rows[7]["train/loss"] = float("nan")
+    write_metrics(tmp_path, rows, cut_tail='{"step": 41, "rew')
+    assert run_collapse(tmp_path) == Collapse(True, 7, "loss")
+
+
+# ----------------------------------------------------------------------------- the grid
+
+STEPS = 20
+
+
+def collapses(cell: st.Cell) -> bool:
+    """The fake runs' scenario: no replay at the highest off-policy degree collapses (its reward falls)."""
+    return cell.replay == "off" and cell.mini_batches == 8 and cell.mismatch == "none"
+
+
+def mismatch_kl(cell: st.Cell, step: int) -> float:
+    return (1e-3 if cell.replay == "off" else 1e-6) * step
+
+
+def fake_rows(cell: st.Cell, upto: int) -> list[dict]:
+    rows = [{"step": 0, "eval/accuracy": 0.3}]
+    for s in range(1, upto + 1):
+        reward = 0.01 if collapses(cell) and s >= 6 else 0.2
+        row = {"step": s, "reward": reward, "train/loss": 0.1, "train/mismatch_k3": mismatch_kl(cell, s),
+               "tokens_per_s": 1000.0 + s}
+        if s % 10 == 0:
+            row["eval/accuracy"] = 0.1 if collapses(cell) else 0.4
+        rows.append(row)
+    return rows
+
+
+class FakeRunner:
+    """Writes a cell's synthetic metrics instead of training. `stop_at`: on that call (1-based), write half
+    the metrics and raise KeyboardInterrupt, as a killed grid would leave the cell."""
+
+    def __init__(self, stop_at: int | None = None, upto: int = STEPS):
+        self.calls: list[st.CellJob] = []
+        self.stop_at = stop_at
+        self.upto = upto
+
+    def __call__(self, job: st.CellJob) -> int:
+        self.calls.append(job)
+        if len(self.calls) == self.stop_at:
+            write_metrics(job.dir, fake_rows(job.cell, STEPS // 2))
+            raise KeyboardInterrupt
+        write_metrics(job.dir, fake_rows(job.cell, self.upto))
+        return 0
+
+
+def fake_warm_start(plan: st.GridPlan) -> Path:
+    return plan.out / "warm_start" / "sft"
+
+
+def make_plan(tmp_path, **kw) -> st.GridPlan:
+    return st.GridPlan(config=CONFIG, out=tmp_path / "grid", grid="small", seeds=1, steps=STEPS, **kw)
+
+
+def test_killed_grid_resumes_without_rerunning_finished_cells(tmp_path):
+    plan = make_plan(tmp_path)
+    cells = plan.cells()
+    killer = FakeRunner(stop_at=4)
+    with pytest.raises(KeyboardInterrupt):
+        st.run_grid(plan, runner=killer, warm_start=fake_warm_start)
+    assert [j.cell for j in killer.calls] == cells[:4]
+    assert [st.is_done(plan.cell_dir(c)) for c in cells[:5]] == [True, True, True, False, False]
+
+    again = FakeRunner()
+    status = st.run_grid(plan, runner=again, warm_start=fake_warm_start)
+    assert [j.cell for j in again.calls] == cells[3:]  # the interrupted cell and the rest, once each
+    assert all("--overwrite" in j.argv and "--resume" not in j.argv for j in again.calls)
+    assert status == {**{c.name: "skipped" for c in cells[:3]}, **{c.name: "done" for c in cells[3:]}}
+
+    third = FakeRunner()
+    st.run_grid(plan, runner=third, warm_start=fake_warm_start)
+    assert third.calls == []
+
+    summary = json.loads((plan.out / "summary.json").read_text())
+    by_name = {r["cell"]: r for r in summary["cells"]}
+    assert sorted(by_name) == sorted(c.name for c in cells)
+    for c in cells:
+        row = by_name[c.name]
+        assert row["status"] == "done"
+        assert (row["collapsed"], row["collapse_step"]) == ((True, 6) if collapses(c) else (False, None))
+        assert row["final_accuracy"] == (0.1 if collapses(c) else 0.4)
+        assert row["mismatch_kl_mean"] == pytest.approx(sum(mismatch_kl(c, s) for s in range(1, STEPS + 1)) / STEPS)
+        assert row["mismatch_kl_max"] == pytest.approx(mismatch_kl(c, STEPS))
+        assert row["read"]["mismatch_kl"] == "train/mismatch_k3"
+    table = (plan.out / "table.md").read_text()
+    for c in cells:  # every setting's row, with its collapse count over its one seed
+        line = next(ln for ln in table.splitlines()
+                    if ln.startswith(f"| {c.objective} | {c.replay} | {c.mismatch} |")
+                    and ln in table.split(f"train.mini_batches={c.mini_batches})")[1].split("##")[0])
+        assert f"| {int(collapses(c))} / 1 |" in line
+    assert sorted(p.name for p in (plan.out / "plots").glob("*.png")) == sorted(
+        {f"{c.objective}-{c.mismatch}.png" for c in cells})
+
+
+def test_unfinished_cell_resumes_from_its_checkpoint_with_resume(tmp_path):
+    from megapo.trainer import checkpoint as ckpt
+
+    plan = make_plan(tmp_path, resume=True)
+    cells = plan.cells()
+    with pytest.raises(KeyboardInterrupt):
+        st.run_grid(plan, runner=FakeRunner(stop_at=1), warm_start=fake_warm_start)
+    saved = ckpt.step_dir(plan.cell_dir(cells[0]) / "checkpoints", STEPS // 2)
+    saved.mkdir(parents=True)
+    (saved / ckpt.MANIFEST).write_text("{}")
+    again = FakeRunner()
+    st.run_grid(plan, runner=again, warm_start=fake_warm_start)
+    assert again.calls[0].cell == cells[0] and again.calls[0].resume and again.calls[0].argv[-1] == "--resume"
+    assert all(j.argv[-1] == "--overwrite" for j in again.calls[1:])
+
+
+def test_cell_that_stops_short_is_not_marked_done(tmp_path):
+    plan = make_plan(tmp_path, only=["ppo-r3-m1-none-s0"])
+    status = st.run_grid(plan, runner=FakeRunner(upto=STEPS - 1), warm_start=fake_warm_start)
+    assert status == {"ppo-r3-m1-none-s0": "unfinished"}
+    assert not st.is_done(plan.cell_dir(plan.cells()[0]))
+    summary = json.loads((plan.out / "summary.json").read_text())
+    assert summary["cells"][0]["status"] == "unfinished"
+    assert summary["settings"][0]["done"] == 0 and summary["settings"][0]["collapse_rate"] is None
+
+
+def test_grid_folder_of_other_settings_is_refused(tmp_path):
+    plan = make_plan(tmp_path, only=["ppo-r3-m1-none-s0"])
+    st.run_grid(plan, runner=FakeRunner(), warm_start=fake_warm_start)
+    other = make_plan(tmp_path, only=["ppo-r3-m1-none-s0"])
+    other.steps = STEPS + 5
+    runner = FakeRunner()
+    with pytest.raises(ConfigError, match="--out.*--steps"):
+        st.run_grid(other, runner=runner, warm_start=fake_warm_start)
+    assert runner.calls == []
+
+
+def test_bad_override_is_refused_before_any_cell_runs(tmp_path):
+    plan = make_plan(tmp_path, sets=["data.prompts_per_step=12"])  # 8 does not divide 12: the m=8 cells are invalid
+    runner = FakeRunner()
+    with pytest.raises(ConfigError, match=r"train.mini_batches.*\(cell ppo-off-m8-none-s0\)"):
+        st.run_grid(plan, runner=runner, warm_start=fake_warm_start)
+    assert runner.calls == [] and not (plan.out / "cells").exists()
+
+
+def test_small_grid_answers_the_three_questions():
+    from megapo.algorithms.registry import get
+
+    cells = st.grid_cells("small", seeds=3)
+    assert {c.seed for c in cells} == {0, 1, 2}
+    settings = {(c.objective, c.replay, c.mini_batches, c.mismatch) for c in cells}
+    low, high = min(st.AXES["mini_batches"]), max(st.AXES["mini_batches"])
+    # 1. replay off / r2 / r3 with everything else equal, at the highest off-policy degree (and the lowest)
+    for m in (low, high):
+        assert any({(o, r, m, x) for r in ("off", "r2", "r3")} <= settings for o, _, _, x in settings)
+    # 2. a token-level and a sequence-level objective with everything else equal, off-policy
+    for o, r, m, x in settings:
+        if m == high and get("objective", o).granularity == "token":
+            if any(get("objective", o2).granularity == "sequence" and (o2, r, m, x) in settings
+                   for o2 in st.AXES["objective"]):
+                break
+    else:
+        pytest.fail("no token-level vs sequence-level pair at the highest off-policy degree")
+    # 3. the correction on and off with everything else equal, on- and off-policy
+    for m in (low, high):
+        assert any({(o, r, m, "none"), (o, r, m, "tis")} <= settings for o, r, _, _ in settings)
+    assert len(settings) == len(cells) // 3 and len(st.grid_cells("full", 1)) == 4 * 3 * 3 * 2
+
+
+def test_real_two_step_cell(tmp_path, tiny_moe):
+    """One real cell: `megapo train` as a child process on the tiny model (no SFT), marked done."""
+    plan = make_plan(tmp_path, only=["ppo-r3-m1-none-s0"], threads=2,
+                     sets=["train.eval_prompts=20", "data.prompts_per_step=8", "data.dynamic_sampling=false",
+                           "train.eval_every=2", "train.ckpt_every=0", "train.log=[jsonl]"])
+    plan.steps = 2
+    status = st.run_grid(plan, warm_start=lambda p: Path(tiny_moe))
+    cell_dir = plan.cell_dir(plan.cells()[0])
+    assert status == {"ppo-r3-m1-none-s0": "done"}, (cell_dir / "train.log").read_text()[-3000:]
+    rows = [json.loads(line) for line in (cell_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    saved = json.loads((cell_dir / "config.json").read_text())
+    assert (saved["algorithm"]["objective"], saved["algorithm"]["routing_replay"], saved["train"]["mini_batches"],
+            saved["rollout"]["dtype"], saved["sft"]["enabled"]) == ("ppo", "r3", 1, "bfloat16", False)
+    row = json.loads((plan.out / "summary.json").read_text())["cells"][0]
+    assert row["status"] == "done" and row["read"]["mismatch_kl"] is not None
+
+
+def test_dry_run_lists_the_cells_and_estimates(tmp_path, capsys):
+    from megapo.cli import main
+
+    out = tmp_path / "grid"
+    assert main(["bench", "stability", "--dry-run", "--out", str(out), "--seeds", "2", "--steps", "100",
+                 "--jobs", "1", "--assume-step-s", "0.5", "--assume-startup-s", "30",
+                 "--assume-warm-start-s", "120"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:-1] == [c.name for c in st.grid_cells("small", 2)]
+    minutes = (120 + 20 * (30 + 100 * 0.5)) / 60  # warm start, then 20 cells one after another
+    assert printed[-1].startswith(f"20 cells x 100 steps, 1 at a time") and f"about {minutes:.0f} min" in printed[-1]
+    assert not out.exists()  # nothing written
+    assert main(["bench", "stability", "--dry-run", "--out", str(out), "--cells", "ppo-off-m2-none-s0"]) == 2
+    assert "--cells: 'ppo-off-m2-none-s0' is not a cell of the small grid" in capsys.readouterr().err

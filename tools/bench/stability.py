@@ -1,0 +1,678 @@
+"""`megapo bench stability`: a grid of short RL runs from one SFT warm start, and which of them collapse.
+
+    megapo bench stability --grid small --out runs/stability            # run (or continue) the grid, then report
+    megapo bench stability --grid small --out runs/stability --dry-run  # the cells and a time estimate only
+    megapo bench stability --out runs/stability --report-only           # summary/table/plots from what ran
+    megapo bench stability --set rollout.dtype=float32 --set optim.lr=3e-3 ...   # grid-wide overrides
+
+Axes (every cell is `megapo train CONFIG` with config overrides only): objective {ppo (token-level), gspo,
+minirl, cispo} x routing replay {off, r2, r3} x train.mini_batches {1, 4, 8} (optimizer steps per rollout: the
+off-policy degree) x mismatch correction {none, tis} x seeds. `full` is the whole product; `small` is the union
+of the cells that answer the three questions in SMALL_QUESTIONS. The train-inference mismatch itself comes
+from the config's rollout.dtype (the engine in bfloat16, the learner in fp32; megapo/configs/stability_base.yaml).
+
+Layout of --out:
+    grid.json               the shared settings (config hash, steps, --set); a rerun with others is refused
+    warm_start/             the one SFT warm start every cell starts from (base/ the tiny model, sft/ the warm start)
+    cells/<cell>/           one `megapo train` output dir per cell: metrics.jsonl, train.log, cell.json, and
+                            done.json once the cell's metrics reach its last step (written atomically)
+    summary.json, table.md, plots/*.png   rewritten from the cells' metrics after every grid run
+
+Resume: a rerun skips cells with done.json and restarts the others (--overwrite), or continues those with a
+checkpoint (--resume). Cells run `--jobs` at a time, each with OMP_NUM_THREADS = cores // jobs.
+The collapse rule is megapo.trainer.collapse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from megapo.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONFIG = "megapo/configs/stability_base.yaml"
+AXES: dict[str, tuple] = {"objective": ("ppo", "gspo", "minirl", "cispo"), "replay": ("off", "r2", "r3"),
+                          "mini_batches": (1, 4, 8), "mismatch": ("none", "tis")}
+# The small grid: for each question of the routing-replay / "Stabilizing RL with LLMs" papers, the axis values
+# it compares (every other axis held at the value listed). Its cells are the union of the products.
+SMALL_QUESTIONS: dict[str, dict[str, tuple]] = {
+    "routing replay (off / r2 / r3) at low and high off-policy degree":
+        {"objective": ("ppo",), "replay": ("off", "r2", "r3"), "mini_batches": (1, 8), "mismatch": ("none",)},
+    "token-level (ppo, minirl) vs sequence-level (gspo) objective, off-policy, no replay":
+        {"objective": ("ppo", "minirl", "gspo"), "replay": ("off",), "mini_batches": (8,), "mismatch": ("none",)},
+    "mismatch correction (none / tis), on- and off-policy, no replay":
+        {"objective": ("ppo",), "replay": ("off",), "mini_batches": (1, 8), "mismatch": ("none", "tis")},
+}
+# The metrics rows' keys each summary column reads: the first key a row holds wins. The first names are the
+# per-step engine-vs-learner metrics of issue 13 (to be logged every step); the later ones exist today.
+METRIC_KEYS: dict[str, tuple[str, ...]] = {
+    "mismatch_kl": ("mismatch/k3", "train/mismatch_k3"),  # k3 KL(engine || learner's π_old), learner's routing
+    "mismatch_kl_free": ("mismatch/k3_free", "replay/kl_k3_free"),  # the same with free routing (before replay)
+    "max_abs_dlogp": ("mismatch/max_abs_dlogp", "train/mismatch_max_abs_dlogp"),
+    "router_disagree": ("router/disagree",),  # (token, layer) pairs whose top-k set differs, engine vs learner
+    "router_disagree_any": ("router/disagree_any",),  # tokens with any layer differing
+    "disagree_post": ("train/replay/disagree_post",),  # after replay: 0 when replay works
+    "tokens_per_s": ("tokens_per_s",),
+}
+# Under r3 the old-log-prob pass compares the learner's own top-k with the engine's routes: the router
+# disagreement until router/disagree is logged for every mode.
+R3_ROUTER_DISAGREE = "replay/disagree_pre"
+DONE_FILE = "done.json"
+CELL_FILE = "cell.json"
+GRID_FILE = "grid.json"
+
+
+# ----------------------------------------------------------------------------- cells
+
+
+@dataclass(frozen=True)
+class Cell:
+    objective: str
+    replay: str
+    mini_batches: int
+    mismatch: str
+    seed: int
+
+    @property
+    def setting(self) -> str:
+        """The cell's name without its seed: the row of the table it is averaged into."""
+        return f"{self.objective}-{self.replay}-m{self.mini_batches}-{self.mismatch}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.setting}-s{self.seed}"
+
+    def overrides(self) -> list[str]:
+        return [f"algorithm.objective={self.objective}", f"algorithm.routing_replay={self.replay}",
+                f"train.mini_batches={self.mini_batches}", f"algorithm.mismatch={self.mismatch}",
+                f"train.seed={self.seed}"]
+
+
+def _product(values: dict[str, tuple]) -> list[tuple]:
+    return list(itertools.product(*(values[a] for a in AXES)))
+
+
+def grid_cells(grid: str, seeds: int) -> list[Cell]:
+    """The cells of `grid` (small | full), seed-major: every setting of seed 0 first, so a grid stopped early
+    has whole seeds."""
+    if grid == "full":
+        settings = _product(AXES)
+    elif grid == "small":
+        settings = []
+        for values in SMALL_QUESTIONS.values():
+            settings += [s for s in _product(values) if s not in settings]
+    else:
+        raise ConfigError("--grid", f"must be small or full, got {grid!r}")
+    return [Cell(*s, seed=seed) for seed in range(seeds) for s in settings]
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class GridPlan:
+    config: Path  # the base run config every cell overrides
+    out: Path
+    grid: str = "small"
+    seeds: int = 3
+    steps: int | None = None  # None: the config's train.steps
+    jobs: int = 1
+    threads: int = 1  # OMP threads per cell
+    sets: list[str] = field(default_factory=list)  # grid-wide overrides (--set)
+    resume: bool = False  # continue an unfinished cell from its checkpoint
+    only: list[str] = field(default_factory=list)  # --cells: run just these cells of the grid
+
+    def cells(self) -> list[Cell]:
+        cells = grid_cells(self.grid, self.seeds)
+        if not self.only:
+            return cells
+        names = {c.name for c in cells}
+        unknown = [n for n in self.only if n not in names]
+        if unknown:
+            raise ConfigError("--cells", f"{unknown[0]!r} is not a cell of the {self.grid} grid with {self.seeds} "
+                              f"seed(s) (e.g. {cells[0].name}; --dry-run lists them)")
+        return [c for c in cells if c.name in self.only]
+
+    def cell_dir(self, cell: Cell) -> Path:
+        return self.out / "cells" / cell.name
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def shared_settings(plan: GridPlan, steps: int) -> dict:
+    """What every cell of a grid folder must share (GRID_FILE)."""
+    return {"config_sha256": hashlib.sha256(plan.config.read_bytes()).hexdigest(), "steps": steps,
+            "sets": list(plan.sets)}
+
+
+def check_grid_folder(plan: GridPlan, steps: int) -> None:
+    """A grid folder holds cells of one config, step count and --set list: refuse another."""
+    path = plan.out / GRID_FILE
+    if not path.is_file():
+        return
+    was = json.loads(path.read_text())
+    now = shared_settings(plan, steps)
+    for key in ("config_sha256", "steps", "sets"):
+        if was.get(key) != now[key]:
+            what = {"config_sha256": f"another config (was {was.get('config')})", "steps": "--steps",
+                    "sets": "--set"}[key]
+            raise ConfigError("--out", f"{plan.out} holds a grid made with {what}: {was.get(key)!r}, now {now[key]!r}; "
+                              "use another --out, or the same settings to continue it")
+
+
+def write_json_atomic(path: Path, value) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    os.replace(tmp, path)
+
+
+def load_base(plan: GridPlan, overrides: list[str] = ()):
+    """The base config with the grid-wide --set overrides (and `overrides`), validated."""
+    from megapo.config import load_config
+    from megapo.trainer.config import RunConfig
+
+    return load_config(RunConfig, str(plan.config), [*plan.sets, *overrides])
+
+
+def config_steps(plan: GridPlan) -> int:
+    return plan.steps if plan.steps is not None else load_base(plan).train.steps
+
+
+def base_model_path(plan: GridPlan) -> str:
+    """The model the warm start begins from: the config's model.path, except that a tiny model the config
+    writes (model.path without config.json) goes under warm_start/base, so the grid folder holds all it ran on."""
+    cfg = load_base(plan)
+    if cfg.model.tiny is not None and not (Path(cfg.model.path) / "config.json").is_file():
+        return str(plan.out / "warm_start" / "base")
+    return cfg.model.path
+
+
+def cell_overrides(plan: GridPlan, cell: Cell, model_path: str, steps: int) -> list[str]:
+    """Everything a cell changes in the base config (after the grid-wide --set overrides)."""
+    return [*cell.overrides(), f"model.path={model_path}", "sft.enabled=false",
+            f"train.output_dir={plan.cell_dir(cell)}", f"train.steps={steps}"]
+
+
+def validate_cells(plan: GridPlan, cells: list[Cell], steps: int) -> None:
+    """Every distinct setting's config is loaded and validated before anything is written or started (a bad
+    override is a ConfigError naming the field and the cell). Before the warm start exists, a cell is checked
+    against the model it will be made from."""
+    warm = plan.out / "warm_start" / "sft"
+    model = str(warm) if (warm / "config.json").is_file() else base_model_path(plan)
+    seen = set()
+    for cell in cells:
+        if cell.setting in seen:
+            continue
+        seen.add(cell.setting)
+        try:
+            load_base(plan, cell_overrides(plan, cell, model, steps))
+        except ConfigError as err:
+            raise ConfigError(err.field, f"{err.message} (cell {cell.name})") from None
+
+
+def make_warm_start(plan: GridPlan) -> Path:
+    """The one SFT warm start (the config's sft section) under --out/warm_start, made once; its HF folder.
+    Reused when a previous grid run finished it (megapo.trainer.loop.prepare_model)."""
+    from megapo.trainer.loop import prepare_model
+
+    where = plan.out / "warm_start"
+    cfg = load_base(plan, [f"model.path={base_model_path(plan)}", f"train.output_dir={where}"])
+    return prepare_model(cfg, where)
+
+
+# ----------------------------------------------------------------------------- running cells
+
+
+@dataclass
+class CellJob:
+    cell: Cell
+    dir: Path
+    overrides: list[str]
+    argv: list[str]
+    env: dict[str, str]
+    resume: bool  # argv continues the cell from its checkpoint (else it starts over)
+
+
+class SubprocessRunner:
+    """Runs a cell's `megapo train` as a child process, output to <cell>/train.log. `stop()` asks the running
+    children to checkpoint and exit (SIGTERM, megapo.trainer.stop), and kills those still there after
+    `grace_s`."""
+
+    def __init__(self, grace_s: float = 120.0):
+        self.grace_s = grace_s
+        self._running: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, job: CellJob) -> int:
+        with open(job.dir / "train.log", "a", encoding="utf-8") as logf:
+            logf.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(job.argv)}\n")
+            logf.flush()
+            proc = subprocess.Popen(job.argv, stdout=logf, stderr=subprocess.STDOUT, env=job.env)
+            with self._lock:
+                self._running.add(proc)
+            try:
+                return proc.wait()
+            finally:
+                with self._lock:
+                    self._running.discard(proc)
+
+    def stop(self) -> None:
+        with self._lock:
+            running = list(self._running)
+        for proc in running:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("cell process %d did not stop within %.0f s; killing it", proc.pid, self.grace_s)
+                proc.kill()
+                proc.wait()
+
+
+def is_done(cell_dir: Path) -> bool:
+    return (cell_dir / DONE_FILE).is_file()
+
+
+def last_step(cell_dir: Path) -> int | None:
+    from megapo.trainer.metrics import read_metrics
+
+    if not (cell_dir / "metrics.jsonl").is_file():
+        return None
+    rows = read_metrics(cell_dir)
+    return max((int(r["step"]) for r in rows), default=None)
+
+
+def cell_job(plan: GridPlan, cell: Cell, model_path: Path, steps: int) -> CellJob:
+    from megapo.trainer import checkpoint as ckpt
+
+    cell_dir = plan.cell_dir(cell)
+    resume = plan.resume and ckpt.latest_checkpoint(cell_dir / "checkpoints") is not None
+    overrides = cell_overrides(plan, cell, str(model_path), steps)
+    argv = [sys.executable, "-m", "megapo.cli", "train", str(plan.config), *plan.sets, *overrides,
+            "--resume" if resume else "--overwrite"]
+    threads = str(plan.threads)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    return CellJob(cell, cell_dir, overrides, argv, env, resume)
+
+
+def run_one(plan: GridPlan, job: CellJob, steps: int, runner: Callable[[CellJob], int]) -> str:
+    """Run a cell; mark it done when it exited 0 with metrics up to its last step. Returns its status."""
+    job.dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(job.dir / CELL_FILE, {"cell": asdict(job.cell), "name": job.cell.name,
+                                            "overrides": job.overrides})
+    log.info("cell %s: %s", job.cell.name, "resuming from its checkpoint" if job.resume else "starting")
+    t0 = time.perf_counter()
+    rc = runner(job)
+    reached = last_step(job.dir)
+    if rc != 0 or reached != steps:
+        log.warning("cell %s: exit code %s, metrics up to step %s of %d: unfinished", job.cell.name, rc, reached, steps)
+        return "unfinished"
+    write_json_atomic(job.dir / DONE_FILE, {"name": job.cell.name, "steps": steps, "exit_code": rc,
+                                            "seconds": round(time.perf_counter() - t0, 1)})
+    log.info("cell %s: done (%.0f s)", job.cell.name, time.perf_counter() - t0)
+    return "done"
+
+
+def run_cells(plan: GridPlan, todo: list[Cell], model_path: Path, steps: int,
+              runner: Callable[[CellJob], int] | None, status: dict[str, str]) -> None:
+    """`plan.jobs` cells at a time; the next starts only when one ends, so nothing is queued when an interrupt
+    (or a runner raising one) stops the grid: the running cells are stopped and it propagates."""
+    own_runner = runner is None
+    runner = SubprocessRunner() if own_runner else runner
+    queue = iter(todo)
+    running: dict = {}
+    with ThreadPoolExecutor(max_workers=plan.jobs) as pool:
+        try:
+            while True:
+                while len(running) < plan.jobs and (cell := next(queue, None)) is not None:
+                    running[pool.submit(run_one, plan, cell_job(plan, cell, model_path, steps), steps, runner)] = cell
+                if not running:
+                    break
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    cell = running.pop(future)
+                    try:
+                        status[cell.name] = future.result()
+                    except Exception:  # one broken cell does not stop the others; it is rerun next time
+                        log.exception("cell %s failed", cell.name)
+                        status[cell.name] = "unfinished"
+        except BaseException:
+            if own_runner:
+                runner.stop()
+            raise
+
+
+def run_grid(plan: GridPlan, runner: Callable[[CellJob], int] | None = None,
+             warm_start: Callable[[GridPlan], Path] = make_warm_start) -> dict[str, str]:
+    """Run the plan's unfinished cells (done ones are skipped), then write the report. Returns cell -> status
+    (done, skipped: done before, unfinished). An interrupt stops the running cells and propagates."""
+    steps = config_steps(plan)
+    cells = plan.cells()
+    check_grid_folder(plan, steps)
+    validate_cells(plan, cells, steps)
+    plan.out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(plan.out / GRID_FILE, {**shared_settings(plan, steps), "config": str(plan.config)})
+    status = {c.name: "skipped" for c in cells if is_done(plan.cell_dir(c))}
+    todo = [c for c in cells if c.name not in status]
+    log.info("stability grid %s: %d cells, %d done before, %d to run (%d at a time, %d threads each)", plan.grid,
+             len(cells), len(status), len(todo), plan.jobs, plan.threads)
+    if todo:
+        run_cells(plan, todo, warm_start(plan), steps, runner, status)
+    write_report(plan, steps)
+    return status
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _values(rows: list[dict], keys: tuple[str, ...]) -> tuple[list[float], str | None]:
+    """The per-step values of the first key in `keys` that any row holds, and that key."""
+    for key in keys:
+        values = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
+        if values:
+            return values, key
+    return [], None
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def metric_keys(cell: Cell) -> dict[str, tuple[str, ...]]:
+    keys = dict(METRIC_KEYS)
+    if cell.replay == "r3":
+        keys["router_disagree"] = keys["router_disagree"] + (R3_ROUTER_DISAGREE,)
+    return keys
+
+
+def cell_summary(plan: GridPlan, cell: Cell, steps: int) -> dict:
+    """One summary row: the cell's axes, status, held-out accuracy, collapse verdict and mismatch metrics."""
+    from megapo.trainer.collapse import detect_collapse, rows_by_step
+    from megapo.trainer.metrics import read_metrics
+
+    cell_dir = plan.cell_dir(cell)
+    row = {"cell": cell.name, "setting": cell.setting, **asdict(cell), "overrides": cell.overrides(),
+           "status": "done" if is_done(cell_dir) else "unfinished" if (cell_dir / "metrics.jsonl").is_file()
+           else "not started"}
+    if row["status"] == "not started":
+        return row
+    rows = rows_by_step(read_metrics(cell_dir))
+    accuracy, _ = _values(rows, ("eval/accuracy",))
+    verdict = detect_collapse(rows)
+    row.update(last_step=max(int(r["step"]) for r in rows) if rows else None, steps=steps,
+               start_accuracy=accuracy[0] if accuracy else None, final_accuracy=accuracy[-1] if accuracy else None,
+               best_accuracy=max(accuracy) if accuracy else None, collapsed=verdict.collapsed,
+               collapse_step=verdict.step, collapse_reason=verdict.reason, read={})
+    for name, keys in metric_keys(cell).items():
+        values, key = _values(rows, keys)
+        row[f"{name}_mean"] = _mean(values)
+        if name in ("mismatch_kl", "max_abs_dlogp", "router_disagree"):
+            row[f"{name}_max"] = max(values) if values else None
+        row["read"][name] = key
+    return row
+
+
+def setting_summary(rows: list[dict]) -> list[dict]:
+    """Rows of one setting (its seeds) into one: collapse rate over the finished seeds, means of the rest."""
+    by_setting: dict[str, list[dict]] = {}
+    for r in rows:
+        by_setting.setdefault(r["setting"], []).append(r)
+    out = []
+    for setting, group in by_setting.items():
+        done = [r for r in group if r["status"] == "done"]
+        first = group[0]
+        entry = {"setting": setting, **{a: first[a] for a in AXES}, "seeds": len(group), "done": len(done),
+                 "collapsed": sum(bool(r["collapsed"]) for r in done),
+                 "collapse_rate": sum(bool(r["collapsed"]) for r in done) / len(done) if done else None}
+        for key in ("final_accuracy", "best_accuracy", "mismatch_kl_mean", "router_disagree_mean",
+                    "disagree_post_mean", "tokens_per_s_mean"):
+            entry[key] = _mean([r[key] for r in done if r.get(key) is not None])
+        entry["mismatch_kl_max"] = max((r["mismatch_kl_max"] for r in done if r.get("mismatch_kl_max") is not None),
+                                       default=None)
+        out.append(entry)
+    return sorted(out, key=_axis_order)
+
+
+def _axis_order(entry: dict) -> tuple:
+    return (entry["mini_batches"], AXES["objective"].index(entry["objective"]), AXES["replay"].index(entry["replay"]),
+            AXES["mismatch"].index(entry["mismatch"]))
+
+
+def cells_on_disk(plan: GridPlan) -> list[Cell]:
+    found = []
+    for path in sorted((plan.out / "cells").glob(f"*/{CELL_FILE}")):
+        found.append(Cell(**json.loads(path.read_text())["cell"]))
+    return found
+
+
+def report_cells(plan: GridPlan) -> list[Cell]:
+    """The plan's cells and any other cell a previous run of this folder started (e.g. of the full grid)."""
+    cells = plan.cells()
+    names = {c.name for c in cells}
+    return cells + [c for c in cells_on_disk(plan) if c.name not in names]
+
+
+def write_report(plan: GridPlan, steps: int) -> dict:
+    """summary.json, table.md and plots/ from the cells' metrics (what `--report-only` writes)."""
+    cells = report_cells(plan)
+    rows = [cell_summary(plan, c, steps) for c in cells]
+    settings = setting_summary(rows)
+    warm = plan.out / "warm_start" / "sft" / "sft_result.json"
+    summary = {"grid": plan.grid, "config": str(plan.config), "steps": steps, "sets": plan.sets,
+               "warm_start": {k: v for k, v in json.loads(warm.read_text()).items() if k != "history"}
+               if warm.is_file() else None,
+               "collapse_rule": "eval/accuracy < start - 0.1, or reward < 0.05 on 10 consecutive steps, or a "
+                                "non-finite loss (megapo.trainer.collapse)",
+               "metric_keys": METRIC_KEYS, "settings": settings, "cells": rows}
+    plan.out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(plan.out / "summary.json", summary)
+    (plan.out / "table.md").write_text(table_markdown(summary))
+    summary["plots"] = [str(p) for p in write_plots(plan, cells)]
+    return summary
+
+
+def _fmt(value, kind: str = "acc") -> str:
+    if value is None:
+        return "–"
+    if kind == "acc":
+        return f"{value:.3f}"
+    if kind == "sci":
+        return f"{value:.1e}"
+    return f"{value:.0f}"
+
+
+def table_markdown(summary: dict) -> str:
+    sets = f", overrides `{' '.join(summary['sets'])}`" if summary["sets"] else ""
+    lines = [f"# Stability grid `{summary['grid']}`: {summary['steps']} RL steps per cell", "",
+             f"Config `{summary['config']}`{sets}. Collapsed: {summary['collapse_rule']}. Accuracies are means over "
+             "the finished seeds; KL and disagreement are per-step means (max: the largest step).", ""]
+    if summary["warm_start"]:
+        w = summary["warm_start"]
+        lines += [f"Warm start: SFT validation exact-match {w['val_accuracy']:.3f} after {w['steps']} steps.", ""]
+    header = ("| objective | replay | correction | collapsed / seeds | final acc | best acc | mismatch k3 mean | "
+              "k3 max | router disagree | after replay | tok/s |")
+    for m in sorted({s["mini_batches"] for s in summary["settings"]}):
+        lines += [f"## {m} optimizer step{'s' if m > 1 else ''} per rollout (train.mini_batches={m})", "", header,
+                  "|" + "---|" * 11]
+        for s in (s for s in summary["settings"] if s["mini_batches"] == m):
+            unfinished = f" ({s['seeds'] - s['done']} unfinished)" if s["done"] < s["seeds"] else ""
+            lines.append(f"| {s['objective']} | {s['replay']} | {s['mismatch']} | {s['collapsed']} / {s['done']}"
+                         f"{unfinished} | {_fmt(s['final_accuracy'])} | {_fmt(s['best_accuracy'])} | "
+                         f"{_fmt(s['mismatch_kl_mean'], 'sci')} | {_fmt(s['mismatch_kl_max'], 'sci')} | "
+                         f"{_fmt(s['router_disagree_mean'])} | {_fmt(s['disagree_post_mean'])} | "
+                         f"{_fmt(s['tokens_per_s_mean'], 'int')} |")
+        lines.append("")
+    lines += ["## Cells", "", "| cell | status | start acc | final acc | collapsed at | reason |",
+              "|---|---|---|---|---|---|"]
+    for r in summary["cells"]:
+        collapsed_at = r.get("collapse_step") if r.get("collapsed") else "–"
+        lines.append(f"| {r['cell']} | {r['status']} | {_fmt(r.get('start_accuracy'))} | "
+                     f"{_fmt(r.get('final_accuracy'))} | {collapsed_at} | {r.get('collapse_reason') or '–'} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(plan: GridPlan, cells: list[Cell]) -> list[Path]:
+    """Per (objective, correction): held-out accuracy and mismatch KL against step, one column per off-policy
+    degree, a colour per replay mode (one line per seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megapo.trainer.metrics import read_metrics
+    from megapo.trainer.plot import series
+
+    out_dir = plan.out / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    colours = {"off": "tab:red", "r2": "tab:orange", "r3": "tab:blue"}
+    written = []
+    for objective, mismatch in sorted({(c.objective, c.mismatch) for c in cells}):
+        group = [c for c in cells if (c.objective, c.mismatch) == (objective, mismatch)
+                 and (plan.cell_dir(c) / "metrics.jsonl").is_file()]
+        if not group:
+            continue
+        degrees = sorted({c.mini_batches for c in group})
+        fig, axes = plt.subplots(2, len(degrees), figsize=(4.5 * len(degrees), 6.5), squeeze=False, sharey="row")
+        labelled = set()
+        for col, m in enumerate(degrees):
+            acc_ax, kl_ax = axes[0][col], axes[1][col]
+            for c in sorted((c for c in group if c.mini_batches == m), key=lambda c: (c.replay, c.seed)):
+                rows = read_metrics(plan.cell_dir(c))
+                label = c.replay if (m, c.replay) not in labelled else None
+                labelled.add((m, c.replay))
+                acc_ax.plot(*series(rows, "eval/accuracy"), color=colours[c.replay], alpha=0.8, label=label)
+                kl_key = next((k for k in METRIC_KEYS["mismatch_kl"] if series(rows, k)[0]), None)
+                if kl_key is not None:
+                    steps, kl = series(rows, kl_key)
+                    kept = [(s, v) for s, v in zip(steps, kl) if v > 0]  # log scale
+                    if kept:
+                        kl_ax.plot(*zip(*kept), color=colours[c.replay], alpha=0.8, label=label)
+            acc_ax.set_title(f"m={m}: held-out accuracy")
+            kl_ax.set_title(f"m={m}: mismatch k3 KL (engine vs learner)")
+            kl_ax.set_yscale("log")
+            for ax in (acc_ax, kl_ax):
+                ax.set_xlabel("step")
+                ax.grid(alpha=0.3)
+                if ax.get_legend_handles_labels()[0]:
+                    ax.legend(title="replay")
+        fig.suptitle(f"objective {objective}, correction {mismatch} (one line per seed)")
+        fig.subplots_adjust(hspace=0.35, wspace=0.3)  # fixed margins: tight_layout's text measuring is slow
+        path = out_dir / f"{objective}-{mismatch}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+# ----------------------------------------------------------------------------- estimate and CLI
+
+
+def estimate_seconds(n_cells: int, steps: int, jobs: int, step_s: float, startup_s: float,
+                     warm_start_s: float) -> float:
+    """Wall time of a grid: the warm start, then the cells `jobs` at a time, each its start-up plus its steps
+    (step_s: a step's time with the cell's share of the cores)."""
+    waves = -(-n_cells // jobs)
+    return warm_start_s + waves * (startup_s + steps * step_s)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="base run config every cell overrides")
+    parser.add_argument("--grid", default="small", choices=("small", "full"))
+    parser.add_argument("--out", default="runs/stability", help="grid folder (cells, warm start, report)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per setting (train.seed 0..N-1)")
+    parser.add_argument("--steps", type=int, default=None, help="RL steps per cell (default: the config's train.steps)")
+    parser.add_argument("--jobs", type=int, default=None, help="cells at a time (default: cores // 2, at least 1)")
+    parser.add_argument("--threads", type=int, default=None, help="OpenMP threads per cell (default: cores // jobs)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="a config override for every cell (repeatable), e.g. --set rollout.dtype=float32")
+    parser.add_argument("--cells", default="", help="comma-separated cell names: run only these cells of the grid")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue unfinished cells from their checkpoint (default: restart them)")
+    parser.add_argument("--report-only", action="store_true", help="rewrite summary/table/plots; run nothing")
+    parser.add_argument("--dry-run", action="store_true", help="print the cells and a time estimate; run nothing")
+    parser.add_argument("--assume-step-s", type=float, default=0.5, help="--dry-run: seconds per RL step of a cell")
+    parser.add_argument("--assume-startup-s", type=float, default=30.0,
+                        help="--dry-run: seconds a cell takes to start (imports, learner, engine, first eval)")
+    parser.add_argument("--assume-warm-start-s", type=float, default=120.0, help="--dry-run: seconds of the SFT")
+
+
+def plan_from_args(args: argparse.Namespace) -> GridPlan:
+    for name in ("seeds", "steps", "jobs", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name}", f"must be >= 1, got {value}")
+    config = Path(args.config)
+    if not config.is_file():
+        raise ConfigError("--config", f"{config} does not exist")
+    for i, s in enumerate(args.sets):
+        if "=" not in s:
+            raise ConfigError(f"--set[{i}]", f"expected section.field=value, got {s!r}")
+    jobs = args.jobs or max(1, cores() // 2)
+    return GridPlan(config=config.resolve(), out=Path(args.out).resolve(), grid=args.grid, seeds=args.seeds,
+                    steps=args.steps, jobs=jobs, threads=args.threads or max(1, cores() // jobs),
+                    sets=list(args.sets), resume=args.resume, only=[c for c in args.cells.split(",") if c])
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    plan = plan_from_args(args)
+    if args.report_only:
+        if not (plan.out / GRID_FILE).is_file():
+            raise ConfigError("--out", f"{plan.out} holds no stability grid ({GRID_FILE} is missing)")
+        made = json.loads((plan.out / GRID_FILE).read_text())  # what the cells ran with
+        plan.sets, plan.config = made["sets"], Path(made["config"])
+        summary = write_report(plan, made["steps"])
+        print(f"wrote {plan.out / 'summary.json'}, {plan.out / 'table.md'}, {len(summary['plots'])} plot(s)")
+        return 0
+    if args.dry_run:
+        steps = config_steps(plan)
+        cells = plan.cells()
+        validate_cells(plan, cells, steps)
+        for c in cells:
+            print(c.name)
+        est = estimate_seconds(len(cells), steps, plan.jobs, args.assume_step_s, args.assume_startup_s,
+                               args.assume_warm_start_s)
+        print(f"{len(cells)} cells x {steps} steps, {plan.jobs} at a time ({plan.threads} threads each): about "
+              f"{est / 60:.0f} min at {args.assume_step_s} s/step, {args.assume_startup_s:.0f} s start-up per cell, "
+              f"{args.assume_warm_start_s:.0f} s warm start")
+        return 0
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a killed grid stops its cells at a checkpoint too
+    try:
+        status = run_grid(plan)
+    except KeyboardInterrupt:
+        print(f"stability grid: stopped; finished cells are kept, rerun the same command to continue "
+              f"(--resume continues the stopped cells from their checkpoints)", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    unfinished = [name for name, s in status.items() if s == "unfinished"]
+    more = "..." if len(unfinished) > 5 else ""
+    which = f" ({', '.join(unfinished[:5])}{more}; rerun to continue)" if unfinished else ""
+    print(f"stability grid: {sum(s == 'done' for s in status.values())} cells run, "
+          f"{sum(s == 'skipped' for s in status.values())} done before, {len(unfinished)} unfinished{which}; "
+          f"wrote {plan.out / 'table.md'}")
+    return 1 if unfinished else 0
