@@ -83,7 +83,7 @@ class HFLearner:
         torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict()}, Path(d) / "hf_learner.pt")
 
     def load(self, d):
-        state = torch.load(Path(d) / "hf_learner.pt", weights_only=False)
+        state = torch.load(Path(d) / "hf_learner.pt", weights_only=True)  # nothing unpickled from a run folder
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
 

@@ -59,7 +59,7 @@ class VerifyResult:
 
 def compare(hf_dir: str | Path, megatron_file: str | Path, seqs: list[list[int]], tol: float) -> VerifyResult:
     """HF forward on hf_dir vs the learner's results saved by the worker in megatron_file."""
-    megatron = torch.load(megatron_file)
+    megatron = torch.load(megatron_file, weights_only=True)  # tensors only: no pickled objects run
     ref_logp, ref_ent = hf_logprobs(hf_dir, seqs)
     dlogp = max(float((a - b).abs().max()) for a, b in zip(ref_logp, megatron["logprobs"], strict=True))
     dent = max(float((a - b).abs().max()) for a, b in zip(ref_ent, megatron["entropy"], strict=True))
