@@ -19,10 +19,10 @@ CheckpointError (exit 2) naming what is wrong and the newest earlier checkpoint 
 Checkpoints of megapo before the manifest (rng.pt, a pickle) are refused, never unpickled.
 
 Hash: sha256 of whole files, read in 8 MiB chunks on a thread pool (hashlib releases the GIL). A sampled
-or non-cryptographic hash would miss corruption inside a shard or save little: with SHA-NI sha256 runs
-at about twice crc32's cost per byte and well above one disk's read rate once several files hash at once.
-On a distributed run every rank hashes its share of the files (save and verify), so no rank waits
-in a collective for one rank reading the whole checkpoint.
+hash would miss corruption inside a shard, and a non-cryptographic one saves little where sha256 runs on
+the CPU's SHA instructions: with several files hashed at once the disk, not the hash, bounds the cost
+(about one extra read of the checkpoint at save and at resume). On a distributed run every rank hashes
+its share of the files (save and verify), so no rank waits in a collective for one rank reading all.
 """
 
 from __future__ import annotations
