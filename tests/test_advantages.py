@@ -101,9 +101,9 @@ def test_group_of_one_is_one_rule_in_one_place(name, tmp_path, tiny_moe):
     assert bool(torch.isfinite(ok).all())
 
     def config(n: int):
-        return load_config(RunConfig, None, [f"model.path={tiny_moe}", "data.task=addition", f"algorithm.advantage={name}",
-                                             f"rollout.n_samples={n}", "data.dynamic_sampling=false",
-                                             f"train.output_dir={tmp_path / 'run'}"])
+        return load_config(RunConfig, None, [f"model.path={tiny_moe}", "data.task=addition",
+                                             f"algorithm.advantage={name}", f"rollout.n_samples={n}",
+                                             "data.dynamic_sampling=false", f"train.output_dir={tmp_path / 'run'}"])
 
     with pytest.raises(ConfigError) as err:
         config(need - 1)

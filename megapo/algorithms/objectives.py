@@ -8,8 +8,9 @@ A_t the advantage, sg[·] stop-gradient, |y| the sequence's number of valid toke
 Sequence-level objectives (gspo, gmpo, vespo) compute one value per sequence and give it to each
 of its tokens, so with loss_agg="seq-mean-token-mean" the loss is exactly the paper's per-sequence
 objective averaged over sequences. Each objective registers its paper's aggregation (`loss_agg=`
-below), which policy_loss uses when loss_agg is "auto" (the config's default). They use A_t token by token; the caller broadcasts a
-per-sequence advantage (docs/CONTRACTS.md), which is the case the papers cover.
+below), which policy_loss uses when loss_agg is "auto" (the config's default). They use A_t token
+by token; the caller broadcasts a per-sequence advantage (docs/CONTRACTS.md), which is the case the
+papers cover.
 """
 
 from __future__ import annotations
