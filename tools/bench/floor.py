@@ -1,0 +1,648 @@
+"""`megapo bench floor`: megapo's RL step against the floor, a plain single-process PyTorch step doing the same work.
+
+    megapo bench floor --out benchmarks/results/floor.json [--config megapo/configs/tiny_moe_addition.yaml]
+                       [--steps 8] [--warmup 1] [--threads N] [--work-dir runs/bench_floor] [section.field=value ...]
+
+The floor is written here, on its own (no megapo engine, learner or algorithm code; it shares only the prompts,
+their order and the reward function), for the main job's recipe: a Qwen3-MoE loaded from the same HF
+safetensors (the main job's SFT warm start, made under --work-dir on the first run); per step
+- generate: the step's prompts x n samples in one batch with a KV cache (rows that stop leave the batch),
+  routes recorded, rewards, dynamic sampling as the config asks (same prompts: the floor draws them from its
+  own PromptSource with the run's seed);
+- old log-probs: a separate no-grad forward of the sampled sequences replaying the generator's routes;
+- train: forward replaying the same routes (each expert computes only the tokens routed to it), GSPO with GRPO
+  advantages and seq-mean-token-mean aggregation, backward, grad-norm clip, AdamW (the config's lr, warmup and
+  clip);
+- sync: none (the sampler reads the trained parameters).
+megapo's step is the main job's: EmbeddedEngine (megapo.trainer.engines) and megapo.trainer.loop's
+collect_rollouts / update_policy / sync_weights with the config's RunConfig, so changes there show up here.
+
+Before timing, step 0 checks that both do the same work: on megapo's first batch (its engine's samples and
+routes) the floor's log-probs must equal megapo's learner's old log-probs (--tolerance); and both samplers
+generate the same prompts a few times, interleaved, for generated tokens/s. Then --warmup untimed and --steps
+timed steps, alternating which side goes first. The JSON holds per-phase medians (wall and this process's CPU
+seconds), the ratios megapo/floor, the machine's load, torch threads and the git commit; megapo's old_logp
+is 0 on steps its loop folds into the train forward. Exit 1 when the step-0 log-probs differ, 2 on a config
+the floor does not implement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+PHASES = ("generate", "old_logp", "train", "sync")
+REPO = Path(__file__).resolve().parents[2]
+MAIN_CONFIG = REPO / "megapo/configs/tiny_moe_addition.yaml"
+
+
+# ----------------------------------------------------------------------------------------------- floor model
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class FloorMoE(torch.nn.Module):
+    """Qwen3-MoE in float32 from an HF config dict and its on-disk tensors: every layer MoE (softmax router,
+    top-k renormalised when norm_topk_prob), q/k RMSNorm, rotary, GQA, SiLU-gated experts."""
+
+    def __init__(self, config: dict, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        self._check(config)
+        c = config
+        self.heads, self.kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
+        self.head_dim = c.get("head_dim") or c["hidden_size"] // self.heads
+        self.experts = c.get("num_experts", c.get("num_local_experts"))
+        self.topk, self.norm_topk = c["num_experts_per_tok"], c.get("norm_topk_prob", True)
+        self.eps = c.get("rms_norm_eps", 1e-6)
+        self.n_layers = c["num_hidden_layers"]
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+        self.inv_freq = 1.0 / theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
+
+        def param(name):
+            return torch.nn.Parameter(tensors[name].float().clone())
+
+        self.embed = param("model.embed_tokens.weight")
+        self.norm = param("model.norm.weight")
+        self.lm_head = self.embed if c.get("tie_word_embeddings") else param("lm_head.weight")
+        self.layers = torch.nn.ModuleList()
+        for i in range(self.n_layers):
+            p, layer = f"model.layers.{i}.", torch.nn.ParameterDict()
+            for key, name in (("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"),
+                              ("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
+                              ("o", "self_attn.o_proj"), ("q_norm", "self_attn.q_norm"),
+                              ("k_norm", "self_attn.k_norm"), ("router", "mlp.gate")):
+                layer[key] = param(p + name + ".weight")
+            for key in ("gate_proj", "up_proj", "down_proj"):
+                layer[key] = torch.nn.Parameter(torch.stack(
+                    [tensors[f"{p}mlp.experts.{e}.{key}.weight"].float() for e in range(self.experts)]))
+            self.layers.append(layer)
+
+    @staticmethod
+    def _check(c: dict) -> None:
+        if c.get("model_type") != "qwen3_moe":
+            raise ValueError(f"the floor implements qwen3_moe; config.json model_type is {c.get('model_type')!r}")
+        if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
+            raise ValueError("the floor implements all-MoE layers; config.json has mlp_only_layers/decoder_sparse_step")
+        if c.get("attention_bias"):
+            raise ValueError("the floor implements attention without bias; config.json has attention_bias=true")
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "FloorMoE":
+        from safetensors import safe_open
+
+        folder = Path(folder)
+        tensors = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                tensors.update({name: st.get_tensor(name) for name in st.keys()})
+        return cls(json.loads((folder / "config.json").read_text()), tensors)
+
+    def experts_forward(self, x: torch.Tensor, layer, routes: torch.Tensor | None):
+        """x [N, H] -> (out [N, H], top [N, k]); `routes` replays the given experts (gate scores gathered there)."""
+        probs = torch.softmax(x @ layer["router"].t(), dim=-1)
+        if routes is None:
+            weight, top = probs.topk(self.topk, dim=-1)
+        else:
+            top = routes
+            weight = probs.gather(1, top)
+        if self.norm_topk:
+            weight = weight / weight.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in range(self.experts):  # routed tokens only
+            token, slot = (top == e).nonzero(as_tuple=True)
+            if len(token) == 0:
+                continue
+            h = x[token]
+            y = (F.silu(h @ layer["gate_proj"][e].t()) * (h @ layer["up_proj"][e].t())) @ layer["down_proj"][e].t()
+            out.index_add_(0, token, y * weight[token, slot, None])
+        return out, top
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, *, cache=None, start: int = 0,
+                mask: torch.Tensor | None = None, routes: torch.Tensor | None = None,
+                valid: torch.Tensor | None = None):
+        """ids/positions [B, T]. cache: (k, v) lists of [rows, kv_heads, len, head_dim] whose first B rows take
+        columns start..start+T-1. mask: bool [B, 1, T, start+T] or None (causal). routes: int [B, T, L, k] to
+        replay. valid: bool [B, T], the tokens the experts compute (others get no MLP). -> (logits [B, T, V],
+        routes used [B, T, L, k])."""
+        B, T = ids.shape
+        x = self.embed[ids]
+        angles = positions[..., None].float() * self.inv_freq
+        angles = torch.cat((angles, angles), -1)[:, None]  # [B, 1, T, head_dim]
+        cos, sin = angles.cos(), angles.sin()
+        flat = valid.reshape(-1).nonzero()[:, 0] if valid is not None else None
+        used = []
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer["ln1"], self.eps)
+            q = rms_norm((h @ layer["q"].t()).view(B, T, self.heads, self.head_dim), layer["q_norm"], self.eps)
+            k = rms_norm((h @ layer["k"].t()).view(B, T, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
+            v = (h @ layer["v"].t()).view(B, T, self.kv_heads, self.head_dim)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            if cache is not None:
+                cache[0][i][:B, :, start:start + T], cache[1][i][:B, :, start:start + T] = k, v
+                k, v = cache[0][i][:B, :, :start + T], cache[1][i][:B, :, :start + T]
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                                 enable_gqa=True)
+            x = x + att.transpose(1, 2).reshape(B, T, -1) @ layer["o"].t()
+            h = rms_norm(x, layer["ln2"], self.eps).reshape(B * T, -1)
+            layer_routes = routes[:, :, i].reshape(B * T, -1) if routes is not None else None
+            if flat is None:
+                y, top = self.experts_forward(h, layer, layer_routes)
+            else:
+                y_valid, top_valid = self.experts_forward(h[flat], layer, None if layer_routes is None
+                                                          else layer_routes[flat])
+                y = torch.zeros_like(h).index_copy(0, flat, y_valid)
+                top = torch.zeros(B * T, self.topk, dtype=torch.long).index_copy(0, flat, top_valid)
+            used.append(top.view(B, T, -1))
+            x = x + y.view(B, T, -1)
+        return rms_norm(x, self.norm, self.eps) @ self.lm_head.t(), torch.stack(used, dim=2)
+
+
+# ----------------------------------------------------------------------------------------------- floor step
+
+
+@dataclass
+class FloorSample:
+    prompt: list[int]
+    output: list[int]
+    logprobs: list[float]
+    stopped: bool
+    routes: torch.Tensor  # [len(prompt) + len(output) - 1, L, k]
+
+    # what megapo's reward function reads
+    @property
+    def output_ids(self) -> list[int]:
+        return self.output
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.stopped else "length"
+
+
+@torch.no_grad()
+def floor_generate(model: FloorMoE, prompts: list[list[int]], n: int, max_new: int, stop_id: int,
+                   temperature: float, gen: torch.Generator) -> list[list[FloorSample]]:
+    """Every prompt x n samples in one batch: prefill the prompts, copy each prompt's cache rows to its n samples,
+    decode the running rows one token per step (a row that stops leaves the batch, its cache rows with it)."""
+    U, P = len(prompts), max(len(p) for p in prompts)
+    B, width = U * n, P + max_new - 1
+    pads = torch.tensor([P - len(p) for p in prompts])
+    ids = torch.zeros(U, P, dtype=torch.long)
+    for u, p in enumerate(prompts):
+        ids[u, P - len(p):] = torch.tensor(p)
+    cols = torch.arange(width + 1)
+    key_ok = cols[None] >= pads[:, None]  # [U, width + 1]: False on left padding
+    causal = cols[:P, None] >= cols[None, :P]
+    mask = (causal & key_ok[:, None, :P]) | torch.eye(P, dtype=torch.bool)
+    positions = (cols[None, :P] - pads[:, None]).clamp(min=0)
+    shape = (U, model.kv_heads, width, model.head_dim)
+    cache = ([torch.empty(shape) for _ in model.layers], [torch.empty(shape) for _ in model.layers])
+    logits, prompt_routes = model(ids, positions, cache=cache, mask=mask[:, None])
+    rows = torch.arange(U).repeat_interleave(n)  # sample row -> prompt
+    cache = tuple([t[rows] for t in kv] for kv in cache)
+    logits, key_ok, pads = logits[:, -1][rows], key_ok[rows], pads[rows]
+    routes = torch.zeros(B, width, model.n_layers, model.topk, dtype=torch.long)
+    routes[:, :P] = prompt_routes[rows]
+    tokens = torch.zeros(B, max_new, dtype=torch.long)
+    logps = torch.zeros(B, max_new)
+    lengths = torch.full((B,), max_new)
+    live = torch.arange(B)  # the sample row of each running row
+    for t in range(max_new):
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        cdf = logp.exp().cumsum(-1)  # inverse-CDF sampling: one uniform per row (multinomial draws one per token)
+        u = torch.rand(len(cdf), 1, generator=gen) * cdf[:, -1:]
+        token = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+        tokens[live, t], logps[live, t] = token, logp.gather(1, token[:, None])[:, 0]
+        stopped = token == stop_id
+        lengths[live[stopped]] = t + 1
+        if t == max_new - 1 or bool(stopped.all()):
+            break
+        if bool(stopped.any()):
+            keep = (~stopped).nonzero()[:, 0]
+            live, token, key_ok, pads = live[keep], token[keep], key_ok[keep], pads[keep]
+            cache = tuple([c[keep] for c in kv] for kv in cache)
+        col = P + t
+        logits, step_routes = model(token[:, None], (col - pads)[:, None], cache=cache, start=col,
+                                    mask=key_ok[:, None, None, :col + 1])
+        logits = logits[:, -1]
+        routes[live, col] = step_routes[:, 0]
+    out, tokens_l, logps_l, lengths_l = [], tokens.tolist(), logps.tolist(), lengths.tolist()
+    for u, prompt in enumerate(prompts):
+        group = []
+        for r in range(u * n, (u + 1) * n):
+            L = lengths_l[r]
+            group.append(FloorSample(prompt, tokens_l[r][:L], logps_l[r][:L], tokens_l[r][L - 1] == stop_id,
+                                     routes[r, P - len(prompt):P + L - 1]))
+        out.append(group)
+    return out
+
+
+def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """[groups, n] -> (r - group mean) / (group std (n - 1) + eps)."""
+    return (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + eps)
+
+
+def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+              eps_low: float, eps_high: float) -> torch.Tensor:
+    """Sequences [S, T] (mask: response tokens). s_i = exp(mean_t log(pi/pi_old)); loss = mean_i max(-A_i s_i,
+    -A_i clip(s_i, 1 - eps_low, 1 + eps_high)) (seq-mean-token-mean of GSPO's per-sequence value)."""
+    s = torch.exp(((logp - old_logp) * mask).sum(1) / mask.sum(1))
+    return torch.maximum(-adv * s, -adv * s.clamp(1 - eps_low, 1 + eps_high)).mean()
+
+
+def sequence_batch(samples: list[FloorSample]):
+    """Right-padded inputs [S, W], positions, targets, routes [S, W, L, k], valid (fed) and response masks."""
+    seqs = [s.prompt + s.output for s in samples]
+    S, W = len(seqs), max(len(q) for q in seqs) - 1
+    ids, targets = torch.zeros(S, W, dtype=torch.long), torch.zeros(S, W, dtype=torch.long)
+    routes = torch.zeros(S, W, *samples[0].routes.shape[1:], dtype=torch.long)
+    valid, response = torch.zeros(S, W, dtype=torch.bool), torch.zeros(S, W, dtype=torch.bool)
+    for i, (s, q) in enumerate(zip(samples, seqs)):
+        n = len(q) - 1
+        ids[i, :n], targets[i, :n] = torch.tensor(q[:-1]), torch.tensor(q[1:])
+        routes[i, :n] = torch.as_tensor(s.routes, dtype=torch.long)
+        valid[i, :n] = True
+        response[i, len(s.prompt) - 1:n] = True
+    return ids, torch.arange(W).expand(S, W), targets, routes, valid, response
+
+
+def sequence_logprobs(model: FloorMoE, batch) -> torch.Tensor:
+    ids, positions, targets, routes, valid, _ = batch
+    logits, _ = model(ids, positions, routes=routes, valid=valid)
+    return torch.log_softmax(logits, -1).gather(2, targets[..., None])[..., 0]
+
+
+class Floor:
+    """The floor's RL loop state: model, optimizer, prompt order, sampling generator."""
+
+    def __init__(self, model_dir: Path, cfg, pool, reward_fn, stop_id: int):
+        from megapo.trainer.data import PromptSource
+
+        self.model = FloorMoE.from_folder(model_dir)
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                                           eps=o.adam_eps, weight_decay=o.weight_decay)
+        # the config's schedule (constant after a linear warmup from 0, as Megatron's scheduler does): the policy
+        # then moves as fast as megapo's, which sets how many dynamic-sampling rounds later steps need
+        warmup = o.warmup_steps
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                          lambda k: min(1.0, k / warmup) if warmup else 1.0)
+        self.cfg, self.pool, self.reward_fn, self.stop_id = cfg, pool, reward_fn, stop_id
+        self.source = PromptSource(len(pool), seed=cfg.train.seed)  # the same prompts as megapo's run
+        self.gen = torch.Generator().manual_seed(cfg.train.seed)
+        opts = cfg.algorithm.objective_options
+        self.eps_low, self.eps_high = opts.get("eps_low", 3e-4), opts.get("eps_high", 4e-4)  # GSPO paper's
+        self.adv_eps = cfg.algorithm.advantage_options.get("eps", 1e-6)
+        self.generated = 0  # tokens sampled in the current step
+
+    def rollout_round(self):
+        d, r = self.cfg.data, self.cfg.rollout
+        items = [self.pool[i] for i in self.source.next_batch(d.prompts_per_step)]
+        out = floor_generate(self.model, [ids for _, ids in items], r.n_samples, r.max_new_tokens, self.stop_id,
+                             r.temperature, self.gen)
+        self.generated += sum(len(s.output) for group in out for s in group)
+        return [(group, [self.reward_fn(ex, s) for s in group]) for (ex, _), group in zip(items, out)]
+
+    def collect(self):
+        """Groups with their rewards; dynamic sampling keeps groups whose rewards differ, refilled up to
+        max_sampling_rounds rounds."""
+        d = self.cfg.data
+        if not d.dynamic_sampling:
+            return self.rollout_round()
+        kept = []
+        for _ in range(d.max_sampling_rounds):
+            kept += [g for g in self.rollout_round() if max(g[1]) - min(g[1]) > 1e-8]
+            if len(kept) >= d.prompts_per_step:
+                break
+        return kept[:d.prompts_per_step]
+
+    def step(self, timer: dict) -> int:
+        """One RL step; phase wall/CPU seconds added to `timer`; returns the tokens generated (kept or not)."""
+        self.generated = 0
+        with phase(timer, "generate"):
+            groups = self.collect()
+        if not groups:
+            return self.generated
+        samples = [s for g, _ in groups for s in g]
+        with phase(timer, "old_logp"):
+            batch = sequence_batch(samples)
+            with torch.no_grad():
+                old = sequence_logprobs(self.model, batch)
+        with phase(timer, "train"):
+            rewards = torch.tensor([rw for _, rw in groups], dtype=torch.float32)
+            adv = grpo_advantages(rewards, self.adv_eps).reshape(-1, 1)
+            logp = sequence_logprobs(self.model, batch)
+            loss = gspo_loss(logp, old, adv[:, 0], batch[-1].float(), self.eps_low, self.eps_high)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.cfg.optim.grad_clip:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+            self.optimizer.step()
+            self.schedule.step()
+        timer.setdefault("sync", [0.0, 0.0])  # the sampler reads the trained parameters: nothing to hand over
+        return self.generated
+
+
+class phase:
+    """Adds a block's wall and process-CPU seconds to timer[name] = [wall, cpu]."""
+
+    def __init__(self, timer: dict, name: str):
+        self.timer, self.name = timer, name
+
+    def __enter__(self):
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+    def __exit__(self, *exc):
+        acc = self.timer.setdefault(self.name, [0.0, 0.0])
+        acc[0] += time.perf_counter() - self.t0
+        acc[1] += time.process_time() - self.c0
+
+
+# ----------------------------------------------------------------------------------------------- megapo side
+
+
+class Megapo:
+    """The main job's step: megapo's engine and megapo.trainer.loop's functions on the run's config."""
+
+    def __init__(self, cfg, model_dir: Path, out_dir: Path, tokenizer, pool, reward_fn):
+        from megapo.engines.base import SamplingParams
+        from megapo.trainer import loop
+        from megapo.trainer.data import PromptSource
+
+        self.loop, self.cfg, self.pool, self.reward_fn = loop, cfg, pool, reward_fn
+        self.learner = loop.build_learner(cfg, model_dir)
+        self.engine = loop.build_engine(cfg, model_dir)
+        self.transport = loop.make_transport(cfg, out_dir, model_dir, self.learner, self.engine)
+        self.source = PromptSource(len(pool), seed=cfg.train.seed)
+        r = cfg.rollout
+        # as loop.train builds them
+        self.params = SamplingParams(n=r.n_samples, temperature=r.temperature, top_p=r.top_p,
+                                     max_new_tokens=r.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,),
+                                     return_routes=cfg.algorithm.routing_replay == "r3")
+        self.options = loop.loss_options(cfg)
+        self.version = 0
+
+    def collect(self):
+        return self.loop.collect_rollouts(self.engine, self.params, self.pool, self.source, self.reward_fn, self.cfg)
+
+    def step(self, timer: dict) -> int:
+        from megapo.trainer.metrics import StepTimer
+
+        with phase(timer, "generate"):
+            groups, _, tokens = self.collect()
+        if not groups:
+            return tokens
+        inner = StepTimer()  # update_policy times old_logp and train itself
+        c0 = time.process_time()
+        self.loop.update_policy(self.learner, groups, self.cfg, None, self.options, inner)
+        cpu = time.process_time() - c0
+        wall = sum(inner.times.values()) or 1.0
+        for name, seconds in inner.times.items():  # CPU split in proportion to the phases' wall time
+            acc = timer.setdefault(name if name in PHASES else "train", [0.0, 0.0])
+            acc[0] += seconds
+            acc[1] += cpu * seconds / wall
+        timer.setdefault("old_logp", [0.0, 0.0])  # an on-policy step may fold it into train
+        with phase(timer, "sync"):
+            self.version += 1
+            self.loop.sync_weights(self.learner, self.engine, self.version, self.cfg, self.transport)
+        return tokens
+
+    def close(self):
+        self.engine.close()
+        self.learner.close()
+
+
+# ----------------------------------------------------------------------------------------------- checks
+
+
+def step0_logprob_check(floor: Floor, megapo: Megapo) -> dict:
+    """On megapo's first batch (its engine's samples and routes), megapo's learner's old log-probs (the loop's
+    train_samples + old_logprob_pass) against the floor's, before either trains."""
+    loop = megapo.loop
+    groups, _, _ = megapo.collect()
+    batch = loop.train_samples(groups, megapo.cfg)
+    loop.old_logprob_pass(megapo.learner, batch, megapo.cfg)
+    samples = [FloorSample(s["tokens"][:s["prompt_len"]], s["tokens"][s["prompt_len"]:], [], False,
+                           torch.as_tensor(s["routes"])) for s in batch]
+    fb = sequence_batch(samples)
+    with torch.no_grad():
+        ours = sequence_logprobs(floor.model, fb)
+    diff = 0.0
+    for i, s in enumerate(batch):
+        got = ours[i][fb[-1][i]]
+        diff = max(diff, (got.double() - torch.tensor(s["old_logp"], dtype=torch.float64)).abs().max().item())
+    return {"sequences": len(batch), "response_tokens": int(fb[-1].sum()), "max_abs_diff": diff}
+
+
+def sampler_rates(floor: Floor, megapo: Megapo, rounds: int) -> dict:
+    """Both samplers on the same prompts (one round of the step's prompts x n), interleaved: tokens/s."""
+    r = megapo.cfg.rollout
+    prompts = [ids for _, ids in (floor.pool[i] for i in range(megapo.cfg.data.prompts_per_step))]
+    rates = {"floor": [], "megapo": []}
+    for k in range(rounds):
+        for side in (("floor", "megapo") if k % 2 else ("megapo", "floor")):
+            t0 = time.perf_counter()
+            if side == "floor":
+                out = floor_generate(floor.model, prompts, r.n_samples, r.max_new_tokens, floor.stop_id, r.temperature,
+                                     floor.gen)
+            else:
+                out = megapo.engine.generate(prompts, megapo.params)
+            rates[side].append(sum(len(s.output_ids) for g in out for s in g) / (time.perf_counter() - t0))
+    floor_rate, megapo_rate = statistics.median(rates["floor"]), statistics.median(rates["megapo"])
+    return {"prompts": len(prompts), "samples_per_prompt": r.n_samples, "rounds": rounds,
+            "floor_tokens_per_s": floor_rate, "megapo_tokens_per_s": megapo_rate,
+            "megapo_over_floor_tokens_per_s": megapo_rate / floor_rate, "floor_rounds": rates["floor"],
+            "megapo_rounds": rates["megapo"]}
+
+
+def git_commit() -> dict:
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty_files": len(git("status", "--porcelain").splitlines())}
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def check_recipe(cfg) -> None:
+    """The floor implements the main job's recipe; anything else is refused before any work."""
+    from megapo.config import ConfigError
+
+    a = cfg.algorithm
+    for name, got, want in (("algorithm.objective", a.objective, "gspo"), ("algorithm.advantage", a.advantage, "grpo"),
+                            ("algorithm.loss_agg", a.loss_agg, "seq-mean-token-mean"),
+                            ("algorithm.routing_replay", a.routing_replay, "r3"),
+                            ("rollout.engine", cfg.rollout.engine, "embedded"), ("train.mode", cfg.train.mode, "sync")):
+        if got != want:
+            raise ConfigError(name, f"the floor bench implements {want!r}, got {got!r}")
+    for name, value in (("algorithm.kl_coef", a.kl_coef), ("algorithm.entropy_coef", a.entropy_coef)):
+        if value:
+            raise ConfigError(name, f"the floor bench implements 0, got {value!r}")
+    if a.mismatch != "none":
+        raise ConfigError("algorithm.mismatch", f"the floor bench implements none, got {a.mismatch!r}")
+    if cfg.optim.lr_schedule != "constant":
+        raise ConfigError("optim.lr_schedule", f"the floor bench implements constant, got {cfg.optim.lr_schedule!r}")
+    if cfg.rollout.top_p != 1.0:
+        raise ConfigError("rollout.top_p", f"the floor bench implements 1.0, got {cfg.rollout.top_p!r}")
+    if cfg.train.updates_per_rollout != 1 or cfg.train.mini_batches != 1:
+        raise ConfigError("train.mini_batches", "the floor bench implements one update per rollout (mini_batches 1, "
+                          "updates_per_rollout 1)")
+    if not cfg.data.task:
+        raise ConfigError("data.task", "the floor bench runs a built-in task")
+    if cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.ep * cfg.parallel.dp != 1:
+        raise ConfigError("parallel", "the floor bench is single-process: tp = pp = ep = dp = 1")
+
+
+def medians(per_step: list[dict]) -> dict:
+    out = {}
+    for name in PHASES:
+        out[name] = statistics.median(s[name][0] for s in per_step)
+        out[name + "_cpu"] = statistics.median(s[name][1] for s in per_step)
+    out["step"] = statistics.median(sum(s[n][0] for n in PHASES) for s in per_step)
+    out["step_cpu"] = statistics.median(sum(s[n][1] for n in PHASES) for s in per_step)
+    return out
+
+
+def ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def bench_config(args):
+    """The run config the bench runs (models and run files under --work-dir); ConfigError when it cannot."""
+    from megapo.config import load_config
+    from megapo.trainer.config import RunConfig
+
+    work = Path(args.work_dir)
+    cfg = load_config(RunConfig, args.config, [f"model.path={work / 'base'}", f"train.output_dir={work}",
+                                               *args.overrides])
+    check_recipe(cfg)
+    return cfg
+
+
+def run_bench(args, cfg) -> dict:
+    from transformers import AutoTokenizer
+
+    from megapo.trainer import loop
+    from megapo.trainer.data import PromptPool, PromptSource
+
+    work = Path(args.work_dir)
+    load_start = os.getloadavg()
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = loop.prepare_model(cfg, work)  # the main job's starting weights (SFT warm start, cached)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pool = PromptPool(tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens, task=cfg.data.task)
+    reward_fn = loop.make_reward_fn(cfg, tokenizer)
+    floor = Floor(model_dir, cfg, pool, reward_fn, tokenizer.eos_token_id)
+    megapo = Megapo(cfg, model_dir, work, tokenizer, pool, reward_fn)
+    try:
+        check = step0_logprob_check(floor, megapo)
+        check.update(tolerance=args.tolerance, ok=check["max_abs_diff"] <= args.tolerance)
+        megapo.source = PromptSource(len(pool), seed=cfg.train.seed)  # the timed steps start at the same prompts
+        sampler = sampler_rates(floor, megapo, args.sampler_rounds)
+        per_step = {"floor": [], "megapo": []}
+        tokens = {"floor": [], "megapo": []}
+        sides = {"floor": floor, "megapo": megapo}
+        for k in range(args.warmup + args.steps):
+            for name in (("floor", "megapo") if k % 2 == 0 else ("megapo", "floor")):
+                timer: dict = {}
+                generated = sides[name].step(timer)
+                if k >= args.warmup and all(p in timer for p in PHASES):
+                    per_step[name].append(timer)
+                    tokens[name].append(generated)
+    finally:
+        megapo.close()
+    if not per_step["floor"] or not per_step["megapo"]:
+        raise RuntimeError("no timed step trained (every group was uninformative); use more --steps or prompts")
+    phases = {name: medians(steps) for name, steps in per_step.items()}
+    f, m = phases["floor"], phases["megapo"]
+    return {
+        "benchmark": "floor",
+        "argv": sys.argv,
+        "config": args.config, "overrides": list(args.overrides),
+        "git": git_commit(), "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
+        "warmup_steps": args.warmup, "timed_steps": args.steps,
+        "step0_logprobs": check,
+        "sampler": sampler,
+        "phases_median_s": phases,
+        "ratio_megapo_over_floor": {name: ratio(m[name], f[name]) for name in
+                                    ("generate", "old_logp", "train", "sync", "step", "step_cpu")},
+        "generate_tokens_per_s": {side: statistics.median(t / s["generate"][0] for t, s in zip(tokens[side],
+                                                                                            per_step[side]))
+                                  for side in ("floor", "megapo")},
+        "target_step_ratio": 2.0,
+        "per_step": per_step, "generated_tokens": tokens,
+        "notes": "floor sync is 0 by construction (its sampler reads the trained parameters); megapo's CPU seconds "
+                 "of old_logp/train are its update_policy's CPU split in proportion to their wall time",
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*",
+                        help="dotted overrides of the run config, e.g. data.prompts_per_step=32")
+    parser.add_argument("--out", required=True, help="JSON file written")
+    parser.add_argument("--config", default=str(MAIN_CONFIG), help="run config (default: the main job's, "
+                        f"{MAIN_CONFIG.relative_to(REPO)})")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
+    parser.add_argument("--sampler-rounds", type=int, default=6, help="interleaved generate rounds per sampler")
+    parser.add_argument("--work-dir", default="runs/bench_floor",
+                        help="model folders (base, SFT warm start: reused when present) and megapo's run files")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (default 0: torch's own, as megapo train runs; 1 is steadier on a busy "
+                             "machine, where a 2-thread team waits for a core at every op)")
+    parser.add_argument("--tolerance", type=float, default=1e-4,
+                        help="largest step-0 |floor - megapo| log-prob difference accepted")
+
+
+def run(args: argparse.Namespace) -> int:
+    from megapo.config import ConfigError
+
+    if args.steps < 1 or args.warmup < 0 or args.sampler_rounds < 1 or args.threads < 0:
+        print("megapo bench floor: --steps and --sampler-rounds must be >= 1, --warmup and --threads >= 0",
+              file=sys.stderr)
+        return 2
+    try:
+        cfg = bench_config(args)
+    except ConfigError as err:
+        print(f"megapo bench floor: {err}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run_bench(args, cfg)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    summary = {"step0_max_abs_diff": result["step0_logprobs"]["max_abs_diff"],
+               "sampler_megapo_over_floor_tokens_per_s": result["sampler"]["megapo_over_floor_tokens_per_s"],
+               **{f"ratio_{k}": v for k, v in result["ratio_megapo_over_floor"].items()}}
+    print(json.dumps(summary, indent=1))
+    if not result["step0_logprobs"]["ok"]:
+        print(f"megapo bench floor: step-0 log-probs differ by {result['step0_logprobs']['max_abs_diff']:.3g} "
+              f"> --tolerance {args.tolerance}: the floor and megapo do not compute the same thing", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m tools.bench.floor")
+    add_arguments(p)
+    raise SystemExit(run(p.parse_args()))
