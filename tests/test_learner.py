@@ -102,3 +102,171 @@ def test_bad_input_refused(tiny_moe, tmp_path, capsys, no_launch, content, words
 def test_missing_model_refused(tmp_path, capsys, no_launch):
     assert logprobs_cmd.run(_args(tmp_path / "nope", tmp_path)) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- on-policy step
+
+
+ON_POLICY_SCRIPT = ROOT / "tests" / "distributed" / "on_policy_step.py"
+# step-timing metrics differ between any two runs
+TIMING = ("train/step_time_s", "train/tokens_per_s")
+
+
+def engine_samples(model_dir, count=4, n=4, seed=5) -> list[dict]:
+    """Rollouts (with routes and log-probs) of another model than the learner's, so that the learner's
+    routers disagree with the routes and its log-probs with the engine's."""
+    from megapo.engines.base import SamplingParams
+    from megapo.engines.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(model_dir)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(4, 9))] for _ in range(count)]
+    groups = engine.generate(prompts, SamplingParams(n=n, max_new_tokens=6, return_routes=True, seed=seed))
+    engine.close()
+    return [dict(tokens=s.prompt_ids + s.output_ids, prompt_len=len(s.prompt_ids), advantage=rng.uniform(-1, 1),
+                 rollout_logp=list(s.logprobs), routes=s.routes.tolist()) for g in groups for s in g]
+
+
+@pytest.fixture(scope="module")
+def on_policy_runs(tiny_model_factory, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("on_policy")
+    samples = engine_samples(tiny_model_factory("qwen3_moe", seed=1))  # another model's rollouts
+    spec = dict(model=str(tiny_model_factory("qwen3_moe")), samples=samples,
+                modes=["off", "r2", "r3"], optim=dict(lr=0.05, grad_clip=1.0), layout=dict(tp=1, pp=1, ep=1, dp=1),
+                micro_batch_tokens=48, objective="gspo", loss_agg="seq-mean-token-mean")
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(ON_POLICY_SCRIPT), "--spec", str(tmp / "spec.json"), "--out",
+                           str(tmp / "out.pt")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(tmp / "out.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("mode", ["off", "r2", "r3"])
+def test_on_policy_step_without_the_old_pass_gives_the_same_update_and_metrics(on_policy_runs, mode):
+    """Reference: the two-pass step (old-log-prob pass, KL measurement, train step on its π_old)."""
+    two, one = on_policy_runs[f"{mode}/two_passes"], on_policy_runs[f"{mode}/one_pass"]
+    for name, ref in two["weights"].items():
+        err = (one["weights"][name] - ref).abs().max().item()
+        assert err < 1e-6, f"{mode} {name}: max |one pass - two passes| after the step = {err:.2e}"
+    expected = {k: v for k, v in two["metrics"].items() if k not in TIMING}
+    assert set(expected) <= set(one["metrics"]), set(expected) - set(one["metrics"])
+    for key, value in expected.items():
+        assert one["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    assert two["metrics"]["train/update_ok"] and two["metrics"]["train/grad_norm"] > 0
+    if mode != "off":
+        assert {"replay/disagree_pre", "replay/fallback_frac", "replay/kl_k3", "replay/kl_k3_free",
+                "train/replay/disagree_pre", "train/replay/fallback_frac"} <= set(expected)
+    if mode == "r3":  # the routes are another model's: the metrics have something to agree on
+        assert expected["replay/disagree_pre"] > 0.2 and expected["train/replay/fallback_frac"] == 0.0
+        assert expected["replay/kl_k3"] != pytest.approx(expected["replay/kl_k3_free"], rel=1e-3)
+
+
+# ----------------------------------------------------------------------------- non-finite updates
+
+
+NONFINITE_SCRIPT = r"""
+import json, sys
+import torch
+from megapo.config import OptimConfig, ParallelConfig
+from megapo.learner.learner import Learner
+
+fault = {"on": None}
+
+
+class InfGrad(torch.autograd.Function):  # identity forward, an inf gradient backward
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("inf")
+
+
+def loss_fn(*args, **kwargs):  # policy_loss; its gradient made inf while fault is "grad" (the loss stays finite)
+    from megapo.algorithms import policy_loss
+    args = list(args)
+    if fault["on"] == "grad":
+        args[1] = InfGrad.apply(args[1])
+    return policy_loss(*args, **kwargs)
+
+
+def inner_optimizers(learner):
+    return [o.optimizer for o in learner.optimizer.chained_optimizers]
+
+
+def poison_after_step(opt, args, kwargs):  # an update that leaves a parameter non-finite
+    if fault["on"] == "param":
+        opt.param_groups[0]["params"][0].data.view(-1)[0] = float("inf")
+
+
+def snapshot(learner):
+    weights = {n: p.detach().clone() for n, p in learner.module.named_parameters()}
+    state = [{k: v.clone() for k, v in s.items()} for o in inner_optimizers(learner) for s in o.state.values()]
+    return weights, state
+
+
+def same(a, b):
+    return (a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+            and len(a[1]) == len(b[1]) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+                                               for x, y in zip(a[1], b[1])))
+
+
+if __name__ == "__main__":
+    learner = Learner(sys.argv[1], ParallelConfig(), OptimConfig(lr=0.01, warmup_steps=0), total_steps=8,
+                      loss_fn=loss_fn)
+    for o in inner_optimizers(learner):
+        o.register_step_post_hook(poison_after_step)
+    batch = [{"tokens": [5, 6, 7, 8, 9, 10], "prompt_len": 3, "advantage": a, "old_logp": [-6.0] * 3}
+             for a in (1.0, -1.0)]
+    out = {}
+    for name in ("param", "grad", "none", "grad", "param", "none"):  # faults before and after Adam has state
+        fault["on"] = name if name != "none" else None
+        before, sched = snapshot(learner), learner.scheduler.num_steps
+        m = learner.train_step(batch, "ppo")
+        after = snapshot(learner)
+        out.setdefault(name, []).append({
+            "skipped": m["skipped_nonfinite"], "update_ok": m["update_ok"], "loss_finite": m["loss"] == m["loss"],
+            "unchanged": same(before, after), "sched_moved": learner.scheduler.num_steps != sched,
+            "states": len(after[1]), "all_finite": all(bool(torch.isfinite(w).all()) for w in after[0].values())})
+    out["step"] = learner.step
+    learner.close()
+    # without the copy: inf gradients are still refused before the optimizer; a poisoned update raises
+    learner = Learner(sys.argv[1], ParallelConfig(), OptimConfig(lr=0.01, warmup_steps=0), total_steps=8,
+                      loss_fn=loss_fn, restore_nonfinite=False)
+    for o in inner_optimizers(learner):
+        o.register_step_post_hook(poison_after_step)
+    learner.train_step(batch, "ppo")
+    fault["on"] = "grad"
+    before = snapshot(learner)
+    m = learner.train_step(batch, "ppo")
+    out["no_copy_grad"] = {"skipped": m["skipped_nonfinite"], "unchanged": same(before, snapshot(learner))}
+    fault["on"] = "param"
+    try:
+        learner.train_step(batch, "ppo")
+        out["no_copy_param"] = "no error"
+    except RuntimeError as err:
+        out["no_copy_param"] = str(err)
+    print(json.dumps(out))
+"""
+
+
+def test_nonfinite_update_is_refused_weights_and_adam_state_kept(tmp_path, tiny_dense):
+    """Inf gradients (finite loss) are refused before the optimizer; an update that leaves a parameter inf
+    (an optimizer hook) is undone. Reference: the weights and every Adam state tensor copied before the step."""
+    (tmp_path / "nonfinite.py").write_text(NONFINITE_SCRIPT)
+    proc = subprocess.run([sys.executable, str(tmp_path / "nonfinite.py"), str(tiny_dense)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    for fault in ("param", "grad"):
+        for i, step in enumerate(r[fault]):
+            assert step["skipped"] == 1 and not step["update_ok"] and step["loss_finite"], (fault, i, step)
+            assert step["unchanged"] and not step["sched_moved"] and step["all_finite"], (fault, i, step)
+    assert r["param"][0]["states"] == r["grad"][0]["states"] == 0  # refused before Adam ever stepped: no state
+    assert r["grad"][1]["states"] > 0 and r["param"][1]["states"] > 0  # refused with Adam's state in place
+    for step in r["none"]:
+        assert step["skipped"] == 0 and step["update_ok"] and not step["unchanged"] and step["all_finite"]
+    assert r["step"] == 2
+    assert r["no_copy_grad"] == {"skipped": 1, "unchanged": True}
+    assert "restore_nonfinite=False" in r["no_copy_param"]

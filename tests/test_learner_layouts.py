@@ -3,7 +3,10 @@
 Three launches (world 1, 2 and 4 processes) of tests/distributed/learner_layouts.py cover TP=2,
 PP=2, EP=2 (x DP=2), TP=2xEP=2, PP=2xEP=2 (x DP=2), TP=2xPP=2xEP=2, DP=2 with the distributed
 optimizer and TP=2 with full activation recompute, each with both MoE token dispatchers, for a tiny Qwen3-MoE and a tiny dense Qwen2 (the dense model runs each layout with ep=1).
-Each run computes log-probs, takes one REINFORCE optimizer step and gathers the weights to HF names.
+Each run computes log-probs, takes one REINFORCE optimizer step and gathers the weights to HF names,
+with one sequence per row (one row per micro-batch) and again with the batch packed into [rows x width]
+micro-batches (several sequences per row, several rows per micro-batch; equal shapes under the
+allgather dispatcher), which must give the same log-probs and gradients.
 
 References: log-probs from transformers' fp32 forward; the TP=1 step from transformers' autograd
 gradient of the REINFORCE loss written out here, put through Adam's first step by hand; every other
@@ -56,7 +59,8 @@ def runs(tiny_moe, tiny_dense, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layouts")
     sequences, batch = make_data(512)
     base = dict(models={"moe": str(tiny_moe), "dense": str(tiny_dense)}, sequences=sequences, batch=batch,
-                optim=OPTIM, micro_batch_tokens=24, objective="reinforce", loss_agg="token-mean")
+                optim=OPTIM, micro_batch_tokens=24, row_tokens=1, objective="reinforce", loss_agg="token-mean",
+                rows_variant=dict(row_tokens=32, micro_batch_tokens=4096))
     ckpt = tmp / "ckpt"
     results = {}
     for world in (2, 1, 4):  # 2 saves the checkpoint that 1 loads
@@ -166,6 +170,25 @@ def test_every_layout_steps_like_tp1(runs, model):
         for name, tensor in ref["weights"].items():
             r = rel(got["weights"][name], tensor)
             assert r < 1e-6, f"{key} {name}: relative difference to TP=1 after one step {r:.2e}"
+
+
+@pytest.mark.parametrize("model", ["moe", "dense"])
+def test_rows_x_width_packing_matches_one_sequence_per_row(runs, model):
+    """Several sequences per row and several rows per micro-batch (block-diagonal masks, per-row
+    positions, routers seeing [width, rows]) vs one sequence per row: log-probs, every parameter's
+    gradient (gathered to HF names; the distributed optimizer's layout: the weights after the step)."""
+    results = runs["results"]
+    for key in keys(results, model):
+        one, rows = results[key], results[key + "/rows"]
+        for a, b in zip(rows["logprobs"], one["logprobs"]):
+            err = (a - b).abs().max().item()
+            assert err < 1e-6, f"{key}: max |logp rows - logp one per row| = {err:.2e}"
+        assert abs(rows["grad_norm"] - one["grad_norm"]) <= 1e-6 * one["grad_norm"], key
+        assert abs(rows["loss"] - one["loss"]) <= 1e-6 * abs(one["loss"]), key
+        compared = "grads" if "grads" in one else "weights"
+        for name, tensor in one[compared].items():
+            r = rel(rows[compared][name], tensor)
+            assert r < 1e-6, f"{key} {name}: relative difference of the {compared} {r:.2e}"
 
 
 def test_seq_mean_step_independent_of_micro_batches_and_matches_transformers(runs, tmp_path):

@@ -1,80 +1,131 @@
-"""Token-budget packing: budgets, DP balance, equal micro-batch counts, masks vs written-out loops."""
+"""[rows x width] packing: row capacity, micro-batch budgets, DP balance, equal shapes, the THD one-row
+form, and the tensors / masks / gather indices checked against loops written out here."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 from megapo.learner import packing
 
 
-def test_rows_respect_budget_and_keep_every_sequence_once():
+def all_plans(lengths, dp, **kw):
+    return [packing.plan(lengths, dp=dp, dp_rank=r, **kw) for r in range(dp)]
+
+
+def test_rows_respect_capacity_and_keep_every_sequence_once():
     rng = random.Random(0)
     lengths = [rng.randint(1, 40) for _ in range(50)]
-    rows = packing.pack(list(range(50)), lengths, budget=64, pad_multiple=2)
-    seen = sorted(i for r in rows for i in r.indices)
-    assert seen == list(range(50))
+    rows = packing.fill_rows(list(range(50)), lengths, 64)
+    assert sorted(i for r in rows for i in r.indices) == list(range(50))
     for r in rows:
-        assert r.used <= 64 and r.width % 2 == 0 and r.width - r.used < 2
-        assert r.lengths == [lengths[i] for i in r.indices]
+        assert r.used <= 64 and r.lengths == [lengths[i] for i in r.indices]
+    assert len(rows) <= -(-sum(lengths) // 64) + 1  # best fit leaves at most one row's worth of gaps here
 
 
-def test_too_long_sequence_gets_its_own_row():
-    rows = packing.pack([0, 1], [100, 3], budget=10)
+def test_longer_sequence_gets_its_own_row_and_capacity_one_means_one_per_row():
+    rows = packing.fill_rows([0, 1], [100, 3], 10)
     assert sorted(r.used for r in rows) == [3, 100]
+    mbs = packing.plan([5, 9, 2, 7], dp=1, dp_rank=0, budget=1000, row_tokens=1)
+    assert [len(r.indices) for mb in mbs for r in mb.rows] == [1, 1, 1, 1]
+    assert {mb.width for mb in mbs} == {9}
 
 
-def test_dp_shards_balanced_and_same_number_of_rows():
+def test_micro_batches_hold_at_most_the_budget():
+    rng = random.Random(3)
+    lengths = [rng.randint(8, 16) for _ in range(512)]
+    for budget, row_tokens in [(4096, 0), (8192, 0), (1024, 32), (16, 0)]:
+        mbs = packing.plan(lengths, dp=1, dp_rank=0, budget=budget, row_tokens=row_tokens, pad_multiple=2)
+        assert sorted(i for mb in mbs for i in mb.indices) == list(range(512))
+        width = max(row_tokens, 16)
+        expected = -(-len(packing.fill_rows(list(range(512)), lengths, row_tokens or 16)) // max(1, budget // width))
+        assert len(mbs) == expected
+        for mb in mbs:
+            rows, w = mb.shape
+            assert w % 2 == 0 and (rows * w <= budget or rows == 1)
+            assert all(r.width == w and r.used <= w for r in mb.rows)
+        sizes = [mb.shape[0] for mb in mbs]
+        assert max(sizes) - min(sizes) <= 1  # rows spread evenly over the micro-batches
+
+
+def test_dp_shards_balanced_and_same_number_of_micro_batches():
     rng = random.Random(1)
     lengths = [rng.choice([4, 8, 200]) for _ in range(30)]
-    plans = [packing.plan(lengths, dp=3, dp_rank=r, budget=256) for r in range(3)]
+    plans = all_plans(lengths, 3, budget=256)
     assert len({len(p) for p in plans}) == 1
-    loads = [sum(r.used for r in p) for p in plans]
+    loads = [sum(r.used for mb in p for r in mb.rows) for p in plans]
     assert max(loads) - min(loads) <= max(lengths)
-    assert sorted(i for p in plans for r in p for i in r.indices) == list(range(30))
+    assert sorted(i for p in plans for mb in p for i in mb.indices) == list(range(30))
 
 
-def test_equal_width_pads_every_row_to_the_widest():
-    plans = [packing.plan([5, 9, 2, 30], dp=2, dp_rank=r, budget=16, pad_multiple=2, equal_width=True) for r in range(2)]
-    widths = {r.width for p in plans for r in p}
-    assert widths == {30}
+def test_equal_shapes_pad_every_micro_batch_to_one_shape():
+    lengths = [5, 9, 2, 30, 7, 7, 3]
+    plans = all_plans(lengths, 2, budget=64, pad_multiple=2, equal_shapes=True)
+    shapes = {mb.shape for p in plans for mb in p}
+    assert shapes == {(2, 30)}
+    assert sorted(i for p in plans for mb in p for i in mb.indices) == list(range(7))
 
 
-def test_row_tensors_and_block_causal_mask_match_loops():
-    seqs = [[7, 8, 9], [1, 2], [5]]
-    row = packing.PackedRow(indices=[1, 0, 2], lengths=[2, 3, 1], width=8)
-    tokens, positions, segments = packing.row_tensors(row, seqs, pad_id=0)
-    assert tokens.tolist() == [[1, 2, 7, 8, 9, 5, 0, 0]]
-    assert positions.tolist() == [[0, 1, 0, 1, 2, 0, 0, 1]]
-    mask = packing.block_causal_mask(segments)[0, 0]
-    seg = segments.tolist()
-    for i in range(8):
-        for j in range(8):
-            visible = (i == j) or (seg[i] >= 0 and seg[i] == seg[j] and j <= i)
-            assert bool(mask[i, j]) == (not visible), (i, j)
-    assert packing.cu_seqlens(row).tolist() == [0, 2, 5, 6, 8]
+def test_one_row_form_holds_the_same_sequences_as_the_rows():
+    rng = random.Random(5)
+    lengths = [rng.randint(3, 20) for _ in range(40)]
+    rows = packing.plan(lengths, dp=2, dp_rank=1, budget=120, pad_multiple=2)
+    thd = packing.plan(lengths, dp=2, dp_rank=1, budget=120, pad_multiple=2, one_row=True)
+    assert [sorted(mb.indices) for mb in rows] == [sorted(mb.indices) for mb in thd]
+    for mb in thd:
+        assert len(mb.rows) == 1 and mb.width % 2 == 0 and 0 <= mb.width - mb.rows[0].used < 2
+        assert packing.cu_seqlens(mb.rows[0]).tolist()[-1] == mb.width
+
+
+def test_empty_micro_batch_is_padding_only():
+    mbs = packing.plan([5], dp=2, dp_rank=1, budget=8, pad_multiple=2)
+    assert len(mbs) == 1 and mbs[0].indices == [] and mbs[0].shape == (1, 2)
+    seq, _ = packing.sequence_map(mbs[0])
+    assert (seq == -1).all()
+
+
+def test_batch_tensors_and_block_causal_mask_match_loops():
+    seqs = [[7, 8, 9], [1, 2], [5], [4, 4, 4, 4]]
+    layout = packing.MicroBatchLayout([packing.PackedRow([1, 0, 2], [2, 3, 1], 8),
+                                       packing.PackedRow([3], [4], 8)], 8)
+    flat = np.asarray([t for s in seqs for t in s])
+    starts = np.cumsum([len(s) for s in seqs]) - [len(s) for s in seqs]
+    tokens, positions, (seq, pos) = packing.batch_tensors(layout, flat, starts, pad_id=0)
+    assert tokens.tolist() == [[1, 2, 7, 8, 9, 5, 0, 0], [4, 4, 4, 4, 0, 0, 0, 0]]
+    assert positions.tolist() == [[0, 1, 0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 0, 1, 2, 3]]
+    assert seq.tolist() == [[1, 1, 0, 0, 0, 2, -1, -1], [3, 3, 3, 3, -1, -1, -1, -1]]
+    mask = packing.block_causal_mask(seq, pos)
+    assert mask.shape == (2, 1, 8, 8)
+    for r in range(2):
+        for i in range(8):
+            for j in range(8):
+                visible = (i == j) or (seq[r, i] >= 0 and seq[r, i] == seq[r, j] and j <= i)
+                assert bool(mask[r, 0, i, j]) == (not visible), (r, i, j)
+    assert packing.cu_seqlens(layout.rows[0]).tolist() == [0, 2, 5, 6, 8]
+
+
+def test_span_index_selects_each_sequences_positions_in_order():
+    seqs = [[7, 8, 9], [1, 2], [5, 6], [4, 4, 4, 4]]
+    layout = packing.MicroBatchLayout([packing.PackedRow([1, 0, 2], [2, 3, 2], 8),
+                                       packing.PackedRow([3], [4], 8)], 8)
+    flat = np.asarray([t for s in seqs for t in s])
+    lengths = np.asarray([len(s) for s in seqs])
+    _, _, (seq, pos) = packing.batch_tensors(layout, flat, np.cumsum(lengths) - lengths)
+    lo, hi = np.asarray([1, 0, 1, 1]), lengths - 1
+    index, mask = packing.span_index(seq, pos, layout.indices, lo, hi)
+    slot_tokens = np.asarray([[1, 2, 7, 8, 9, 5, 6, 0], [4, 4, 4, 4, 0, 0, 0, 0]]).reshape(-1)
+    for row, i in enumerate(layout.indices):  # expected: the tokens at positions lo..hi-1 of sequence i
+        want = seqs[i][lo[i]:hi[i]]
+        assert mask[row].sum() == len(want)
+        assert slot_tokens[index[row][mask[row]]].tolist() == want, i
 
 
 def test_padding_waste_of_length_skewed_batch_is_small():
     rng = random.Random(2)
     lengths = [int(rng.paretovariate(1.2) * 16) % 1500 + 4 for _ in range(256)]
-    rows = packing.plan(lengths, dp=2, dp_rank=0, budget=2048, pad_multiple=2)
-    waste = packing.padding_waste(rows)
+    mbs = packing.plan(lengths, dp=2, dp_rank=0, budget=8192, pad_multiple=2)
+    waste = packing.padding_waste([r for mb in mbs for r in mb.rows])
     assert 0.0 <= waste < 0.05
     assert packing.padding_waste([packing.PackedRow(indices=[0], lengths=[3], width=4)]) == 0.25
-
-
-def test_empty_row_is_padding_only():
-    rows = packing.plan([5], dp=2, dp_rank=1, budget=8, pad_multiple=2)
-    assert len(rows) == 1 and rows[0].indices == [] and rows[0].width == 2
-    tokens, positions, segments = packing.row_tensors(rows[0], [[1] * 5], pad_id=0)
-    assert torch.equal(segments, torch.tensor([-1, -1]))
-
-
-def test_rows_spread_evenly_over_the_fewest_rows():
-    rng = random.Random(4)
-    lengths = [rng.randint(1, 60) for _ in range(100)]
-    rows = packing.pack(list(range(100)), lengths, budget=512)
-    assert len(rows) == -(-sum(lengths) // 512) or len(rows) == -(-sum(lengths) // 512) + 1
-    assert max(r.used for r in rows) - min(r.used for r in rows) <= max(lengths)

@@ -185,3 +185,47 @@ def test_old_logprobs_refuses_before_any_pass():
         old_logprobs(NoPasses(), samples, "r2")
     with pytest.raises(ValueError, match="off, r2, r3"):
         old_logprobs(NoPasses(), samples, "R2")
+
+
+def test_position_plan_follows_the_routers_width_major_order():
+    """Two rows of width 4 as Megatron's router sees them, [width, rows] flattened: position j*2 + r is row
+    r's slot j. Expected per slot from each sequence's own routes, written out here."""
+    from megapo.replay.routes import position_plan, route_table
+
+    a, b, c = routes(2, 3), routes(3, 4), routes(1, 5)  # sequences of 3, 4 and 2 tokens
+    c[0, 1] = -1
+    lengths = np.array([3, 4, 2])
+    rows = [[(0, 0), (0, 1), (0, 2), (-1, 0)], [(1, 0), (1, 1), (1, 2), (1, 3)]]  # (sequence, position) per slot
+    slots = [rows[r][j] for j in range(4) for r in range(2)]
+    seq, pos = np.array([s for s, _ in slots]), np.array([p for _, p in slots])
+    table = route_table([a, b, c], lengths, [0, 1])
+    plan = position_plan(table, seq, pos, lengths, SHAPE, 2)
+    given = {0: a, 1: b, 2: c}
+    for j, (s, p) in enumerate(slots):
+        for layer in range(2):
+            if s < 0:
+                assert plan.source[j, layer] == PAD
+            elif p == lengths[s] - 1:
+                assert plan.source[j, layer] == LAST
+            elif p < len(given[s]) and (given[s][p, layer] >= 0).all():
+                assert plan.source[j, layer] == GIVEN
+                assert plan.targets[j, layer].tolist() == given[s][p, layer].tolist()
+            else:
+                assert plan.source[j, layer] == MISSING
+
+
+def test_replayed_counts_of_an_on_policy_pass():
+    """as_replayed: a second pass replaying what this one routed sees every routed position as given and the
+    same disagreements; the fractions written out from the counts."""
+    from megapo.replay.hook import DISAGREE_PRE, FALLBACK_N, GIVEN_N, MISMATCH_POST, ROUTED_N, as_replayed, fractions
+
+    counts = torch.zeros(2, 5, dtype=torch.float64)
+    columns = [GIVEN_N, DISAGREE_PRE, ROUTED_N, MISMATCH_POST, FALLBACK_N]
+    counts[0, columns] = torch.tensor([6., 3., 10., 0., 4.], dtype=torch.float64)
+    counts[1, columns] = torch.tensor([8., 2., 10., 1., 2.], dtype=torch.float64)
+    first, second = fractions(counts), fractions(as_replayed(counts))
+    assert first["replay/disagree_pre"] == pytest.approx(5 / 14)
+    assert first["replay/fallback_frac"] == pytest.approx(6 / 20)
+    assert second["replay/disagree_pre"] == pytest.approx(5 / 20) and second["replay/fallback_frac"] == 0.0
+    assert second["replay/disagree_pre/layer1"] == pytest.approx(2 / 10)
+    assert second["replay/disagree_post"] == first["replay/disagree_post"] == pytest.approx(1 / 20)

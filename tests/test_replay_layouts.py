@@ -5,6 +5,10 @@ PP=2 (with full activation recompute, so training replays through the recompute 
 EP=2 (allgather dispatcher: rows padded to one width) and TP=2xEP=2, on a copy of the tiny Qwen3-MoE
 whose router rows are permuted, so that its own routing differs from the replayed routes. Routes to
 replay come from transformers' own routing of the unperturbed model (independent of the learner).
+The main learner packs one sequence per row; a second one packs [rows x width] micro-batches (several
+sequences per row, several rows per micro-batch), which must replay, report and differentiate the same.
+The TP=2xEP=2 layout also runs an on-policy step without the old-log-prob pass against one with it (r2
+and r3, real GSPO objective).
 
 The reference written here: transformers' Qwen3-MoE forward with each layer's router output
 replaced by the forced experts, gate weights = softmax over all experts gathered at those experts,
@@ -35,8 +39,9 @@ LAYOUTS = [
     dict(tp=2, pp=1, ep=1, dp=2),
     dict(tp=1, pp=2, ep=1, dp=2, recompute=True),
     dict(tp=1, pp=1, ep=2, dp=4, dispatcher="allgather"),
-    dict(tp=2, pp=1, ep=2, dp=2, r2=True, r3=True),
+    dict(tp=2, pp=1, ep=2, dp=2, r2=True, r3=True, on_policy=True),
 ]
+R2R3 = "tp2_pp1_ep2_dp2_r2True_r3True_on_policyTrue"
 TOL = 1e-4
 
 
@@ -126,6 +131,8 @@ def setup(tiny_moe, tmp_path_factory):
     np.savez(paths["partial"], **{str(i): r for i, r in partial.items()})
     engine_samples = engine_rollouts(tiny_moe)
     spec = dict(model=str(perturbed), sequences=sequences, batch=batch, optim=OPTIM, micro_batch_tokens=24,
+                row_tokens=1, rows_variant=dict(row_tokens=32, micro_batch_tokens=4096),
+                on_policy=dict(micro_batch_tokens=48, objective="gspo", loss_agg="seq-mean-token-mean"),
                 layouts=LAYOUTS, work_dir=str(tmp), full_npz=str(paths["full"]),
                 partial_npz=str(paths["partial"]), batch_npz=str(paths["batch"]), engine_samples=engine_samples)
     spec_path, out = tmp / "spec.json", tmp / "out.pt"
@@ -268,7 +275,7 @@ def test_router_gradients_under_replay_match_forced_routing(setup, layout):
 
 
 def test_r2_two_optimizer_steps_replay_the_old_logprob_routing(setup):
-    res = setup["results"]["tp2_pp1_ep2_dp2_r2True_r3True"]["r2"]
+    res = setup["results"][R2R3]["r2"]
     old = res["old_routes"]
     for step in res["steps"]:
         for a, b in zip(step["routes"], old):
@@ -281,7 +288,7 @@ def test_r2_two_optimizer_steps_replay_the_old_logprob_routing(setup):
 
 
 def test_r3_engine_routes_replayed_end_to_end(setup):
-    res = setup["results"]["tp2_pp1_ep2_dp2_r2True_r3True"]["r3"]
+    res = setup["results"][R2R3]["r3"]
     engine = [np.asarray(s["routes"]) for s in setup["engine_samples"]]
     for e, old, train in zip(engine, res["old_routes"], res["train_routes"]):
         np.testing.assert_array_equal(old, e)
@@ -306,6 +313,42 @@ def test_r3_engine_routes_replayed_end_to_end(setup):
     assert res["kl"]["replay/kl_k3"] == pytest.approx(k3(forced), rel=1e-3, abs=1e-6)
     assert res["kl"]["replay/kl_k3_free"] == pytest.approx(k3(free), rel=1e-3, abs=1e-6)
     assert res["kl"]["replay/kl_k3"] != pytest.approx(res["kl"]["replay/kl_k3_free"], rel=1e-2)
+
+
+@pytest.mark.parametrize("layout", layouts())
+def test_rows_x_width_packing_replays_like_one_sequence_per_row(setup, layout):
+    """[rows x width] micro-batches (routers see [width, rows] flattened, sliced over TP) vs one sequence per
+    row: the replayed log-probs, the routes reported and the router gradients of the replayed step."""
+    res = setup["results"][layout]
+    rows, one = res["rows"], res["full"]
+    for i, (a, b) in enumerate(zip(rows["logprobs"], one["logprobs"])):
+        err = (a - b).abs().max().item()
+        assert err < 1e-6, f"sequence {i}: {err:.2e}"
+    for used, given in zip(rows["routes_out"], setup["full"]):
+        np.testing.assert_array_equal(used, given)
+    for layer, grad in res["train"]["grads"].items():
+        got = rows["train"]["grads"][layer]
+        assert float((got - grad).norm() / grad.norm()) < 1e-6, layer
+    for used, given in zip(rows["train"]["routes"], setup["batch_routes"]):
+        np.testing.assert_array_equal(used, given)
+    assert rows["train"]["metrics"]["replay/disagree_post"] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["r2", "r3"])
+def test_on_policy_step_without_old_pass_under_tp2_ep2(setup, mode):
+    """TP=2 x EP=2 x DP=2: the on-policy step on the train forward's own π_old (r3: the engine's routes
+    replayed in it) updates the weights and reports the metrics of the two-pass step."""
+    runs = setup["results"][R2R3]["on_policy"]
+    two, one = runs[f"{mode}/two_passes"], runs[f"{mode}/one_pass"]
+    for name, ref in two["weights"].items():
+        err = (one["weights"][name] - ref).abs().max().item()
+        assert err < 1e-6, f"{name}: {err:.2e}"
+    expected = {k: v for k, v in two["metrics"].items() if k not in ("train/step_time_s", "train/tokens_per_s")}
+    assert set(expected) <= set(one["metrics"])
+    for key, value in expected.items():
+        assert one["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    if mode == "r3":  # the perturbed router disagrees with the engine's routes
+        assert expected["replay/disagree_pre"] > 0.3 and expected["train/replay/disagree_pre"] > 0.3
 
 
 def test_logprobs_command_routes_in_out(setup):

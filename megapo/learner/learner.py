@@ -5,10 +5,16 @@ and dist_checkpointing save/load. One instance per process; every rank calls eve
     learner = Learner("tiny_moe/", ParallelConfig(tp=2), OptimConfig(lr=1e-5))
     logps = learner.logprobs([[1, 2, 3], [4, 5]])            # [tensor(2), tensor(1)] on every rank
     metrics = learner.train_step(samples, "ppo", "token-mean", clip_eps=0.2)
+    metrics, old = learner.train_step_on_policy(samples, "gspo")  # π_old = this forward's log-probs
+
+Micro-batches are [rows x width] packed rows (megapo/learner/packing.py). Host reads happen once per
+step: the batch is validated and its per-token inputs built once, each micro-batch's metrics stay on
+the device until the step ends.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -16,12 +22,14 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from megapo.config import OptimConfig, ParallelConfig
 from megapo.layout import check_layout, read_hf_config
 from megapo.learner import model as model_lib
 from megapo.learner import packing, weights
+from megapo.learner.guard import UpdateGuard
 from megapo.learner.logprobs import vocab_parallel_logprobs
 from megapo.learner.rope import set_positions
 from megapo.models.family import family_for
@@ -30,26 +38,50 @@ from megapo.weights import gather
 # policy_loss metrics that are a micro-batch's share of the batch total (aggregated with the global
 # normaliser), so the batch's value is their sum, not their mean
 SHARE_METRICS = ("pg_loss",)
+# per-token sample fields of a train batch, one value per response token
+TOKEN_FIELDS = ("old_logp", "advantage", "rollout_logp", "ref_logp")
 
 
 @dataclass
 class MicroBatch:
-    row: packing.PackedRow
-    tokens: torch.Tensor  # [1, W]
-    position_ids: torch.Tensor  # [1, W]
-    attention_mask: torch.Tensor | None  # local spec: [1, 1, W, W] True = masked
-    packed_seq_params: object | None  # TE: PackedSeqParams (THD)
-    samples: list[dict] | None = None  # train step: the samples of row.indices
+    layout: packing.MicroBatchLayout
+    tokens: torch.Tensor  # [rows, W]
+    position_ids: torch.Tensor  # [rows, W]
+    attention_mask: torch.Tensor | None  # local spec: [rows, 1, W, W] True = masked
+    packed_seq_params: object | None  # TE: PackedSeqParams (THD, one row)
+    seq: np.ndarray  # [rows, W] input sequence of each slot (-1: padding)
+    pos: np.ndarray  # [rows, W] its position in that sequence
+    targets: torch.Tensor  # [rows * W] the token each slot's logits predict (the next slot's)
+    select: torch.Tensor | None = None  # [N] slots (of the flattened [rows * W]) whose log-probs are wanted
+    order: list[int] | None = None  # the sequences they belong to, in `select`'s order
+    sizes: list[int] | None = None  # entries of each of these sequences
+    place: torch.Tensor | None = None  # [N] where each entry sits in the padded [S, T] view (flattened)
+    mask: torch.Tensor | None = None  # [S, T] the view's real entries
+    columns: torch.Tensor | None = None  # train: [N] index into the batch's per-token columns
+    num_tokens: int = 0  # N
+
+
+@dataclass
+class TrainInputs:
+    """A train batch checked once and its per-token inputs laid end to end (sample order), on the device."""
+
+    columns: dict[str, torch.Tensor]  # TOKEN_FIELDS present -> [N] float32
+    prompt_lens: np.ndarray  # [S]
+    lengths: np.ndarray  # [S] tokens per sample
+    starts: np.ndarray  # [S] first response token of each sample in the columns
 
 
 class Learner:
     def __init__(self, model_dir, parallel: ParallelConfig, optim: OptimConfig | None = None, *, seed: int = 0,
-                 micro_batch_tokens: int = 4096, total_steps: int | None = None, routing_replay: bool = False,
-                 loss_fn: Callable | None = None, hf_weights: bool = True):
+                 micro_batch_tokens: int = 4096, row_tokens: int = 0, total_steps: int | None = None,
+                 routing_replay: bool = False, loss_fn: Callable | None = None, hf_weights: bool = True,
+                 restore_nonfinite: bool = True):
         optim = optim or OptimConfig()
         optim.validate()
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+        if not 0 <= row_tokens <= micro_batch_tokens:
+            raise ValueError(f"row_tokens must be in [0, micro_batch_tokens={micro_batch_tokens}], got {row_tokens}")
         self.model_dir = Path(model_dir)
         hf = read_hf_config(model_dir)
         check_layout(parallel, hf)
@@ -58,6 +90,7 @@ class Learner:
         self.parallel = parallel
         self.optim = optim
         self.micro_batch_tokens = micro_batch_tokens
+        self.row_tokens = row_tokens  # width of a packed row; 0: the batch's longest sequence
         self.pad_id = int(hf.get("pad_token_id") or 0)
         self.backend = model_lib.detect_backend()
         self.device = self.backend.device
@@ -83,6 +116,7 @@ class Learner:
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = None
         self.optimizer, self.scheduler = self._build_optimizer(total_steps)
+        self.guard = UpdateGuard(self.model, self.optimizer, keep_copy=restore_nonfinite)
 
     # ------------------------------------------------------------------------------------- helpers
 
@@ -107,43 +141,70 @@ class Learner:
             start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
         return optimizer, scheduler
 
-    def _micro_batches(self, sequences: list[list[int]], samples: list[dict] | None = None) -> list[MicroBatch]:
+    def _micro_batches(self, sequences: list[list[int]], lo: np.ndarray, hi: np.ndarray,
+                       columns_start: np.ndarray | None = None) -> list[MicroBatch]:
+        """This rank's micro-batches of `sequences`, each selecting the positions [lo[i], hi[i]) of
+        sequence i whose log-probs are wanted (the logits at t predict token t + 1); `columns_start`:
+        where sample i's per-token inputs start in the train columns."""
         from megatron.core import parallel_state as ps
 
-        lengths = [len(s) for s in sequences]
-        rows = packing.plan(lengths, dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
-                            budget=self.micro_batch_tokens, pad_multiple=self.parallel.tp,
-                            equal_width=model_lib.needs_equal_rows(self.spec, self.parallel))
-        out = []
-        for row in rows:
-            tokens, positions, segments = packing.row_tensors(row, sequences, self.pad_id)
-            mask, packed = None, None
-            if self.backend.use_te:
-                from megatron.core.packed_seq_params import PackedSeqParams
+        lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
+        flat = np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int64, count=int(lengths.sum()))
+        starts = np.cumsum(lengths) - lengths
+        layouts = packing.plan(lengths.tolist(), dp=ps.get_data_parallel_world_size(),
+                               dp_rank=ps.get_data_parallel_rank(), budget=self.micro_batch_tokens,
+                               row_tokens=self.row_tokens, pad_multiple=self.parallel.tp,
+                               equal_shapes=model_lib.needs_equal_rows(self.spec, self.parallel),
+                               one_row=self.backend.use_te)
+        return [self._micro_batch(layout, flat, starts, lo, hi, columns_start) for layout in layouts]
 
-                cu = packing.cu_seqlens(row).to(self.device)
-                longest = int((cu[1:] - cu[:-1]).max())
-                packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                         max_seqlen_q=longest, max_seqlen_kv=longest)
-            else:
-                mask = packing.block_causal_mask(segments).to(self.device)
-            out.append(MicroBatch(row, tokens.to(self.device), positions.to(self.device), mask, packed,
-                                  [samples[i] for i in row.indices] if samples is not None else None))
-        return out
+    def _micro_batch(self, layout, flat, starts, lo, hi, columns_start) -> MicroBatch:
+        dev = self.device
+        tokens, positions, (seq, pos) = packing.batch_tensors(layout, flat, starts, self.pad_id)
+        mask, packed = None, None
+        if self.backend.use_te:  # one THD row; TE's attention takes the boundaries, not a mask
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            cu = packing.cu_seqlens(layout.rows[0]).to(dev)
+            longest = max([*layout.rows[0].lengths, layout.width - layout.rows[0].used, 1])
+            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                     max_seqlen_q=longest, max_seqlen_kv=longest)
+        else:
+            mask = packing.block_causal_mask(seq, pos).to(dev)
+        mb = MicroBatch(layout, tokens.to(dev), positions.to(dev), mask, packed, seq, pos,
+                        torch.roll(tokens, shifts=-1, dims=1).reshape(-1).to(dev))
+        order = layout.indices
+        if order:
+            index, real = packing.span_index(seq, pos, order, lo, hi)
+            mb.order, mb.sizes, mb.num_tokens = order, real.sum(1).tolist(), int(real.sum())
+            mb.select, mb.mask = torch.from_numpy(index[real]).to(dev), torch.from_numpy(real).to(dev)
+            mb.place = torch.from_numpy(np.flatnonzero(real)).to(dev)
+            if columns_start is not None:
+                col = columns_start[np.asarray(order)][:, None] + np.arange(index.shape[1])[None, :]
+                mb.columns = torch.from_numpy(col[real]).to(dev)
+        return mb
 
     def _forward_step(self, loss_func, data_iterator, model):
         mb: MicroBatch = next(data_iterator)
         if self.route_hook is not None:
             self.route_hook.before_forward(mb)
-        set_positions(model, mb.position_ids)
+        set_positions(model, mb.position_ids, int(mb.pos.max()) + 1)
         kwargs = {"packed_seq_params": mb.packed_seq_params} if mb.packed_seq_params is not None else {}
         output = model(mb.tokens, mb.position_ids, mb.attention_mask, **kwargs)
         return output, partial(loss_func, mb)
 
-    def _row_logprobs(self, mb: MicroBatch, logits: torch.Tensor, with_entropy: bool):
-        """Per-position log p(token[j+1] | row[:j+1]) over the row; logits [1, W, V/tp]."""
-        targets = torch.roll(mb.tokens[0], shifts=-1)
-        return vocab_parallel_logprobs(logits[0], targets, vocab_size=self.spec.vocab_size, with_entropy=with_entropy)
+    def _selected_logprobs(self, mb: MicroBatch, logits: torch.Tensor, with_entropy: bool, entropy_grad: bool = False):
+        """log p(token t+1 | its sequence up to t) at the selected slots: ([N], [N] or None); logits
+        [rows, W, V/tp]. Only the selected slots go through the vocabulary reduction."""
+        flat = logits.reshape(-1, logits.shape[-1])
+        return vocab_parallel_logprobs(flat[mb.select], mb.targets[mb.select], vocab_size=self.spec.vocab_size,
+                                       with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+    @staticmethod
+    def _padded(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
+        """[N] -> the [S, T] view (one sequence per row, zeros after its end); differentiable."""
+        out = values.new_zeros(mb.mask.numel())
+        return out.index_put((mb.place,), values).view(mb.mask.shape)
 
     def _run(self, micro_batches: list[MicroBatch], loss_func, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -154,8 +215,8 @@ class Learner:
             data_iterator=iter(micro_batches),
             model=[self.model],
             num_microbatches=len(micro_batches),
-            seq_length=max(mb.row.width for mb in micro_batches),
-            micro_batch_size=1,
+            seq_length=max(mb.layout.width for mb in micro_batches),
+            micro_batch_size=max(len(mb.layout.rows) for mb in micro_batches),
             forward_only=forward_only,
         )
 
@@ -175,127 +236,155 @@ class Learner:
             local = [item for part in gathered for item in part]
         return local
 
+    def _per_sequence(self, pieces: list[tuple[list[int], torch.Tensor, list[int]]], count: int) -> list[torch.Tensor]:
+        """[N] values of every micro-batch (its sequences, values sequence after sequence, their sizes) -> one
+        CPU tensor per input sequence, on every rank (one device-to-host copy per micro-batch)."""
+        items = []
+        for order, values, sizes in pieces:
+            items.extend(zip(order, torch.split(values.cpu(), sizes)))
+        by_index = dict(self._share_results(items))
+        return [by_index[i] for i in range(count)]
+
     # ------------------------------------------------------------------------------------- API
 
     def logprobs(self, sequences: list[list[int]], routes=None, with_entropy: bool = False):
         """log p(seq[t] | seq[:t]) for t = 1..len-1 of every sequence, on every rank (fp32, CPU).
         With with_entropy, returns (logprobs, entropies)."""
-        for i, seq in enumerate(sequences):
-            if len(seq) < 2:
-                raise ValueError(f"sequences[{i}]: needs at least 2 tokens, got {len(seq)}")
-            if min(seq) < 0 or max(seq) >= self.spec.vocab_size:
-                raise ValueError(f"sequences[{i}]: token ids must be in [0, {self.spec.vocab_size})")
+        lengths = _check_sequences(sequences, self.spec.vocab_size)
         if routes is not None and self.route_hook is None:
             raise ValueError("routes: given, but this learner has no routing replay hook (routing_replay=True)")
         if self.route_hook is not None:
             self.route_hook.set_routes(routes, sequences)
-        micro_batches = self._micro_batches(sequences)
+        micro_batches = self._micro_batches(sequences, np.zeros_like(lengths), lengths - 1)
 
         def collect(mb: MicroBatch, logits: torch.Tensor):
-            logp, entropy = self._row_logprobs(mb, logits.detach(), with_entropy)
-            out = []
-            for i, at, n in zip(mb.row.indices, mb.row.offsets, mb.row.lengths):
-                item = (i, logp[at:at + n - 1].cpu(), entropy[at:at + n - 1].cpu() if with_entropy else None)
-                out.append(item)
-            return logits.new_zeros(()), {"items": out}
+            if not mb.order:
+                return logits.new_zeros(()), {"logp": None}
+            logp, entropy = self._selected_logprobs(mb, logits.detach(), with_entropy)
+            return logits.new_zeros(()), {"logp": logp, "entropy": entropy, "order": mb.order, "sizes": mb.sizes}
 
         self.model.eval()
         with torch.no_grad():
             stored = self._run(micro_batches, collect, forward_only=True)
         self.model.train()
-        items = self._share_results([item for d in stored for item in d["items"]])
-        by_index = {i: (lp, ent) for i, lp, ent in items}
-        logps = [by_index[i][0] for i in range(len(sequences))]
+        stored = [d for d in stored if d["logp"] is not None]
+        logps = self._per_sequence([(d["order"], d["logp"], d["sizes"]) for d in stored], len(sequences))
         if with_entropy:
-            return logps, [by_index[i][1] for i in range(len(sequences))]
+            entropies = self._per_sequence([(d["order"], d["entropy"], d["sizes"]) for d in stored], len(sequences))
+            return logps, entropies
         return logps
 
     def train_step(self, batch: list[dict], objective: str, loss_agg: str = "token-mean", **options) -> dict:
         """One optimizer step on `batch` (the full batch, identical on every rank; each DP rank takes
         its share). Returns metrics: loss, grad_norm, lr, entropy, tokens_per_s, objective metrics."""
+        metrics, _ = self._train(batch, objective, loss_agg, on_policy=False, keep_logprobs=False, options=options)
+        return metrics
+
+    def train_step_on_policy(self, batch: list[dict], objective: str, loss_agg: str = "token-mean", *,
+                             keep_logprobs: bool = False, **options) -> tuple[dict, dict]:
+        """train_step on a batch whose π_old is the policy being trained (one update on one mini-batch,
+        π_old from the learner): π_old is this forward's own detached log-probs, so no separate
+        old-log-prob pass runs and samples need no "old_logp". Returns (train metrics, what the
+        old-log-prob pass would have given: "metrics", its routing metrics under "replay/...", and with
+        keep_logprobs "logprobs", each sample's response log-probs before the update, on every rank)."""
+        return self._train(batch, objective, loss_agg, on_policy=True, keep_logprobs=keep_logprobs, options=options)
+
+    def _train(self, batch: list[dict], objective: str, loss_agg: str, *, on_policy: bool, keep_logprobs: bool,
+               options: dict) -> tuple[dict, dict]:
         from megatron.core import parallel_state as ps
 
-        if not batch:
-            raise ValueError("batch: empty")
-        for i, s in enumerate(batch):
-            _check_sample(i, s, self.spec.vocab_size)
+        start = time.perf_counter()
+        inputs = _train_inputs(batch, self.spec.vocab_size, need_old=not on_policy, device=self.device)
         loss_fn = self._loss_fn
         if loss_fn is None:
             from megapo.algorithms import policy_loss as loss_fn
-        start = time.perf_counter()
-        sequences = [list(s["tokens"]) for s in batch]
+        sequences = [s["tokens"] for s in batch]
         if self.route_hook is not None:  # routing replay: each sample's optional "routes"
             self.route_hook.set_routes([s.get("routes") for s in batch], sequences, name="batch")
-        micro_batches = self._micro_batches(sequences, batch)
-        global_tokens = sum(len(s["tokens"]) - s["prompt_len"] for s in batch)
+        micro_batches = self._micro_batches(sequences, inputs.prompt_lens - 1, inputs.lengths - 1, inputs.starts)
+        global_tokens = int((inputs.lengths - inputs.prompt_lens).sum())
         scale = len(micro_batches) * ps.get_data_parallel_world_size()  # undo the schedule's /M and DDP's /dp
+        cols = inputs.columns
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
-            if not mb.row.indices:  # an empty row (DP balancing): no loss, but keep the graph connected
-                return logits.sum() * 0.0, {"tokens": 0, "metrics": {}, "loss": 0.0, "entropy_sum": 0.0}
-            logp_row, ent_row = self._row_logprobs(mb, logits, True)  # entropy: a metric, and an optional loss term
-            pieces = {"logp": [], "ent": [], "old": [], "adv": [], "roll": [], "ref": []}
-            cu = [0]
-            for sample, at, n in zip(mb.samples, mb.row.offsets, mb.row.lengths):
-                p = sample["prompt_len"]
-                sl = slice(at + p - 1, at + n - 1)  # logits at t-1 predict response token t
-                r = n - p
-                pieces["logp"].append(logp_row[sl])
-                pieces["ent"].append(ent_row[sl])
-                pieces["old"].append(_per_token(sample["old_logp"], r, "old_logp"))
-                adv = sample["advantage"]
-                pieces["adv"].append(_per_token(adv, r, "advantage") if isinstance(adv, (list, tuple))
-                                     else torch.full((r,), float(adv)))
-                if sample.get("rollout_logp") is not None:
-                    pieces["roll"].append(_per_token(sample["rollout_logp"], r, "rollout_logp"))
-                if sample.get("ref_logp") is not None:
-                    pieces["ref"].append(_per_token(sample["ref_logp"], r, "ref_logp"))
-                cu.append(cu[-1] + r)
-            dev = logits.device
-            logp = torch.cat(pieces["logp"])
-            entropy = torch.cat(pieces["ent"])
+            if not mb.order:  # an empty micro-batch (DP balancing): no loss, but keep the graph connected
+                return logits.sum() * 0.0, {"tokens": 0}
+            # entropy: a metric, and a loss term with entropy_coef
+            packed, entropy = self._selected_logprobs(mb, logits, True, entropy_grad=bool(options.get("entropy_coef")))
+            # the loss gets the [S, T] view (zeros past each sequence's end) that policy_loss would build from
+            # packed inputs, without the device reads its packed path takes
+            logp, entropy = self._padded(mb, packed), self._padded(mb, entropy)
+
+            def column(name):
+                return self._padded(mb, cols[name][mb.columns]) if name in cols else None
+
+            old = logp.detach() if on_policy else column("old_logp")
             extra = dict(options)
-            if pieces["ref"]:
-                extra["ref_logp"] = torch.cat(pieces["ref"]).to(dev)
+            if "ref_logp" in cols:
+                extra["ref_logp"] = column("ref_logp")
             if extra.get("entropy_coef"):
                 extra["entropy"] = entropy
-            loss, metrics = loss_fn(
-                objective, logp, torch.cat(pieces["old"]).to(dev), torch.cat(pieces["adv"]).to(dev),
-                torch.ones_like(logp), torch.cat(pieces["roll"]).to(dev) if pieces["roll"] else None,
-                cu_seqlens=torch.tensor(cu, device=dev), loss_agg=loss_agg,
-                global_tokens=global_tokens, global_seqs=len(batch), **extra)
-            metrics = {k: float(v) for k, v in metrics.items()}
-            return loss * scale, {"tokens": int(logp.numel()), "metrics": metrics, "loss": float(loss.detach()),
-                                  "entropy_sum": float(entropy.detach().sum())}
+            loss, metrics = loss_fn(objective, logp, old, column("advantage"), mb.mask, column("rollout_logp"),
+                                    loss_agg=loss_agg, global_tokens=global_tokens, global_seqs=len(batch), **extra)
+            out = {"tokens": mb.num_tokens, "metrics": metrics, "loss": loss.detach(),
+                   "entropy_sum": entropy.detach().sum()}
+            if keep_logprobs:
+                out["logp"] = (mb.order, packed.detach(), mb.sizes)
+            return loss * scale, out
 
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         stored = self._run(micro_batches, loss_func, forward_only=False)
         metrics = self._reduce_metrics(stored)  # collective: every rank sees the same loss
+        metrics.update(self._optimizer_step(math.isfinite(metrics["loss"])))
+        elapsed = time.perf_counter() - start
+        metrics.update(step_time_s=elapsed, tokens_per_s=float(inputs.lengths.sum()) / max(elapsed, 1e-9))
+        old_pass: dict = {}
+        if keep_logprobs:
+            old_pass["logprobs"] = self._per_sequence([d["logp"] for d in stored if "logp" in d], len(batch))
+        if self.route_hook is not None:  # routing replay: disagreement / fallback metrics (collective)
+            from megapo.replay.hook import as_replayed, fractions
+
+            counts = self.route_hook.take_counts()
+            if on_policy:  # this pass was also the old-log-prob pass; as training it replayed what it routed
+                old_pass["metrics"] = fractions(counts)
+                counts = as_replayed(counts)
+            metrics.update(fractions(counts))
+        return metrics, old_pass
+
+    def _optimizer_step(self, loss_finite: bool) -> dict:
+        """Megatron's optimizer step unless it would poison the weights: a non-finite loss skips it untouched,
+        a non-finite gradient norm or non-finite parameters / Adam state after it undo it (UpdateGuard)."""
         lr = self.optimizer.param_groups[0]["lr"]
-        if math.isfinite(metrics["loss"]):
-            ok, grad_norm, _ = self.optimizer.step()
+        ok, grad_norm = self.guard.step() if loss_finite else (False, float("nan"))
+        if ok:
             self.scheduler.step(increment=1)
             self.step += 1
-        else:  # a NaN/inf loss would poison the weights and Adam's moments: drop this update entirely
-            ok, grad_norm = False, None
+        else:  # nothing of this update stays: weights and Adam's moments as before it
             self.optimizer.zero_grad()
-        elapsed = time.perf_counter() - start
-        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
-                       update_ok=bool(ok), skipped_nonfinite=0 if math.isfinite(metrics["loss"]) else 1,
-                       step_time_s=elapsed,
-                       tokens_per_s=sum(len(s) for s in sequences) / max(elapsed, 1e-9))
-        if self.route_hook is not None:  # routing replay: disagreement / fallback metrics (collective)
-            metrics.update(self.route_hook.metrics())
-        return metrics
+        return {"grad_norm": grad_norm, "lr": lr, "update_ok": ok, "skipped_nonfinite": 0 if ok else 1}
 
     def _reduce_metrics(self, stored: list[dict]) -> dict:
         """Metrics of the whole batch from its micro-batches on every DP rank: the loss and other shares
-        summed, *_min / *_max as minimum / maximum, everything else a token-weighted mean."""
-        local = {"tokens": sum(d["tokens"] for d in stored), "loss": sum(d["loss"] for d in stored),
-                 "entropy_sum": sum(d["entropy_sum"] for d in stored),
-                 "each": [(d["tokens"], d["metrics"]) for d in stored if d["tokens"]]}
+        summed, *_min / *_max as minimum / maximum, everything else a token-weighted mean. Each
+        micro-batch's values stay on the device until one copy to the host here."""
+        keys, values = [], []
+        for d in stored:
+            if d["tokens"]:
+                names = sorted(d["metrics"])
+                keys.append(names)
+                values.extend([d["loss"], d["entropy_sum"], *(d["metrics"][k] for k in names)])
+        host = torch.stack([v.reshape(()).to(torch.float64) for v in values]).tolist() if values else []
+        local = {"tokens": 0, "loss": 0.0, "entropy_sum": 0.0, "each": []}
+        at = 0
+        for d, names in zip([d for d in stored if d["tokens"]], keys):
+            loss, entropy_sum, *rest = host[at:at + 2 + len(names)]
+            at += 2 + len(names)
+            local["tokens"] += d["tokens"]
+            local["loss"] += loss
+            local["entropy_sum"] += entropy_sum
+            local["each"].append((d["tokens"], dict(zip(names, rest))))
         parts = self._share_results([local])
         tokens = sum(p["tokens"] for p in parts)
         out = {"loss": sum(p["loss"] for p in parts), "entropy": sum(p["entropy_sum"] for p in parts) / max(tokens, 1),
@@ -390,20 +479,77 @@ class Learner:
             parallel_state.destroy_model_parallel()
 
 
-def _per_token(values, n: int, name: str) -> torch.Tensor:
-    t = torch.as_tensor(values, dtype=torch.float32)
-    if t.numel() != n:
-        raise ValueError(f"{name}: expected {n} values (one per response token), got {t.numel()}")
-    return t
+
+def _check_sequences(sequences: list[list[int]], vocab: int) -> np.ndarray:
+    """Lengths of `sequences` after checking them all at once (the first bad one named)."""
+    lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
+    short = np.flatnonzero(lengths < 2)
+    if short.size:
+        i = int(short[0])
+        raise ValueError(f"sequences[{i}]: needs at least 2 tokens, got {lengths[i]}")
+    bad = _first_out_of_range(sequences, lengths, vocab)
+    if bad is not None:
+        raise ValueError(f"sequences[{bad}]: token ids must be in [0, {vocab})")
+    return lengths
 
 
-def _check_sample(i: int, s: dict, vocab: int) -> None:
-    for key in ("tokens", "prompt_len", "advantage", "old_logp"):
-        if key not in s:
-            raise ValueError(f"batch[{i}].{key}: missing")
-    n, p = len(s["tokens"]), s["prompt_len"]
-    if not 1 <= p < n:
-        raise ValueError(f"batch[{i}].prompt_len: must be in [1, {n - 1}] for {n} tokens, got {p}")
-    if min(s["tokens"]) < 0 or max(s["tokens"]) >= vocab:
-        raise ValueError(f"batch[{i}].tokens: ids must be in [0, {vocab})")
+def _first_out_of_range(sequences, lengths: np.ndarray, vocab: int) -> int | None:
+    """Index of the first sequence holding a token id outside [0, vocab), else None (one vectorised pass)."""
+    flat = np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int64, count=int(lengths.sum()))
+    outside = np.flatnonzero((flat < 0) | (flat >= vocab))
+    if not outside.size:
+        return None
+    return int(np.searchsorted(np.cumsum(lengths), outside[0], side="right"))
 
+
+def _train_inputs(batch: list[dict], vocab: int, *, need_old: bool, device) -> TrainInputs:
+    """Check a train batch once (ValueError naming the sample and field) and lay its per-token inputs
+    end to end: one tensor per field for the whole batch, moved to the device once."""
+    if not batch:
+        raise ValueError("batch: empty")
+    required = ("tokens", "prompt_len", "advantage") + (("old_logp",) if need_old else ())
+    for i, s in enumerate(batch):
+        for key in required:
+            if key not in s:
+                raise ValueError(f"batch[{i}].{key}: missing")
+    lengths = np.fromiter((len(s["tokens"]) for s in batch), dtype=np.int64, count=len(batch))
+    prompt = np.fromiter((s["prompt_len"] for s in batch), dtype=np.int64, count=len(batch))
+    bad = np.flatnonzero((prompt < 1) | (prompt >= lengths))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"batch[{i}].prompt_len: must be in [1, {lengths[i] - 1}] for {lengths[i]} tokens, "
+                         f"got {prompt[i]}")
+    out_of_range = _first_out_of_range([s["tokens"] for s in batch], lengths, vocab)
+    if out_of_range is not None:
+        raise ValueError(f"batch[{out_of_range}].tokens: ids must be in [0, {vocab})")
+    response = lengths - prompt
+    columns = {}
+    for name in TOKEN_FIELDS:
+        if name == "old_logp" and not need_old:
+            continue
+        values = [s.get(name) for s in batch]
+        if name in ("rollout_logp", "ref_logp"):
+            given = [v is not None for v in values]
+            if not any(given):
+                continue
+            if not all(given):
+                raise ValueError(f"batch[{given.index(False)}].{name}: missing (other samples have it)")
+        columns[name] = torch.from_numpy(_token_column(values, response, name)).to(device)
+    return TrainInputs(columns, prompt, lengths, np.cumsum(response) - response)
+
+
+def _token_column(values: list, response: np.ndarray, name: str) -> np.ndarray:
+    """One float32 value per response token of every sample, end to end; a scalar advantage is repeated."""
+    if name == "advantage" and all(isinstance(v, (int, float)) for v in values):
+        return np.repeat(np.asarray(values, dtype=np.float32), response)
+    parts = []
+    for i, (v, n) in enumerate(zip(values, response)):
+        if name == "advantage" and isinstance(v, (int, float)):
+            parts.append(np.full(n, v, dtype=np.float32))
+            continue
+        arr = v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+        arr = arr.astype(np.float32).reshape(-1)
+        if arr.size != n:
+            raise ValueError(f"batch[{i}].{name}: expected {n} values (one per response token), got {arr.size}")
+        parts.append(arr)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)

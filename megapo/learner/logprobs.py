@@ -14,9 +14,10 @@ _NEG = -1e30  # logit of a padded vocabulary entry (finite, so 0 * _NEG stays 0 
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int,
-                            with_entropy: bool = False, group=None):
+                            with_entropy: bool = False, entropy_grad: bool = True, group=None):
     """logits [..., V_local] (this rank's vocabulary slice), targets [...] global token ids.
-    Returns (logp [...], entropy [...] or None), identical on every TP rank."""
+    Returns (logp [...], entropy [...] or None), identical on every TP rank. entropy_grad=False: the
+    entropy is only a metric (no graph kept for it)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
@@ -48,6 +49,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, voca
     logp = target_shifted - log_z
     entropy = None
     if with_entropy:
-        expected = all_reduce((exp * shifted).sum(dim=-1)) / sum_exp
-        entropy = log_z - expected
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            expected = all_reduce((exp * shifted).sum(dim=-1)) / sum_exp
+            entropy = log_z - expected
     return logp, entropy

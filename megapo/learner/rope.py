@@ -4,8 +4,7 @@ Megatron's RotaryEmbedding gives token i of a row the angle of position i. In a 
 sequences concatenated, position ids restarting at 0 for each) that is wrong for every sequence but
 the first. Transformer Engine handles packing with THD/cu_seqlens; the local spec has no such path, so
 the learner stores the row's position ids on the model's rotary module before each forward, and
-this subclass returns the angles of those positions. Only one packed row per micro-batch (batch 1),
-which is how the learner packs.
+this subclass returns the angles of those positions, per row of a [rows, seq] micro-batch.
 """
 
 from __future__ import annotations
@@ -15,15 +14,16 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 
 
 class PositionIdsRotaryEmbedding(RotaryEmbedding):
-    positions: torch.Tensor | None = None  # [seq] position id of every token of the row
+    positions: torch.Tensor | None = None  # [rows, seq] position id of every token of the micro-batch
+    longest: int = 0  # 1 + the largest position id (read on the host when the positions were set)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
         if self.positions is None:
             return super().forward(max_seq_len, offset, packed_seq, cp_group)
-        if self.positions.numel() != max_seq_len:
-            raise ValueError(f"position ids cover {self.positions.numel()} tokens, the row has {max_seq_len}")
-        emb = self.get_emb(int(self.positions.max()) + 1)
-        return emb[self.positions]
+        if self.positions.shape[-1] != max_seq_len:
+            raise ValueError(f"position ids cover {self.positions.shape[-1]} tokens, the rows have {max_seq_len}")
+        emb = self.get_emb(self.longest)[:, 0]  # [longest, 1, dim]
+        return emb[self.positions.t()]  # [seq, rows, 1, dim]: broadcasts over the heads of [seq, rows, heads, dim]
 
 
 def use_position_ids(model) -> None:
@@ -31,10 +31,13 @@ def use_position_ids(model) -> None:
     model.rotary_pos_emb.__class__ = PositionIdsRotaryEmbedding
 
 
-def set_positions(model, position_ids: torch.Tensor | None) -> None:
-    """position_ids: [1, seq] for the next forward (None: plain 0..seq-1)."""
+def set_positions(model, position_ids: torch.Tensor | None, longest: int | None = None) -> None:
+    """position_ids: [rows, seq] for the next forward (None: plain 0..seq-1); `longest`: 1 + their
+    maximum when the caller knows it (saves a device-to-host read)."""
     while hasattr(model, "module"):
         model = model.module
     rope = getattr(model, "rotary_pos_emb", None)
     if isinstance(rope, PositionIdsRotaryEmbedding):
-        rope.positions = None if position_ids is None else position_ids[0]
+        rope.positions = position_ids
+        if position_ids is not None:
+            rope.longest = longest if longest is not None else int(position_ids.max()) + 1

@@ -6,10 +6,12 @@ scores at those experts (so the router weights still get gradients); REPLAY_BACK
 FIFO filled by `set_target_indices`, for the forward that activation recompute re-runs in backward.
 
 `RouteReplayHook` is the learner's `route_hook`. It is told the batch's routes (`set_routes`) and, for
-every micro-batch, the packed row about to run (`before_forward`). A forward pre-hook on each router of
-this rank then sets that router's target for exactly the positions the router sees:
+every micro-batch, the [rows x width] layout about to run (`before_forward`). A forward pre-hook on each
+router of this rank then sets that router's target for exactly the positions the router sees:
 - its layer: routers are this pipeline stage's MoE layers, mapped by their global layer number;
-- its positions: with sequence parallelism the router sees this TP rank's contiguous slice of the row;
+- its positions: Megatron's router sees the micro-batch's tokens flattened [width, rows] (position
+  major), and with sequence parallelism this TP rank's contiguous slice of the positions, i.e. a
+  contiguous slice of that flattening;
 - positions without a route (see routes.py) get the router's own top-k, computed in the hook from the
   same logits with Megatron's own routing function, so partial routes replay the given rows and route
   the rest freely, all in one pass;
@@ -27,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megapo.replay.routes import GIVEN, LAST, MISSING, PAD, RouteShape, RowPlan, check_routes, row_plan
+from megapo.replay.routes import (GIVEN, LAST, MISSING, PAD, RouteShape, RouteTable, RowPlan, check_routes,
+                                  position_plan, route_table)
 
 # counts per MoE layer (columns): positions with a given route, of which the router's own choice differs
 # (before replay); positions routed (not padding), of which Megatron's routing map differs from the
@@ -39,7 +42,7 @@ GIVEN_N, DISAGREE_PRE, ROUTED_N, MISMATCH_POST, FALLBACK_N = range(5)
 class _Record:
     micro_batch: int
     layer: int  # MoE layer index
-    start: int  # first row position seen by this rank
+    start: int  # first flattened [width, rows] position seen by this rank
     used: torch.Tensor  # [T, k] experts Megatron routed to
 
 
@@ -70,8 +73,10 @@ class RouteReplayHook:
         for r in routers:
             self._handles.append(r.register_forward_pre_hook(self._pre_hook))
             self._handles.append(r.register_forward_hook(self._post_hook))
-        self._routes: list[np.ndarray | None] | None = None
-        self._rows: list = []  # packed rows of this pass, in micro-batch order
+        self._table: RouteTable | None = None  # the routes of this pass
+        self._lengths = np.zeros(0, dtype=np.int64)  # tokens of each sequence of this pass
+        self._maps: list[tuple[np.ndarray, np.ndarray]] = []  # per micro-batch: (sequence, position) of
+        # each flattened [width, rows] position, in micro-batch order
         self._plan: RowPlan | None = None
         self._records: list[_Record] = []
         self._recomputing: dict = {}  # router -> the target its recompute replays
@@ -81,13 +86,16 @@ class RouteReplayHook:
 
     def set_routes(self, routes, sequences: list[list[int]], name: str = "routes") -> None:
         """Start a pass over `sequences` replaying `routes` (None, or one array/None per sequence)."""
+        self._lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
+        self._table = None
         if routes is not None:
             if len(routes) != len(sequences):
                 raise ValueError(f"{name}: {len(routes)} entries for {len(sequences)} sequences")
             routes = [check_routes(r, len(s), self.shape, f"{name}[{i}]")
                       for i, (r, s) in enumerate(zip(routes, sequences))]
-        self._routes = routes
-        self._rows = []
+            if any(r is not None for r in routes):
+                self._table = route_table(routes, self._lengths, self.layers)
+        self._maps = []
         self._plan = None
         self._records = []
         self._recomputing.clear()
@@ -95,16 +103,16 @@ class RouteReplayHook:
             r.router_replay.clear_indices()
 
     def before_forward(self, mb) -> None:
-        """Called by the learner's forward step with the micro-batch (its packed row) about to run."""
-        row = mb.row
-        self._rows.append(row)
-        self._plan = row_plan(row.indices, row.offsets, row.lengths, row.width, self._routes, self.shape,
-                              self.layers)
+        """Called by the learner's forward step with the micro-batch about to run: its sequence map
+        (mb.seq, mb.pos: [rows, width]) laid out as the routers see it, [width, rows] flattened."""
+        seq, pos = mb.seq.T.reshape(-1), mb.pos.T.reshape(-1)
+        self._maps.append((seq, pos))
+        self._plan = position_plan(self._table, seq, pos, self._lengths, self.shape, len(self.layers))
 
     # ----------------------------------------------------------------------------- router hooks
 
     def _slice(self, num_tokens: int) -> int:
-        """First row position this rank's routers see (sequence parallel: a contiguous slice per TP rank)."""
+        """First flattened position this rank's routers see (sequence parallel: a contiguous slice per TP rank)."""
         from megatron.core import parallel_state
 
         if not self.config.sequence_parallel:
@@ -124,11 +132,12 @@ class RouteReplayHook:
         if self._plan is None:
             raise RuntimeError("routing replay: a router ran outside a learner forward step (no micro-batch set)")
         hidden = args[0]
-        if hidden.dim() == 3 and hidden.shape[1] != 1:
-            raise RuntimeError(f"routing replay expects micro-batches of one packed row, got {hidden.shape[1]}")
         layer = self.layer_of[router]
-        num_tokens = hidden.shape[0] if hidden.dim() == 3 else hidden.numel() // hidden.shape[-1]
+        num_tokens = hidden.numel() // hidden.shape[-1]
         start = self._slice(num_tokens)
+        if start + num_tokens > len(self._plan.source):
+            raise RuntimeError(f"routing replay: the router sees positions {start}..{start + num_tokens - 1}, "
+                               f"the micro-batch has {len(self._plan.source)}")
         column = self._column[layer]
         source = self._plan.source[start:start + num_tokens, column]  # on the host: no device syncs here
         target = self._plan.targets[start:start + num_tokens, column].to(hidden.device)
@@ -172,7 +181,7 @@ class RouteReplayHook:
         # kept on the device until routes_used asks
         actual = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :k]
         used = torch.where(hit[:, None], target, actual)
-        self._records.append(_Record(len(self._rows) - 1, layer, start, used.detach()))
+        self._records.append(_Record(len(self._maps) - 1, layer, start, used.detach()))
         return None
 
     def _layer_counts(self, layer: int, device) -> torch.Tensor:
@@ -185,58 +194,71 @@ class RouteReplayHook:
     def routes_used(self, num_sequences: int) -> list[np.ndarray]:
         """Routes every sequence of the last pass was routed with, int32 [n-1, L, k], on every rank
         (collective: gathers the pieces of all TP slices, pipeline stages and DP ranks)."""
-        pieces = []  # (sequence, layer, first position, [T, k])
-        lengths = {}
+        used_all = torch.cat([rec.used for rec in self._records]).cpu().numpy() if self._records else None
+        pieces, at = [], 0  # (MoE layer, sequences, positions, [T, k] experts)
         for rec in self._records:
-            row = self._rows[rec.micro_batch]
-            used = rec.used.cpu().numpy().astype(np.int32)
-            end = rec.start + len(used)
-            for i, at, n in zip(row.indices, row.offsets, row.lengths):
-                lengths[i] = n
-                lo, hi = max(at, rec.start), min(at + n - 1, end)
-                if lo < hi:
-                    pieces.append((i, rec.layer, lo - at, used[lo - rec.start:hi - rec.start]))
+            size = len(rec.used)
+            seq, pos = (a[rec.start:rec.start + size] for a in self._maps[rec.micro_batch])
+            fed = seq >= 0
+            fed[fed] = pos[fed] < self._lengths[seq[fed]] - 1  # a sequence's last token is not fed
+            pieces.append((rec.layer, seq[fed], pos[fed], used_all[at:at + size][fed].astype(np.int32)))
+            at += size
         gathered = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, (lengths, pieces))
-        for part_lengths, _ in gathered:
-            lengths.update(part_lengths)
-        missing = [i for i in range(num_sequences) if i not in lengths]
-        if missing:
-            raise RuntimeError(f"routing replay: sequences {missing[:5]} were not routed in the last pass")
-        L, k = self.shape.num_moe_layers, self.shape.topk
-        out = [np.full((lengths[i] - 1, L, k), -1, dtype=np.int32) for i in range(num_sequences)]
-        for _, part in gathered:
-            for i, layer, at, used in part:
-                out[i][at:at + len(used), layer] = used
-        for i, r in enumerate(out):
-            if (r < 0).any():
-                raise RuntimeError(f"routing replay: sequence {i} has positions no rank routed")
-        return out
+        torch.distributed.all_gather_object(gathered, pieces)
+        fed_lengths = self._lengths[:num_sequences] - 1
+        starts = np.cumsum(fed_lengths) - fed_lengths
+        out = np.full((int(fed_lengths.sum()), self.shape.num_moe_layers, self.shape.topk), -1, dtype=np.int32)
+        for part in gathered:
+            for layer, seq, pos, used in part:
+                out[starts[seq] + pos, layer] = used
+        unrouted = np.flatnonzero((out < 0).any(axis=(1, 2)))
+        if unrouted.size:
+            i = int(np.searchsorted(np.cumsum(fed_lengths), unrouted[0], side="right"))
+            raise RuntimeError(f"routing replay: sequence {i} has positions no rank routed in the last pass")
+        return np.split(out, np.cumsum(fed_lengths)[:-1])
 
-    def metrics(self, prefix: str = "replay/") -> dict:
-        """Per-layer and overall fractions since the last call (collective), then reset:
-        disagree_pre: the router's own top-k set differs from the given route (before replay);
-        disagree_post: Megatron's routing differs from the target (after replay; 0 when replay works);
-        fallback_frac: positions without a given route, routed by the router's own choice."""
+    def take_counts(self) -> torch.Tensor:
+        """The counts since the last call, summed over all ranks (collective), on the host; then reset."""
         counts = self._counts.clone()
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             counts = counts.to("cuda" if torch.cuda.is_available() else "cpu")  # nccl needs device tensors
             torch.distributed.all_reduce(counts)
-        counts = counts.cpu()
         self._counts.zero_()
-        out = {}
-        total = counts.sum(0)
-        out[prefix + "disagree_pre"] = _frac(total[DISAGREE_PRE], total[GIVEN_N])
-        out[prefix + "disagree_post"] = _frac(total[MISMATCH_POST], total[ROUTED_N])
-        out[prefix + "fallback_frac"] = _frac(total[FALLBACK_N], total[FALLBACK_N] + total[GIVEN_N])
-        for layer in range(counts.shape[0]):
-            out[f"{prefix}disagree_pre/layer{layer}"] = _frac(counts[layer, DISAGREE_PRE], counts[layer, GIVEN_N])
-        return out
+        return counts.cpu()
+
+    def metrics(self, prefix: str = "replay/") -> dict:
+        """fractions(take_counts()): the routing metrics since the last call (collective), then reset."""
+        return fractions(self.take_counts(), prefix)
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def fractions(counts: torch.Tensor, prefix: str = "replay/") -> dict:
+    """Per-layer and overall fractions of counts [L, 5]:
+    disagree_pre: the router's own top-k set differs from the given route (before replay);
+    disagree_post: Megatron's routing differs from the target (after replay; 0 when replay works);
+    fallback_frac: positions without a given route, routed by the router's own choice."""
+    out = {}
+    total = counts.sum(0)
+    out[prefix + "disagree_pre"] = _frac(total[DISAGREE_PRE], total[GIVEN_N])
+    out[prefix + "disagree_post"] = _frac(total[MISMATCH_POST], total[ROUTED_N])
+    out[prefix + "fallback_frac"] = _frac(total[FALLBACK_N], total[FALLBACK_N] + total[GIVEN_N])
+    for layer in range(counts.shape[0]):
+        out[f"{prefix}disagree_pre/layer{layer}"] = _frac(counts[layer, DISAGREE_PRE], counts[layer, GIVEN_N])
+    return out
+
+
+def as_replayed(counts: torch.Tensor) -> torch.Tensor:
+    """The counts a second pass replaying the routes this pass used would have, on the same weights: every
+    position this pass routed (given or fallen back) is given, the router's own choice matches it wherever
+    this pass chose freely, so only this pass's disagreements remain (an on-policy step's train counts)."""
+    out = counts.clone()
+    out[:, GIVEN_N] = counts[:, GIVEN_N] + counts[:, FALLBACK_N]
+    out[:, FALLBACK_N] = 0
+    return out
 
 
 def _frac(num, den) -> float:

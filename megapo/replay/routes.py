@@ -7,11 +7,12 @@ every position fed to the model; the last token is never fed). A row may be part
 - a (position, layer) entry holding any negative id (e.g. -1) has no route.
 Positions without a route fall back to the learner router's own choice (counted in the metrics).
 
-On a packed row (megapo/learner/packing.py) every position gets a target and a source:
+At every position of a micro-batch (megapo/learner/packing.py) routers see, a target and a source:
   GIVEN   the sample's route (replayed),
   MISSING the sample has no route there: the router's own choice (counted as a fallback),
   LAST    a sample's last token (no route by convention; its output predicts nothing): own choice,
-  PAD     row padding: distinct dummy experts (never duplicates, which would break the token dispatch).
+  PAD     row padding: k distinct dummy experts, (j*k + i) mod E at the j-th position (never duplicates,
+          which would break the token dispatch).
 """
 
 from __future__ import annotations
@@ -66,42 +67,85 @@ def check_routes(routes, num_tokens: int, shape: RouteShape, name: str) -> np.nd
     return arr
 
 
-def dummy_experts(positions: torch.Tensor, shape: RouteShape) -> torch.Tensor:
-    """k distinct experts per position, spread over all experts: (p*k + j) mod E, j < k <= E."""
-    j = torch.arange(shape.topk)
-    return (positions[:, None] * shape.topk + j[None, :]) % shape.num_experts
-
-
 @dataclass
 class RowPlan:
-    """Targets and sources of one packed row: targets [W, L, k] int64, source [W, L] int8."""
+    """Targets and sources of a micro-batch's positions (in the order its routers see them):
+    targets [T, L, k] int64, source [T, L] int8."""
 
     targets: torch.Tensor
     source: torch.Tensor
 
 
+@dataclass
+class RouteTable:
+    """A batch's routes laid end to end: position t of sequence i is row starts[i] + t."""
+
+    starts: np.ndarray  # [S]
+    targets: np.ndarray  # [P, L, k] int64 (P = total tokens; rows without a route hold -1)
+    given: np.ndarray  # [P, L] bool: a route to replay
+
+
+def route_table(routes: list[np.ndarray | None], lengths: np.ndarray, layers: list[int]) -> RouteTable:
+    """Checked routes (check_routes) of sequences of `lengths` tokens, only MoE layers `layers`."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    have = [i for i, r in enumerate(routes) if r is not None and len(r)]
+    k = next((routes[i].shape[-1] for i in have), 1)
+    targets = np.full((int(lengths.sum()), len(layers), k), -1, dtype=np.int64)
+    given = np.zeros(targets.shape[:2], dtype=bool)
+    if have:
+        counts = np.asarray([len(routes[i]) for i in have], dtype=np.int64)
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # 0.. per sequence
+        rows = np.repeat(starts[have], counts) + within
+        values = np.concatenate([routes[i] for i in have])[:, layers]
+        targets[rows] = values
+        given[rows] = (values >= 0).all(-1)
+    return RouteTable(starts, targets, given)
+
+
+def position_plan(table: RouteTable | None, seq: np.ndarray, pos: np.ndarray, lengths: np.ndarray,
+                  shape: RouteShape, num_layers: int) -> RowPlan:
+    """Targets and sources of positions holding (sequence seq[j], position pos[j]) (seq -1: padding),
+    for `num_layers` MoE layers (the table's columns; no table: nothing given)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    count = len(seq)
+    j = np.arange(shape.topk)
+    dummy = (np.arange(count)[:, None] * shape.topk + j[None, :]) % max(shape.num_experts, 1)
+    targets = np.repeat(dummy[:, None, :], num_layers, axis=1)
+    source = np.full((count, num_layers), PAD, dtype=np.int8)
+    real = np.flatnonzero(seq >= 0)
+    last = np.zeros(count, dtype=bool)
+    last[real] = pos[real] == lengths[seq[real]] - 1
+    body = real[~last[real]]
+    source[body] = MISSING
+    source[last] = LAST
+    if table is not None and body.size:
+        rows = table.starts[seq[body]] + pos[body]
+        given = table.given[rows]  # [M, L]
+        picked = targets[body]
+        picked[given] = table.targets[rows][given]
+        targets[body] = picked
+        src = source[body]
+        src[given] = GIVEN
+        source[body] = src
+    return RowPlan(torch.from_numpy(targets), torch.from_numpy(source))
+
+
 def row_plan(indices: list[int], offsets: list[int], lengths: list[int], width: int,
              routes: list[np.ndarray | None] | None, shape: RouteShape, layers: list[int] | None = None) -> RowPlan:
-    """Lay the routes of the row's samples (routes[i] for i in indices) onto the row's positions.
+    """Lay the routes of one row's samples (routes[i] for i in indices) onto the row's positions.
     `layers`: only these MoE layers (a pipeline stage's), as columns in this order; default all."""
     layers = list(range(shape.num_moe_layers)) if layers is None else list(layers)
-    L = len(layers)
-    targets = dummy_experts(torch.arange(width), shape)[:, None, :].repeat(1, L, 1)
-    source = torch.full((width, L), PAD, dtype=torch.int8)
-    for i, at, n in zip(indices, offsets, lengths):
-        source[at:at + n - 1] = MISSING
-        source[at + n - 1] = LAST
-        r = routes[i] if routes is not None else None
-        if r is None or len(r) == 0:
-            continue
-        r = torch.as_tensor(r, dtype=torch.int64)[:, layers]
-        known = (r >= 0).all(-1)  # [m, L]
-        m = r.shape[0]
-        block = targets[at:at + m]
-        block[known] = r[known]
-        src = source[at:at + m]
-        src[known] = GIVEN
-    return RowPlan(targets, source)
+    seq = np.full(width, -1, dtype=np.int64)
+    pos = np.zeros(width, dtype=np.int64)
+    for local, (at, n) in enumerate(zip(offsets, lengths)):
+        seq[at:at + n] = local
+        pos[at:at + n] = np.arange(n)
+    table = None
+    if routes is not None:
+        picked = [routes[i] for i in indices]
+        table = route_table(picked, np.asarray(lengths), layers)
+    return position_plan(table, seq, pos, np.asarray(lengths), shape, len(layers))
 
 
 # ----------------------------------------------------------------------------- files

@@ -11,7 +11,9 @@ SPEC.json: {"models": {"moe": DIR, "dense": DIR}, "layouts": [{"tp": 2, "pp": 1,
             "load_dir": DIR (a MoE learner of the first layout loads only the weights of that checkpoint),
             "agg_variants": [{"loss_agg": ..., "micro_batch_tokens": N}, ...] (one MoE step each, first layout),
             "sequences": [[...], ...], "batch": [sample, ...], "optim": {...}, "micro_batch_tokens": N,
-            "objective": "reinforce", "loss_agg": "token-mean"}
+            "row_tokens": N (1: one sequence per row), "objective": "reinforce", "loss_agg": "token-mean",
+            "rows_variant": {"row_tokens": N, "micro_batch_tokens": N} (every layout/model/dispatcher runs
+                            again packed so: key + "/rows")}
 A dense model runs every layout with ep=1 (same tp, pp, dp).
 """
 
@@ -39,18 +41,18 @@ def main() -> None:
                                           distributed_optimizer=layout.get("distributed_optimizer", False),
                                           recompute=layout.get("recompute", False))
                 learner = Learner(model_dir, parallel, OptimConfig(**spec["optim"]),
-                                  micro_batch_tokens=spec["micro_batch_tokens"])
-                logprobs = learner.logprobs(spec["sequences"])
-                metrics = learner.train_step(spec["batch"], spec["objective"], spec["loss_agg"])
-                weights = dict(learner.hf_state_dict())
+                                  micro_batch_tokens=spec["micro_batch_tokens"], row_tokens=spec["row_tokens"])
                 key = f"{model_name}/{_name(layout)}/{dispatcher}"
-                results[key] = {"logprobs": logprobs, "weights": weights, "grad_norm": metrics["grad_norm"],
-                                "loss": metrics["loss"]}
+                results[key] = _logprobs_and_step(learner, spec)
                 if layout.get("save") and model_name == "moe" and dispatcher == "alltoall":
                     learner.save(spec["save_dir"])  # after one step
                     learner.train_step(spec["batch"], spec["objective"], spec["loss_agg"])
                     results[key]["two_step_weights"] = dict(learner.hf_state_dict())
                 learner.close()
+                if spec.get("rows_variant"):  # the same batch packed into [rows x width] micro-batches
+                    learner = Learner(model_dir, parallel, OptimConfig(**spec["optim"]), **spec["rows_variant"])
+                    results[key + "/rows"] = _logprobs_and_step(learner, spec)
+                    learner.close()
         if layout.get("save"):  # resume from the checkpoint under the same layout and take step two
             learner = _learner(spec, layout, spec["models"]["moe"])
             learner.load(spec["save_dir"])
@@ -73,9 +75,34 @@ def main() -> None:
     finish(results, out_path)
 
 
+def _logprobs_and_step(learner: Learner, spec: dict) -> dict:
+    logprobs = learner.logprobs(spec["sequences"])
+    metrics = learner.train_step(spec["batch"], spec["objective"], spec["loss_agg"])
+    out = {"logprobs": logprobs, "weights": dict(learner.hf_state_dict()), "grad_norm": metrics["grad_norm"],
+           "loss": metrics["loss"]}
+    if not learner.parallel.distributed_optimizer:  # (its grad buffers hold only this rank's reduced shard)
+        out["grads"] = _hf_grads(learner)
+    return out
+
+
+def _hf_grads(learner: Learner) -> dict:
+    """The last step's gradients (Megatron's main_grad, reduced over DP), gathered to HF names like the
+    weights: each parameter shows its gradient while hf_state_dict runs."""
+    params = list(learner.module.parameters())
+    data = [p.data for p in params]
+    for p in params:
+        p.data = p.main_grad.detach().view_as(p).to(p.dtype)
+    try:
+        return dict(learner.hf_state_dict())
+    finally:
+        for p, d in zip(params, data):
+            p.data = d
+
+
 def _learner(spec: dict, layout: dict, model_dir: str) -> Learner:
     parallel = ParallelConfig(tp=layout["tp"], pp=layout["pp"], ep=layout["ep"], dp=layout["dp"])
-    return Learner(model_dir, parallel, OptimConfig(**spec["optim"]), micro_batch_tokens=spec["micro_batch_tokens"])
+    return Learner(model_dir, parallel, OptimConfig(**spec["optim"]), micro_batch_tokens=spec["micro_batch_tokens"],
+                   row_tokens=spec["row_tokens"])
 
 
 def _name(layout: dict) -> str:

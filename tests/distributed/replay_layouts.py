@@ -11,7 +11,10 @@ for several parallel layouts of one world size. For each layout, on the perturbe
 - "r2" (layout flag): old-log-prob pass (free, recorded) then two optimizer steps replaying it;
              the routes of every pass and the free routes after the updates;
 - "r3" (layout flag): engine samples (spec) through old_logprobs(..., "r3") and mismatch_kl before any
-             optimizer step, and a train step replaying them after the others.
+             optimizer step, and a train step replaying them after the others;
+- "rows":    a learner packing [rows x width] micro-batches (spec "rows_variant"; the main learner has one
+             sequence per row): FULL replay's log-probs and routes, and the "train" step's router gradients;
+- "on_policy" (layout flag): on_policy_step.run_modes for r2 and r3 on the engine samples (fresh learners).
 Rank 0 saves everything to --out.
 
     python -m torch.distributed.run --nproc-per-node 4 tests/distributed/replay_layouts.py --spec S.json --out R.pt
@@ -29,7 +32,8 @@ from megapo.learner.learner import Learner
 from megapo.replay import cli as route_cli
 from megapo.replay.modes import logprobs_with_routes, mismatch_kl, old_logprobs
 from megapo.replay.routes import load_routes
-from spec_io import finish, read_spec  # this script's folder is on sys.path
+from on_policy_step import run_modes  # this script's folder is on sys.path
+from spec_io import finish, read_spec
 
 
 def linear_loss(objective, logp, old_logp, advantages, mask, rollout_logp=None, *, cu_seqlens=None,
@@ -52,6 +56,19 @@ def router_grads(learner) -> dict[int, torch.Tensor]:
     return out
 
 
+def rows_variant(spec: dict, parallel: ParallelConfig, seqs, batch) -> dict:
+    """FULL replay and the replayed train step with [rows x width] micro-batches."""
+    learner = Learner(spec["model"], parallel, OptimConfig(**spec["optim"]), routing_replay=True,
+                      loss_fn=linear_loss, **spec["rows_variant"])
+    logps, used, _ = logprobs_with_routes(learner, seqs, load_routes(spec["full_npz"], len(seqs)))
+    train_batch = [dict(s, routes=r) for s, r in zip(batch, load_routes(spec["batch_npz"], len(batch)))]
+    metrics = learner.train_step(train_batch, "custom", "token-mean")
+    out = {"logprobs": logps, "routes_out": used, "train": {"metrics": metrics, "grads": router_grads(learner),
+                                                             "routes": learner.route_hook.routes_used(len(batch))}}
+    learner.close()
+    return out
+
+
 def main() -> None:
     spec, out_path = read_spec()
     seqs, batch = spec["sequences"], spec["batch"]
@@ -63,7 +80,8 @@ def main() -> None:
                                   dispatcher=layout.get("dispatcher", "alltoall"),
                                   recompute=layout.get("recompute", False))
         learner = Learner(spec["model"], parallel, OptimConfig(**spec["optim"]), routing_replay=True,
-                          micro_batch_tokens=spec["micro_batch_tokens"], loss_fn=linear_loss)
+                          micro_batch_tokens=spec["micro_batch_tokens"], row_tokens=spec["row_tokens"],
+                          loss_fn=linear_loss)
         # Megatron's global RouterReplay list holds exactly this model's routers of this rank, although
         # earlier layouts built models in this process too
         from megatron.core.transformer.moe.router_replay import RouterReplay
@@ -106,8 +124,12 @@ def main() -> None:
         if layout.get("r3"):  # the train step (weights changed by then) only checks the routes replayed
             m = learner.train_step(r3_samples, "custom", "token-mean")
             res["r3"].update(train_metrics=m, train_routes=learner.route_hook.routes_used(len(r3_samples)))
-        results[name] = res
         learner.close()
+        res["rows"] = rows_variant(spec, parallel, seqs, batch)
+        if layout.get("on_policy"):
+            res["on_policy"] = run_modes(spec["model"], spec["engine_samples"], ["r2", "r3"], vars(parallel),
+                                         dict(spec["on_policy"], optim=spec["optim"]))
+        results[name] = res
     finish(results, out_path)
 
 

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -34,15 +35,16 @@ def skewed_lengths(n: int, seed: int, max_len: int) -> list[int]:
 def padding_report(lengths: list[int], budget: int, dp: int, pad_multiple: int) -> dict:
     from megapo.learner import packing
 
-    def rows(equal_width: bool):
-        return [r for rank in range(dp) for r in packing.plan(lengths, dp=dp, dp_rank=rank, budget=budget,
-                                                              pad_multiple=pad_multiple, equal_width=equal_width)]
+    def rows(equal_shapes: bool):
+        return [r for rank in range(dp) for mb in packing.plan(lengths, dp=dp, dp_rank=rank, budget=budget,
+                                                               pad_multiple=pad_multiple, equal_shapes=equal_shapes)
+                for r in mb.rows]
 
     packed = rows(False)
-    # what padding to the longest sequence wastes with the same number of sequences per micro-batch
+    # what padding to the longest sequence wastes with the same number of sequences per row
     per_mb = max(1, len(lengths) // max(1, len(packed)))
     naive_slots = sum(max(lengths[i:i + per_mb]) * len(lengths[i:i + per_mb]) for i in range(0, len(lengths), per_mb))
-    return {"sequences": len(lengths), "tokens": sum(lengths), "micro_batches": len(packed), "budget": budget,
+    return {"sequences": len(lengths), "tokens": sum(lengths), "rows": len(packed), "budget": budget,
             "pad_multiple": pad_multiple,
             "packed_padding_waste": packing.padding_waste(packed),
             # the allgather dispatcher needs one row width on every rank
@@ -67,15 +69,18 @@ def raw_megatron_step(learner, batch: list[dict]) -> float:
 
     from megapo.learner.rope import set_positions
 
-    micro_batches = learner._micro_batches([b["tokens"] for b in batch], batch)
+    lengths = np.asarray([len(b["tokens"]) for b in batch])
+    prompts = np.asarray([b["prompt_len"] for b in batch])
+    micro_batches = learner._micro_batches([b["tokens"] for b in batch], prompts - 1, lengths - 1)
     total = sum(len(b["tokens"]) - b["prompt_len"] for b in batch)
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         labels = torch.roll(mb.tokens, shifts=-1, dims=1)
-        loss_mask = torch.zeros_like(labels, dtype=torch.float32)
-        for at, n, s in zip(mb.row.offsets, mb.row.lengths, mb.samples or []):
-            loss_mask[0, at + s["prompt_len"] - 1: at + n - 1] = 1.0
+        real = mb.seq >= 0  # slots whose logits predict a response token: positions p-1 .. n-2
+        seq = np.where(real, mb.seq, 0)
+        predicts = real & (mb.pos >= prompts[seq] - 1) & (mb.pos < lengths[seq] - 1)
+        loss_mask = torch.from_numpy(predicts.astype(np.float32)).to(mb.tokens.device)
         set_positions(model, mb.position_ids)
         out = model(mb.tokens, mb.position_ids, mb.attention_mask, labels=labels)
 
@@ -90,7 +95,8 @@ def raw_megatron_step(learner, batch: list[dict]) -> float:
     learner.optimizer.zero_grad()
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro_batches),
                                 model=[learner.model], num_microbatches=len(micro_batches),
-                                seq_length=max(mb.row.width for mb in micro_batches), micro_batch_size=1,
+                                seq_length=max(mb.layout.width for mb in micro_batches),
+                                micro_batch_size=max(len(mb.layout.rows) for mb in micro_batches),
                                 forward_only=False)
     learner.optimizer.step()
     return time.perf_counter() - start, time.process_time() - cpu
