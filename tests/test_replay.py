@@ -229,3 +229,20 @@ def test_replayed_counts_of_an_on_policy_pass():
     assert second["replay/disagree_pre"] == pytest.approx(5 / 20) and second["replay/fallback_frac"] == 0.0
     assert second["replay/disagree_pre/layer1"] == pytest.approx(2 / 10)
     assert second["replay/disagree_post"] == first["replay/disagree_post"] == pytest.approx(1 / 20)
+
+
+@pytest.mark.parametrize("bad, words", [
+    (np.full((2, 2, 2), 8), ["batch[2]", "expert id 8", "[0, 8)"]),
+    (np.array([[[0, 1], [2, 3]], [[4, 5], [6, 6]]]), ["batch[2]", "position 1, MoE layer 1", "repeated"]),
+    (np.zeros((2, 2), np.int64), ["batch[2]", "shape"]),
+])
+def test_batch_routes_checked_at_once_name_the_sample_and_position(bad, words):
+    from megapo.replay.routes import check_batch_routes
+
+    good = [routes(3, 1), None, bad, routes(2, 2)]
+    with pytest.raises(ValueError) as err:
+        check_batch_routes(good, [5, 4, 4, 3], SHAPE, "batch")
+    for w in words:
+        assert w in str(err.value), str(err.value)
+    out = check_batch_routes([routes(3, 1), None, routes(2, 2)], [5, 4, 3], SHAPE, "batch")
+    assert out[1] is None and out[0].dtype == np.int64 and (out[2] == routes(2, 2)).all()

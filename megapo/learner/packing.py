@@ -152,16 +152,21 @@ def sequence_map(layout: MicroBatchLayout) -> tuple[np.ndarray, np.ndarray]:
     """(sequence [rows, width], position [rows, width]): which input sequence each slot holds and its
     position in that sequence; padding is sequence -1 at position 0, 1, ... from the row's end of use."""
     b, w = layout.shape
-    seq = np.full((b, w), -1, dtype=np.int64)
-    pos = np.empty((b, w), dtype=np.int64)
-    for r, row in enumerate(layout.rows):
-        lengths = np.asarray(row.lengths, dtype=np.int64)
-        used = int(lengths.sum())
-        seq[r, :used] = np.repeat(np.asarray(row.indices, dtype=np.int64), lengths)
-        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        pos[r, :used] = np.arange(used) - starts
-        pos[r, used:] = np.arange(w - used)
-    return seq, pos
+    lengths = np.asarray([n for row in layout.rows for n in row.lengths], dtype=np.int64)
+    indices = np.asarray([i for row in layout.rows for i in row.indices], dtype=np.int64)
+    per_row = np.asarray([len(row.lengths) for row in layout.rows], dtype=np.int64)
+    row_of = np.repeat(np.arange(b), per_row)  # each sequence's row
+    ends = np.cumsum(lengths)
+    row_start = np.repeat(np.cumsum(per_row) - per_row, per_row)  # index of the row's first sequence
+    offset = (ends - lengths) - np.concatenate([[0], ends])[row_start]  # where each sequence starts in its row
+    within = np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - lengths, lengths)
+    slots = np.repeat(row_of * w + offset, lengths) + within
+    used = np.bincount(row_of, weights=lengths, minlength=b).astype(np.int64)
+    seq = np.full(b * w, -1, dtype=np.int64)
+    seq[slots] = np.repeat(indices, lengths)
+    pos = (np.arange(w)[None, :] - used[:, None]).reshape(-1)  # padding: 0, 1, ... after the row's end of use
+    pos[slots] = within
+    return seq.reshape(b, w), pos.reshape(b, w)
 
 
 def batch_tensors(layout: MicroBatchLayout, flat_tokens: np.ndarray, starts: np.ndarray, pad_id: int = 0):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megapo.replay.routes import (GIVEN, LAST, MISSING, PAD, RouteShape, RouteTable, RowPlan, check_routes,
+from megapo.replay.routes import (GIVEN, LAST, MISSING, PAD, RouteShape, RouteTable, RowPlan, check_batch_routes,
                                   position_plan, route_table)
 
 # counts per MoE layer (columns): positions with a given route, of which the router's own choice differs
@@ -91,8 +91,7 @@ class RouteReplayHook:
         if routes is not None:
             if len(routes) != len(sequences):
                 raise ValueError(f"{name}: {len(routes)} entries for {len(sequences)} sequences")
-            routes = [check_routes(r, len(s), self.shape, f"{name}[{i}]")
-                      for i, (r, s) in enumerate(zip(routes, sequences))]
+            routes = check_batch_routes(routes, self._lengths.tolist(), self.shape, name)
             if any(r is not None for r in routes):
                 self._table = route_table(routes, self._lengths, self.layers)
         self._maps = []

@@ -44,6 +44,31 @@ def check_routes(routes, num_tokens: int, shape: RouteShape, name: str) -> np.nd
     """Validate one sample's routes (None = no routes); return them as int64 [m, L, k]."""
     if routes is None:
         return None
+    arr = _route_array(routes, num_tokens, shape, name)
+    _check_values(arr, shape, lambda row: (name, row))
+    return arr
+
+
+def check_batch_routes(routes: list, lengths: list[int], shape: RouteShape, name: str) -> list[np.ndarray | None]:
+    """check_routes for every sample (sample i of lengths[i] tokens, named name[i]), the value checks done
+    once over all of them."""
+    arrays = [None if r is None else _route_array(r, n, shape, f"{name}[{i}]")
+              for i, (r, n) in enumerate(zip(routes, lengths))]
+    given = [i for i, a in enumerate(arrays) if a is not None and len(a)]
+    if given:
+        counts = np.asarray([len(arrays[i]) for i in given])
+        ends = np.cumsum(counts)
+
+        def name_at(row: int) -> tuple[str, int]:
+            j = int(np.searchsorted(ends, row, side="right"))
+            return f"{name}[{given[j]}]", row - int(ends[j] - counts[j])
+
+        _check_values(np.concatenate([arrays[i] for i in given]), shape, name_at)
+    return arrays
+
+
+def _route_array(routes, num_tokens: int, shape: RouteShape, name: str) -> np.ndarray:
+    """One sample's routes as int64 [m, L, k], their type and shape checked."""
     if isinstance(routes, torch.Tensor):
         routes = routes.cpu().numpy()
     arr = np.asarray(routes)
@@ -55,16 +80,25 @@ def check_routes(routes, num_tokens: int, shape: RouteShape, name: str) -> np.nd
     if arr.shape[0] > num_tokens - 1:
         raise ValueError(f"{name}: {arr.shape[0]} route positions for {num_tokens} tokens "
                          f"(at most {num_tokens - 1}: one per position fed to the model)")
-    arr = arr.astype(np.int64)
-    if arr.size and arr.max() >= shape.num_experts:
-        raise ValueError(f"{name}: expert id {int(arr.max())} out of range [0, {shape.num_experts})")
+    return arr.astype(np.int64)
+
+
+def _check_values(arr: np.ndarray, shape: RouteShape, name_at) -> None:
+    """Expert ids in range and no expert twice at a (position, layer) of routes [P, L, k];
+    name_at(row) -> (the sample's name, the row's position in it) for the message."""
+    if not arr.size:
+        return
+    high = np.flatnonzero((arr >= shape.num_experts).any(axis=(1, 2)))
+    if high.size:
+        row = int(high[0])
+        raise ValueError(f"{name_at(row)[0]}: expert id {int(arr[row].max())} out of range [0, {shape.num_experts})")
     known = (arr >= 0).all(-1)
     ordered = np.sort(arr, axis=-1)
     duplicated = (ordered[..., 1:] == ordered[..., :-1]).any(-1) & known
     if duplicated.any():
-        t, layer = map(int, np.argwhere(duplicated)[0])
-        raise ValueError(f"{name}: position {t}, MoE layer {layer}: repeated expert in {arr[t, layer].tolist()}")
-    return arr
+        row, layer = map(int, np.argwhere(duplicated)[0])
+        name, t = name_at(row)
+        raise ValueError(f"{name}: position {t}, MoE layer {layer}: repeated expert in {arr[row, layer].tolist()}")
 
 
 @dataclass
