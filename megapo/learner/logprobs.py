@@ -40,16 +40,19 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, voca
             torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX, group=group)
     shifted = logits - peak.unsqueeze(-1)
     exp = shifted.exp()
-    sum_exp = all_reduce(exp.sum(dim=-1))
     local = targets - start
     inside = (local >= 0) & (local < part)
     picked = shifted.gather(-1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1)
-    target_shifted = all_reduce(torch.where(inside, picked, torch.zeros_like(picked)))
-    log_z = sum_exp.log()
-    logp = target_shifted - log_z
+    entropy_graph = entropy_grad and torch.is_grad_enabled()
+    parts = [exp.sum(dim=-1), torch.where(inside, picked, torch.zeros_like(picked))]
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_graph):
+            parts.append((exp * shifted).sum(dim=-1))
+    sums = all_reduce(torch.stack(parts))  # one collective for every per-token sum
+    log_z = sums[0].log()
+    logp = sums[1] - log_z
     entropy = None
     if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            expected = all_reduce((exp * shifted).sum(dim=-1)) / sum_exp
-            entropy = log_z - expected
+        with torch.set_grad_enabled(entropy_graph):
+            entropy = log_z - sums[2] / sums[0]
     return logp, entropy
