@@ -165,6 +165,27 @@ def test_hung_reward_times_out_and_its_thread_ends(bad_rewards):
     fail.close()
 
 
+def test_a_list_is_scored_in_order_and_a_hang_inside_it_costs_only_that_call(bad_rewards):
+    """score_all hands the whole list to the worker; a call past the timeout scores 0 (zero) or raises
+    naming it (fail), and the calls after it are still made, in order, on a fresh thread."""
+    spec = f"{bad_rewards}:raises"
+    pairs = [("a", "a"), ("b", "a"), ("hang", "a"), ("c", "a")]
+    expected = [1.0 if r == a else 0.0 for r, a in pairs]  # exact_match, written out
+    guarded = rewards.GuardedReward("exact_match", timeout_s=5.0)
+    assert guarded.score_all(pairs) == expected
+    guarded.close()
+    zero = rewards.GuardedReward(f"{bad_rewards}:hangs_on", timeout_s=0.3, errors="zero")
+    assert zero.score_all(pairs) == [1.0, 1.0, 0.0, 1.0] and zero.pop_errors() == 1
+    zero.close()
+    fail = rewards.GuardedReward(f"{bad_rewards}:hangs_on", timeout_s=0.3, errors="fail")
+    with pytest.raises(rewards.RewardError, match="did not return within .* on response 'hang'"):
+        fail.score_all(pairs)
+    fail.close()
+    raising = rewards.GuardedReward(spec, timeout_s=5.0, errors="zero")
+    assert raising.score_all(pairs) == [0.0] * 4 and raising.pop_errors() == 4
+    raising.close()
+
+
 def test_reward_checked_before_anything_starts(bad_rewards, tmp_path, tiny_moe, capsys):
     """`megapo train` with a reward that fails on the first example: exit 2 naming it, nothing written."""
     from megapo.cli import main

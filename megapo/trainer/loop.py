@@ -91,17 +91,20 @@ class Group:
     rewards: list[float]
 
 
-def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[Any, Any], float]:
-    """(example, sample) -> reward: the configured reward of the decoded response (stop token removed),
-    guarded (megapo.trainer.rewards.GuardedReward: data.reward_timeout_s, data.reward_errors);
-    `reward.pop_errors()` counts the failures scored 0 since its last call."""
+def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[list], list[float]]:
+    """[(example, sample), ...] -> rewards: the configured reward of each decoded response (stop token
+    removed), guarded (megapo.trainer.rewards.GuardedReward: data.reward_timeout_s, data.reward_errors)
+    and scored in one call per round; `reward.pop_errors()` counts the failures scored 0 since its last call."""
     from megapo.trainer.rewards import GuardedReward
 
     fn = GuardedReward(cfg.data.reward, cfg.data.reward_timeout_s, cfg.data.reward_errors)
 
-    def reward(example, sample) -> float:
+    def response_text(sample) -> str:
         ids = sample.output_ids[:-1] if sample.finish_reason == "stop" else sample.output_ids
-        return fn(tokenizer.decode(ids, skip_special_tokens=True), example.answer)
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    def reward(pairs: list) -> list[float]:
+        return fn.score_all([(response_text(sample), example.answer) for example, sample in pairs])
 
     reward.pop_errors = fn.pop_errors
     return reward
@@ -111,8 +114,10 @@ def rollout_round(engine, params, examples: list, prompt_ids: list[list[int]], r
     from megapo.trainer.rewards import shape_overlong
 
     groups = []
-    for ex, samples in zip(examples, engine.generate(prompt_ids, params)):
-        rewards = [reward_fn(ex, s) for s in samples]
+    drawn = engine.generate(prompt_ids, params)
+    scores = iter(reward_fn([(ex, s) for ex, samples in zip(examples, drawn) for s in samples]))
+    for ex, samples in zip(examples, drawn):
+        rewards = [next(scores) for _ in samples]
         if cfg.data.overlong.enabled:
             o = cfg.data.overlong
             rewards = shape_overlong(rewards, [len(s.output_ids) for s in samples], cfg.rollout.max_new_tokens,

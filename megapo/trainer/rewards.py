@@ -192,8 +192,24 @@ class GuardedReward:
         self._failures_total = 0
 
     def __call__(self, response: str, answer: str) -> float:
+        return self.score_all([(response, answer)])[0]
+
+    def score_all(self, pairs: list[tuple[str, str]]) -> list[float]:
+        """The reward of every (response, answer), in order. The list goes to the worker thread in one
+        hand-off (one per call would cost more than the reward itself), each call still bounded by
+        timeout_s; after a timeout the rest of the list runs on a fresh thread."""
+        out: list[float] = []
+        while len(out) < len(pairs):
+            rest = pairs[len(out):]
+            outcomes = (self._thread.call_many(self.fn, rest, self.timeout_s) if self._thread is not None
+                        else [_outcome(self.fn, response, answer) for response, answer in rest])
+            out.extend(self._settle(response, answer, *outcome) for (response, answer), outcome in zip(rest, outcomes))
+        return out
+
+    def _settle(self, response: str, answer: str, value: Any, error: BaseException | None) -> float:
+        """One call's outcome as a reward: the number, or per data.reward_errors a RewardError or 0."""
         try:
-            return self._score(response, answer)
+            return self._checked(response, answer, value, error)
         except RewardError as err:
             if self.errors == "fail":
                 raise
@@ -204,15 +220,12 @@ class GuardedReward:
                             "in the metric reward/errors" if self._failures_total == WARN_FIRST else "")
             return 0.0
 
-    def _score(self, response: str, answer: str) -> float:
-        try:
-            value = (self._thread.call(self.fn, response, answer, self.timeout_s) if self._thread is not None
-                     else self.fn(response, answer))
-        except RewardTimeout:
+    def _checked(self, response: str, answer: str, value: Any, error: BaseException | None) -> float:
+        if isinstance(error, RewardTimeout):
             raise RewardError(self._about(f"did not return within data.reward_timeout_s={self.timeout_s:g} s",
                                           response, answer)) from None
-        except Exception as exc:
-            raise RewardError(self._about(f"raised {type(exc).__name__}: {exc}", response, answer)) from exc
+        if error is not None:
+            raise RewardError(self._about(f"raised {type(error).__name__}: {error}", response, answer)) from error
         if isinstance(value, numbers.Real) and _finite(value):
             return float(value)
         raise RewardError(self._about(f"returned {_clip(value)} (a {type(value).__name__}); a reward must be a "
@@ -242,32 +255,42 @@ def _clip(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else f"{text[:limit]}...({len(text) - limit} more characters)"
 
 
-class _Job:
-    def __init__(self, fn: Callable, args: tuple):
-        self.fn, self.args = fn, args
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
+def _outcome(fn: Callable, response: str, answer: str, catch: type[BaseException] = Exception):
+    """(value, None) or (None, the exception) of one reward call; RewardTimeout always propagates."""
+    try:
+        return fn(response, answer), None
+    except RewardTimeout:
+        raise
+    except catch as exc:
+        return None, exc
+
+
+class _Batch:
+    """Reward calls run one after another on the worker thread; `outcomes` grows under `progress`."""
+
+    def __init__(self, fn: Callable, pairs: list[tuple[str, str]]):
+        self.fn, self.pairs = fn, pairs
+        self.outcomes: list[tuple[Any, BaseException | None]] = []
+        self.progress = threading.Condition()
 
     def run(self) -> None:
-        try:
-            self.value = self.fn(*self.args)
-        except BaseException as exc:  # handed to the caller, which decides
-            self.error = exc
-        finally:
-            self.done.set()
+        for response, answer in self.pairs:
+            outcome = _outcome(self.fn, response, answer, BaseException)  # any failure is the caller's to judge
+            with self.progress:
+                self.outcomes.append(outcome)
+                self.progress.notify()
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:
     try:
         while (job := jobs.get()) is not None:
             job.run()
-    except RewardTimeout:  # the interrupt of an abandoned thread landed between jobs
+    except RewardTimeout:  # the interrupt of an abandoned thread landed in or between jobs
         pass
 
 
 class _RewardThread:
-    """One daemon thread that runs reward calls, so that the caller can stop waiting after a timeout
+    """One daemon thread that runs reward calls (a list per hand-off), so that the caller can stop waiting after a timeout
     without a thread per call. A call past its timeout is abandoned: its thread is sent RewardTimeout
     (which ends a pure-Python loop; a call blocked in C finishes on its own) and told to exit, and the
     next call starts a fresh thread. The thread also exits when this object is collected."""
@@ -283,17 +306,23 @@ class _RewardThread:
         self._thread.start()
         self._finalizer = weakref.finalize(self, self._jobs.put, None)
 
-    def call(self, fn: Callable, response: str, answer: str, timeout_s: float) -> Any:
+    def call_many(self, fn: Callable, pairs: list[tuple[str, str]], timeout_s: float) -> list:
+        """Outcomes (value, error) of fn on each pair, in order. When one call runs past timeout_s the
+        thread is abandoned and the list ends early with that call's (None, RewardTimeout())."""
         if self._thread is None:
             self._start()
-        job = _Job(fn, (response, answer))
+        job = _Batch(fn, pairs)
         self._jobs.put(job)
-        if not job.done.wait(timeout_s):
-            self._abandon()
-            raise RewardTimeout
-        if job.error is not None:
-            raise job.error
-        return job.value
+        with job.progress:
+            while len(job.outcomes) < len(pairs):
+                seen = len(job.outcomes)
+                if not job.progress.wait_for(lambda: len(job.outcomes) > seen, timeout_s):
+                    done = list(job.outcomes)
+                    break
+            else:
+                return list(job.outcomes)
+        self._abandon()
+        return done + [(None, RewardTimeout())]
 
     def _abandon(self) -> None:
         thread = self._thread

@@ -319,7 +319,7 @@ class Floor:
         out = floor_generate(self.model, [ids for _, ids in items], r.n_samples, r.max_new_tokens, self.stop_id,
                              r.temperature, self.gen)
         self.generated += sum(len(s.output) for group in out for s in group)
-        return [(group, [self.reward_fn(ex, s) for s in group]) for (ex, _), group in zip(items, out)]
+        return [(group, self.reward_fn([(ex, s) for s in group])) for (ex, _), group in zip(items, out)]
 
     def collect(self):
         """Groups with their rewards; dynamic sampling keeps groups whose rewards differ, refilled up to
@@ -538,6 +538,20 @@ def bench_config(args):
     return cfg
 
 
+def plain_reward_fn(cfg, tokenizer):
+    """The floor's rewards: the configured reward called directly on each decoded response (stop token
+    removed), without megapo's guard (timeout, type checks), as a hand-written loop would."""
+    from megapo.trainer.rewards import get_reward
+
+    fn = get_reward(cfg.data.reward)
+
+    def reward(pairs: list) -> list[float]:
+        return [float(fn(tokenizer.decode(s.output_ids[:-1] if s.finish_reason == "stop" else s.output_ids,
+                                          skip_special_tokens=True), ex.answer)) for ex, s in pairs]
+
+    return reward
+
+
 def run_bench(args, cfg) -> dict:
     from transformers import AutoTokenizer
 
@@ -550,9 +564,8 @@ def run_bench(args, cfg) -> dict:
     model_dir = loop.prepare_model(cfg, work)  # the main job's starting weights (SFT warm start, cached)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pool = PromptPool(tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens, task=cfg.data.task)
-    reward_fn = loop.make_reward_fn(cfg, tokenizer)
-    floor = Floor(model_dir, cfg, pool, reward_fn, tokenizer.eos_token_id)
-    megapo = Megapo(cfg, model_dir, work, tokenizer, pool, reward_fn)
+    floor = Floor(model_dir, cfg, pool, plain_reward_fn(cfg, tokenizer), tokenizer.eos_token_id)
+    megapo = Megapo(cfg, model_dir, work, tokenizer, pool, loop.make_reward_fn(cfg, tokenizer))
     try:
         check = step0_logprob_check(floor, megapo)
         check.update(tolerance=args.tolerance, ok=check["max_abs_diff"] <= args.tolerance)
