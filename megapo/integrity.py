@@ -23,6 +23,8 @@ from typing import Iterable
 
 import torch
 
+from megapo.dist import any_rank
+
 DIST_METADATA = ".metadata"
 # modules whose dataclasses and enums make up a torch_dist .metadata (Metadata, TensorStorageMetadata,
 # ChunkStorageMetadata, MetadataIndex, _StorageInfo, SavePlan, WriteItem, WriteItemType, ...)
@@ -74,18 +76,6 @@ def check_finite_all_ranks(named: Iterable[tuple[str, torch.Tensor]], what: str)
     raise NonFiniteError(_message(what, found) if found is not None else
                          f"{what}: another rank holds non-finite weights (its message names the tensor); "
                          f"refusing to write them")
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank when `flag` is True on any (collective when distributed; the flag lives on
-    the device the default group's backend reduces: CUDA for NCCL, CPU for gloo)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return flag
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    box = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(box, op=dist.ReduceOp.MAX)
-    return bool(box.item() > 0)
 
 
 # ----------------------------------------------------------------------------------------- pickles

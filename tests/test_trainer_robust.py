@@ -140,3 +140,34 @@ def test_a_repeated_stop_signal_does_not_kill_the_saves_helpers(tmp_path):
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["helper"] == "written", r["helper"]
     assert r["requested"] and r["signals"] == [signal.SIGTERM]  # the second one was ignored
+
+
+AGREE_SCRIPT = r"""
+import json, os
+from datetime import timedelta
+import torch
+from megapo.trainer.stop import StopFlag
+
+if __name__ == "__main__":
+    torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = torch.distributed.get_rank()
+    asked, quiet = StopFlag(), StopFlag()
+    asked.requested = rank == 1  # only rank 1 got the signal
+    print(json.dumps({"rank": rank, "asked": asked.agreed(), "quiet": quiet.agreed()}), flush=True)
+    torch.distributed.destroy_process_group()
+"""
+
+
+def test_a_stop_on_one_rank_is_agreed_by_every_rank(tmp_path):
+    """StopFlag.agreed over 2 gloo ranks (megapo.dist.any_rank): a stop only rank 1 was asked for is True on both
+    ranks; no stop anywhere is False on both."""
+    from launch.local import torchrun_command
+
+    (tmp_path / "agree.py").write_text(AGREE_SCRIPT)
+    proc = subprocess.run(torchrun_command([str(tmp_path / "agree.py")], 2), cwd=ROOT, capture_output=True,
+                          text=True, timeout=240,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+                  key=lambda r: r["rank"])
+    assert rows == [{"rank": 0, "asked": True, "quiet": False}, {"rank": 1, "asked": True, "quiet": False}]

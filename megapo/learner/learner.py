@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from megapo.config import OptimConfig, ParallelConfig
+from megapo.dist import any_rank
 from megapo.layout import check_layout, read_hf_config
 from megapo.learner import model as model_lib
 from megapo.learner import packing, weights
@@ -442,11 +443,7 @@ class Learner:
     def _optimizer_has_state(self) -> bool:
         """Whether any rank's Adam has state (collective: every rank must save the same keys)."""
         chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        has = any(len(s) > 0 for opt in chained for s in opt.optimizer.state.values())
-        flag = torch.tensor([1.0 if has else 0.0])
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        return any_rank(any(len(s) > 0 for opt in chained for s in opt.optimizer.state.values()))
 
     def load(self, ckpt_dir, *, load_optimizer: bool = True) -> None:
         """Resume from `save`. The model reshards to any layout; optimizer state needs the same

@@ -16,7 +16,7 @@ import os
 import signal
 from dataclasses import dataclass, field
 
-import torch
+from megapo.dist import any_rank
 
 EXIT_CHECKPOINTED = 75  # = launch.slurm.EXIT_CHECKPOINTED (EX_TEMPFAIL: stopped early, try again)
 # SIGINT: a terminal sends it to the whole foreground process group, like torchrun's SIGTERM
@@ -60,8 +60,4 @@ class StopFlag:
 
     def agreed(self) -> bool:
         """True on every rank when any rank was asked to stop (collective when distributed)."""
-        if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
-            return self.requested
-        flag = torch.tensor([1.0 if self.requested else 0.0])
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        return any_rank(self.requested)

@@ -1,0 +1,23 @@
+"""Small collectives every part of megapo shares (no-ops in a single process)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def multi_process() -> bool:
+    """Whether torch.distributed runs with more than one rank."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is True on any (collective when distributed). The flag lives on the device
+    the default group's backend reduces: CUDA for NCCL (which refuses CPU tensors), CPU for gloo."""
+    if not multi_process():
+        return flag
+    dist = torch.distributed
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    box = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return bool(box.item() > 0)
