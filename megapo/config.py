@@ -150,6 +150,11 @@ class OptimConfig:
     adam_beta2: float = bounded(0.999, "[0, 1)")
     adam_eps: float = bounded(1e-8, "> 0")
     grad_clip: float = bounded(1.0, ">= 0", "0 disables")
+    # Undo a non-finite update (megapo/learner/guard.py) from a copy of this rank's parameters and Adam state,
+    # refilled every step: one more set of them in memory, twice what the optimizer holds. False keeps no copy:
+    # a non-finite gradient norm still skips the step before Adam; non-finite parameters after Adam then stop
+    # the run with an error naming this field, and no checkpoint of the poisoned weights is written.
+    restore_nonfinite: bool = True
 
     def validate(self, prefix: str = "optim") -> None:
         check_fields(self, prefix)

@@ -34,7 +34,7 @@ _OTHER_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("c
 
 
 class NonFiniteError(RuntimeError):
-    """A tensor about to be written (or exported) holds NaN or inf."""
+    """A tensor about to be written (or exported) holds NaN or inf, or an update left one in the model."""
 
 
 class UnsafePickle(ValueError):

@@ -232,8 +232,8 @@ if __name__ == "__main__":
     out["step"] = learner.step
     learner.close()
     # without the copy: inf gradients are still refused before the optimizer; a poisoned update raises
-    learner = Learner(sys.argv[1], ParallelConfig(), OptimConfig(lr=0.01, warmup_steps=0), total_steps=8,
-                      loss_fn=loss_fn, restore_nonfinite=False)
+    learner = Learner(sys.argv[1], ParallelConfig(), OptimConfig(lr=0.01, warmup_steps=0, restore_nonfinite=False),
+                      total_steps=8, loss_fn=loss_fn)
     for o in inner_optimizers(learner):
         o.register_step_post_hook(poison_after_step)
     learner.train_step(batch, "ppo")

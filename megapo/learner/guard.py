@@ -5,9 +5,9 @@
 once, refilled by one fused copy per step), steps, and copies everything back when the gradient norm is
 not finite or any parameter is after the step (one fused reduction over them, read once per step,
 agreed over all ranks). The copy costs one more set of this rank's parameters and
-optimizer state in memory; `keep_copy=False` drops it: a non-finite gradient norm then skips the step
-before the optimizer runs (Megatron's norm computed once more), and non-finite values after the step
-raise, there being nothing to undo them with.
+optimizer state in memory; `keep_copy=False` (optim.restore_nonfinite=false) drops it: a non-finite
+gradient norm then skips the step before the optimizer runs (Megatron's norm computed once more), and
+non-finite values after the step raise NonFiniteError, there being nothing to undo them with.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from megapo.integrity import NonFiniteError
 
 
 def _inner_optimizers(optimizer) -> list:
@@ -67,8 +69,8 @@ class UpdateGuard:
                 return False, norm
             ok, _, _ = self.optimizer.step()
             if not self.all_finite():
-                raise RuntimeError("non-finite parameters after the optimizer step, and no copy "
-                                   "kept to undo it (the learner was built with restore_nonfinite=False)")
+                raise NonFiniteError("non-finite parameters after the optimizer step, and no copy kept to "
+                                     "undo it (optim.restore_nonfinite=False); stopping before they are saved")
             return bool(ok), norm
         self.before_step()
         ok, norm, _ = self.optimizer.step()

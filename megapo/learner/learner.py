@@ -75,8 +75,7 @@ class TrainInputs:
 class Learner:
     def __init__(self, model_dir, parallel: ParallelConfig, optim: OptimConfig | None = None, *, seed: int = 0,
                  micro_batch_tokens: int = 4096, row_tokens: int = 0, total_steps: int | None = None,
-                 routing_replay: bool = False, loss_fn: Callable | None = None, hf_weights: bool = True,
-                 restore_nonfinite: bool = True):
+                 routing_replay: bool = False, loss_fn: Callable | None = None, hf_weights: bool = True):
         optim = optim or OptimConfig()
         optim.validate()
         if micro_batch_tokens < 1:
@@ -117,7 +116,7 @@ class Learner:
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = None
         self.optimizer, self.scheduler = self._build_optimizer(total_steps)
-        self.guard = UpdateGuard(self.model, self.optimizer, keep_copy=restore_nonfinite)
+        self.guard = UpdateGuard(self.model, self.optimizer, keep_copy=optim.restore_nonfinite)
 
     # ------------------------------------------------------------------------------------- helpers
 
