@@ -147,6 +147,7 @@ BAD = [
     ("train.mode", lambda t, m: [("train.mode", "eventually")]),
     ("train.mini_batches", lambda t, m: [("train.mini_batches", 3)]),
     ("train.micro_batch_tokens", lambda t, m: [("train.micro_batch_tokens", 20)]),
+    ("train.row_tokens", lambda t, m: [("train.micro_batch_tokens", 64), ("train.row_tokens", 65)]),  # wider than one
     ("train.keep_last", lambda t, m: [("train.keep_last", 0)]),
     ("train.eval_prompts", lambda t, m: [("train.eval_prompts", 1001)]),
     ("train.log[1]", lambda t, m: [("train.log", ["jsonl", "mlflow"])]),
