@@ -22,3 +22,12 @@ def test_unknown_benchmark_is_refused():
                           text=True, timeout=120)
     assert done.returncode == 2
     assert "invalid choice: 'nope'" in done.stderr
+
+
+def test_learner_passes_is_registered():
+    done = subprocess.run([sys.executable, "-m", "megapo.cli", "bench", "learner-passes", "--rounds", "0", "--out",
+                           "unused.json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    # tools/bench/learner_passes.py's own refusal: the name reached that module with its options
+    assert done.returncode == 2
+    assert "megapo bench learner-passes: error: --rounds and --steps must be >= 1" in done.stderr
+    assert not (REPO / "unused.json").exists()

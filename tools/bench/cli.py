@@ -7,8 +7,10 @@
     megapo bench train-step --out FILE.json [...]     (tools/bench/train_step.py, its own arguments)
     megapo bench rollout --engine embedded [...]      (tools/bench/rollout.py)
     megapo bench weight-sync [...]                    (tools/bench/weight_sync.py)
+    megapo bench learner-passes --baseline REV --out benchmarks/results/learner_passes.json [...]
+                                                      (tools/bench/learner_passes.py)
 
-scaling, projection, stability and floor parse their arguments here; the other three get the rest of the
+scaling, projection, stability and floor parse their arguments here; the other four get the rest of the
 command line unchanged, as if their module had been run with `python -m tools.bench.<name>`.
 """
 
@@ -25,7 +27,9 @@ OWN = {"scaling": ("tools.bench.scaling", "RL step over layouts x model sizes: J
        "floor": ("tools.bench.floor", "megapo's RL step vs a plain single-process PyTorch step (the floor)")}
 PASSTHROUGH = {"train-step": ("tools.bench.train_step", "megapo train step vs raw Megatron forward_backward"),
                "rollout": ("tools.bench.rollout", "rollout throughput (embedded engine, vLLM)"),
-               "weight-sync": ("tools.bench.weight_sync", "weight sync transports")}
+               "weight-sync": ("tools.bench.weight_sync", "weight sync transports"),
+               "learner-passes": ("tools.bench.learner_passes", "the learner's passes of one RL step on the main "
+                                  "job's batch vs a baseline revision (benchmarks/results/learner_passes.json)")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,7 +2,8 @@
 its tiny Qwen3-MoE, 64 prompts x 8 samples, 8-token prompts, ~5-token responses, R3 routes, GSPO), this
 checkout against a baseline revision, measured side by side. Writes JSON.
 
-    python -m tools.bench.learner_passes --baseline cdaf2c2 --out benchmarks/results/learner_passes.json
+    megapo bench learner-passes --baseline cdaf2c2 --out benchmarks/results/learner_passes.json
+    (or python -m tools.bench.learner_passes with the same arguments)
 
 The baseline's megapo package (`git archive REV megapo`) runs the old-log-prob pass and the train step as
 the trainer at REV did (train.micro_batch_tokens=512); this checkout runs the same and its other variants:
@@ -132,7 +133,7 @@ def summarise(samples: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench.learner_passes")
+    parser = argparse.ArgumentParser(prog="megapo bench learner-passes")
     parser.add_argument("--out", help="JSON file written")
     parser.add_argument("--baseline", default="HEAD", help="git revision of the baseline megapo")
     parser.add_argument("--rounds", type=int, default=3, help="worker rounds (baseline, this checkout) x rounds")
