@@ -16,7 +16,18 @@ An on-policy step (one update on one mini-batch, π_old from the learner) needs 
 freely (replaying its own routing within the same forward would change nothing) and under r3 replays
 the engine's routes, and reports the metrics the old-log-prob pass would have.
 
-A learner for r2/r3 is built with routing_replay=True (megapo/replay/hook.py plugs into it).
+Every step also reports the train-inference metrics of the stability study (`stability_metrics`, issue 13):
+    mismatch/k3, mismatch/max_abs_dlogp   engine μ vs the learner's π_old as trained (after replay under r3)
+    mismatch/k3_free                      engine vs the learner with its own routing
+    router/disagree, router/disagree_any, router/disagree_l{i}
+                                          engine routes (sample["engine_routes"]) vs the learner's own routing
+                                          (sample["own_routes"]): (token, layer) pairs whose top-k expert set
+                                          differs, tokens with any layer differing, per MoE layer
+Under off / r2 the π_old pass routes freely, so it gives all of them; under r3 the free-routing ones need one
+more forward pass (`free_routing`), which the trainer takes every train.stability_metrics_every steps.
+
+A learner for r2/r3 is built with routing_replay=True (megapo/replay/hook.py plugs into it); the trainer builds
+an off-mode learner with the hook too when it measures router disagreement (the hook then only records).
 """
 
 from __future__ import annotations
@@ -54,12 +65,16 @@ def logprobs_with_routes(learner, sequences: list[list[int]], routes=None):
 def old_logprobs(learner, samples: list[dict], mode) -> tuple[list[torch.Tensor], dict]:
     """The old-log-prob pass of a rollout batch under `mode`. Returns the per-response-token log-probs
     (one tensor per sample) and metrics; for r2/r3 it sets sample["routes"] to the routes this pass used,
-    which every train_step on these samples then replays."""
+    which every train_step on these samples then replays, and where it routed freely (off with a recording
+    hook, r2) sample["own_routes"] too (stability_metrics)."""
     mode = parse_mode(mode)
     sequences = [list(s["tokens"]) for s in samples]
     if mode is ReplayMode.OFF:
         full = learner.logprobs(sequences)
         metrics = {}
+        if getattr(learner, "route_hook", None) is not None:  # a recording hook: this free pass's routes
+            keep_own_routes(samples, learner.route_hook.routes_used(len(samples)))
+            learner.route_hook.metrics()
     else:
         given = [s.get("routes") for s in samples] if mode is ReplayMode.R3 else None
         if mode is ReplayMode.R3 and all(r is None for r in given):
@@ -68,6 +83,8 @@ def old_logprobs(learner, samples: list[dict], mode) -> tuple[list[torch.Tensor]
         full, used, metrics = logprobs_with_routes(learner, sequences, given)
         for s, r in zip(samples, used):
             s["routes"] = r
+        if mode is ReplayMode.R2:  # it routed freely
+            keep_own_routes(samples, used)
     logps = [lp[s["prompt_len"] - 1:] for lp, s in zip(full, samples)]
     return logps, metrics
 
@@ -101,15 +118,23 @@ def mismatch_kl(learner, samples: list[dict], replayed_logps: list[torch.Tensor]
             prefix + "kl_k3_free": float(kl_penalty(rollout, free, "k3").mean())}
 
 
+def free_routing(learner, samples: list[dict]) -> list[torch.Tensor]:
+    """One forward pass with the learner's own routing (nothing replayed), before an update changes the weights:
+    returns the response log-probs and sets each sample's "own_routes" (the routes it chose). Collective."""
+    if learner.route_hook is None:
+        raise ValueError("learner: built without routing_replay=True, so its routes cannot be recorded")
+    full, used, _ = logprobs_with_routes(learner, [list(s["tokens"]) for s in samples], None)
+    keep_own_routes(samples, used)  # the pass's routing counts are dropped: not part of the step's metrics
+    return [lp[s["prompt_len"] - 1:] for lp, s in zip(full, samples)]
+
+
 def free_logprobs(learner, samples: list[dict], mode) -> list[torch.Tensor] | None:
     """The response log-probs under free routing that mismatch_kl's kl_k3_free needs, taken before an
-    on-policy step changes the weights: one forward pass under r3 (None otherwise: under r2 the step's
-    own forward routes freely, and without replay there is nothing to compare). Collective."""
+    on-policy step changes the weights: one forward pass under r3 (free_routing; None otherwise: under r2 the
+    step's own forward routes freely, and without replay there is nothing to compare). Collective."""
     if parse_mode(mode) is not ReplayMode.R3:
         return None
-    full = learner.logprobs([list(s["tokens"]) for s in samples], routes=None)
-    learner.route_hook.metrics()  # not part of the step's routing metrics
-    return [lp[s["prompt_len"] - 1:] for lp, s in zip(full, samples)]
+    return free_routing(learner, samples)
 
 
 def on_policy_step(learner, samples: list[dict], mode, objective: str, loss_agg: str = "token-mean", *,
@@ -118,8 +143,9 @@ def on_policy_step(learner, samples: list[dict], mode, objective: str, loss_agg:
     """One optimizer step on a fresh rollout batch whose π_old is the policy being trained, without the
     separate old-log-prob pass: π_old is the train forward's own log-probs (learner.train_step_on_policy).
     Under r3 that forward replays the engine's routes (own choice where there are none), under r2 it routes
-    freely. Returns (train metrics, the metrics the old-log-prob pass would have reported: replay/* and,
-    with measure_kl, mismatch_kl's; `free_logps` from free_logprobs under r3). Collective."""
+    freely. Returns (train metrics, the metrics the old-log-prob pass would have reported: replay/*,
+    stability_metrics' (every step; under r3 the free-routing ones need `free_logps` and the samples'
+    "own_routes" from free_routing) and with measure_kl mismatch_kl's). Collective."""
     mode = parse_mode(mode)
     if mode is ReplayMode.R3 and all(s.get("routes") is None for s in samples):
         raise ValueError("samples: routing replay r3 needs the engine's routes (SamplingParams(return_routes=True))")
@@ -127,17 +153,94 @@ def on_policy_step(learner, samples: list[dict], mode, objective: str, loss_agg:
         raise ValueError("learner: built without routing_replay=True, so routes cannot be replayed or recorded")
     if mode is not ReplayMode.R3:  # r2 records this forward's own routing; off replays nothing
         samples = [{k: v for k, v in s.items() if k != "routes"} for s in samples]
-    measure_kl = measure_kl and mode is not ReplayMode.OFF and all("rollout_logp" in s for s in samples)
+    engine_logps = all("rollout_logp" in s for s in samples)
+    measure_kl = measure_kl and mode is not ReplayMode.OFF and engine_logps
     if measure_kl and mode is ReplayMode.R3 and free_logps is None:
         raise ValueError("free_logps: needed under r3 to measure the KL without replay "
                          "(free_logprobs, before the step)")
-    train, old = learner.train_step_on_policy(samples, objective, loss_agg, keep_logprobs=measure_kl, **options)
+    train, old = learner.train_step_on_policy(samples, objective, loss_agg, keep_logprobs=engine_logps, **options)
     metrics = dict(old.get("metrics", {}))
-    if measure_kl:
+    if mode is ReplayMode.OFF:  # a recording hook replays nothing: its replay/* counts mean nothing
+        metrics = {}
+        train = {k: v for k, v in train.items() if not k.startswith("replay/")}
+    if mode is not ReplayMode.R3 and learner.route_hook is not None:  # this forward routed freely
+        keep_own_routes(samples, learner.route_hook.routes_used(len(samples)))
+    if engine_logps:
         replayed = old["logprobs"]
-        free = replayed if free_logps is None else free_logps  # r2: this forward routed freely
-        metrics.update(mismatch_kl(learner, samples, replayed, free_logps=free))
+        free = replayed if mode is not ReplayMode.R3 else free_logps  # off / r2: this forward routed freely
+        metrics.update(stability_metrics(samples, replayed, free))
+        if measure_kl:
+            metrics.update(mismatch_kl(learner, samples, replayed, free_logps=free))
     return train, metrics
+
+
+# ----------------------------------------------------------------------------- stability metrics (issue 13)
+
+
+def keep_own_routes(samples: list[dict], routes: list[np.ndarray]) -> None:
+    """Record on each sample the routes the learner chose itself (its "own_routes", for router/disagree)."""
+    for s, r in zip(samples, routes):
+        s["own_routes"] = r
+
+
+def engine_mismatch(samples: list[dict], logps: list) -> dict[str, float]:
+    """k3 = mean(ρ - 1 - log ρ), ρ = π/μ (an estimate of KL(μ || π)), and max |log π - log μ| over the response
+    tokens, between the engine's log-probs μ (sample["rollout_logp"]) and the learner's `logps` π (one
+    sequence of response log-probs per sample)."""
+    from megapo.algorithms.corrections import mismatch_metrics
+
+    def flat(values) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([np.asarray(v, dtype=np.float64).reshape(-1) for v in values]))
+
+    learner, engine = flat(logps), flat(s["rollout_logp"] for s in samples)
+    if learner.shape != engine.shape:
+        raise ValueError(f"logps: {learner.numel()} response log-probs for {engine.numel()} engine log-probs")
+    # token means and a max: all tokens as one [1, N] row give the same as one row per sequence
+    m = mismatch_metrics(learner[None], engine[None], torch.ones(1, learner.numel(), dtype=torch.bool))
+    return {"k3": float(m["mismatch_k3"]), "max_abs_dlogp": float(m["mismatch_max_abs_dlogp"])}
+
+
+def route_disagreement(engine_routes: list, learner_routes: list, prefix: str = "router/") -> dict[str, float]:
+    """Engine vs learner routing of the same sequences (int [positions, MoE layers, k] per sequence; a
+    (position, layer) entry with a negative id has no engine route and is not counted). Returns
+    disagree: the fraction of (position, layer) pairs whose top-k expert SETS differ (same experts in another
+    order agree); disagree_any: the fraction of positions where any layer differs; disagree_l{i}: per layer."""
+    pairs = []
+    for i, (e, own) in enumerate(zip(engine_routes, learner_routes)):
+        e, own = np.asarray(e), np.asarray(own)
+        if e.shape != own.shape:
+            raise ValueError(f"routes[{i}]: engine routes {list(e.shape)} vs learner routes {list(own.shape)}")
+        pairs.append((e, own))
+    if not pairs:
+        return {}
+    engine = np.concatenate([e for e, _ in pairs])
+    own = np.concatenate([o for _, o in pairs])
+    given = (engine >= 0).all(-1)  # [positions, layers]
+    differ = (np.sort(engine, -1) != np.sort(own, -1)).any(-1) & given
+    tokens = given.any(-1)
+
+    def frac(num, den) -> float:
+        return float(num) / float(den) if den else 0.0
+
+    out = {prefix + "disagree": frac(differ.sum(), given.sum()),
+           prefix + "disagree_any": frac(differ.any(-1).sum(), tokens.sum())}
+    for layer in range(engine.shape[1]):
+        out[f"{prefix}disagree_l{layer}"] = frac(differ[:, layer].sum(), given[:, layer].sum())
+    return out
+
+
+def stability_metrics(samples: list[dict], logps: list, free_logps: list | None = None) -> dict[str, float]:
+    """The per-step train-inference metrics of a rollout batch (see the module docstring): mismatch/k3 and
+    mismatch/max_abs_dlogp of `logps` (π_old as trained), mismatch/k3_free of `free_logps` (the learner's own
+    routing; None: not measured this step), router/* where every sample has "engine_routes" and "own_routes"."""
+    if not samples or not all("rollout_logp" in s for s in samples):
+        return {}
+    out = {f"mismatch/{k}": v for k, v in engine_mismatch(samples, logps).items()}
+    if free_logps is not None:
+        out["mismatch/k3_free"] = engine_mismatch(samples, free_logps)["k3"]
+    if all(s.get("engine_routes") is not None and s.get("own_routes") is not None for s in samples):
+        out.update(route_disagreement([s["engine_routes"] for s in samples], [s["own_routes"] for s in samples]))
+    return out
 
 
 def routes_equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:

@@ -9,6 +9,9 @@ A run has collapsed at the first step where any of these holds:
     verdict = detect_collapse(read_metrics(run_dir))   # rows as megapo.trainer.metrics writes them
     verdict.collapsed, verdict.step, verdict.reason
 
+During a run the trainer logs the verdict so far every step (`CollapseWatch`): `collapse/collapsed` (1 once the
+rule has fired) and, then, `collapse/step` (where; a reward collapse is dated to the first of its low steps).
+
 Rows logged twice for one step (a resumed run logs the steps after its checkpoint again) count once, the
 last one written, as in `megapo plot`.
 """
@@ -106,3 +109,26 @@ def run_collapse(run_dir: str | Path, **rule) -> Collapse:
     from megapo.trainer.metrics import read_metrics
 
     return detect_collapse(read_metrics(run_dir), **rule)
+
+
+class CollapseWatch:
+    """The collapse rule applied as a run goes: `add(step, metrics)` returns the metrics with the verdict so far
+    (`collapse/collapsed`, and `collapse/step` once collapsed). Keeps only the keys the rule reads."""
+
+    KEYS = (ACCURACY_KEY, REWARD_KEY, LOSS_KEY, SKIPPED_KEY)
+
+    def __init__(self, rows=(), upto: int | None = None):
+        """`rows`: the run's earlier metrics rows (a resumed run), those after step `upto` dropped (the resume
+        logs them again)."""
+        self.rows = [self._slim(int(r["step"]), r) for r in rows if upto is None or int(r["step"]) <= upto]
+
+    def _slim(self, step: int, metrics: dict) -> dict:
+        return {"step": step, **{k: metrics[k] for k in self.KEYS if k in metrics}}
+
+    def add(self, step: int, metrics: dict) -> dict:
+        self.rows.append(self._slim(step, metrics))
+        verdict = detect_collapse(self.rows)
+        flag = {"collapse/collapsed": int(verdict.collapsed)}
+        if verdict.collapsed:
+            flag["collapse/step"] = verdict.step
+        return {**metrics, **flag}

@@ -217,6 +217,9 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = bounded(50, ">= 0", "0 disables")
     eval_prompts: int = bounded(1000, ">= 0")
+    # under routing_replay=r3: every how many steps the learner takes one more forward pass with its own routing
+    # for mismatch/k3_free and router/* (the other stability metrics come every step; megapo.replay.modes)
+    stability_metrics_every: int = bounded(0, ">= 0", "0: on eval steps")
     ckpt_every: int = bounded(0, ">= 0", "0: only at the end")
     keep_last: int = bounded(2, ">= 1")
     output_dir: str = "runs/run"

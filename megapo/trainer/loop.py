@@ -143,22 +143,29 @@ def train_samples(groups: list[Group], cfg: RunConfig) -> list[dict]:
                       "advantage": float(adv[gi, si]), "rollout_logp": list(s.logprobs)}
             if cfg.algorithm.routing_replay == "r3":
                 sample["routes"] = s.routes
+            if getattr(s, "routes", None) is not None:  # for router/disagree (megapo.replay.modes.stability_metrics)
+                sample["engine_routes"] = s.routes
             out.append(sample)
     return out
 
 
-def old_logprob_pass(learner, batch: list[dict], cfg: RunConfig, measure_free_kl: bool = False) -> dict:
+def old_logprob_pass(learner, batch: list[dict], cfg: RunConfig, measure_free_kl: bool = False,
+                     free_logps: list | None = None) -> dict:
     """Set each sample's `old_logp` from the learner (collective). Under r2 the pass records the
     learner's routes and under r3 replays the engine's; either way sample["routes"] then holds the
-    routes every train_step on this batch replays (megapo.replay.modes). `measure_free_kl` adds the
-    engine-vs-learner k3 KL with and without replay (one extra forward pass, so only on some steps)."""
-    from megapo.replay.modes import mismatch_kl, old_logprobs
+    routes every train_step on this batch replays (megapo.replay.modes). Returns the pass's metrics and
+    the stability metrics (modes.stability_metrics; under r3 the free-routing ones from `free_logps`, the
+    samples' "own_routes" then set by modes.free_routing). `measure_free_kl` adds the engine-vs-learner
+    k3 KL with and without replay (under r3 without `free_logps`, one extra forward pass)."""
+    from megapo.replay.modes import mismatch_kl, old_logprobs, stability_metrics
 
-    logps, metrics = old_logprobs(learner, batch, cfg.algorithm.routing_replay)
+    mode = cfg.algorithm.routing_replay
+    logps, metrics = old_logprobs(learner, batch, mode)
     for sample, lp in zip(batch, logps):
         sample["old_logp"] = lp.tolist()
-    if measure_free_kl and cfg.algorithm.routing_replay != "off" and all("rollout_logp" in s for s in batch):
-        free = logps if cfg.algorithm.routing_replay == "r2" else None  # r2's pass routed freely already
+    free = logps if mode != "r3" else free_logps  # off / r2: this pass routed freely
+    metrics.update(stability_metrics(batch, logps, free))
+    if measure_free_kl and mode != "off" and all("rollout_logp" in s for s in batch):
         metrics.update(mismatch_kl(learner, batch, logps, free_logps=free))
     return metrics
 
@@ -177,17 +184,13 @@ def use_engine_logprobs(batch: list[dict]) -> dict:
     old whose probability the last k updates already moved past the clip range stops pushing (the
     objective's ratio π_θ/μ is a clipped importance weight). Returns how far the learner now is from
     the engine on these samples: k3 = mean(ρ - 1 - log ρ), ρ = π_learner/μ (the staleness, plus numerics)."""
-    from megapo.algorithms.corrections import mismatch_metrics
+    from megapo.replay.modes import engine_mismatch
 
-    learner = torch.tensor([x for s in batch for x in s["old_logp"]], dtype=torch.float64)
-    engine = torch.tensor([x for s in batch for x in s["rollout_logp"]], dtype=torch.float64)
-    lengths = torch.tensor([0] + [len(s["old_logp"]) for s in batch])
-    m = mismatch_metrics(learner, engine, torch.ones_like(learner, dtype=torch.bool),
-                         cu_seqlens=torch.cumsum(lengths, 0))
+    m = engine_mismatch(batch, [s["old_logp"] for s in batch])
     for sample in batch:
         sample["old_logp"] = list(sample["rollout_logp"])
-    return {"old_policy/learner_vs_engine_k3": float(m["mismatch_k3"]),
-            "old_policy/learner_vs_engine_max_abs_dlogp": float(m["mismatch_max_abs_dlogp"])}
+    return {"old_policy/learner_vs_engine_k3": m["k3"],
+            "old_policy/learner_vs_engine_max_abs_dlogp": m["max_abs_dlogp"]}
 
 
 class ReferencePolicy:
@@ -316,19 +319,33 @@ def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig) ->
     return groups[:keep], metrics, sum(len(s.output_ids) for s in samples)
 
 
+def mini_batch_bounds(num_groups: int, mini_batches: int, n_samples: int) -> list[tuple[int, int]]:
+    """[lo, hi) sample ranges of the optimizer steps on one rollout batch: `mini_batches` of whole groups (fewer
+    when dynamic sampling kept fewer groups than that), as even as whole groups allow, in batch order."""
+    parts = min(mini_batches, num_groups)
+    sizes = [num_groups // parts + (i < num_groups % parts) for i in range(parts)]
+    ends = [sum(sizes[:i + 1]) * n_samples for i in range(parts)]
+    return list(zip([0] + ends[:-1], ends))
+
+
 def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, options: dict, timer: StepTimer,
-                  measure_free_kl: bool = False) -> dict:
-    """All ranks: advantages, old (and reference) log-probs, then the optimizer steps on mini-batches."""
-    from megapo.replay.modes import free_logprobs, on_policy_step
+                  measure_free_kl: bool = False, measure_free_routing: bool = False) -> dict:
+    """All ranks: advantages, old (and reference) log-probs, then the optimizer steps on mini-batches.
+    π_old (sample["old_logp"]) and the replayed routes (sample["routes"]) are set once, before the first
+    update, and stay fixed over all of them. Under r3, `measure_free_kl` / `measure_free_routing` take one more
+    forward pass with the learner's own routing first (timed as "stability"): mismatch/k3_free, router/*."""
+    from megapo.replay.modes import free_routing, on_policy_step
 
     metrics: dict[str, float] = {}
+    mode = cfg.algorithm.routing_replay
     batch = train_samples(groups, cfg)
     fused, free = on_policy(cfg, learner), None
+    if mode == "r3" and (measure_free_kl or measure_free_routing):
+        with timer("stability"):  # before any update: the weights π_old comes from
+            free = free_routing(learner, batch)
     with timer("old_logp"):
         if not fused:
-            metrics.update(old_logprob_pass(learner, batch, cfg, measure_free_kl))
-        elif measure_free_kl:  # the KL without replay needs free routing before the update (a pass under r3)
-            free = free_logprobs(learner, batch, cfg.algorithm.routing_replay)
+            metrics.update(old_logprob_pass(learner, batch, cfg, measure_free_kl, free_logps=free))
     if cfg.old_policy() == "engine":
         metrics.update(use_engine_logprobs(batch))
     if cfg.algorithm.kl_coef:
@@ -337,19 +354,19 @@ def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, optio
         for sample, lp in zip(batch, ref):
             sample["ref_logp"] = lp
     with timer("train"):
-        per_mb = max(1, len(groups) // cfg.train.mini_batches) * cfg.rollout.n_samples  # whole groups
         last: dict = {}
         if fused:  # one update on the whole batch, π_old from its own forward
-            last, old_pass = on_policy_step(learner, batch, cfg.algorithm.routing_replay, cfg.algorithm.objective,
+            last, old_pass = on_policy_step(learner, batch, mode, cfg.algorithm.objective,
                                             cfg.algorithm.loss_agg, measure_kl=measure_free_kl, free_logps=free,
                                             **options)
             metrics.update(old_pass)
+        bounds = mini_batch_bounds(len(groups), cfg.train.mini_batches, cfg.rollout.n_samples)
         for _ in range(0 if fused else cfg.train.updates_per_rollout):
-            for lo in range(0, len(batch), per_mb):
-                last = learner.train_step(batch[lo:lo + per_mb], cfg.algorithm.objective, cfg.algorithm.loss_agg,
-                                          **options)
-    metrics.update({f"train/{k}": v for k, v in last.items()
-                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
+            for lo, hi in bounds:
+                last = learner.train_step(batch[lo:hi], cfg.algorithm.objective, cfg.algorithm.loss_agg, **options)
+    metrics.update({f"train/{k}": v for k, v in last.items()  # off: a recording hook's replay/* mean nothing
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and not (mode == "off" and k.startswith("replay/"))})
     # "kl": to the reference when there is a KL penalty, else the engine-vs-learner mismatch (measured
     # before the update; with old_policy=engine the train step sees π_old = μ and measures nothing)
     kl_key = next((k for k in ("train/kl", "old_policy/learner_vs_engine_k3", "train/mismatch_k3") if k in metrics),
@@ -368,13 +385,30 @@ def build_engine(cfg: RunConfig, model_dir: Path):
     return build(cfg, model_dir, Path(cfg.train.output_dir))
 
 
+def records_routes(cfg: RunConfig, model_dir: Path) -> bool:
+    """Whether the learner gets a route hook: for replay (r2/r3), and with the embedded engine on an MoE model to
+    compare its own routing with the engine's every step (router/disagree; without replay the hook only records)."""
+    from megapo.layout import num_experts, read_hf_config
+
+    if cfg.algorithm.routing_replay != "off":
+        return True
+    return cfg.rollout.engine == "embedded" and bool(num_experts(read_hf_config(model_dir)))
+
+
+def stability_step(cfg: RunConfig, step: int) -> bool:
+    """Whether `step` measures the stability metrics that cost a forward pass under r3
+    (train.stability_metrics_every; 0: the eval steps)."""
+    every = cfg.train.stability_metrics_every or cfg.train.eval_every
+    return bool(every) and step % every == 0
+
+
 def build_learner(cfg: RunConfig, model_dir: Path):
     from megapo.learner.learner import Learner
 
     return Learner(model_dir, cfg.parallel, cfg.optim, seed=cfg.train.seed,
                    micro_batch_tokens=cfg.train.micro_batch_tokens, row_tokens=cfg.train.row_tokens,
                    total_steps=cfg.train.steps * cfg.train.updates_per_rollout * cfg.train.mini_batches,
-                   routing_replay=cfg.algorithm.routing_replay != "off")
+                   routing_replay=records_routes(cfg, model_dir))
 
 
 def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, learner=None, engine=None,
@@ -387,7 +421,9 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
 
     from megapo.engines.base import SamplingParams
     from megapo.trainer import data, run_dir
+    from megapo.trainer.collapse import CollapseWatch
     from megapo.trainer.eval import evaluate
+    from megapo.trainer.metrics import read_metrics
 
     start = run_dir.plan_start(cfg, resume=resume, overwrite=overwrite)  # reads only: refusals come before any write
     if start.step == cfg.train.steps:
@@ -428,9 +464,12 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
         if _rank() == 0:  # the run has started (a resume has loaded its checkpoint): metrics rows, config.json
             run_dir.started(start, cfg)
         logger = MetricsLogger(out_dir, cfg.train.log, asdict(cfg), cfg.train.steps, print_fn) if _rank() == 0 else None
+        # the engine's routes: replayed under r3; otherwise compared with the learner's (router/disagree) when the
+        # learner records its own and the embedded engine hands them over in-process
+        compare_routes = cfg.rollout.engine == "embedded" and getattr(learner, "route_hook", None) is not None
         params = SamplingParams(n=cfg.rollout.n_samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                 max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,),
-                                return_routes=cfg.algorithm.routing_replay == "r3")
+                                return_routes=cfg.algorithm.routing_replay == "r3" or compare_routes)
         options = loss_options(cfg)
 
         def held_out() -> dict:
@@ -440,8 +479,10 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
                          chat_template=cfg.data.chat_template, max_new_tokens=cfg.rollout.max_new_tokens)
             return {"eval/accuracy": r.accuracy, "eval/response_len": r.mean_response_len}
 
+        earlier = start_step and _rank() == 0 and (out_dir / "metrics.jsonl").is_file()  # a resumed run's history
+        collapse = CollapseWatch(read_metrics(out_dir) if earlier else (), upto=start_step)
         if start_step == 0 and logger is not None and cfg.train.eval_every:
-            logger.log(0, held_out())
+            logger.log(0, collapse.add(0, held_out()))
         row: dict = {}
         if cfg.train.mode == "async" and _rank() == 0:
             from megapo.trainer.async_rollout import AsyncRollouts
@@ -466,8 +507,8 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
             groups = _broadcast(groups)
             if groups:
                 eval_step = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
-                metrics.update(update_policy(learner, groups, cfg, reference, options, timer,
-                                             measure_free_kl=eval_step))
+                metrics.update(update_policy(learner, groups, cfg, reference, options, timer, measure_free_kl=eval_step,
+                                             measure_free_routing=stability_step(cfg, step)))
                 with timer("sync"):
                     version += 1
                     metrics.update(sync_weights(learner, engine, version, cfg, transport))
@@ -487,7 +528,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
                     ckpt.save_checkpoint(ckpt_root, state, learner.save, cfg.train.keep_last, _rank() == 0, _barrier,
                                          rank=_rank(), rng_extra=engine_rng)
             if logger is not None:  # tokens/s: generated tokens per second of the whole step
-                row = logger.log(step, {**metrics, **timer.pop()}, tokens=gen_tokens)
+                row = logger.log(step, {**collapse.add(step, metrics), **timer.pop()}, tokens=gen_tokens)
             if stopping:
                 from megapo.trainer.stop import TrainingStopped
 

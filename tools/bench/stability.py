@@ -59,7 +59,9 @@ SMALL_QUESTIONS: dict[str, dict[str, tuple]] = {
         {"objective": ("ppo",), "replay": ("off",), "mini_batches": (1, 8), "mismatch": ("none", "tis")},
 }
 # The metrics rows' keys each summary column reads: the first key a row holds wins. The first names are the
-# per-step engine-vs-learner metrics of issue 13 (to be logged every step); the later ones exist today.
+# per-step engine-vs-learner metrics (megapo.replay.modes.stability_metrics); the later ones are older names of
+# the same quantities (runs made before those were logged). Under r3, mismatch/k3_free and router/* come every
+# train.stability_metrics_every steps (one more forward pass each time).
 METRIC_KEYS: dict[str, tuple[str, ...]] = {
     "mismatch_kl": ("mismatch/k3", "train/mismatch_k3"),  # k3 KL(engine || learner's π_old), learner's routing
     "mismatch_kl_free": ("mismatch/k3_free", "replay/kl_k3_free"),  # the same with free routing (before replay)
@@ -69,9 +71,6 @@ METRIC_KEYS: dict[str, tuple[str, ...]] = {
     "disagree_post": ("train/replay/disagree_post",),  # after replay: 0 when replay works
     "tokens_per_s": ("tokens_per_s",),
 }
-# Under r3 the old-log-prob pass compares the learner's own top-k with the engine's routes: the router
-# disagreement until router/disagree is logged for every mode.
-R3_ROUTER_DISAGREE = "replay/disagree_pre"
 DONE_FILE = "done.json"
 CELL_FILE = "cell.json"
 GRID_FILE = "grid.json"
@@ -398,13 +397,6 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def metric_keys(cell: Cell) -> dict[str, tuple[str, ...]]:
-    keys = dict(METRIC_KEYS)
-    if cell.replay == "r3":
-        keys["router_disagree"] = keys["router_disagree"] + (R3_ROUTER_DISAGREE,)
-    return keys
-
-
 def cell_summary(plan: GridPlan, cell: Cell, steps: int) -> dict:
     """One summary row: the cell's axes, status, held-out accuracy, collapse verdict and mismatch metrics."""
     from megapo.trainer.collapse import detect_collapse, rows_by_step
@@ -423,7 +415,7 @@ def cell_summary(plan: GridPlan, cell: Cell, steps: int) -> dict:
                start_accuracy=accuracy[0] if accuracy else None, final_accuracy=accuracy[-1] if accuracy else None,
                best_accuracy=max(accuracy) if accuracy else None, collapsed=verdict.collapsed,
                collapse_step=verdict.step, collapse_reason=verdict.reason, read={})
-    for name, keys in metric_keys(cell).items():
+    for name, keys in METRIC_KEYS.items():
         values, key = _values(rows, keys)
         row[f"{name}_mean"] = _mean(values)
         if name in ("mismatch_kl", "max_abs_dlogp", "router_disagree"):
