@@ -14,11 +14,12 @@ import argparse
 import shlex
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from launch import local, slurm
 from megapo.config import ConfigError
+
+SUBCOMMAND = "where"  # megapo.cli names it in error messages: `megapo launch local: ...`
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -79,11 +80,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run_local(args) if args.where == "local" else _run_slurm(args)
-    except ConfigError as exc:  # LayoutError included: one line naming the field, no traceback
-        print(f"megapo launch {args.where}: error: {exc}", file=sys.stderr)
-        return 2
+    return _run_local(args) if args.where == "local" else _run_slurm(args)
 
 
 def _run_slurm(args: argparse.Namespace) -> int:

@@ -3,7 +3,9 @@
 Each subcommand lives in the module that owns the feature; this file only lists them. A command
 module exposes `add_arguments(parser)` and `run(args) -> int`, and is imported only when its
 command runs, so `megapo objectives` does not pay for importing Megatron. A ConfigError a command
-raises (bad config field, input file, layout) ends as `megapo <command>: <message>` and exit code 2.
+raises (bad config field, input file, layout) ends as `megapo <command>: <message>` and exit code 2
+(`report_errors`; commands do not catch their own). A module whose command has subcommands names their
+argparse dest in `SUBCOMMAND`, so the message says which one (`megapo bench scaling: ...`).
 """
 
 from __future__ import annotations
@@ -54,11 +56,24 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(parser)
     # INTERMIXED_ARGS: positionals may follow options (`megapo serve CONFIG --port P key=value ...`)
     parse = parser.parse_intermixed_args if getattr(module, "INTERMIXED_ARGS", False) else parser.parse_args
-    args = parse(argv[1:])
+    return run_command(name, parse(argv[1:]))
+
+
+def run_command(name: str, args: argparse.Namespace) -> int:
+    """Command `name` on its parsed `args`, behind the one error surface."""
+    module = importlib.import_module(COMMANDS[name][0])
+    dest = getattr(module, "SUBCOMMAND", None)
+    sub = getattr(args, dest, None) if dest else None
+    return report_errors(f"megapo {name} {sub}" if sub else f"megapo {name}", module.run, args)
+
+
+def report_errors(prog: str, run, args) -> int:
+    """run(args); a ConfigError (LayoutError, InputError, CheckpointError too) ends as `prog: <message>` on
+    stderr and exit code 2, no traceback. Also for modules run on their own (python -m tools.bench.scaling)."""
     try:
-        return int(module.run(args) or 0)
-    except ConfigError as err:  # the one error surface for bad configs and inputs (LayoutError, InputError too)
-        print(f"megapo {name}: {err}", file=sys.stderr)
+        return int(run(args) or 0)
+    except ConfigError as err:
+        print(f"{prog}: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

@@ -143,3 +143,25 @@ def test_other_commands_share_the_error_surface(capsys, tmp_path):
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("megapo plot: run_dir:"), err
     assert not (tmp_path / "sft").exists() and not (tmp_path / "c.png").exists()
+
+
+def test_commands_with_subcommands_and_servers_report_through_the_same_surface(capsys, tmp_path, tiny_moe):
+    """serve, logprobs, convert, launch and bench no longer catch their own errors: each bad argument ends as
+    `megapo <command> [<subcommand>]: <what it names>`, exit 2, no traceback, nothing written."""
+    nope = tmp_path / "nope"
+    cases = [
+        (["serve", "--model", str(tiny_moe), "--host", "0.0.0.0"], "megapo serve: host 0.0.0.0 is not a loopback"),
+        (["logprobs", "--model", str(nope), "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o")],
+         f"megapo logprobs: model: no config.json in {nope}"),
+        (["convert", "hf-to-megatron", "--hf", str(nope), "--out", str(tmp_path / "o")],
+         "megapo convert hf-to-megatron: --hf: "),
+        (["launch", "local", str(tmp_path / "none.yaml"), "--dry-run"],
+         f"megapo launch local: CONFIG: config file {tmp_path / 'none.yaml'} does not exist"),
+        (["bench", "projection", "--model", "qwen3-8b", "--out", str(tmp_path / "o")],
+         "megapo bench projection: --model: unknown model 'qwen3-8b'"),
+    ]
+    for argv, start in cases:
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith(start) and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "o").exists()

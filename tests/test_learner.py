@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megapo.learner import logprobs_cmd
+from megapo.cli import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,14 +75,14 @@ def _args(model, tmp_path, **kw):
     (dict(tp=0), ["parallel.tp", "0"]),
 ])
 def test_bad_layout_refused_before_any_process(tiny_moe, tmp_path, capsys, no_launch, kw, words):
-    assert logprobs_cmd.run(_args(tiny_moe, tmp_path, **kw)) == 2
+    assert run_command("logprobs", _args(tiny_moe, tmp_path, **kw)) == 2
     err = capsys.readouterr().err
     for w in words:
         assert w in err, err
 
 
 def test_dense_model_with_ep_refused(tiny_dense, tmp_path, capsys, no_launch):
-    assert logprobs_cmd.run(_args(tiny_dense, tmp_path, ep=2, dp=2)) == 2
+    assert run_command("logprobs", _args(tiny_dense, tmp_path, ep=2, dp=2)) == 2
     assert "dense" in capsys.readouterr().err
 
 
@@ -93,14 +93,14 @@ def test_dense_model_with_ep_refused(tiny_dense, tmp_path, capsys, no_launch):
 ])
 def test_bad_input_refused(tiny_moe, tmp_path, capsys, no_launch, content, words):
     (tmp_path / "in.jsonl").write_text(content)
-    assert logprobs_cmd.run(_args(tiny_moe, tmp_path)) == 2
+    assert run_command("logprobs", _args(tiny_moe, tmp_path)) == 2
     err = capsys.readouterr().err
     for w in words:
         assert w in err, err
 
 
 def test_missing_model_refused(tmp_path, capsys, no_launch):
-    assert logprobs_cmd.run(_args(tmp_path / "nope", tmp_path)) == 2
+    assert run_command("logprobs", _args(tmp_path / "nope", tmp_path)) == 2
     assert "config.json" in capsys.readouterr().err
 
 

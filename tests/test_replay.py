@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from megapo.learner import logprobs_cmd
+from megapo.cli import run_command
 from megapo.replay.hook import _check_config, same_sets
 from megapo.replay.modes import parse_mode
 from megapo.replay.routes import GIVEN, LAST, MISSING, PAD, RouteShape, check_routes, load_routes, row_plan, save_routes
@@ -144,7 +144,7 @@ def _args(model, tmp_path, **kw):
 ])
 def test_bad_routes_in_refused_before_any_process(tiny_moe, tmp_path, capsys, no_launch, content, words):
     np.savez(tmp_path / "r.npz", **content)
-    assert logprobs_cmd.run(_args(tiny_moe, tmp_path, routes_in=str(tmp_path / "r.npz"), tp=2)) == 2
+    assert run_command("logprobs", _args(tiny_moe, tmp_path, routes_in=str(tmp_path / "r.npz"), tp=2)) == 2
     err = capsys.readouterr().err
     assert "--routes-in" in err
     for w in words:
@@ -153,11 +153,11 @@ def test_bad_routes_in_refused_before_any_process(tiny_moe, tmp_path, capsys, no
 
 def test_routes_flags_refused_for_dense_model_and_bad_paths(tiny_moe, tiny_dense, tmp_path, capsys, no_launch):
     save_routes(tmp_path / "r.npz", [routes(4)])
-    assert logprobs_cmd.run(_args(tiny_dense, tmp_path, routes_in=str(tmp_path / "r.npz"))) == 2
+    assert run_command("logprobs", _args(tiny_dense, tmp_path, routes_in=str(tmp_path / "r.npz"))) == 2
     assert "--routes-in" in capsys.readouterr().err
-    assert logprobs_cmd.run(_args(tiny_moe, tmp_path, routes_in=str(tmp_path / "missing.npz"))) == 2
+    assert run_command("logprobs", _args(tiny_moe, tmp_path, routes_in=str(tmp_path / "missing.npz"))) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert logprobs_cmd.run(_args(tiny_moe, tmp_path, routes_out=str(tmp_path / "r.json"))) == 2
+    assert run_command("logprobs", _args(tiny_moe, tmp_path, routes_out=str(tmp_path / "r.json"))) == 2
     assert "--routes-out" in capsys.readouterr().err
 
 

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from megapo.cli import run_command
 from megapo.engines import serve
 from megapo.engines.server import VLLMServer, VLLMServerConfig
 
@@ -39,7 +40,7 @@ def test_dtype_default_with_a_bare_model(tiny_model_factory):
 
 def test_bad_dtype_in_the_config_is_refused_naming_the_field(tiny_model_factory, capsys):
     model = tiny_model_factory()
-    rc = serve.run(_args(CONFIG, *_vllm_overrides(model), "rollout.dtype=fp4"))
+    rc = run_command("serve", _args(CONFIG, *_vllm_overrides(model), "rollout.dtype=fp4"))
     assert rc == 2 and "rollout.dtype" in capsys.readouterr().err
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from megapo.cli import run_command
 from megapo.engines import serve
 from megapo.engines.auth import GUARD_ENV, IDENTITY_PATH
 from megapo.engines.server import PortInUse, ServerError, VLLMServer, VLLMServerConfig
@@ -71,10 +72,10 @@ def test_non_loopback_bind_needs_allow_remote_and_a_key_file(tiny_model_factory,
     model = tiny_model_factory()
     venv, ran = fake_venv
     base = ["--model", str(model), "--venv", str(venv), "--host", host]
-    assert serve.run(_args(*base)) == 2
+    assert run_command("serve", _args(*base)) == 2
     err = capsys.readouterr().err
     assert f"host {host} is not a loopback address" in err and "--allow-remote" in err
-    assert serve.run(_args(*base, "--allow-remote")) == 2
+    assert run_command("serve", _args(*base, "--allow-remote")) == 2
     assert "needs api_key_file" in capsys.readouterr().err
     assert not ran.exists(), "nothing may start before the bind is refused"
     # allowed explicitly, with a key file the trainer reads too: the server would bind there (where it can)
@@ -100,7 +101,7 @@ def test_loopback_binds_need_no_flag(tiny_model_factory, fake_venv, host):
 def test_busy_port_is_refused_before_starting(tiny_model_factory, fake_venv, squatter, capsys):
     venv, ran = fake_venv
     port = squatter()
-    rc = serve.run(_args("--model", str(tiny_model_factory()), "--venv", str(venv), "--port", str(port)))
+    rc = run_command("serve", _args("--model", str(tiny_model_factory()), "--venv", str(venv), "--port", str(port)))
     assert rc == 2
     assert f"port {port} on 127.0.0.1 is in use" in capsys.readouterr().err
     with pytest.raises(PortInUse, match=f"port {port}"):
@@ -165,7 +166,7 @@ def test_readiness_accepts_the_server_that_returns_our_nonce_for_our_key(tiny_mo
 def test_a_server_that_dies_while_starting_is_a_message_not_a_traceback(tiny_model_factory, fake_venv, tmp_path,
                                                                          capsys):
     venv, ran = fake_venv
-    rc = serve.run(_args("--model", str(tiny_model_factory()), "--venv", str(venv), "--log", str(tmp_path / "log"),
+    rc = run_command("serve", _args("--model", str(tiny_model_factory()), "--venv", str(venv), "--log", str(tmp_path / "log"),
                          "--timeout", "30"))
     assert rc == 1 and ran.exists()
     assert "megapo serve: vLLM server exited with code 1 before becoming ready" in capsys.readouterr().err

@@ -61,4 +61,8 @@ def test_sft_cli_refuses_bad_args(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("megapo sft: --model: ")
     assert main(["sft", "--model", str(tmp_path), "--out", str(tmp_path / "o"), "--threshold", "0"]) == 2
     assert capsys.readouterr().err.startswith("megapo sft: --threshold: ")
+    for flag, value, message in (("--lr", "nan", "must be a finite number, got nan"), ("--lr", "0", "must be > 0"),
+                                 ("--batch-size", "0", "must be >= 1, got 0")):  # SFTConfig's declared ranges
+        assert main(["sft", "--model", str(tmp_path), "--out", str(tmp_path / "o"), flag, value]) == 2
+        assert capsys.readouterr().err.startswith(f"megapo sft: {flag}: {message}")
     assert not (tmp_path / "o").exists()

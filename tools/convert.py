@@ -37,6 +37,7 @@ from typing import Callable
 
 from megapo.config import ConfigError, ParallelConfig
 
+SUBCOMMAND = "direction"  # megapo.cli names it in error messages: `megapo convert hf-to-megatron: ...`
 FORMAT = "megapo-megatron-torch_dist"
 DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
@@ -95,13 +96,9 @@ def max_local_processes() -> int:
 
 def run(args: argparse.Namespace) -> int:
     planners = {"hf-to-megatron": plan_hf_to_megatron, "megatron-to-hf": plan_megatron_to_hf, "verify": plan_verify}
-    try:
-        with tempfile.TemporaryDirectory(prefix="megapo_convert_") as scratch:
-            plan = planners[args.direction](args, Path(scratch))
-            return run_plans([plan], args.timeout)[0]
-    except ConfigError as exc:
-        print(f"megapo convert {args.direction}: {exc}", file=sys.stderr)
-        return 2
+    with tempfile.TemporaryDirectory(prefix="megapo_convert_") as scratch:
+        plan = planners[args.direction](args, Path(scratch))
+        return run_plans([plan], args.timeout)[0]
 
 
 # ----------------------------------------------------------------------------------------- plans

@@ -54,17 +54,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _served(args: argparse.Namespace) -> dict:
     """What to serve (VLLMServerConfig's model_dir, max_model_len, dtype, api_key_file, weights_dirs) from --model
     or the run config; errors name the argument."""
+    from megapo.config import ConfigError
     from megapo.engines.server import VLLMServerConfig
 
     if (args.model is None) == (args.config is None):
-        raise ValueError("give exactly one of --model DIR or CONFIG")
+        raise ConfigError("--model", "give exactly one of --model DIR or CONFIG")
     if args.model is not None:
         if args.overrides:
-            raise ValueError(f"overrides {args.overrides} need a CONFIG (with --model there is no config)")
+            raise ConfigError("--model", f"overrides {args.overrides} need a CONFIG (with --model there is no config)")
         return {"model_dir": args.model, "max_model_len": args.max_model_len or 2048,
                 "dtype": args.dtype or VLLMServerConfig.dtype, "api_key_file": args.api_key_file,
                 "weights_dirs": args.weights_dir or [args.model]}
-    from megapo.config import ConfigError, load_config
+    from megapo.config import load_config
     from megapo.trainer.config import RunConfig
     from megapo.trainer.engines import server_max_model_len
 
@@ -81,18 +82,26 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def run(args: argparse.Namespace) -> int:
+def _server(args: argparse.Namespace, served: dict):
+    """The VLLMServer, nothing started; its refusals of what the command line gave (a bind or port that cannot be
+    used, a bad key file, no config.json, no vLLM venv) as ConfigError: megapo.cli reports them (exit 2)."""
     from megapo.config import ConfigError
-    from megapo.engines.server import ServerError, VLLMServer, VLLMServerConfig
+    from megapo.engines.server import VLLMServer, VLLMServerConfig
 
     try:
-        served = _served(args)
-        server = VLLMServer(VLLMServerConfig(
+        return VLLMServer(VLLMServerConfig(
             **served, host=args.host, port=args.port, venv=args.venv, kv_cache_gib=args.kv_cache_gib,
             cpu_cores=args.cpu_cores, log_path=args.log, allow_remote=args.allow_remote))
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"megapo serve: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as exc:  # VLLMServerConfig's / VLLMServer's checks (the library's errors)
+        raise ConfigError("", str(exc)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from megapo.config import ConfigError
+    from megapo.engines.server import PortInUse, ServerError
+
+    served = _served(args)
+    server = _server(args, served)
     # Slurm stops the engine step with SIGTERM: turn it into the same clean stop as Ctrl-C
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -103,9 +112,8 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(1.0)
         print(f"server exited with code {server.process.returncode}; last log lines:\n{server.tail()}")
         return 1
-    except ValueError as exc:  # the port was taken between the check and the start
-        print(f"megapo serve: {exc}", file=sys.stderr)
-        return 2
+    except PortInUse as exc:  # the port was taken between the check and the start
+        raise ConfigError("", str(exc)) from None
     except ServerError as exc:
         print(f"megapo serve: {exc}", file=sys.stderr)
         return 1

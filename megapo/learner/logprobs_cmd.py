@@ -69,17 +69,13 @@ def parallel_from_args(args) -> ParallelConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        parallel = parallel_from_args(args)
-        hf = read_hf_config(args.model)
-        check_layout(parallel, hf)
-        sequences = read_sequences(args.input, hf["vocab_size"])
-        if args.micro_batch_tokens < 1:
-            raise ConfigError("--micro-batch-tokens", f"must be >= 1, got {args.micro_batch_tokens}")
-        route_cli.check(args, hf, sequences)  # routing replay flags
-    except ConfigError as exc:
-        print(f"megapo logprobs: {exc}", file=sys.stderr)
-        return 2
+    parallel = parallel_from_args(args)
+    hf = read_hf_config(args.model)
+    check_layout(parallel, hf)
+    sequences = read_sequences(args.input, hf["vocab_size"])
+    if args.micro_batch_tokens < 1:
+        raise ConfigError("--micro-batch-tokens", f"must be >= 1, got {args.micro_batch_tokens}")
+    route_cli.check(args, hf, sequences)  # routing replay flags
     if args.worker or parallel.world_size == 1:
         return _work(args, parallel, sequences)
     from launch.local import run_torchrun
@@ -116,10 +112,12 @@ def _work(args, parallel: ParallelConfig, sequences: list[list[int]]) -> int:
     return 0
 
 
-def main() -> int:
+def main() -> int:  # torchrun's processes (--worker)
+    from megapo.cli import report_errors
+
     parser = argparse.ArgumentParser(prog="megapo logprobs")
     add_arguments(parser)
-    return run(parser.parse_args())
+    return report_errors(parser.prog, run, parser.parse_args())
 
 
 if __name__ == "__main__":

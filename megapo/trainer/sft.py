@@ -116,16 +116,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megapo.config import ConfigError
+    from megapo.config import ConfigError, check_fields
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = SFTConfig(enabled=True, examples=args.examples, lr=args.lr, batch_size=args.batch_size,
                     threshold=args.threshold, check_every=args.check_every, max_steps=args.max_steps, seed=args.seed)
-    for name in ("examples", "batch_size", "check_every", "max_steps"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')}", f"must be >= 1, got {getattr(cfg, name)}")
-    if not 0 < cfg.threshold <= 1:
-        raise ConfigError("--threshold", f"must be in (0, 1], got {cfg.threshold}")
+    try:
+        check_fields(cfg)  # the ranges SFTConfig declares (sft.* of a run config), NaN/inf refused
+    except ConfigError as err:  # named as the flag that set the field
+        raise ConfigError(f"--{err.field.replace('_', '-')}", err.message) from None
     if not (Path(args.model) / "config.json").is_file():
         raise ConfigError("--model", f"{args.model} has no config.json")
     result = train_sft(args.model, args.out, cfg, args.task)

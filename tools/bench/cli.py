@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
+SUBCOMMAND = "bench"  # megapo.cli names it in error messages: `megapo bench scaling: ...`
 # name -> (module, help); "own" modules expose add_arguments/run, the others main(argv)
 OWN = {"scaling": ("tools.bench.scaling", "RL step over layouts x model sizes: JSON + strong/weak scaling plots"),
        "projection": ("tools.bench.projection", "projected step and weight-sync time of Qwen3 MoE on N GPUs"),

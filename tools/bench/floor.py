@@ -630,15 +630,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from megapo.config import ConfigError
 
-    if args.steps < 1 or args.warmup < 0 or args.sampler_rounds < 1 or args.threads < 0:
-        print("megapo bench floor: --steps and --sampler-rounds must be >= 1, --warmup and --threads >= 0",
-              file=sys.stderr)
-        return 2
-    try:
-        cfg = bench_config(args)
-    except ConfigError as err:
-        print(f"megapo bench floor: {err}", file=sys.stderr)
-        return 2
+    for flag, value, least in (("--steps", args.steps, 1), ("--sampler-rounds", args.sampler_rounds, 1),
+                               ("--warmup", args.warmup, 0), ("--threads", args.threads, 0)):
+        if value < least:
+            raise ConfigError(flag, f"must be >= {least}, got {value}")
+    cfg = bench_config(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     result = run_bench(args, cfg)
@@ -656,6 +652,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    from megapo.cli import report_errors
+
     p = argparse.ArgumentParser(prog="python -m tools.bench.floor")
     add_arguments(p)
-    raise SystemExit(run(p.parse_args()))
+    raise SystemExit(report_errors(p.prog, run, p.parse_args()))

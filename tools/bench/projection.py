@@ -515,17 +515,15 @@ def project(model: ModelShape, layout: Layout, hw: Hardware, work: Workload, eng
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megapo.cli import report_errors
+
     parser = argparse.ArgumentParser(prog="megapo bench projection", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return report_errors(parser.prog, run, parser.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        model, layout, hw, work, measured = build(args)
-    except ConfigError as err:
-        print(f"megapo bench projection: {err}", file=__import__("sys").stderr)
-        return 2
+    model, layout, hw, work, measured = build(args)
     result = project(model, layout, hw, work, args.engine_tp, measured)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import shlex
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -372,20 +371,16 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        if not args.peak_tflops > 0:
-            raise ConfigError("--peak-tflops", f"must be > 0, got {args.peak_tflops}")
-        if args.report:
-            report = report_dir(Path(args.report), args.peak_tflops)
-            print_summary(report)
-            return 0
-        if not args.out:
-            raise ConfigError("--out", "required (the output folder)")
-        plan = plan_from_args(args)
-        check_plan(plan, None if args.plan_only else LOCAL_MAX_PROCS)
-    except ConfigError as err:
-        print(f"megapo bench scaling: {err}", file=sys.stderr)
-        return 2
+    if not args.peak_tflops > 0:
+        raise ConfigError("--peak-tflops", f"must be > 0, got {args.peak_tflops}")
+    if args.report:
+        report = report_dir(Path(args.report), args.peak_tflops)
+        print_summary(report)
+        return 0
+    if not args.out:
+        raise ConfigError("--out", "required (the output folder)")
+    plan = plan_from_args(args)
+    check_plan(plan, None if args.plan_only else LOCAL_MAX_PROCS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -409,9 +404,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megapo.cli import report_errors
+
     parser = argparse.ArgumentParser(prog="megapo bench scaling", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return report_errors(parser.prog, run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":
