@@ -47,7 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     local = sub.add_parser("local", help="run on this machine with torchrun")
     _common(local)
     local.add_argument("--nproc", type=int, default=None, help="processes (default: tp*pp*dp of the config)")
-    local.add_argument("--resume", action="store_true", help="continue from the last checkpoint in train.output_dir")
+    start = local.add_mutually_exclusive_group()  # passed to `megapo train` (its run-folder rules)
+    start.add_argument("--resume", action="store_true", help="continue from the last checkpoint in train.output_dir")
+    start.add_argument("--overwrite", action="store_true",
+                       help="start over in a used train.output_dir (megapo train --overwrite)")
 
     s = sub.add_parser("slurm", help="submit an sbatch job (colocated, or disaggregated with --rollout-nodes)")
     _common(s)
@@ -111,14 +114,16 @@ def _run_slurm(args: argparse.Namespace) -> int:
     return 0
 
 
-def local_command(run_spec: slurm.RunSpec, nproc: int, resume: bool, entry_script: str | None) -> list[str]:
+def local_command(run_spec: slurm.RunSpec, nproc: int, resume: bool, entry_script: str | None,
+                  overwrite: bool = False) -> list[str]:
     """The torchrun command line for `nproc` processes on this machine (checks the layout first)."""
     extra = slurm.resolve_layout(run_spec, nproc, f"--nproc {nproc}")
     if entry_script is None:
         slurm.check_trainer_config(run_spec, extra)
     entry = [str(Path(entry_script).resolve()), "train"] if entry_script else ["-m", "megapo.cli", "train"]
     torchrun_opts = ["--shutdown-timeout=180"] if slurm.torchrun_has("--shutdown-timeout") else []
-    args = [*entry, *(["--resume"] if resume else []), str(run_spec.config_path), *run_spec.overrides, *extra]
+    start = ["--resume"] * resume + ["--overwrite"] * overwrite
+    args = [*entry, *start, str(run_spec.config_path), *run_spec.overrides, *extra]
     return local.torchrun_command([*torchrun_opts, *args], nproc)
 
 
@@ -130,7 +135,7 @@ def _run_local(args: argparse.Namespace) -> int:
     run_spec = slurm.read_run(args.config, args.overrides)
     p = run_spec.parallel
     nproc = args.nproc if args.nproc is not None else p.tp * p.pp * (p.dp if run_spec.dp_given else 1)
-    cmd = local_command(run_spec, nproc, args.resume, args.entry_script)
+    cmd = local_command(run_spec, nproc, args.resume, args.entry_script, overwrite=args.overwrite)
     if args.dry_run:
         print(shlex.join(cmd))
         return 0

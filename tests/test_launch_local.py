@@ -51,3 +51,26 @@ def test_local_launch_checkpoints_on_sigterm_and_resumes(tmp_path, tiny_moe):
     assert len(records) == 2
     assert (records[1]["resume_flag"], records[1]["start"], records[1]["end"], records[1]["exit"]) == (
         True, first["end"], steps, 0)
+
+
+def test_resume_and_overwrite_reach_megapo_train(tmp_path, tiny_moe, capsys):
+    """--resume / --overwrite go to `megapo train` right after its name (the dry run prints the torchrun command);
+    both at once are refused by the launcher's parser (exit 2) before anything starts."""
+    import shlex
+
+    import pytest
+
+    from megapo.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": str(tiny_moe)}, "train": {"output_dir": str(tmp_path / "o")}}))
+    base = ["launch", "local", str(config), "--nproc", "1", "--dry-run", "--entry-script", str(STANDIN)]
+    for flags in (["--resume"], ["--overwrite"], []):
+        assert main([*base, *flags]) == 0
+        cmd = shlex.split(capsys.readouterr().out)
+        train = cmd.index("train")
+        assert cmd[train + 1:train + 2 + len(flags)] == [*flags, str(config)], cmd
+    with pytest.raises(SystemExit) as stop:
+        main([*base, "--resume", "--overwrite"])
+    assert stop.value.code == 2 and "not allowed with argument --resume" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
