@@ -1,6 +1,8 @@
 """Reward functions against hand-made cases."""
 
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -248,3 +250,37 @@ def test_loop_scores_failures_zero_and_counts_them(tmp_path, monkeypatch, tiny_m
                                                   r"answer, on response '7'"):
         loop.collect_rollouts(Engine(), params, pool, source, loop.make_reward_fn(cfg, tok), cfg)
     sys.modules.pop("strict_reward_mod", None)
+
+
+FLAKY_REWARD = '''
+calls = [0]
+
+
+def flaky(response, answer):
+    calls[0] += 1
+    if calls[0] > 1:  # the start-up check's call passes; the first rollout's fail
+        raise ValueError("the grader is down")
+    return 1.0
+'''
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_reward_that_fails_mid_run_ends_in_one_line_exit_1(tmp_path, tiny_moe, mode):
+    """data.reward_errors=fail: a reward raising in the first rollout (sync, or the async rollout thread) ends
+    `megapo train` with exit 1 and one line naming the reward and its error, no traceback, no checkpoint."""
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "flaky_reward.py").write_text(FLAKY_REWARD)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megapo.cli", "train", str(root / "megapo/configs/tiny_moe_addition.yaml"),
+           f"model.path={tiny_moe}", "sft.enabled=false", f"train.output_dir={out}", "train.steps=2",
+           "train.eval_every=0", "train.log=[jsonl]", "data.prompts_per_step=2", "rollout.n_samples=2",
+           "rollout.max_new_tokens=4", "data.dynamic_sampling=false", "data.reward=flaky_reward:flaky",
+           "data.reward_errors=fail", "algorithm.routing_replay=off", f"train.mode={mode}"]
+    env = {"PYTHONPATH": f"{tmp_path}:{root}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("megapo train: ")]
+    assert line.startswith("megapo train: reward 'flaky_reward:flaky' raised ValueError: the grader is down, on "
+                           "response "), line
+    assert not list(out.glob("checkpoints/step_*"))

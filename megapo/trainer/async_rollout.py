@@ -114,7 +114,7 @@ class AsyncRollouts:
             if not self._cond.wait_for(lambda: self._ready or self._error is not None, timeout):
                 raise TimeoutError(f"no rollout batch after {timeout} s")
             if self._error is not None and not self._ready:
-                raise RuntimeError("the rollout thread failed") from self._error
+                raise self._error  # as the rollout thread raised it: megapo train reports a RewardError in one line
             batch = self._ready.pop(0)
         return batch, time.perf_counter() - t0
 

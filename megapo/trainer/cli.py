@@ -1,12 +1,17 @@
 """`megapo train CONFIG.yaml [section.field=value ...] [--resume | --overwrite]`.
 
 A config or run-folder error raises ConfigError, which `megapo` reports as `megapo train: <field>: <message>`
-with exit code 2 before anything is written (docs/CONTRACTS.md, "Error contract")."""
+with exit code 2 before anything is written (docs/CONTRACTS.md, "Error contract"). A runtime failure whose
+message names its cause (a reward that failed under data.reward_errors=fail, non-finite weights) ends as one
+line `megapo train: <message>` and exit code 1; any other exception keeps its traceback (a bug)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
+
+EXIT_FAILED = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +31,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     cfg = load_config(RunConfig, args.config, args.overrides)  # every config error before any work
 
+    from megapo.integrity import NonFiniteError
     from megapo.trainer.loop import train
+    from megapo.trainer.rewards import RewardError
     from megapo.trainer.stop import EXIT_CHECKPOINTED, StopFlag, TrainingStopped
 
     stop = StopFlag()
@@ -37,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).warning("megapo train: %s on signal %s; exit %d", exc, stop.signals,
                                             EXIT_CHECKPOINTED)
         return EXIT_CHECKPOINTED
+    except (RewardError, NonFiniteError) as exc:  # the message says what failed and where; no checkpoint of it
+        print(f"megapo train: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     finally:
         stop.uninstall()
     return 0
