@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from megapo.dist import multi_process
 from megapo.integrity import NonFiniteError
 
 
@@ -102,7 +103,7 @@ class UpdateGuard:
         with torch.no_grad():  # the 2-norm: fused and fast; it also overflows for a value above ~1e19 (poisoned too)
             total = torch.stack(torch._foreach_norm(tensors, 2)).sum() if tensors else torch.zeros(())
         bad = (~torch.isfinite(total)).to(torch.float32).reshape(1)
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        if multi_process():  # `bad` lives on the parameters' device, which the group reduces (NCCL: CUDA)
             torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         return not bool(bad.item())
 

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from megapo.config import ConfigError
+from megapo.dist import multi_process
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ def save_checkpoint(root: str | Path, state: TrainerState, save_learner: Callabl
         save_learner(tmp / "learner")
     _save_rng(tmp / rng_file(rank), rng_extra or {})
     barrier()
-    if _distributed():  # each rank hashes its share; the main rank merges the parts into the manifest
+    if multi_process():  # each rank hashes its share; the main rank merges the parts into the manifest
         _write_json(tmp / f"{_PART}{torch.distributed.get_rank()}.json", _hash_files(tmp, _my_share(_files(tmp))))
     barrier()
     if is_main:
@@ -165,7 +166,7 @@ def _manifest(tmp: Path, step: int) -> dict:
         files.update(json.loads(part.read_text()))
         part.unlink()
     files.update(_hash_files(tmp, [f for f in _files(tmp) if f not in files]))
-    ranks = torch.distributed.get_world_size() if _distributed() else 1
+    ranks = torch.distributed.get_world_size() if multi_process() else 1
     return {"format": FORMAT, "version": VERSION, "step": step, "ranks": ranks, "hash": "sha256",
             "files": dict(sorted(files.items()))}
 
@@ -203,14 +204,9 @@ def _hash_files(folder: Path, names: list[str]) -> dict[str, dict]:
     return dict(_pooled(one, names))
 
 
-def _distributed() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def _my_share(names: list[str]) -> list[str]:
     """The files this rank hashes: every world-size-th one (all of them in a single process)."""
-    if not _distributed():
+    if not multi_process():
         return names
     return names[torch.distributed.get_rank()::torch.distributed.get_world_size()]
 
@@ -357,7 +353,7 @@ def verify_checkpoint(path: str | Path, model_dir: str | Path | None = None) -> 
 
 def _gather(items: list[str]) -> list[str]:
     """Every rank's items, on every rank."""
-    if not _distributed():
+    if not multi_process():
         return items
     everyone: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, items)
