@@ -77,6 +77,12 @@ def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
+def step_of(path: str | Path) -> int | None:
+    """The step of a folder named as step_dir names it (step_00000012 -> 12), else None."""
+    m = _NAME.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def rng_file(rank: int) -> str:
     return RNG_FILE if rank == 0 else f"rng_rank{rank}.safetensors"
 
@@ -240,9 +246,9 @@ def list_checkpoints(root: str | Path) -> list[Path]:
         return []
     found = []
     for p in root.iterdir():
-        m = _NAME.match(p.name)
-        if m and p.is_dir() and ((p / MANIFEST).is_file() or (p / STATE_FILE).is_file()):
-            found.append((int(m.group(1)), p))
+        step = step_of(p)
+        if step is not None and p.is_dir() and ((p / MANIFEST).is_file() or (p / STATE_FILE).is_file()):
+            found.append((step, p))
     return [p for _, p in sorted(found)]
 
 
@@ -362,9 +368,8 @@ def _gather(items: list[str]) -> list[str]:
 
 def _refusal(path: Path, problems: list[str], model_dir) -> CheckpointError:
     """The error for a checkpoint that cannot be resumed, naming the newest earlier one that verifies."""
-    step = int(_NAME.match(path.name).group(1)) if _NAME.match(path.name) else None
-    earlier = [p for p in reversed(list_checkpoints(path.parent))
-               if step is not None and int(p.name.removeprefix("step_")) < step]
+    step = step_of(path)
+    earlier = [p for p in reversed(list_checkpoints(path.parent)) if step is not None and step_of(p) < step]
     good = next((p for p in earlier if not verify_checkpoint(p, model_dir)), None)
     shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
     if good is not None:

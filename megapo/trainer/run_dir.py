@@ -75,7 +75,7 @@ def plan_start(cfg, resume: bool = False, overwrite: bool = False) -> RunStart:
                               f"logs steps up to {last_logged}: that state is lost; pass --overwrite to start over")
         log.warning("--resume: no checkpoint in %s yet; starting at step 0", out / CHECKPOINTS)
         return RunStart(out, metrics_upto=-1 if last_logged is not None else None)
-    step = checkpoint_step(checkpoint)
+    step = ckpt.step_of(checkpoint)  # a listed checkpoint's name always carries its step
     if cfg.train.steps < step:
         raise ConfigError("train.steps", f"{cfg.train.steps} is below step {step} of the checkpoint to resume "
                           f"({checkpoint}); raise train.steps to continue the run, or pass --overwrite to start over")
@@ -101,11 +101,6 @@ def started(start: RunStart, cfg) -> None:
     tmp = start.out_dir / (CONFIG_FILE + ".tmp")
     tmp.write_text(json.dumps(asdict(cfg), indent=1))
     os.replace(tmp, start.out_dir / CONFIG_FILE)
-
-
-def checkpoint_step(path: Path) -> int:
-    """The step of checkpoint folder `step_00000012` (its name is written with the step, see checkpoint.step_dir)."""
-    return int(path.name.removeprefix("step_"))
 
 
 def is_launch_rank0() -> bool:
