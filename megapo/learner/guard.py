@@ -85,8 +85,6 @@ class UpdateGuard:
         """Remember what the step is about to change."""
         self._stateless = [(opt, p) for opt in _inner_optimizers(self.optimizer) for g in opt.param_groups
                            for p in g["params"] if not opt.state.get(p)]
-        if not self.keep_copy:
-            return
         live = self._tensors()
         if len(live) != len(self._live) or any(a is not b for a, b in zip(live, self._live)):
             self._live = live  # the set changes when Adam creates its state (first step)

@@ -35,14 +35,6 @@ class PackedRow:
     def used(self) -> int:
         return sum(self.lengths)
 
-    @property
-    def offsets(self) -> list[int]:
-        out, at = [], 0
-        for n in self.lengths:
-            out.append(at)
-            at += n
-        return out
-
 
 @dataclass
 class MicroBatchLayout:

@@ -402,15 +402,11 @@ def load_checkpoint(path: str | Path, load_learner: Callable[[Path], None] | Non
         load_learner(path / "learner")
     if restore_rng:
         if rng_file(rank) in manifest["files"]:
-            set_rng_state(*_split_rng(*_load_rng(path / rng_file(rank))))
+            set_rng_state(*_load_rng(path / rng_file(rank)))  # the rng_extra tensors it also holds stay unread
         else:
             log.warning("rank %d: %s was saved by %d rank(s) and holds no RNG state for this rank; it keeps its "
                         "own seed", rank, path, manifest.get("ranks", 1))
     return state
-
-
-def _split_rng(tensors: dict, scalars: dict) -> tuple[dict, dict]:
-    return {k: v for k, v in tensors.items() if not k.startswith("extra.")}, scalars
 
 
 def rng_extra(path: str | Path, rank: int = 0) -> dict:
