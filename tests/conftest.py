@@ -42,12 +42,26 @@ PARITY_REWARD = "def parity(response, answer):\n    return float(sum(map(ord, re
 
 
 @pytest.fixture()
-def reward_module(tmp_path, monkeypatch):
+def user_module(tmp_path, monkeypatch):
+    """user_module(name, source) -> name: a Python module (a user reward function, ...) importable for this
+    test only: written to tmp_path, on sys.path, and forgotten by sys.modules afterwards."""
+    written = []
+
+    def make(name: str, source: str) -> str:
+        (tmp_path / f"{name}.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        written.append(name)
+        return name
+
+    yield make
+    for name in written:
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture()
+def reward_module(user_module):
     """`data.reward` of a user reward function (`module:function`) importable for this test only."""
-    (tmp_path / "parity_test_reward.py").write_text(PARITY_REWARD)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "parity_test_reward:parity"
-    sys.modules.pop("parity_test_reward", None)
+    return f"{user_module('parity_test_reward', PARITY_REWARD)}:parity"
 
 
 @pytest.fixture

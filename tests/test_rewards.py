@@ -44,15 +44,13 @@ def test_math_reward_reports_backend(caplog):
     assert fn("\\boxed{12}", "12") == 1.0 and fn("\\boxed{13}", "12") == 0.0
 
 
-def test_user_function(tmp_path, monkeypatch):
-    (tmp_path / "my_reward_mod.py").write_text("def score(response, answer):\n    return float(len(response))\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_user_function(user_module):
+    user_module("my_reward_mod", "def score(response, answer):\n    return float(len(response))\n")
     fn = rewards.get_reward("my_reward_mod:score")
     assert fn("abc", "x") == 3.0
     with pytest.raises(ConfigError) as err:
         rewards.get_reward("my_reward_mod:nope")
     assert err.value.field == "data.reward"
-    sys.modules.pop("my_reward_mod", None)
 
 
 def test_overlong_shaping_formula():
@@ -100,11 +98,8 @@ def hangs_on(response, answer):
 
 
 @pytest.fixture()
-def bad_rewards(tmp_path, monkeypatch):
-    (tmp_path / "bad_rewards_mod.py").write_text(BAD_REWARDS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "bad_rewards_mod"
-    sys.modules.pop("bad_rewards_mod", None)
+def bad_rewards(user_module):
+    return user_module("bad_rewards_mod", BAD_REWARDS)
 
 
 @pytest.mark.parametrize("name", ["one_arg", "three_args"])
@@ -212,7 +207,7 @@ def strict(response, answer):
 '''
 
 
-def test_loop_scores_failures_zero_and_counts_them(tmp_path, monkeypatch, tiny_moe):
+def test_loop_scores_failures_zero_and_counts_them(user_module, tiny_moe):
     """make_reward_fn + collect_rollouts: with reward_errors=zero a failing call scores 0 and is counted in
     reward/errors; with fail the step stops with RewardError naming the reward."""
     from transformers import AutoTokenizer
@@ -222,8 +217,7 @@ def test_loop_scores_failures_zero_and_counts_them(tmp_path, monkeypatch, tiny_m
     from megapo.trainer import data, loop
     from megapo.trainer.config import RunConfig
 
-    (tmp_path / "strict_reward_mod.py").write_text(STRICT_REWARD)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    user_module("strict_reward_mod", STRICT_REWARD)
     tok = AutoTokenizer.from_pretrained(tiny_moe)
 
     class Engine:  # sample 0 of each prompt is the right answer then EOS, the others a wrong "7"
@@ -249,7 +243,6 @@ def test_loop_scores_failures_zero_and_counts_them(tmp_path, monkeypatch, tiny_m
     with pytest.raises(rewards.RewardError, match=r"reward 'strict_reward_mod:strict' raised ValueError: not the "
                                                   r"answer, on response '7'"):
         loop.collect_rollouts(Engine(), params, pool, source, loop.make_reward_fn(cfg, tok), cfg)
-    sys.modules.pop("strict_reward_mod", None)
 
 
 FLAKY_REWARD = '''
