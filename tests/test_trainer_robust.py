@@ -143,7 +143,7 @@ def test_a_repeated_stop_signal_does_not_kill_the_saves_helpers(tmp_path):
 
 
 AGREE_SCRIPT = r"""
-import json, os
+import json, os, sys
 from datetime import timedelta
 import torch
 from megapo.trainer.stop import StopFlag
@@ -153,7 +153,10 @@ if __name__ == "__main__":
     rank = torch.distributed.get_rank()
     asked, quiet = StopFlag(), StopFlag()
     asked.requested = rank == 1  # only rank 1 got the signal
-    print(json.dumps({"rank": rank, "asked": asked.agreed(), "quiet": quiet.agreed()}), flush=True)
+    row = {"rank": rank, "asked": asked.agreed(), "quiet": quiet.agreed()}
+    # one file per rank: two ranks printing to one pipe can share a line
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+        json.dump(row, f)
     torch.distributed.destroy_process_group()
 """
 
@@ -164,10 +167,9 @@ def test_a_stop_on_one_rank_is_agreed_by_every_rank(tmp_path):
     from launch.local import torchrun_command
 
     (tmp_path / "agree.py").write_text(AGREE_SCRIPT)
-    proc = subprocess.run(torchrun_command([str(tmp_path / "agree.py")], 2), cwd=ROOT, capture_output=True,
+    proc = subprocess.run(torchrun_command([str(tmp_path / "agree.py"), str(tmp_path)], 2), cwd=ROOT, capture_output=True,
                           text=True, timeout=240,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
-                  key=lambda r: r["rank"])
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert rows == [{"rank": 0, "asked": True, "quiet": False}, {"rank": 1, "asked": True, "quiet": False}]
