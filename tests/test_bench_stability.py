@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megapo.config import ConfigError
-from megapo.trainer.collapse import Collapse, detect_collapse, run_collapse
+from megapo.trainer.collapse import Collapse, accuracy_dip, detect_collapse, run_collapse
 from tools.bench import stability as st
 
 CONFIG = Path(__file__).resolve().parents[1] / "megapo" / "configs" / "stability_base.yaml"
@@ -46,11 +46,23 @@ def test_noisy_but_fine_run_does_not_collapse(tmp_path):
 
 def test_accuracy_drop_alone(tmp_path):
     rows = healthy_rows()
-    rows[20]["eval/accuracy"] = 0.19  # step 20: below 0.30 - 0.1
+    rows[20]["eval/accuracy"] = 0.19  # step 20: below 0.30 - 0.1, and so to the end
     rows[30]["eval/accuracy"] = 0.10
+    rows[40]["eval/accuracy"] = 0.15
     assert run_collapse(write_metrics(tmp_path, rows)) == Collapse(True, 20, "accuracy")
-    rows[20]["eval/accuracy"], rows[30]["eval/accuracy"] = 0.21, 0.205  # 0.09 / 0.095 below: not yet
-    assert not detect_collapse(rows).collapsed
+    assert accuracy_dip(rows) == 20
+    rows[20]["eval/accuracy"], rows[30]["eval/accuracy"], rows[40]["eval/accuracy"] = 0.21, 0.205, 0.201
+    assert not detect_collapse(rows).collapsed  # 0.09 / 0.095 / 0.099 below: not yet
+    assert accuracy_dip(rows) is None
+
+
+def test_a_dip_the_run_recovers_from_is_not_a_collapse():
+    rows = healthy_rows()
+    rows[10]["eval/accuracy"] = 0.15  # down at 10, back above 0.20 at 20, down again from 30 to the end
+    assert not detect_collapse(rows).collapsed and accuracy_dip(rows) == 10
+    rows[30]["eval/accuracy"], rows[40]["eval/accuracy"] = 0.12, 0.05
+    assert detect_collapse(rows) == Collapse(True, 30, "accuracy")  # dated to the final stretch's first eval
+    assert accuracy_dip(rows) == 10
 
 
 def test_reward_floor_for_ten_steps_alone(tmp_path):
@@ -75,7 +87,8 @@ def test_non_finite_loss_alone(tmp_path):
 def test_earliest_rule_wins_and_a_resumed_run_counts_a_step_once(tmp_path):
     rows = healthy_rows()
     rows[30]["train/loss"] = float("nan")
-    rows[20]["eval/accuracy"] = 0.1
+    for s in (20, 30, 40):
+        rows[s]["eval/accuracy"] = 0.1
     assert detect_collapse(rows) == Collapse(True, 20, "accuracy")
     # a resume logged steps 15..20 again: the later rows replace the earlier ones
     again = [dict(r) for r in healthy_rows()[15:21]]

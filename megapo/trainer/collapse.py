@@ -1,7 +1,10 @@
 """The collapse rule of the stability study (`megapo bench stability`), over a run's metrics rows.
 
 A run has collapsed at the first step where any of these holds:
-- held-out accuracy: an `eval/accuracy` below the run's first one (its start) minus `accuracy_drop` (0.1);
+- held-out accuracy: `eval/accuracy` below the run's first one (its start) minus `accuracy_drop` (0.1) and still
+  below it at the run's last eval; the step reported is the first eval of that final stretch. A dip the run
+  recovers from is not a collapse (the study's first grid saw runs fall 0.1 at step 10 and end above their
+  start); `accuracy_dip` reports the first dip on its own;
 - training reward: `reward` below `reward_floor` (0.05) on `reward_window` (10) consecutive logged steps;
   the step reported is the first of those steps (where the reward fell), found once the window is full;
 - loss: a non-finite `train/loss`, or a step whose update the learner skipped for one (`train/skipped_nonfinite`).
@@ -51,17 +54,24 @@ def rows_by_step(rows: list[dict]) -> list[dict]:
     return [last[s] for s in sorted(last)]
 
 
+def _evals(rows: list[dict]) -> list[tuple[int, float]]:
+    return [(int(row["step"]), acc) for row in rows if (acc := _number(row.get(ACCURACY_KEY))) is not None]
+
+
+def accuracy_dip(rows: list[dict], drop: float = 0.1) -> int | None:
+    """The first step whose held-out accuracy is below the start minus `drop`, recovered from or not."""
+    evals = _evals(rows_by_step(rows))
+    return next((step for step, acc in evals[1:] if acc < evals[0][1] - drop), None)
+
+
 def _accuracy_drop(rows: list[dict], drop: float) -> int | None:
-    start = None
-    for row in rows:
-        acc = _number(row.get(ACCURACY_KEY))
-        if acc is None:
-            continue
-        if start is None:
-            start = acc
-        elif acc < start - drop:
-            return int(row["step"])
-    return None
+    evals = _evals(rows)
+    if len(evals) < 2:
+        return None
+    threshold, first_low = evals[0][1] - drop, None
+    for step, acc in evals[1:]:
+        first_low = (first_low if first_low is not None else step) if acc < threshold else None
+    return first_low
 
 
 def _reward_floor(rows: list[dict], floor: float, window: int) -> int | None:

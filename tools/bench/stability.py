@@ -399,7 +399,7 @@ def _mean(values: list[float]) -> float | None:
 
 def cell_summary(plan: GridPlan, cell: Cell, steps: int) -> dict:
     """One summary row: the cell's axes, status, held-out accuracy, collapse verdict and mismatch metrics."""
-    from megapo.trainer.collapse import detect_collapse, rows_by_step
+    from megapo.trainer.collapse import accuracy_dip, detect_collapse, rows_by_step
     from megapo.trainer.metrics import read_metrics
 
     cell_dir = plan.cell_dir(cell)
@@ -414,7 +414,7 @@ def cell_summary(plan: GridPlan, cell: Cell, steps: int) -> dict:
     row.update(last_step=max(int(r["step"]) for r in rows) if rows else None, steps=steps,
                start_accuracy=accuracy[0] if accuracy else None, final_accuracy=accuracy[-1] if accuracy else None,
                best_accuracy=max(accuracy) if accuracy else None, collapsed=verdict.collapsed,
-               collapse_step=verdict.step, collapse_reason=verdict.reason, read={})
+               collapse_step=verdict.step, collapse_reason=verdict.reason, dip_step=accuracy_dip(rows), read={})
     for name, keys in METRIC_KEYS.items():
         values, key = _values(rows, keys)
         row[f"{name}_mean"] = _mean(values)
@@ -435,7 +435,9 @@ def setting_summary(rows: list[dict]) -> list[dict]:
         first = group[0]
         entry = {"setting": setting, **{a: first[a] for a in AXES}, "seeds": len(group), "done": len(done),
                  "collapsed": sum(bool(r["collapsed"]) for r in done),
-                 "collapse_rate": sum(bool(r["collapsed"]) for r in done) / len(done) if done else None}
+                 "collapse_rate": sum(bool(r["collapsed"]) for r in done) / len(done) if done else None,
+                 "dipped": sum(r.get("dip_step") is not None for r in done),
+                 "final_accuracies": [r["final_accuracy"] for r in done]}
         for key in ("final_accuracy", "best_accuracy", "mismatch_kl_mean", "router_disagree_mean",
                     "disagree_post_mean", "tokens_per_s_mean"):
             entry[key] = _mean([r[key] for r in done if r.get(key) is not None])
@@ -464,6 +466,11 @@ def report_cells(plan: GridPlan) -> list[Cell]:
     return cells + [c for c in cells_on_disk(plan) if c.name not in names]
 
 
+COLLAPSE_RULE = ("eval/accuracy < start - 0.1 from some eval to the last one, or reward < 0.05 on 10 consecutive "
+                 "steps, or a non-finite loss (megapo.trainer.collapse); dipped: eval/accuracy < start - 0.1 at some "
+                 "eval, recovered from or not")
+
+
 def write_report(plan: GridPlan, steps: int) -> dict:
     """summary.json, table.md and plots/ from the cells' metrics (what `--report-only` writes)."""
     cells = report_cells(plan)
@@ -473,8 +480,7 @@ def write_report(plan: GridPlan, steps: int) -> dict:
     summary = {"grid": plan.grid, "config": str(plan.config), "steps": steps, "sets": plan.sets,
                "warm_start": {k: v for k, v in json.loads(warm.read_text()).items() if k != "history"}
                if warm.is_file() else None,
-               "collapse_rule": "eval/accuracy < start - 0.1, or reward < 0.05 on 10 consecutive steps, or a "
-                                "non-finite loss (megapo.trainer.collapse)",
+               "collapse_rule": COLLAPSE_RULE,
                "metric_keys": METRIC_KEYS, "settings": settings, "cells": rows}
     plan.out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(plan.out / "summary.json", summary)
@@ -501,25 +507,28 @@ def table_markdown(summary: dict) -> str:
     if summary["warm_start"]:
         w = summary["warm_start"]
         lines += [f"Warm start: SFT validation exact-match {w['val_accuracy']:.3f} after {w['steps']} steps.", ""]
-    header = ("| objective | replay | correction | collapsed / seeds | final acc | best acc | mismatch k3 mean | "
-              "k3 max | router disagree | after replay | tok/s |")
+    header = ("| objective | replay | correction | collapsed / seeds | dipped | final acc | final acc per seed | "
+              "best acc | mismatch k3 mean | k3 max | router disagree | after replay | tok/s |")
     for m in sorted({s["mini_batches"] for s in summary["settings"]}):
         lines += [f"## {m} optimizer step{'s' if m > 1 else ''} per rollout (train.mini_batches={m})", "", header,
-                  "|" + "---|" * 11]
+                  "|" + "---|" * 13]
         for s in (s for s in summary["settings"] if s["mini_batches"] == m):
             unfinished = f" ({s['seeds'] - s['done']} unfinished)" if s["done"] < s["seeds"] else ""
             lines.append(f"| {s['objective']} | {s['replay']} | {s['mismatch']} | {s['collapsed']} / {s['done']}"
-                         f"{unfinished} | {_fmt(s['final_accuracy'])} | {_fmt(s['best_accuracy'])} | "
+                         f"{unfinished} | {s.get('dipped', 0)} | {_fmt(s['final_accuracy'])} | "
+                         f"{' / '.join(_fmt(a) for a in s.get('final_accuracies', []))} | {_fmt(s['best_accuracy'])} | "
                          f"{_fmt(s['mismatch_kl_mean'], 'sci')} | {_fmt(s['mismatch_kl_max'], 'sci')} | "
                          f"{_fmt(s['router_disagree_mean'])} | {_fmt(s['disagree_post_mean'])} | "
                          f"{_fmt(s['tokens_per_s_mean'], 'int')} |")
         lines.append("")
-    lines += ["## Cells", "", "| cell | status | start acc | final acc | collapsed at | reason |",
-              "|---|---|---|---|---|---|"]
+    lines += ["## Cells", "", "| cell | status | start acc | final acc | collapsed at | reason | dipped at |",
+              "|---|---|---|---|---|---|---|"]
     for r in summary["cells"]:
         collapsed_at = r.get("collapse_step") if r.get("collapsed") else "–"
+        dipped_at = r.get("dip_step") if r.get("dip_step") is not None else "–"
         lines.append(f"| {r['cell']} | {r['status']} | {_fmt(r.get('start_accuracy'))} | "
-                     f"{_fmt(r.get('final_accuracy'))} | {collapsed_at} | {r.get('collapse_reason') or '–'} |")
+                     f"{_fmt(r.get('final_accuracy'))} | {collapsed_at} | {r.get('collapse_reason') or '–'} | "
+                     f"{dipped_at} |")
     return "\n".join(lines) + "\n"
 
 
