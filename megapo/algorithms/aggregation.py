@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from megapo.algorithms.batch import TokenBatch
@@ -26,6 +27,32 @@ class Norm:
     global_tokens: float | None = None
     global_seqs: float | None = None
     max_len: float | None = None  # seq-mean-token-sum-norm's constant
+    polarity: PolarityCounts | None = None  # balanced's counts over the whole batch
+
+
+@dataclass(frozen=True)
+class PolarityCounts:
+    """Sequences and their tokens by the sign of the sequence's advantage (balanced aggregation)."""
+
+    pos_seqs: float
+    neg_seqs: float
+    pos_tokens: float
+    neg_tokens: float
+
+
+def sequence_polarity(advantage_sums: Tensor) -> Tensor:
+    """[S] +1 / -1 / 0: the sign of each sequence's Σ_t A_{i,t}, summed in float64 (a scalar advantage
+    broadcast over the tokens has its own sign; a sequence whose advantages sum to 0 counts in neither)."""
+    return torch.sign(advantage_sums.to(torch.float64))
+
+
+def polarity_counts(advantage_sums: Tensor, lengths: Tensor) -> PolarityCounts:
+    """The counts `balanced` normalises by, from every sequence of the batch: Σ_t A_{i,t} and |y_i| per
+    sequence. The learner computes them once per step over all micro-batches and DP ranks."""
+    sign = sequence_polarity(advantage_sums)
+    lengths = lengths.to(torch.float64)
+    pos, neg = sign > 0, sign < 0
+    return PolarityCounts(float(pos.sum()), float(neg.sum()), float(lengths[pos].sum()), float(lengths[neg].sum()))
 
 
 def _seqs(b: TokenBatch, n: Norm):
@@ -62,6 +89,29 @@ def seq_mean_token_sum_norm(loss: Tensor, b: TokenBatch, n: Norm) -> Tensor:
     if n.max_len is None:
         raise ValueError("max_len: required by loss_agg='seq-mean-token-sum-norm' (a constant, e.g. the generation budget)")
     return b.seq_sum(loss).sum() / (n.max_len * _seqs(b, n))
+
+
+@register(
+    "balanced", "aggregation", "sequence",
+    "Balanced Aggregation (BA): token means within the positive and negative subsets, weighted by their "
+    "sequence counts (seed 000, A48)",
+)
+def balanced(loss: Tensor, b: TokenBatch, n: Norm) -> Tensor:
+    """L = (S₊/S)·Σ_{A_i>0} Σ_t ℓ_{i,t} / T₊ + (S₋/S)·Σ_{A_i<0} Σ_t ℓ_{i,t} / T₋, S± the numbers of
+    sequences with positive / negative advantage, T± their tokens, S = S₊ + S₋ (global counts when given:
+    Norm.polarity). A sequence's sign is that of Σ_t A_{i,t}; sequences with A_i = 0 count in neither and
+    add nothing (KL and entropy terms aggregated this way skip them too). An empty side adds 0."""
+    adv_sums = (b.advantages.detach().to(torch.float64) * b.mask).sum(-1)  # float64, as the learner's counts
+    sign = sequence_polarity(adv_sums)
+    counts = n.polarity if n.polarity is not None else polarity_counts(adv_sums, b.lengths)
+    seq_loss = b.seq_sum(loss)
+    total = seq_loss.sum() * 0.0  # keeps the graph when no sequence has a sign
+    seqs = counts.pos_seqs + counts.neg_seqs
+    for side, n_seqs, n_tokens in ((sign > 0, counts.pos_seqs, counts.pos_tokens),
+                                   (sign < 0, counts.neg_seqs, counts.neg_tokens)):
+        if n_tokens > 0:
+            total = total + (n_seqs / seqs) * seq_loss[side].sum() / n_tokens
+    return total
 
 
 AUTO = "auto"

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from megapo.algorithms import batch as batch_mod
 from megapo.algorithms import corrections
-from megapo.algorithms.aggregation import AUTO, Norm, aggregate, resolve
+from megapo.algorithms.aggregation import AUTO, Norm, PolarityCounts, aggregate, resolve
 from megapo.algorithms.kl import kl_penalty
 from megapo.algorithms.registry import get
 
@@ -34,6 +34,18 @@ def _positive(name: str, value) -> float | Tensor | None:
     if not math.isfinite(v) or v <= 0:
         raise ValueError(f"{name}: must be a positive finite number, got {value!r}")
     return value
+
+
+def _polarity(counts) -> PolarityCounts | None:
+    if counts is None:
+        return None
+    if not isinstance(counts, PolarityCounts):
+        raise ValueError(f"global_polarity: expected aggregation.PolarityCounts, got {type(counts).__name__}")
+    for name in ("pos_seqs", "neg_seqs", "pos_tokens", "neg_tokens"):
+        v = getattr(counts, name)
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"global_polarity.{name}: must be a finite count >= 0, got {v!r}")
+    return counts
 
 
 def _coef(name: str, value) -> float:
@@ -58,6 +70,7 @@ def policy_loss(
     loss_agg: str = AUTO,
     global_tokens: int | float | None = None,
     global_seqs: int | float | None = None,
+    global_polarity: PolarityCounts | None = None,
     **options: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss of objective `name` and its metrics (detached 0-d tensors, local to this shard).
@@ -67,6 +80,8 @@ def policy_loss(
     loss_agg="seq-mean-token-sum-norm"); ref_logp + kl_coef (+ kl_estimator, default "k3") for a
     KL loss term; entropy (per-token entropies, differentiable) + entropy_coef for an entropy
     bonus. Any other keyword is an option of the objective (see `megapo objectives`).
+    global_polarity: loss_agg="balanced"'s sequence and token counts by advantage sign over the whole
+    batch (aggregation.polarity_counts), so its shards, too, sum to the full-batch loss.
     """
     entry = get("objective", name)
     loss_agg = resolve(loss_agg, name)
@@ -76,6 +91,7 @@ def policy_loss(
         global_tokens=_positive("global_tokens", global_tokens),
         global_seqs=_positive("global_seqs", global_seqs),
         max_len=_positive("max_len", common.get("max_len")),
+        polarity=_polarity(global_polarity),
     )
     kl_coef = _coef("kl_coef", common.get("kl_coef", 0.0))
     entropy_coef = _coef("entropy_coef", common.get("entropy_coef", 0.0))

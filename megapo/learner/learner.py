@@ -303,6 +303,7 @@ class Learner:
             self.route_hook.set_routes([s.get("routes") for s in batch], sequences, name="batch")
         micro_batches = self._micro_batches(sequences, inputs.prompt_lens - 1, inputs.lengths - 1, inputs.starts)
         global_tokens = int((inputs.lengths - inputs.prompt_lens).sum())
+        counts = _batch_counts(inputs, objective, loss_agg)  # batch-global counts an aggregation needs
         scale = len(micro_batches) * ps.get_data_parallel_world_size()  # undo the schedule's /M and DDP's /dp
         cols = inputs.columns
 
@@ -325,7 +326,8 @@ class Learner:
             if extra.get("entropy_coef"):
                 extra["entropy"] = entropy
             loss, metrics = loss_fn(objective, logp, old, column("advantage"), mb.mask, column("rollout_logp"),
-                                    loss_agg=loss_agg, global_tokens=global_tokens, global_seqs=len(batch), **extra)
+                                    loss_agg=loss_agg, global_tokens=global_tokens, global_seqs=len(batch), **counts,
+                                    **extra)
             out = {"tokens": mb.num_tokens, "metrics": metrics, "loss": loss.detach(),
                    "entropy_sum": entropy.detach().sum()}
             if keep_logprobs:
@@ -496,6 +498,21 @@ def _first_out_of_range(sequences, lengths: np.ndarray, vocab: int) -> int | Non
     if not outside.size:
         return None
     return int(np.searchsorted(np.cumsum(lengths), outside[0], side="right"))
+
+
+def _batch_counts(inputs: TrainInputs, objective: str, loss_agg: str) -> dict:
+    """policy_loss keywords holding counts over the whole batch that the aggregation needs beyond
+    global_tokens / global_seqs (computed once per step, so the loss does not depend on the split);
+    none for the other aggregations."""
+    from megapo.algorithms.aggregation import polarity_counts, resolve
+
+    if resolve(loss_agg, objective) != "balanced":
+        return {}
+    response = torch.from_numpy(inputs.lengths - inputs.prompt_lens)
+    adv = inputs.columns["advantage"]
+    owner = torch.repeat_interleave(torch.arange(len(response), device=adv.device), response.to(adv.device))
+    sums = torch.zeros(len(response), dtype=torch.float64, device=adv.device).index_add_(0, owner, adv.double())
+    return {"global_polarity": polarity_counts(sums.cpu(), response)}
 
 
 def _train_inputs(batch: list[dict], vocab: int, *, need_old: bool, device) -> TrainInputs:
