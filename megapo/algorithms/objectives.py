@@ -76,27 +76,54 @@ class PPOOptions:
     eps_low: float = 0.2
     eps_high: float = 0.2  # DAPO's clip-higher sets 0.28
     dual_clip: float | None = None  # c > 1: bound the loss of A<0 tokens by -c·A
+    clip_mode: str = "fixed"  # dynamic: DCPO's bounds that widen for low-probability tokens
+    ratio_cap: float = 10.0  # clip_mode=dynamic: the largest upper bound [P]
 
     def __post_init__(self):
         _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high)
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise ValueError(f"dual_clip: must be > 1, got {self.dual_clip!r}")
+        if self.clip_mode not in CLIP_MODES:
+            raise ValueError(f"clip_mode: must be one of {', '.join(CLIP_MODES)}, got {self.clip_mode!r}")
+        if isinstance(self.ratio_cap, bool) or not isinstance(self.ratio_cap, (int, float)) or not self.ratio_cap > 1 \
+                or not math.isfinite(self.ratio_cap):
+            raise ValueError(f"ratio_cap: must be a finite number > 1, got {self.ratio_cap!r}")
+
+
+CLIP_MODES = ("fixed", "dynamic")
+
+
+def dynamic_bounds(old_logp: Tensor, eps_low: float, eps_high: float, ratio_cap: float) -> tuple[Tensor, Tensor]:
+    """DCPO's per-token ratio bounds in log space, from q = π_old(y_t) [P: the formula of a public DCPO
+    implementation, not the abstract]: [(1 + √max(1 - 4ε_low/q, 0))/2, min((1 + √(1 + 4ε_high/q))/2, cap)].
+    Both widen as q falls (the lower one to 1/2); at q = 1 they are [(1+√(1-4ε_low))/2, (1+√(1+4ε_high))/2]."""
+    q = torch.exp(old_logp)
+    low = (1 + torch.sqrt((1 - 4 * eps_low / q).clamp(min=0))) / 2
+    high = ((1 + torch.sqrt(1 + 4 * eps_high / q)) / 2).clamp(max=ratio_cap)
+    return torch.log(low), torch.log(high)
 
 
 @register(
     "ppo", "objective", "token",
     "Schulman et al. 2017, PPO (arXiv:1707.06347); clip-higher: DAPO, Yu et al. 2025 "
-    "(arXiv:2503.14476); dual clip: Ye et al. 2020 (arXiv:1912.09729)",
+    "(arXiv:2503.14476); dual clip: Ye et al. 2020 (arXiv:1912.09729); clip_mode=dynamic: Yang et al. "
+    "2025, DCPO: Dynamic Clipping Policy Optimization (arXiv:2509.02333), seed 000 A20",
     PPOOptions,
     loss_agg="token-mean",  # PPO's per-token mean, as DAPO writes it
 )
 def ppo(b: TokenBatch, o: PPOOptions) -> ObjectiveOut:
     """loss_t = max(-A_t·r_t, -A_t·clip(r_t, 1-ε_low, 1+ε_high)); with dual clip c and A_t<0:
-    loss_t = min(loss_t, -c·A_t)."""
+    loss_t = min(loss_t, -c·A_t).
+    clip_mode=dynamic (DCPO; its smooth advantage standardisation is not part of this objective): the
+    bounds depend on the token's prior probability q = π_old(y_t), wider for rare tokens (abstract),
+    [(1 + √max(1 - 4ε_low/q, 0))/2, min((1 + √(1 + 4ε_high/q))/2, ratio_cap)] [P]."""
     adv = b.advantages
     log_r = _log_ratio(b)
     ratio = torch.exp(log_r)
-    lo, hi = _log_bounds(o.eps_low, o.eps_high)
+    if o.clip_mode == "dynamic":
+        lo, hi = dynamic_bounds(b.old_logp, o.eps_low, o.eps_high, o.ratio_cap)
+    else:
+        lo, hi = _log_bounds(o.eps_low, o.eps_high)
     neg_cap = None if o.dual_clip is None else math.log(o.dual_clip)
     loss = _pessimistic(log_r, adv, lo, hi, neg_cap)
     dual = torch.zeros_like(b.mask)
@@ -106,8 +133,8 @@ def ppo(b: TokenBatch, o: PPOOptions) -> ObjectiveOut:
         loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
     return ObjectiveOut(
         loss, ratio,
-        clip_low=(adv < 0) & (ratio < 1 - o.eps_low),
-        clip_high=(adv > 0) & (ratio > 1 + o.eps_high),
+        clip_low=(adv < 0) & (log_r < lo) & b.mask,
+        clip_high=(adv > 0) & (log_r > hi) & b.mask,
         clip_dual=dual,
     )
 

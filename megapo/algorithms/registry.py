@@ -57,6 +57,7 @@ _REGISTRY: dict[tuple[str, str], Entry] = {}
 # Modules that register entries when imported; `entries()` imports them all.
 _MODULES = (
     "megapo.algorithms.objectives",
+    "megapo.algorithms.trust_region",
     "megapo.algorithms.advantages",
     "megapo.algorithms.corrections",
     "megapo.algorithms.aggregation",
