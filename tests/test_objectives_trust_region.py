@@ -326,6 +326,20 @@ def test_cppo_prefix_budget_counts_the_current_token():
     assert grad[0, 1].item() == 0 and grad[0, 0].item() != 0 and grad[0, 2].item() != 0  # r_3 < 1: kept
 
 
+@pytest.mark.parametrize("gradient", ["token", "filter"])
+def test_kpo_filter_runs_across_chunks(gradient):
+    """Sequences longer than the filter's 64-token chunks, packed behind masked prompt tokens: the state
+    must carry over chunk boundaries exactly (reference: the token loop), gradient included."""
+    seqs = make_seqs(seed=16, lengths=(150, 70, 3), noise=0.3)
+    opts = dict(process_var=0.05, obs_var=1.0, init_var=0.5, eps_low=0.1, eps_high=0.1, gradient=gradient)
+    loss, grad, m = lib_loss("kpo", packed(seqs, prompt=5), opts, "token-mean")
+    assert loss.item() == pytest.approx(ref_aggregate(ref_losses("kpo", seqs, opts), "token-mean"), rel=1e-10)
+    assert 0 < float(m["clipfrac_low"]) + float(m["clipfrac_high"]) < 1
+    flat = grad[packed(seqs, prompt=5)["mask"]].tolist()
+    fd = [g for row in _fd_grad("kpo", seqs, opts, "token-mean") for g in row]
+    assert flat == pytest.approx(fd, rel=1e-6, abs=1e-9)
+
+
 @pytest.mark.parametrize("name, opts", [("minpro", {}), ("dppo", {}), ("dppo", {"divergence": "kl"}), ("cppo", {}),
                                         ("dhpo", {}), ("holder", {"p": 2.0}), ("holder", {"p": -1.0}), ("kpo", {}),
                                         ("kpo", {"gradient": "filter"}), ("aspo", {}), ("ppo", {"clip_mode": "dynamic"})])
