@@ -24,7 +24,8 @@ def test_objectives_lists_every_entry(capsys):
         assert e.paper in out
         assert e.formula, f"{e.name} has no formula docstring"
     kinds = {e.kind for e in all_entries}
-    assert kinds == {"objective", "advantage", "correction", "aggregation", "kl", "shaping"}
+    assert kinds == {"objective", "advantage", "advantage_stage", "token_weight", "correction", "aggregation", "kl",
+                     "shaping"}
     names = {e.name for e in entries("objective")}
     assert {"ppo", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "vespo", "ctpo", "minirl", "reinforce"} <= names
     # each objective's default aggregation (used when the config leaves loss_agg "auto") is on its row

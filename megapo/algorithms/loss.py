@@ -24,7 +24,7 @@ from megapo.algorithms.registry import get
 
 # options policy_loss itself understands; everything else goes to the objective's options
 _COMMON = ("correction", "correction_options", "max_len", "ref_logp", "kl_coef", "kl_estimator",
-           "entropy", "entropy_coef")
+           "entropy", "entropy_coef", "token_weight")
 
 
 def _positive(name: str, value) -> float | Tensor | None:
@@ -46,6 +46,13 @@ def _polarity(counts) -> PolarityCounts | None:
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"global_polarity.{name}: must be a finite count >= 0, got {v!r}")
     return counts
+
+
+def _token_weight(b: batch_mod.TokenBatch) -> Tensor:
+    w = b.extra["token_weight"]
+    if bool((w[b.mask] < 0).any()):
+        raise ValueError("token_weight: must be >= 0 at every valid token")
+    return w
 
 
 def _coef(name: str, value) -> float:
@@ -79,7 +86,9 @@ def policy_loss(
     Common options: correction (a correction name) and correction_options (dict); max_len (for
     loss_agg="seq-mean-token-sum-norm"); ref_logp + kl_coef (+ kl_estimator, default "k3") for a
     KL loss term; entropy (per-token entropies, differentiable) + entropy_coef for an entropy
-    bonus. Any other keyword is an option of the objective (see `megapo objectives`).
+    bonus; token_weight (per-token, detached, >= 0: a token_weight stage's output, megapo/algorithms/stages.py)
+    multiplies the objective's per-token loss as a correction does, the normaliser unchanged. Any other
+    keyword is an option of the objective (see `megapo objectives`).
     global_polarity: loss_agg="balanced"'s sequence and token counts by advantage sign over the whole
     batch (aggregation.polarity_counts), so its shards, too, sum to the full-batch loss.
     """
@@ -112,6 +121,9 @@ def policy_loss(
         extra["ref_logp"] = ref_logp.detach() if isinstance(ref_logp, Tensor) else ref_logp
     if entropy is not None:
         extra["entropy"] = entropy
+    token_weight = common.get("token_weight")
+    if token_weight is not None:
+        extra["token_weight"] = token_weight.detach() if isinstance(token_weight, Tensor) else token_weight
     b, _ = batch_mod.build(logp, old_logp, advantages, mask, rollout_logp, cu_seqlens, extra)
 
     out = entry.fn(b, obj_opts)
@@ -121,6 +133,9 @@ def policy_loss(
         weights, corr_metrics = corrections.apply(correction, b, common.get("correction_options"))
         token_loss = token_loss * weights
         metrics.update(corr_metrics)
+    if token_weight is not None:
+        token_loss = token_loss * _token_weight(b)
+        metrics["token_weight_mean"] = b.token_mean(b.extra["token_weight"]).detach()
 
     pg_loss = aggregate(token_loss, b, loss_agg, norm)
     loss = pg_loss

@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-KINDS = ("objective", "advantage", "correction", "aggregation", "kl", "shaping")
+KINDS = ("objective", "advantage", "advantage_stage", "token_weight", "correction", "aggregation", "kl", "shaping")
 GRANULARITIES = ("token", "sequence", "group", "batch")
 
 
@@ -63,6 +63,7 @@ _MODULES = (
     "megapo.algorithms.aggregation",
     "megapo.algorithms.kl",
     "megapo.algorithms.shaping",
+    "megapo.algorithms.stages",
 )
 
 

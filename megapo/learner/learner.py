@@ -40,7 +40,9 @@ from megapo.weights import gather
 # normaliser), so the batch's value is their sum, not their mean
 SHARE_METRICS = ("pg_loss",)
 # per-token sample fields of a train batch, one value per response token
-TOKEN_FIELDS = ("old_logp", "advantage", "rollout_logp", "ref_logp")
+TOKEN_FIELDS = ("old_logp", "advantage", "rollout_logp", "ref_logp", "token_weight")
+# optional ones: every sample has it or none does
+OPTIONAL_FIELDS = ("rollout_logp", "ref_logp", "token_weight")
 
 
 @dataclass
@@ -277,20 +279,23 @@ class Learner:
     def train_step(self, batch: list[dict], objective: str, loss_agg: str = "token-mean", **options) -> dict:
         """One optimizer step on `batch` (the full batch, identical on every rank; each DP rank takes
         its share). Returns metrics: loss, grad_norm, lr, entropy, tokens_per_s, objective metrics."""
-        metrics, _ = self._train(batch, objective, loss_agg, on_policy=False, keep_logprobs=False, options=options)
+        metrics, _ = self._train(batch, objective, loss_agg, on_policy=False, keep_logprobs=False, keep_entropy=False,
+                                 options=options)
         return metrics
 
     def train_step_on_policy(self, batch: list[dict], objective: str, loss_agg: str = "token-mean", *,
-                             keep_logprobs: bool = False, **options) -> tuple[dict, dict]:
+                             keep_logprobs: bool = False, keep_entropy: bool = False, **options) -> tuple[dict, dict]:
         """train_step on a batch whose π_old is the policy being trained (one update on one mini-batch,
         π_old from the learner): π_old is this forward's own detached log-probs, so no separate
         old-log-prob pass runs and samples need no "old_logp". Returns (train metrics, what the
         old-log-prob pass would have given: "metrics", its routing metrics under "replay/...", and with
-        keep_logprobs "logprobs", each sample's response log-probs before the update, on every rank)."""
-        return self._train(batch, objective, loss_agg, on_policy=True, keep_logprobs=keep_logprobs, options=options)
+        keep_logprobs "logprobs", each sample's response log-probs before the update, on every rank; with
+        keep_entropy "entropies", π_old's per-token entropy at them)."""
+        return self._train(batch, objective, loss_agg, on_policy=True, keep_logprobs=keep_logprobs,
+                           keep_entropy=keep_entropy, options=options)
 
     def _train(self, batch: list[dict], objective: str, loss_agg: str, *, on_policy: bool, keep_logprobs: bool,
-               options: dict) -> tuple[dict, dict]:
+               keep_entropy: bool, options: dict) -> tuple[dict, dict]:
         from megatron.core import parallel_state as ps
 
         start = time.perf_counter()
@@ -311,18 +316,20 @@ class Learner:
             if not mb.order:  # an empty micro-batch (DP balancing): no loss, but keep the graph connected
                 return logits.sum() * 0.0, {"tokens": 0}
             # entropy: a metric, and a loss term with entropy_coef
-            packed, entropy = self._selected_logprobs(mb, logits, True, entropy_grad=bool(options.get("entropy_coef")))
+            packed, packed_entropy = self._selected_logprobs(mb, logits, True,
+                                                             entropy_grad=bool(options.get("entropy_coef")))
             # the loss gets the [S, T] view (zeros past each sequence's end) that policy_loss would build from
             # packed inputs, without the device reads its packed path takes
-            logp, entropy = self._padded(mb, packed), self._padded(mb, entropy)
+            logp, entropy = self._padded(mb, packed), self._padded(mb, packed_entropy)
 
             def column(name):
                 return self._padded(mb, cols[name][mb.columns]) if name in cols else None
 
             old = logp.detach() if on_policy else column("old_logp")
             extra = dict(options)
-            if "ref_logp" in cols:
-                extra["ref_logp"] = column("ref_logp")
+            for name in ("ref_logp", "token_weight"):  # a token_weight stage's weights (algorithms/stages.py)
+                if name in cols:
+                    extra[name] = column(name)
             if extra.get("entropy_coef"):
                 extra["entropy"] = entropy
             loss, metrics = loss_fn(objective, logp, old, column("advantage"), mb.mask, column("rollout_logp"),
@@ -332,6 +339,8 @@ class Learner:
                    "entropy_sum": entropy.detach().sum()}
             if keep_logprobs:
                 out["logp"] = (mb.order, packed.detach(), mb.sizes)
+            if keep_entropy:  # π_old's per-token entropy, as the old-log-prob pass would give it
+                out["entropy"] = (mb.order, packed_entropy.detach(), mb.sizes)
             return loss * scale, out
 
         self.model.train()
@@ -345,6 +354,8 @@ class Learner:
         old_pass: dict = {}
         if keep_logprobs:
             old_pass["logprobs"] = self._per_sequence([d["logp"] for d in stored if "logp" in d], len(batch))
+        if keep_entropy:
+            old_pass["entropies"] = self._per_sequence([d["entropy"] for d in stored if "entropy" in d], len(batch))
         if self.route_hook is not None:  # routing replay: disagreement / fallback metrics (collective)
             from megapo.replay.hook import as_replayed, fractions
 
@@ -541,7 +552,7 @@ def _train_inputs(batch: list[dict], vocab: int, *, need_old: bool, device) -> T
         if name == "old_logp" and not need_old:
             continue
         values = [s.get(name) for s in batch]
-        if name in ("rollout_logp", "ref_logp"):
+        if name in OPTIONAL_FIELDS:
             given = [v is not None for v in values]
             if not any(given):
                 continue

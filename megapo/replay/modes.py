@@ -51,26 +51,32 @@ def parse_mode(value, name: str = "routing_replay") -> ReplayMode:
         raise ValueError(f"{name}: must be one of off, r2, r3; got {value!r}") from None
 
 
-def logprobs_with_routes(learner, sequences: list[list[int]], routes=None):
-    """learner.logprobs replaying `routes` (None: free routing) -> (logprobs, routes used, metrics).
-    Collective (all ranks call); routes used: int32 [n-1, L, k] per sequence, on every rank."""
+def logprobs_with_routes(learner, sequences: list[list[int]], routes=None, with_entropy: bool = False):
+    """learner.logprobs replaying `routes` (None: free routing) -> (logprobs, routes used, metrics); with
+    with_entropy the first item is (logprobs, entropies). Collective (all ranks call); routes used: int32
+    [n-1, L, k] per sequence, on every rank."""
     hook = learner.route_hook
     if hook is None:
         raise ValueError("learner: built without routing_replay=True, so routes cannot be replayed or recorded")
-    logps = learner.logprobs(sequences, routes=routes)
+    logps = learner.logprobs(sequences, routes=routes, with_entropy=True) if with_entropy else \
+        learner.logprobs(sequences, routes=routes)
     used = hook.routes_used(len(sequences))
     return logps, used, hook.metrics()
 
 
-def old_logprobs(learner, samples: list[dict], mode) -> tuple[list[torch.Tensor], dict]:
+def old_logprobs(learner, samples: list[dict], mode, with_entropy: bool = False) -> tuple[list[torch.Tensor], dict]:
     """The old-log-prob pass of a rollout batch under `mode`. Returns the per-response-token log-probs
     (one tensor per sample) and metrics; for r2/r3 it sets sample["routes"] to the routes this pass used,
     which every train_step on these samples then replays, and where it routed freely (off with a recording
-    hook, r2) sample["own_routes"] too (stability_metrics)."""
+    hook, r2) sample["own_routes"] too (stability_metrics). with_entropy: sample["old_entropy"] gets π_old's
+    entropy at each response token (for the stages of megapo/algorithms/stages.py)."""
     mode = parse_mode(mode)
     sequences = [list(s["tokens"]) for s in samples]
+    entropies = None
     if mode is ReplayMode.OFF:
-        full = learner.logprobs(sequences)
+        full = learner.logprobs(sequences, with_entropy=True) if with_entropy else learner.logprobs(sequences)
+        if with_entropy:
+            full, entropies = full
         metrics = {}
         if getattr(learner, "route_hook", None) is not None:  # a recording hook: this free pass's routes
             keep_own_routes(samples, learner.route_hook.routes_used(len(samples)))
@@ -80,13 +86,24 @@ def old_logprobs(learner, samples: list[dict], mode) -> tuple[list[torch.Tensor]
         if mode is ReplayMode.R3 and all(r is None for r in given):
             raise ValueError("samples: routing replay r3 needs the engine's routes "
                              "(SamplingParams(return_routes=True))")
-        full, used, metrics = logprobs_with_routes(learner, sequences, given)
+        full, used, metrics = logprobs_with_routes(learner, sequences, given, with_entropy=with_entropy)
+        if with_entropy:
+            full, entropies = full
         for s, r in zip(samples, used):
             s["routes"] = r
         if mode is ReplayMode.R2:  # it routed freely
             keep_own_routes(samples, used)
     logps = [lp[s["prompt_len"] - 1:] for lp, s in zip(full, samples)]
+    if entropies is not None:
+        keep_old_entropy(samples, entropies, response=True)
     return logps, metrics
+
+
+def keep_old_entropy(samples: list[dict], entropies: list, response: bool = False) -> None:
+    """sample["old_entropy"]: π_old's entropy at each response token (`entropies` per whole sequence when
+    `response`, else per response token already)."""
+    for s, h in zip(samples, entropies):
+        s["old_entropy"] = (h[s["prompt_len"] - 1:] if response else h).tolist()
 
 
 def mismatch_kl(learner, samples: list[dict], replayed_logps: list[torch.Tensor] | None = None,
@@ -139,14 +156,16 @@ def free_logprobs(learner, samples: list[dict], mode) -> list[torch.Tensor] | No
 
 def on_policy_step(learner, samples: list[dict], mode, objective: str, loss_agg: str = "token-mean", *,
                    measure_kl: bool = False, free_logps: list[torch.Tensor] | None = None,
-                   **options) -> tuple[dict, dict]:
+                   keep_entropy: bool = False, **options) -> tuple[dict, dict]:
     """One optimizer step on a fresh rollout batch whose π_old is the policy being trained, without the
     separate old-log-prob pass: π_old is the train forward's own log-probs (learner.train_step_on_policy).
     Under r3 that forward replays the engine's routes (own choice where there are none), under r2 it routes
     freely. Returns (train metrics, the metrics the old-log-prob pass would have reported: replay/*,
     stability_metrics' (every step; under r3 the free-routing ones need `free_logps` and the samples'
-    "own_routes" from free_routing) and with measure_kl mismatch_kl's). Collective."""
+    "own_routes" from free_routing) and with measure_kl mismatch_kl's). keep_entropy: each sample's
+    "old_entropy" from this forward (π_old's per-token entropy, as old_logprobs(with_entropy=True)). Collective."""
     mode = parse_mode(mode)
+    given = samples
     if mode is ReplayMode.R3 and all(s.get("routes") is None for s in samples):
         raise ValueError("samples: routing replay r3 needs the engine's routes (SamplingParams(return_routes=True))")
     if mode is not ReplayMode.OFF and learner.route_hook is None:
@@ -158,7 +177,11 @@ def on_policy_step(learner, samples: list[dict], mode, objective: str, loss_agg:
     if measure_kl and mode is ReplayMode.R3 and free_logps is None:
         raise ValueError("free_logps: needed under r3 to measure the KL without replay "
                          "(free_logprobs, before the step)")
-    train, old = learner.train_step_on_policy(samples, objective, loss_agg, keep_logprobs=engine_logps, **options)
+    extra = {"keep_entropy": True} if keep_entropy else {}  # learners without the keyword still work
+    train, old = learner.train_step_on_policy(samples, objective, loss_agg, keep_logprobs=engine_logps, **extra,
+                                              **options)
+    if keep_entropy:
+        keep_old_entropy(given, old["entropies"])
     metrics = dict(old.get("metrics", {}))
     if mode is ReplayMode.OFF:  # a recording hook replays nothing: its replay/* counts mean nothing
         metrics = {}

@@ -133,6 +133,27 @@ class AlgorithmConfig:
     # off | r2 (replay the learner's own routes from the old-log-prob pass) | r3 (replay the engine's routes).
     # `bool` because YAML 1.1 reads a bare `off` as false.
     routing_replay: str | bool = "off"
+    # stages after the estimator (megapo/algorithms/stages.py, `megapo objectives --kind advantage_stage`):
+    # both | positive | negative: which sequence advantages are kept, each side scaled by pos_scale / neg_scale
+    advantage_polarity: str = "both"
+    pos_scale: float = bounded(1.0, ">= 0")
+    neg_scale: float = bounded(1.0, ">= 0")
+    # none | gtpo | grpo_s | advantage_reweighting: per-token advantages from π_old's per-token statistics
+    # (takes the separate old-log-prob pass, with entropies for gtpo / grpo_s)
+    token_advantage: str = "none"
+    token_advantage_options: dict[str, Any] = field(default_factory=dict)
+    # token_select's options ({} = off; score, rho, weight, rho_end, anneal_steps): per-token loss weights,
+    # 1 for the top-rho fraction of the batch's tokens by π_old entropy (or |A|·entropy), `weight` for the rest
+    token_select: dict[str, Any] = field(default_factory=dict)
+
+    def needs_old_stats(self) -> bool:
+        """Whether a stage needs π_old's per-token statistics before the loss (the separate old-log-prob pass)."""
+        return self.token_advantage != "none" or bool(self.token_select)
+
+    def needs_old_entropy(self) -> bool:
+        from megapo.algorithms.stages import NEEDS_ENTROPY
+
+        return self.token_advantage in NEEDS_ENTROPY or bool(self.token_select)
 
     def __post_init__(self) -> None:
         if self.routing_replay is False:
@@ -278,6 +299,7 @@ class RunConfig:
                 raise ConfigError(field_name, f"unknown {kind} {name!r}; known: {', '.join(known)}")
         _check_options("objective", a.objective, a.objective_options, "algorithm.objective_options")
         _check_options("advantage", a.advantage, a.advantage_options, "algorithm.advantage_options")
+        self._validate_stages()
         if a.mismatch != "none":
             known = _registry_names("correction")
             if a.mismatch not in known:
@@ -289,6 +311,25 @@ class RunConfig:
             raise ConfigError("algorithm.old_policy", f"must be one of {', '.join(OLD_POLICIES)}, got {a.old_policy!r}")
         if a.routing_replay not in ROUTING_REPLAY:
             raise ConfigError("algorithm.routing_replay", f"must be off, r2 or r3, got {a.routing_replay!r}")
+
+    def _validate_stages(self) -> None:
+        from megapo.algorithms.stages import POLARITIES
+
+        a = self.algorithm
+        if a.advantage_polarity not in POLARITIES:
+            raise ConfigError("algorithm.advantage_polarity", f"must be one of {', '.join(POLARITIES)}, "
+                              f"got {a.advantage_polarity!r}")
+        known = [n for n in _registry_names("advantage_stage") if n != "polarity"]
+        if a.token_advantage != "none":
+            if a.token_advantage not in known:
+                raise ConfigError("algorithm.token_advantage", f"unknown stage {a.token_advantage!r}; known: none, "
+                                  f"{', '.join(known)}")
+            _check_options("advantage_stage", a.token_advantage, a.token_advantage_options,
+                           "algorithm.token_advantage_options")
+        elif a.token_advantage_options:
+            raise ConfigError("algorithm.token_advantage_options", "given but algorithm.token_advantage is 'none'")
+        if a.token_select:
+            _check_options("token_weight", "token_select", a.token_select, "algorithm.token_select")
 
     def _validate_rollout(self) -> None:
         r = self.rollout

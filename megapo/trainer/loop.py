@@ -127,15 +127,19 @@ def rollout_round(engine, params, examples: list, prompt_ids: list[list[int]], r
 
 
 def train_samples(groups: list[Group], cfg: RunConfig) -> list[dict]:
-    """Learner train samples (CONTRACTS.md) with per-sequence advantages from the configured estimator;
-    `old_logp` is filled in by the old-log-prob pass (`old_logprob_pass`)."""
+    """Learner train samples (CONTRACTS.md) with per-sequence advantages from the configured estimator (and
+    algorithm.advantage_polarity); `old_logp` is filled in by the old-log-prob pass (`old_logprob_pass`), the
+    per-token stages after it (`token_stages`)."""
     from megapo.algorithms import compute_advantages
+    from megapo.algorithms.stages import apply_polarity
 
     n = cfg.rollout.n_samples
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
     lengths = torch.tensor([[len(s.output_ids) for s in g.samples] for g in groups])  # token-weighted estimators
     adv = compute_advantages(cfg.algorithm.advantage, rewards, group_size=n, lengths=lengths,
                              **cfg.algorithm.advantage_options)
+    a = cfg.algorithm
+    adv = apply_polarity(adv, a.advantage_polarity, a.pos_scale, a.neg_scale)
     out = []
     for gi, g in enumerate(groups):
         for si, s in enumerate(g.samples):
@@ -160,7 +164,7 @@ def old_logprob_pass(learner, batch: list[dict], cfg: RunConfig, measure_free_kl
     from megapo.replay.modes import mismatch_kl, old_logprobs, stability_metrics
 
     mode = cfg.algorithm.routing_replay
-    logps, metrics = old_logprobs(learner, batch, mode)
+    logps, metrics = old_logprobs(learner, batch, mode, with_entropy=cfg.algorithm.needs_old_entropy())
     for sample, lp in zip(batch, logps):
         sample["old_logp"] = lp.tolist()
     free = logps if mode != "r3" else free_logps  # off / r2: this pass routed freely
@@ -173,9 +177,35 @@ def old_logprob_pass(learner, batch: list[dict], cfg: RunConfig, measure_free_kl
 def on_policy(cfg: RunConfig, learner) -> bool:
     """Whether π_old is the policy being trained (one update on one mini-batch, π_old from the learner): the
     train forward then is the old-log-prob pass too (megapo.replay.modes.on_policy_step). A learner without
-    train_step_on_policy gets the separate pass."""
+    train_step_on_policy gets the separate pass, and so does a stage that needs π_old's per-token statistics
+    before the loss (algorithm.token_advantage, algorithm.token_select)."""
     return (cfg.train.updates_per_rollout == 1 and cfg.train.mini_batches == 1 and cfg.old_policy() == "learner"
-            and hasattr(learner, "train_step_on_policy"))
+            and not cfg.algorithm.needs_old_stats() and hasattr(learner, "train_step_on_policy"))
+
+
+def token_stages(batch: list[dict], cfg: RunConfig, step: int) -> dict:
+    """The per-token stages after the old-log-prob pass, on the whole train batch at once (so their
+    batch-global statistics do not depend on mini-, micro-batches or DP ranks): algorithm.token_advantage
+    turns each sample's advantage into a per-token list, algorithm.token_select sets sample["token_weight"]
+    (the learner multiplies the per-token loss by it). π_old = sample["old_logp"], its entropy
+    sample["old_entropy"]."""
+    from megapo.algorithms.stages import token_advantages, token_select_weights
+
+    a, metrics = cfg.algorithm, {}
+    if a.token_advantage != "none":
+        adv = torch.tensor([s["advantage"] for s in batch], dtype=torch.float64)
+        per_token = token_advantages(a.token_advantage, adv, [s["old_logp"] for s in batch],
+                                     [s.get("old_entropy") for s in batch], group_size=cfg.rollout.n_samples,
+                                     **a.token_advantage_options)
+        for sample, values in zip(batch, per_token):
+            sample["advantage"] = values.tolist()
+    if a.token_select:
+        weights = token_select_weights([s["advantage"] for s in batch], [s["old_entropy"] for s in batch],
+                                       step=step, **a.token_select)
+        for sample, w in zip(batch, weights):
+            sample["token_weight"] = w.tolist()
+        metrics["token_select/kept_frac"] = float(torch.cat(weights).eq(1).double().mean())
+    return metrics
 
 
 def use_engine_logprobs(batch: list[dict]) -> dict:
@@ -329,7 +359,7 @@ def mini_batch_bounds(num_groups: int, mini_batches: int, n_samples: int) -> lis
 
 
 def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, options: dict, timer: StepTimer,
-                  measure_free_kl: bool = False, measure_free_routing: bool = False) -> dict:
+                  measure_free_kl: bool = False, measure_free_routing: bool = False, step: int = 1) -> dict:
     """All ranks: advantages, old (and reference) log-probs, then the optimizer steps on mini-batches.
     π_old (sample["old_logp"]) and the replayed routes (sample["routes"]) are set once, before the first
     update, and stay fixed over all of them. Under r3, `measure_free_kl` / `measure_free_routing` take one more
@@ -348,6 +378,7 @@ def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, optio
             metrics.update(old_logprob_pass(learner, batch, cfg, measure_free_kl, free_logps=free))
     if cfg.old_policy() == "engine":
         metrics.update(use_engine_logprobs(batch))
+    metrics.update(token_stages(batch, cfg, step))  # trainer step `step` (token_select's schedule)
     if cfg.algorithm.kl_coef:
         with timer("ref_logp"):
             ref = _broadcast(reference.response_logprobs(batch) if reference is not None else None)
@@ -508,7 +539,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
             if groups:
                 eval_step = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
                 metrics.update(update_policy(learner, groups, cfg, reference, options, timer, measure_free_kl=eval_step,
-                                             measure_free_routing=stability_step(cfg, step)))
+                                             measure_free_routing=stability_step(cfg, step), step=step))
                 with timer("sync"):
                     version += 1
                     metrics.update(sync_weights(learner, engine, version, cfg, transport))

@@ -1,0 +1,276 @@
+"""Stages between the advantage estimator and the loss.
+
+    adv = apply_polarity(adv, "negative")                        # [P, n] sequence advantages (WAPO/NSR-style)
+    per_token = token_advantages("gtpo", adv, old_logp, old_entropy)   # one tensor per sample
+    weights = token_select_weights(per_token, old_entropy, step=7, rho=0.2)   # per-token loss weights
+
+- `advantage_stage` entries reshape advantages after the estimator: `polarity` on the sequence
+  advantages, the others turn them into per-token advantages from π_old's per-token statistics
+  (sample["old_logp"], sample["old_entropy"]: the old-log-prob pass's).
+- `token_weight` entries give a detached weight per token that multiplies the objective's per-token
+  loss as a correction does (policy_loss's `token_weight`); the normaliser's token count is unchanged.
+
+Inputs are lists with one 1-D tensor per sample (its response tokens), samples of a prompt contiguous
+(`group_size` of them). Statistics over the batch (a quantile) are taken once over every token given,
+so the result does not depend on how the learner later splits the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megapo.algorithms.registry import get, register
+
+POLARITIES = ("both", "positive", "negative")
+SCORES = ("entropy", "adv_entropy")
+
+
+# ----------------------------------------------------------------------------- sequence polarity
+
+
+@dataclass
+class PolarityOptions:
+    polarity: str = "both"
+    pos_scale: float = 1.0
+    neg_scale: float = 1.0
+
+    def __post_init__(self):
+        if self.polarity not in POLARITIES:
+            raise ValueError(f"advantage_polarity: must be one of {', '.join(POLARITIES)}, got {self.polarity!r}")
+        for name in ("pos_scale", "neg_scale"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
+
+
+@register(
+    "polarity", "advantage_stage", "sequence",
+    "sample polarity (seed 000 A53, A3PO's positive/negative split); negative-only and weighted-positive "
+    "training as Zhu et al. 2025, The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning "
+    "(NSR, W-REINFORCE)",
+    PolarityOptions,
+)
+def polarity(adv: Tensor, o: PolarityOptions) -> Tensor:
+    """A'_i = pos_scale·A_i if A_i > 0, neg_scale·A_i if A_i < 0 (0 stays 0); polarity=positive drops the
+    negative ones (A'_i = 0), negative drops the positive ones. Applied to the estimator's output."""
+    pos = torch.where(adv > 0, adv * o.pos_scale, torch.zeros_like(adv))
+    neg = torch.where(adv < 0, adv * o.neg_scale, torch.zeros_like(adv))
+    if o.polarity == "positive":
+        return pos
+    if o.polarity == "negative":
+        return neg
+    return pos + neg
+
+
+def apply_polarity(adv: Tensor, polarity_name: str = "both", pos_scale: float = 1.0,
+                   neg_scale: float = 1.0) -> Tensor:
+    """The `polarity` stage; the default (both, 1, 1) returns `adv` itself."""
+    o = PolarityOptions(polarity_name, pos_scale, neg_scale)
+    if (o.polarity, o.pos_scale, o.neg_scale) == ("both", 1.0, 1.0):
+        return adv
+    return polarity(adv, o)
+
+
+# ----------------------------------------------------------------------------- per-token advantages
+
+
+@dataclass
+class TokenStats:
+    """π_old per-token statistics on a padded [S, T] view (0 past each response's end)."""
+
+    old_logp: Tensor
+    entropy: Tensor | None
+    mask: Tensor  # bool
+
+
+def _check_weights(alpha1: float, alpha2: float) -> None:
+    for name, v in (("alpha1", alpha1), ("alpha2", alpha2)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
+
+
+@dataclass
+class EntropyWeightOptions:
+    alpha1: float = 0.5  # weight of the plain advantage
+    alpha2: float = 0.5  # weight of the entropy share (alpha1 + alpha2 = 1 keeps the mean factor 1)
+    eps: float = 1e-6  # in 1/(H + eps) for the negative side
+
+    def __post_init__(self):
+        _check_weights(self.alpha1, self.alpha2)
+        if not (isinstance(self.eps, (int, float)) and self.eps > 0):
+            raise ValueError(f"eps: must be > 0, got {self.eps!r}")
+
+
+@dataclass
+class ReweightOptions:
+    alpha: float = 0.3
+
+    def __post_init__(self):
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1:
+            raise ValueError(f"alpha: must be in [0, 1], got {self.alpha!r}")
+
+
+def _side_share(values: Tensor, side: Tensor, mask: Tensor) -> Tensor:
+    """[P, n, T]: d_t·v_{i,t}/Σ_{k in side, alive at t} v_{k,t} for i on `side` ([P, n]) and alive at t, where
+    d_t is the number of such k (the share's mean over them is 1); 1 where the sum is 0, 0 elsewhere."""
+    on = side[..., None] & mask
+    v = torch.where(on, values, torch.zeros_like(values))
+    total = v.sum(1, keepdim=True)
+    alive = on.to(values.dtype).sum(1, keepdim=True)
+    share = torch.where(total > 0, alive * v / torch.where(total > 0, total, torch.ones_like(total)),
+                        torch.ones_like(v))
+    return torch.where(on, share, torch.zeros_like(v))
+
+
+@register(
+    "gtpo", "advantage_stage", "token",
+    "Tan et al. 2025, GTPO and GRPO-S: Token and Sequence-Level Reward Shaping with Policy Entropy "
+    "(arXiv:2508.04349), GTPO (seed 000 A57)",
+    EntropyWeightOptions,
+)
+def gtpo(adv: Tensor, s: TokenStats, o: EntropyWeightOptions) -> Tensor:
+    """Ã_{i,t} = A_i·(α₁ + α₂·w_{i,t}) within each group. A_i > 0: w_{i,t} = d_t·H_{i,t}/Σ_{k∈G₊,|y_k|≥t} H_{k,t}
+    (d_t = how many positive samples reach t: high-entropy tokens of correct responses get more credit);
+    A_i < 0: the same share of 1/(H + eps) (low-entropy, confident tokens of wrong responses get more blame).
+    H = π_old's entropy at the token. Assumptions (the abstract gives the weight ratio H_{i,t}/Σ_k H_{k,t}
+    only): the weight multiplies the estimator's advantage instead of the reward before normalisation;
+    α₁ = α₂ = 0.5 by default (ours), so the mean factor over a position's samples is 1."""
+    pos, neg = adv > 0, adv < 0
+    share = _side_share(s.entropy, pos, s.mask) + _side_share(1.0 / (s.entropy + o.eps), neg, s.mask)
+    return adv[..., None] * (o.alpha1 + o.alpha2 * share) * s.mask
+
+
+@register(
+    "grpo_s", "advantage_stage", "sequence",
+    "Tan et al. 2025, GTPO and GRPO-S: Token and Sequence-Level Reward Shaping with Policy Entropy "
+    "(arXiv:2508.04349), GRPO-S (seed 000 A57)",
+    EntropyWeightOptions,
+)
+def grpo_s(adv: Tensor, s: TokenStats, o: EntropyWeightOptions) -> Tensor:
+    """Ã_i = A_i·(α₁ + α₂·w_i) on every token of sample i, Ĥ_i = mean_t H_{i,t} (π_old's entropy). A_i > 0:
+    w_i = |G₊|·Ĥ_i/Σ_{k∈G₊} Ĥ_k (correct responses with higher mean entropy get more credit); A_i < 0: the
+    same share of 1/(Ĥ + eps). Same assumptions as gtpo (weight on the advantage, α₁ = α₂ = 0.5 ours)."""
+    m = s.mask.to(s.entropy.dtype)
+    mean_h = (s.entropy * m).sum(-1) / m.sum(-1).clamp(min=1)
+    one = torch.ones_like(mean_h, dtype=torch.bool)[..., None]
+    share = (_side_share(mean_h[..., None], adv > 0, one) + _side_share(1.0 / (mean_h[..., None] + o.eps), adv < 0, one))
+    return adv[..., None] * (o.alpha1 + o.alpha2 * share) * s.mask
+
+
+@register(
+    "advantage_reweighting", "advantage_stage", "token",
+    "Yang et al. 2025, Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs, Advantage "
+    "Reweighting (seed 000 A100; Lopti's separate low-probability update is not included)",
+    ReweightOptions,
+)
+def advantage_reweighting(adv: Tensor, s: TokenStats, o: ReweightOptions) -> Tensor:
+    """Ã_{i,t} = (α·π_old(y_t) + 1 − α)·A_i: low-probability tokens' advantages are attenuated
+    (α ∈ [0, 1]; 0 is the plain advantage)."""
+    return adv[..., None] * (o.alpha * torch.exp(s.old_logp) + 1 - o.alpha) * s.mask
+
+
+NEEDS_ENTROPY = ("gtpo", "grpo_s")
+
+
+def _padded(values: list, width: int, dtype) -> Tensor:
+    out = torch.zeros(len(values), width, dtype=dtype)
+    for i, v in enumerate(values):
+        v = torch.as_tensor(v, dtype=dtype).reshape(-1)
+        out[i, : v.numel()] = v
+    return out
+
+
+def token_advantages(name: str, advantages: Tensor, old_logp: list, entropy: list | None = None, *,
+                     group_size: int, **options) -> list[Tensor]:
+    """Per-token advantages of stage `name`: `advantages` [S] (one per sample, groups of `group_size`
+    contiguous), `old_logp` / `entropy` one sequence of π_old's response-token values per sample.
+    Returns one float64 tensor per sample, as long as its old_logp."""
+    entry = get("advantage_stage", name, argument="token_advantage")
+    if name == "polarity":
+        raise ValueError("token_advantage: polarity acts on sequence advantages (algorithm.advantage_polarity)")
+    opts = entry.make_options(options)
+    lengths = [len(v) for v in old_logp]
+    if advantages.numel() != len(lengths) or len(lengths) % group_size:
+        raise ValueError(f"advantages: {advantages.numel()} for {len(lengths)} samples in groups of {group_size}")
+    if name in NEEDS_ENTROPY and (entropy is None or any(e is None for e in entropy)):
+        raise ValueError(f"entropy: token_advantage {name!r} needs π_old's per-token entropy (sample['old_entropy'])")
+    for i, (n, e) in enumerate(zip(lengths, entropy or [None] * len(lengths))):
+        if e is not None and len(e) != n:
+            raise ValueError(f"entropy[{i}]: {len(e)} values for {n} response tokens")
+    width, dt = max(lengths), torch.float64
+    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    shape = (-1, group_size, width)
+    stats = TokenStats(_padded(old_logp, width, dt).view(shape),
+                       None if entropy is None else _padded(entropy, width, dt).view(shape), mask.view(shape))
+    out = entry.fn(advantages.to(dt).view(-1, group_size), stats, opts).reshape(len(lengths), width)
+    return [out[i, :n] for i, n in enumerate(lengths)]
+
+
+# ----------------------------------------------------------------------------- token weights
+
+
+@dataclass
+class TokenSelectOptions:
+    score: str = "entropy"  # entropy: H_t; adv_entropy: |A_t|·H_t
+    rho: float = 0.2  # fraction of the batch's tokens with weight 1 (the top scores)
+    weight: float = 0.0  # weight of the other tokens (0: masked out)
+    rho_end: float | None = None  # anneal rho linearly to this over anneal_steps trainer steps
+    anneal_steps: int = 0
+
+    def __post_init__(self):
+        if self.score not in SCORES:
+            raise ValueError(f"score: must be one of {', '.join(SCORES)}, got {self.score!r}")
+        for name in ("rho", "rho_end"):
+            v = getattr(self, name)
+            if v is None and name == "rho_end":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ValueError(f"{name}: must be in (0, 1], got {v!r}")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not 0 <= self.weight <= 1:
+            raise ValueError(f"weight: must be in [0, 1], got {self.weight!r}")
+        if isinstance(self.anneal_steps, bool) or not isinstance(self.anneal_steps, int) or self.anneal_steps < 0:
+            raise ValueError(f"anneal_steps: must be an integer >= 0, got {self.anneal_steps!r}")
+        if (self.rho_end is None) != (self.anneal_steps == 0):
+            raise ValueError("rho_end: give rho_end and anneal_steps > 0 together (or neither)")
+
+    def rho_at(self, step: int) -> float:
+        """ρ at trainer step `step` (1-based): rho, moving linearly to rho_end over anneal_steps steps."""
+        if self.rho_end is None:
+            return self.rho
+        return self.rho + (self.rho_end - self.rho) * min(1.0, max(step - 1, 0) / self.anneal_steps)
+
+
+@register(
+    "token_select", "token_weight", "batch",
+    "token selection by entropy: D³S token level, |A|·H (seed 000 A14); EGSPO's entropy gate, attenuated "
+    "low-entropy tokens (A9); the high-entropy-minority rule (Wang et al. 2025, Beyond the 80/20 Rule); "
+    "a schedule of the selection over training (A71)",
+    TokenSelectOptions,
+)
+def token_select(scores: Tensor, o: TokenSelectOptions, step: int) -> Tensor:
+    """w_t = 1 if s_t ≥ τ else w, τ the k-th largest score over every response token of the batch,
+    k = ⌈ρ·N⌉ (ties at τ all get 1); s_t = H_t (score=entropy) or |A_t|·H_t (adv_entropy), H π_old's
+    entropy, A the final per-token advantage; ρ moves linearly from rho to rho_end over anneal_steps
+    trainer steps. The weight multiplies the per-token loss; the normaliser still counts every token."""
+    k = max(1, math.ceil(o.rho_at(step) * scores.numel() - 1e-9))  # 0.3·20 is 6.000000000000001 in floats
+    tau = torch.topk(scores, k).values[-1]
+    return torch.where(scores >= tau, torch.ones_like(scores), torch.full_like(scores, float(o.weight)))
+
+
+def token_select_weights(advantages: list, entropy: list, *, step: int = 1, **options) -> list[Tensor]:
+    """Per-token loss weights of `token_select` for a batch: per-sample `advantages` (per token, or one
+    number) and π_old `entropy` (per token); the quantile is taken once over the whole batch."""
+    entry = get("token_weight", "token_select")
+    opts = entry.make_options(options)
+    if any(e is None for e in entropy):
+        raise ValueError("entropy: token_select needs π_old's per-token entropy (sample['old_entropy'])")
+    ent = [torch.as_tensor(e, dtype=torch.float64).reshape(-1) for e in entropy]
+    adv = [torch.as_tensor(a, dtype=torch.float64).reshape(-1).expand(len(e)) for a, e in zip(advantages, ent)]
+    flat_h = torch.cat(ent)
+    scores = flat_h if opts.score == "entropy" else torch.cat(adv).abs() * flat_h
+    weights = entry.fn(scores, opts, step)
+    return list(torch.split(weights, [len(e) for e in ent]))
