@@ -220,11 +220,11 @@ def test_loop_scores_failures_zero_and_counts_them(user_module, tiny_moe):
     user_module("strict_reward_mod", STRICT_REWARD)
     tok = AutoTokenizer.from_pretrained(tiny_moe)
 
-    class Engine:  # sample 0 of each prompt is the right answer then EOS, the others a wrong "7"
+    class Engine:  # sample 0 of each prompt is the right answer then EOS, the others a wrong "7" then EOS
         def generate(self, prompts, params):
             right = [list(tok(pool[0][0].answer, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]]
-            wrong = list(tok("7", add_special_tokens=False)["input_ids"])
-            return [[Sample(p, ids, [0.0] * len(ids), "stop" if k == 0 else "length", 0)
+            wrong = list(tok("7", add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
+            return [[Sample(p, ids, [0.0] * len(ids), "stop", 0)
                      for k, ids in enumerate(right + [wrong] * (params.n - 1))] for p in prompts]
 
     def cfg_for(errors):
@@ -268,6 +268,7 @@ def test_a_reward_that_fails_mid_run_ends_in_one_line_exit_1(tmp_path, tiny_moe,
            f"model.path={tiny_moe}", "sft.enabled=false", f"train.output_dir={out}", "train.steps=2",
            "train.eval_every=0", "train.log=[jsonl]", "data.prompts_per_step=2", "rollout.n_samples=2",
            "rollout.max_new_tokens=4", "data.dynamic_sampling=false", "data.reward=flaky_reward:flaky",
+           "data.truncated_reward=null",  # the random model's responses are all cut at 4 tokens: score them
            "data.reward_errors=fail", "algorithm.routing_replay=off", f"train.mode={mode}"]
     env = {"PYTHONPATH": f"{tmp_path}:{root}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600, env=env)

@@ -256,7 +256,7 @@ def train_rows(tmp_path, tiny_moe, reward, mode, *extra):
            "rollout.dtype=bfloat16", f"algorithm.routing_replay={mode}", "train.steps=3",
            f"model.path={tiny_moe}", "sft.enabled=false", f"train.output_dir={out}", "train.eval_every=0",
            "train.ckpt_every=0", "train.log=[jsonl]", "data.prompts_per_step=16", "data.dynamic_sampling=false",
-           f"data.reward={reward}", *extra]
+           f"data.reward={reward}", "data.truncated_reward=null", *extra]
     env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -61,7 +61,8 @@ def _cmd(model, out, *extra):
     return [sys.executable, "-m", "megapo.cli", "train", str(CONFIG), f"model.path={model}", "sft.enabled=false",
             f"train.output_dir={out}", "train.steps=3", "train.ckpt_every=1", "train.keep_last=5", "train.eval_every=0",
             "train.log=[jsonl]", "data.prompts_per_step=2", "rollout.n_samples=4", "rollout.max_new_tokens=6",
-            "data.dynamic_sampling=false", "data.reward=stop_rewards:parity", "algorithm.routing_replay=off", *extra]
+            "data.dynamic_sampling=false", "data.reward=stop_rewards:parity", "algorithm.routing_replay=off",
+            "data.truncated_reward=null", *extra]
 
 
 def _steps(out):

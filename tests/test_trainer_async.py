@@ -88,6 +88,7 @@ def _cfg(model, out, reward, **over):
     items = {
         "model.path": str(model), "algorithm.routing_replay": "off", "algorithm.objective": "ppo",
         "rollout.n_samples": 4, "rollout.max_new_tokens": 6, "data.task": "addition", "data.reward": reward,
+        "data.truncated_reward": None,
         "data.prompts_per_step": 4, "data.max_prompt_tokens": 16, "data.dynamic_sampling": False,
         "train.steps": 6, "train.eval_every": 0, "train.ckpt_every": 0, "train.output_dir": str(out),
         "train.log": ["jsonl"], "train.mode": "async", "train.staleness": 2,

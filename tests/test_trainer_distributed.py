@@ -25,7 +25,7 @@ def _overrides(model, out):
     return [f"model.path={model}", "sft.enabled=false", f"train.output_dir={out}", "train.steps=3",
             "train.eval_every=0", "train.ckpt_every=0", "train.log=[jsonl]", "data.prompts_per_step=4",
             "rollout.n_samples=4", "rollout.max_new_tokens=6", "data.dynamic_sampling=false",
-            "data.reward=dist_rewards:parity", "optim.lr=0.01", "optim.warmup_steps=0",
+            "data.reward=dist_rewards:parity", "data.truncated_reward=null", "optim.lr=0.01", "optim.warmup_steps=0",
             "algorithm.kl_coef=0.01"]
 
 

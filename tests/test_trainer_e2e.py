@@ -21,7 +21,7 @@ def test_megapo_train_r3_two_steps(tmp_path, tiny_moe):
            f"model.path={tiny_moe}", "sft.enabled=false", f"train.output_dir={out}", "train.steps=2",
            "train.eval_every=2", "train.eval_prompts=50", "train.ckpt_every=0", "train.log=[jsonl]",
            "data.prompts_per_step=4", "rollout.n_samples=4", "data.dynamic_sampling=false",
-           "data.reward=e2e_parity_reward:parity", "algorithm.routing_replay=r3",
+           "data.reward=e2e_parity_reward:parity", "data.truncated_reward=null", "algorithm.routing_replay=r3",
            "optim.lr=0.01", "optim.warmup_steps=0"]  # a visible update, so a lost weight sync would show
     env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)

@@ -114,6 +114,7 @@ def _cfg(tiny_dense, out, reward, **over):
     items = {
         "model.path": str(tiny_dense), "algorithm.routing_replay": "off", "algorithm.objective": "ppo",
         "rollout.n_samples": 4, "rollout.max_new_tokens": 6, "data.task": "addition", "data.reward": reward,
+        "data.truncated_reward": None,
         "data.prompts_per_step": 4, "data.max_prompt_tokens": 16, "data.dynamic_sampling": True,
         "train.steps": 4, "train.eval_every": 2, "train.eval_prompts": 20, "train.ckpt_every": 2,
         "train.keep_last": 5, "train.output_dir": str(out), "train.log": ["jsonl"],

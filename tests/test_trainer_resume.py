@@ -29,7 +29,7 @@ def _cmd(model, out, *extra, resume=False):
             f"model.path={model}", "sft.enabled=false", f"train.output_dir={out}", "train.steps=5",
             "train.ckpt_every=2", "train.keep_last=5", "train.eval_every=0", "train.log=[jsonl]",
             "data.prompts_per_step=2", "rollout.n_samples=4", "rollout.max_new_tokens=6",
-            "data.dynamic_sampling=false", "data.reward=resume_rewards:parity", "algorithm.routing_replay=off",
+            "data.dynamic_sampling=false", "data.reward=resume_rewards:parity", "data.truncated_reward=null", "algorithm.routing_replay=off",
             "optim.lr=0.01", "optim.warmup_steps=2", "optim.lr_schedule=cosine", *extra]
 
 

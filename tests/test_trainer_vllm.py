@@ -76,7 +76,7 @@ def test_vllm_engine_learns_weights_each_step(tmp_path, family, sizes, sync, dty
              "rollout.dtype": dtype, "algorithm.routing_replay": "off", "algorithm.objective": "ppo",
              "rollout.n_samples": 4,
              "rollout.max_new_tokens": 6, "data.task": "addition", "data.prompts_per_step": 4,
-             "data.max_prompt_tokens": 16, "data.dynamic_sampling": False, "data.reward": reward_module,
+             "data.max_prompt_tokens": 16, "data.dynamic_sampling": False, "data.reward": reward_module, "data.truncated_reward": None,
              "train.steps": 2, "train.eval_every": 0, "train.ckpt_every": 0, "train.output_dir": str(tmp_path / "run"),
              "train.log": ["jsonl"]}
     cfg = run_config(items)

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from megapo.tasks.base import Example
+from megapo.tasks.base import Example, Task
 
 NUM_PROBLEMS = 1000 * 1000
 SPLIT_SEED = 20240917
@@ -48,21 +48,19 @@ def answer_text(a: int, b: int) -> str:
 
 def example(problem_id: int) -> Example:
     a, b = divmod(int(problem_id), 1000)
-    return Example(prompt_text(a, b), answer_text(a, b), {"a": a, "b": b, "id": int(problem_id)})
+    return Example(prompt_text(a, b), answer_text(a, b), {"a": a, "b": b, "id": int(problem_id)}, difficulty=3)
+
+
+def task() -> Task:
+    """data.task=addition (megapo.tasks.registry): the answer is the whole response, scored by exact match."""
+    sizes = {"train": NUM_PROBLEMS - TEST_SIZE - VALIDATION_SIZE, "validation": VALIDATION_SIZE, "test": TEST_SIZE}
+    return Task("addition", sizes, lambda split, i: example(split_ids(split)[i]), reward="exact_match")
 
 
 def examples(split: str, n: int | None = None, seed: int | None = None) -> list[Example]:
     """`n` examples of `split` (all when n is None). With a seed, a seeded random subset of the split;
     without, the first n in the split's fixed order."""
-    ids = split_ids(split)
-    if n is not None:
-        if n > len(ids):
-            raise ValueError(f"n={n} exceeds the {split} split ({len(ids)} problems)")
-        if seed is not None:
-            ids = ids[np.random.default_rng(seed).choice(len(ids), size=n, replace=False)]
-        else:
-            ids = ids[:n]
-    return [example(i) for i in ids]
+    return task().examples(split, n, seed)
 
 
 def verify(example: Example, response: str) -> float:

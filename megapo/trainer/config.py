@@ -201,7 +201,9 @@ class OverlongConfig:
 
 @dataclass
 class DataConfig:
-    task: str = ""  # built-in task ("addition"); empty when train_files are given
+    # a task (megapo.tasks.registry): built-in (addition, addition_cot) or "module:function"; empty with train_files
+    task: str = ""
+    task_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the task's function
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
@@ -211,7 +213,10 @@ class DataConfig:
     prompts_per_step: int = bounded(64, ">= 1")
     dynamic_sampling: bool = False
     max_sampling_rounds: int = bounded(4, ">= 1")  # dynamic sampling: rounds of refills before training on fewer groups
-    reward: str = "exact_match"
+    reward: str = "auto"  # exact_match | math | "module:function" | auto: the task's own, else exact_match
+    # the reward of a response cut at rollout.max_new_tokens (no end-of-sequence), whatever its text would
+    # score (null: score its text like a finished one's)
+    truncated_reward: float | None = 0.0
     # a reward call that takes longer fails (0: no limit, and the reward runs in the caller's thread)
     reward_timeout_s: float = bounded(60.0, ">= 0", "0: no limit")
     # a reward that raises, times out or returns no finite number: fail (stop, naming the reward and the
@@ -393,7 +398,8 @@ class RunConfig:
                 raise ConfigError(f"train.log[{i}]", f"unknown backend {backend!r}; choose from {', '.join(LOG_BACKENDS)}")
 
     def _validate_data(self) -> None:
-        from megapo.trainer import data, rewards
+        from megapo.tasks.registry import reward_spec
+        from megapo.trainer import rewards
 
         d = self.data
         if d.prompts_per_step % self.parallel.dp:
@@ -404,29 +410,31 @@ class RunConfig:
             raise ConfigError("data.overlong.buffer", f"must be in (0, rollout.max_new_tokens={self.rollout.max_new_tokens}), "
                               f"got {d.overlong.buffer}")
         if d.task and d.train_files:
-            raise ConfigError("data.task", "give either a built-in task or train_files, not both")
+            raise ConfigError("data.task", "give either a task or train_files, not both")
         if d.task:
-            if d.task not in data.BUILTIN_TASKS:
-                raise ConfigError("data.task", f"unknown task {d.task!r}; built-in: {', '.join(data.BUILTIN_TASKS)}")
-            from megapo.tasks import addition
+            from megapo.tasks.registry import get_task
 
-            if self.train.eval_prompts > addition.TEST_SIZE:
-                raise ConfigError("train.eval_prompts", f"the {d.task} test split has {addition.TEST_SIZE} problems, "
+            test_size = get_task(d.task, d.task_options).size("test")
+            if self.train.eval_prompts > test_size:
+                raise ConfigError("train.eval_prompts", f"the {d.task} test split has {test_size} problems, "
                                   f"got {self.train.eval_prompts}")
+        elif d.task_options:
+            raise ConfigError("data.task_options", "given but data.task is not set")
         elif not d.train_files:
             raise ConfigError("data.train_files", "no data: set data.task or data.train_files")
         if d.reward_errors not in rewards.REWARD_ERRORS:
             raise ConfigError("data.reward_errors", f"must be one of {', '.join(rewards.REWARD_ERRORS)}, "
                               f"got {d.reward_errors!r}")
-        rewards.get_reward(d.reward, "data.reward")
+        rewards.get_reward(reward_spec(d), "data.reward")
 
     def _validate_sources(self) -> None:
         """The data files' rows, whether a prompt fits (megapo.trainer.data.check_sources), and one call of
         the reward on the first training example."""
+        from megapo.tasks.registry import reward_spec
         from megapo.trainer import data, rewards
 
         first = data.check_sources(self)
-        rewards.check_reward(self.data.reward, first, self.data.reward_timeout_s, "data.reward")
+        rewards.check_reward(reward_spec(self.data), first, self.data.reward_timeout_s, "data.reward")
 
     def _validate_api_key_file(self) -> None:
         """vLLM servers (megapo serve) answer only requests with their key: the trainer needs the key file; a
@@ -448,7 +456,7 @@ class RunConfig:
         if not s.enabled:
             return
         if not self.data.task:
-            raise ConfigError("sft.enabled", "the warm start trains on a built-in task; set data.task")
+            raise ConfigError("sft.enabled", "the warm start trains on a task's demonstrations; set data.task")
         if self.rollout.servers:  # the servers loaded model.path, not the warm-started copy the learner starts from
             raise ConfigError("sft.enabled", "rollout.servers serve model.path; run the warm start first and point "
                               "model.path at its output (or leave rollout.servers empty)")

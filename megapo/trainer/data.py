@@ -5,7 +5,7 @@
 - `load_examples` reads local jsonl/json/parquet files (one list may mix them) into Examples; every row
   needs a string prompt and a string (or integer) answer, else a ConfigError names the file and line.
 - `check_sources` is the data part of `RunConfig.validate`: files, and when the model folder already
-  holds its tokenizer, that some prompt fits data.max_prompt_tokens; `task_examples` gives a built-in task.
+  holds its tokenizer, that some prompt fits data.max_prompt_tokens (a data.task comes from megapo.tasks.registry).
 - `encode_prompts` applies the chat template (or not) and drops prompts over the token limit, with a count.
 - `PromptSource` hands out batches in a seeded shuffled order; its `DataCursor` (epoch, index, seed)
   is saved in checkpoints so a resumed run continues with exactly the next prompts.
@@ -29,7 +29,6 @@ from megapo.tasks.base import Example
 log = logging.getLogger(__name__)
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-BUILTIN_TASKS = ("addition",)
 
 
 def _format(path: str, field: str) -> str:
@@ -158,7 +157,9 @@ def check_sources(cfg) -> Example:
     first training example (the reward's start-up check scores it)."""
     d = cfg.data
     if d.task:
-        return task_examples(d.task, "train", 1)[0]
+        from megapo.tasks.registry import get_task
+
+        return get_task(d.task, d.task_options).examples("train", 1)[0]
     examples = load_examples(d.train_files, d.prompt_key, d.answer_key, "data.train_files")
     if d.val_files:
         load_examples(d.val_files, d.prompt_key, d.answer_key, "data.val_files")
@@ -199,7 +200,9 @@ def prompt_pool(cfg, tokenizer) -> "PromptPool":
     prompt fits data.max_prompt_tokens, a warning with the count when some do not."""
     d = cfg.data
     if d.task:
-        return PromptPool(tokenizer, d.chat_template, d.max_prompt_tokens, task=d.task)
+        from megapo.tasks.registry import get_task
+
+        return PromptPool(tokenizer, d.chat_template, d.max_prompt_tokens, task=get_task(d.task, d.task_options))
     examples = load_examples(d.train_files, d.prompt_key, d.answer_key, "data.train_files")
     pool = PromptPool(tokenizer, d.chat_template, d.max_prompt_tokens, examples=examples)
     if len(pool) == 0:
@@ -208,14 +211,6 @@ def prompt_pool(cfg, tokenizer) -> "PromptPool":
         log.warning("data: dropped %d of %d prompts longer than data.max_prompt_tokens=%d", pool.dropped_too_long,
                     len(examples), d.max_prompt_tokens)
     return pool
-
-
-def task_examples(task: str, split: str, n: int | None = None, seed: int | None = None) -> list[Example]:
-    if task == "addition":
-        from megapo.tasks import addition
-
-        return addition.examples(split, n, seed)
-    raise ConfigError("data.task", f"unknown task {task!r}; built-in: {', '.join(BUILTIN_TASKS)}")
 
 
 # ----------------------------------------------------------------------------- tokenization
@@ -264,23 +259,21 @@ class PromptPool:
     """Indexable prompts: `pool[i] -> (Example, prompt ids)`.
 
     From files, every prompt is tokenized up front and over-long ones are dropped (with a count).
-    A built-in task's training split has ~10^6 problems: those are made and tokenized on demand
-    (the task's prompts are all short, so none is dropped)."""
+    A task's (megapo.tasks.registry: a name or a Task) training split may have ~10^6 problems: those are
+    made and tokenized on demand (the task's prompts are all short, so none is dropped)."""
 
-    def __init__(self, tokenizer, chat_template: bool, max_prompt_tokens: int, *, task: str = "",
+    def __init__(self, tokenizer, chat_template: bool, max_prompt_tokens: int, *, task=None,
                  examples: Sequence[Example] | None = None):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.dropped_too_long = 0
         self._ids: list[list[int]] | None = None  # pre-tokenized prompts (files), or None (made on demand)
         if task:
-            if task != "addition":
-                raise ConfigError("data.task", f"unknown task {task!r}; built-in: {', '.join(BUILTIN_TASKS)}")
-            from megapo.tasks import addition
+            from megapo.tasks.registry import get_task
 
-            ids = addition.split_ids("train")
-            self._size = len(ids)
-            self._get = lambda i: addition.example(ids[i])
+            task = get_task(task)
+            self._size = task.size("train")
+            self._get = lambda i: task.example("train", i)
         else:
             enc = encode_prompts(tokenizer, examples or [], chat_template, max_prompt_tokens)
             self.dropped_too_long = enc.dropped_too_long

@@ -3,8 +3,9 @@
     acc = evaluate("runs/x/sft", task="addition", split="test")            # HF folder
     acc = evaluate(engine, task="addition", split="test", tokenizer=tok)    # any megapo Engine
 
-A response counts when it decodes (special tokens removed) to exactly the reference answer and
-the sequence ended with end-of-sequence, not the length limit.
+A response counts when the task's reward (megapo.tasks.registry; addition: exact match) scores its
+decoded text (special tokens removed) above 0.5 and the sequence ended with end-of-sequence, not the
+length limit.
 """
 
 from __future__ import annotations
@@ -73,6 +74,15 @@ def engine_greedy(engine, eos_token_id: int, max_new_tokens: int) -> GenerateFn:
     return generate
 
 
+def task_verifier(task) -> Callable[[Example, str], float]:
+    """verify(example, response) of a task (a name or a Task): its own reward against the example's answer."""
+    from megapo.tasks.registry import get_task
+    from megapo.trainer.rewards import get_reward
+
+    fn = get_reward(get_task(task).reward, "data.task")
+    return lambda example, response: fn(response, example.answer)
+
+
 def score(generate: GenerateFn, tokenizer, examples: Sequence[Example], prompt_ids: Sequence[list[int]],
           verify: Callable[[Example, str], float]) -> EvalResult:
     outputs = generate(list(prompt_ids))
@@ -88,15 +98,14 @@ def score(generate: GenerateFn, tokenizer, examples: Sequence[Example], prompt_i
 
 def evaluate(model_or_engine, task: str = "addition", split: str = "test", *, n: int | None = None,
              tokenizer=None, chat_template: bool = False, max_new_tokens: int = 8, batch_size: int = 256) -> EvalResult:
-    """Greedy exact-match accuracy on a built-in task's split.
+    """Greedy accuracy on a task's split (`task`: a name of megapo.tasks.registry or a Task).
 
     `model_or_engine`: an HF folder path, an HF model (then pass `tokenizer`), or a megapo Engine
     (anything with `.generate(prompts, params)`; pass `tokenizer`)."""
-    from megapo.trainer.data import encode_prompt, task_examples
-    from megapo.tasks import addition
+    from megapo.tasks.registry import get_task
+    from megapo.trainer.data import encode_prompt
 
-    if task != "addition":
-        raise ValueError(f"task must be 'addition', got {task!r}")
+    task = get_task(task)
     model = model_or_engine
     if isinstance(model, (str, Path)):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -105,10 +114,10 @@ def evaluate(model_or_engine, task: str = "addition", split: str = "test", *, n:
         model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     if tokenizer is None:
         raise ValueError("tokenizer is required when model_or_engine is not a folder")
-    examples = task_examples(task, split, n)
+    examples = task.examples(split, n)
     prompts = [encode_prompt(tokenizer, ex.prompt, chat_template) for ex in examples]
     if hasattr(model, "generate") and isinstance(model, torch.nn.Module):
         gen = hf_greedy(model, tokenizer, max_new_tokens, batch_size)
     else:
         gen = engine_greedy(model, tokenizer.eos_token_id, max_new_tokens)
-    return score(gen, tokenizer, examples, prompts, addition.verify)
+    return score(gen, tokenizer, examples, prompts, task_verifier(task))

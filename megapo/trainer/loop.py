@@ -70,9 +70,11 @@ def prepare_model(cfg: RunConfig, out_dir: Path) -> Path:
         return path
     sft_dir = out_dir / "sft"
     if _rank() == 0 and not (sft_dir / "sft_result.json").is_file():
+        from megapo.tasks.registry import get_task
         from megapo.trainer.sft import train_sft
 
-        result = train_sft(path, sft_dir, cfg.sft, cfg.data.task, cfg.data.chat_template, cfg.rollout.max_new_tokens)
+        result = train_sft(path, sft_dir, cfg.sft, get_task(cfg.data.task, cfg.data.task_options),
+                           cfg.data.chat_template, cfg.rollout.max_new_tokens)
         log.info("sft warm start: validation exact-match %.3f after %d steps (%.1f s)%s", result.val_accuracy,
                  result.steps, result.seconds, "" if result.reached else " -- threshold NOT reached")
     _barrier()
@@ -94,19 +96,25 @@ class Group:
 def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[list], list[float]]:
     """[(example, sample), ...] -> rewards: the configured reward of each decoded response (stop token
     removed), guarded (megapo.trainer.rewards.GuardedReward: data.reward_timeout_s, data.reward_errors)
-    and scored in one call per round; `reward.pop_errors()` counts the failures scored 0 since its last call."""
+    and scored in one call per round; a response without end-of-sequence gets data.truncated_reward.
+    `reward.pop_errors()` counts the failures scored 0 since its last call, `reward.pop_truncated()` the
+    (truncated, scored) responses."""
+    from megapo.tasks.registry import reward_spec
     from megapo.trainer.rewards import GuardedReward
 
-    fn = GuardedReward(cfg.data.reward, cfg.data.reward_timeout_s, cfg.data.reward_errors)
+    fn = GuardedReward(reward_spec(cfg.data), cfg.data.reward_timeout_s, cfg.data.reward_errors,
+                       truncated_reward=cfg.data.truncated_reward)
 
     def response_text(sample) -> str:
         ids = sample.output_ids[:-1] if sample.finish_reason == "stop" else sample.output_ids
         return tokenizer.decode(ids, skip_special_tokens=True)
 
     def reward(pairs: list) -> list[float]:
-        return fn.score_all([(response_text(sample), example.answer) for example, sample in pairs])
+        return fn.score_all([(response_text(sample), example.answer) for example, sample in pairs],
+                            truncated=[sample.finish_reason != "stop" for _, sample in pairs])
 
     reward.pop_errors = fn.pop_errors
+    reward.pop_truncated = fn.pop_truncated
     return reward
 
 
@@ -345,6 +353,9 @@ def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig) ->
         "finish_length_frac": sum(s.finish_reason == "length" for s in samples) / len(samples)})
     if cfg.data.reward_errors == "zero" and hasattr(reward_fn, "pop_errors"):
         metrics["reward/errors"] = reward_fn.pop_errors()  # failed reward calls scored 0 this step
+    if hasattr(reward_fn, "pop_truncated"):
+        truncated, scored = reward_fn.pop_truncated()  # given data.truncated_reward instead of a score
+        metrics["reward/truncated_frac"] = truncated / max(scored, 1)
     keep = len(groups) - len(groups) % cfg.parallel.dp  # every DP rank gets whole groups
     return groups[:keep], metrics, sum(len(s.output_ids) for s in samples)
 
@@ -451,6 +462,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
     from transformers import AutoTokenizer
 
     from megapo.engines.base import SamplingParams
+    from megapo.tasks.registry import get_task
     from megapo.trainer import data, run_dir
     from megapo.trainer.collapse import CollapseWatch
     from megapo.trainer.eval import evaluate
@@ -506,8 +518,9 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
         def held_out() -> dict:
             if not cfg.data.task or cfg.train.eval_prompts == 0 or engine is None:
                 return {}
-            r = evaluate(engine, cfg.data.task, "test", n=cfg.train.eval_prompts, tokenizer=tokenizer,
-                         chat_template=cfg.data.chat_template, max_new_tokens=cfg.rollout.max_new_tokens)
+            r = evaluate(engine, get_task(cfg.data.task, cfg.data.task_options), "test", n=cfg.train.eval_prompts,
+                         tokenizer=tokenizer, chat_template=cfg.data.chat_template,
+                         max_new_tokens=cfg.rollout.max_new_tokens)
             return {"eval/accuracy": r.accuracy, "eval/response_len": r.mean_response_len}
 
         earlier = start_step and _rank() == 0 and (out_dir / "metrics.jsonl").is_file()  # a resumed run's history

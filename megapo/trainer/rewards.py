@@ -6,8 +6,9 @@
 A user function is called as `fn(response: str, answer: str) -> float`; its signature is checked when
 it is resolved. The trainer calls it through `GuardedReward`: the result must be a finite real number
 (a bool counts as 0/1), it must come within data.reward_timeout_s, and a failure stops the run naming
-the reward and the sample (data.reward_errors=fail) or scores 0 and is counted (zero). `check_reward`
-calls it once at start-up. Length shaping (DAPO's overlong penalty) is added on top by `shape_overlong`.
+the reward and the sample (data.reward_errors=fail) or scores 0 and is counted (zero). A response cut at
+the length limit is not scored: it gets data.truncated_reward, whatever the reward function would say of
+its unfinished text (GuardedReward.score_all's `truncated`). `check_reward` calls it once at start-up. Length shaping (DAPO's overlong penalty) is added on top by `shape_overlong`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import re
 import threading
 import weakref
 from fractions import Fraction
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from megapo.config import ConfigError
 
@@ -178,9 +179,12 @@ class GuardedReward:
 
     With timeout_s > 0 the calls run on one persistent worker thread (`_RewardThread`), so a hung call
     can be abandoned; 0 calls the function in the caller's thread without a limit. One caller at a time.
-    `pop_errors()`: failures scored 0 (errors="zero") since the last pop, for the metric reward/errors."""
+    `pop_errors()`: failures scored 0 (errors="zero") since the last pop, for the metric reward/errors;
+    `pop_truncated()`: (responses given truncated_reward, responses scored) since the last pop.
+    `truncated_reward`: what a response flagged truncated gets (None: its text is scored like any other)."""
 
-    def __init__(self, spec: str, timeout_s: float = 60.0, errors: str = "fail", field: str = "data.reward"):
+    def __init__(self, spec: str, timeout_s: float = 60.0, errors: str = "fail", field: str = "data.reward",
+                 truncated_reward: float | None = 0.0):
         if errors not in REWARD_ERRORS:
             raise ConfigError("data.reward_errors", f"must be one of {', '.join(REWARD_ERRORS)}, got {errors!r}")
         self.spec = spec
@@ -190,14 +194,28 @@ class GuardedReward:
         self._thread = _RewardThread() if self.timeout_s > 0 else None
         self._failures = 0  # since the last pop_errors()
         self._failures_total = 0
+        self.truncated_reward = None if truncated_reward is None else float(truncated_reward)
+        self._truncated = self._scored = 0  # since the last pop_truncated()
 
     def __call__(self, response: str, answer: str) -> float:
         return self.score_all([(response, answer)])[0]
 
-    def score_all(self, pairs: list[tuple[str, str]]) -> list[float]:
-        """The reward of every (response, answer), in order. The list goes to the worker thread in one
-        hand-off (one per call would cost more than the reward itself), each call still bounded by
-        timeout_s; after a timeout the rest of the list runs on a fresh thread."""
+    def score_all(self, pairs: list[tuple[str, str]], truncated: Sequence[bool] | None = None) -> list[float]:
+        """The reward of every (response, answer), in order; a response whose `truncated` flag is set (cut
+        at the length limit, no end-of-sequence) gets truncated_reward and is not passed to the function."""
+        if truncated is None or self.truncated_reward is None:
+            truncated = [False] * len(pairs)
+        if len(truncated) != len(pairs):
+            raise ValueError(f"{len(truncated)} truncated flags for {len(pairs)} responses")
+        scores = iter(self._score([pair for pair, cut in zip(pairs, truncated) if not cut]))
+        self._truncated += sum(map(bool, truncated))
+        self._scored += len(pairs)
+        return [self.truncated_reward if cut else next(scores) for cut in truncated]
+
+    def _score(self, pairs: list[tuple[str, str]]) -> list[float]:
+        """The function's reward of every pair. The list goes to the worker thread in one hand-off (one per
+        call would cost more than the reward itself), each call still bounded by timeout_s; after a timeout
+        the rest of the list runs on a fresh thread."""
         out: list[float] = []
         while len(out) < len(pairs):
             rest = pairs[len(out):]
@@ -237,6 +255,11 @@ class GuardedReward:
     def pop_errors(self) -> int:
         count, self._failures = self._failures, 0
         return count
+
+    def pop_truncated(self) -> tuple[int, int]:
+        counts = (self._truncated, self._scored)
+        self._truncated = self._scored = 0
+        return counts
 
     def close(self) -> None:
         if self._thread is not None:

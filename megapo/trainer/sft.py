@@ -1,10 +1,11 @@
-"""`megapo sft`: supervised warm start of an HF model on a built-in task, straight in PyTorch.
+"""`megapo sft`: supervised warm start of an HF model on a task's demonstrations, straight in PyTorch.
 
 RL needs a policy that sometimes gets the answer right. A fixed set of examples (2000 by default)
 is trained with AdamW until greedy exact-match on the validation split reaches a threshold
 (0.2 by default, checked every 20 steps), then the HF folder (weights + tokenizer) is written.
 Stopping early matters: unlimited SFT solves the task outright and leaves RL nothing to do.
-The loss covers the answer tokens and end-of-sequence only, not the prompt.
+The loss covers the response tokens (the task's demonstration: the answer, or e.g. a scratchpad then
+the answer) and end-of-sequence only, not the prompt. Validation accuracy uses the task's own reward.
 """
 
 from __future__ import annotations
@@ -41,12 +42,14 @@ def _batches(inputs: torch.Tensor, labels: torch.Tensor, batch_size: int, rng: n
             yield inputs[idx], labels[idx]
 
 
-def build_examples(tokenizer, task: str, n: int, seed: int, chat_template: bool = False):
-    """Token tensors for `n` training problems: inputs and labels (-100 on the prompt)."""
-    from megapo.trainer.data import encode_answer, encode_prompt, task_examples
+def build_examples(tokenizer, task, n: int, seed: int, chat_template: bool = False):
+    """Token tensors for `n` training problems of `task` (a name or a megapo.tasks.base.Task): inputs and
+    labels (-100 on the prompt), the target being the task's demonstration."""
+    from megapo.tasks.registry import get_task
+    from megapo.trainer.data import encode_answer, encode_prompt
 
-    examples = task_examples(task, "train", n, seed)
-    rows = [(encode_prompt(tokenizer, ex.prompt, chat_template), encode_answer(tokenizer, ex.answer)) for ex in examples]
+    pairs = get_task(task).sft_pairs(n, seed)
+    rows = [(encode_prompt(tokenizer, ex.prompt, chat_template), encode_answer(tokenizer, target)) for ex, target in pairs]
     width = max(len(p) + len(a) for p, a in rows)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     inputs = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -58,20 +61,23 @@ def build_examples(tokenizer, task: str, n: int, seed: int, chat_template: bool 
     return inputs, labels
 
 
-def train_sft(model_dir: str | Path, out_dir: str | Path, cfg: SFTConfig, task: str = "addition",
+def train_sft(model_dir: str | Path, out_dir: str | Path, cfg: SFTConfig, task="addition",
               chat_template: bool = False, max_new_tokens: int = 8) -> SFTResult:
-    """Train `model_dir` on `task` until validation exact-match >= cfg.threshold; save to `out_dir`."""
+    """Train `model_dir` on `task` (a name or a megapo.tasks.base.Task) until validation accuracy (the task's
+    reward, greedy) >= cfg.threshold; save to `out_dir`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megapo.tasks import addition
-    from megapo.trainer.data import encode_prompt, task_examples
-    from megapo.trainer.eval import hf_greedy, score
+    from megapo.tasks.registry import get_task
+    from megapo.trainer.data import encode_prompt
+    from megapo.trainer.eval import hf_greedy, score, task_verifier
 
+    task = get_task(task)
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     inputs, labels = build_examples(tokenizer, task, cfg.examples, cfg.seed, chat_template)
-    val = task_examples(task, "validation")
+    val = task.examples("validation")
+    verify = task_verifier(task)
     val_prompts = [encode_prompt(tokenizer, ex.prompt, chat_template) for ex in val]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     batches = _batches(inputs, labels, min(cfg.batch_size, len(inputs)), np.random.default_rng(cfg.seed))
@@ -86,7 +92,7 @@ def train_sft(model_dir: str | Path, out_dir: str | Path, cfg: SFTConfig, task: 
         loss.backward()
         optimizer.step()
         if step % cfg.check_every == 0 or step == cfg.max_steps:
-            acc = score(hf_greedy(model, tokenizer, max_new_tokens), tokenizer, val, val_prompts, addition.verify).accuracy
+            acc = score(hf_greedy(model, tokenizer, max_new_tokens), tokenizer, val, val_prompts, verify).accuracy
             history.append({"step": step, "loss": loss.item(), "val_accuracy": acc,
                             "seconds": round(time.perf_counter() - t0, 2)})
             log.info("sft step %d loss %.4f val exact-match %.3f", step, loss.item(), acc)
@@ -105,7 +111,9 @@ def train_sft(model_dir: str | Path, out_dir: str | Path, cfg: SFTConfig, task: 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF folder to start from")
     parser.add_argument("--out", required=True, help="where to write the warm-started HF folder")
-    parser.add_argument("--task", default="addition", choices=["addition"])
+    parser.add_argument("--task", default="addition", help="a task of megapo.tasks.registry (built-in: "
+                        "addition, addition_cot) or module:function")
+    parser.add_argument("--max-new-tokens", type=int, default=8, help="response limit of the validation decode")
     parser.add_argument("--examples", type=int, default=2000)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--batch-size", type=int, default=128)
@@ -125,9 +133,14 @@ def run(args: argparse.Namespace) -> int:
         check_fields(cfg)  # the ranges SFTConfig declares (sft.* of a run config), NaN/inf refused
     except ConfigError as err:  # named as the flag that set the field
         raise ConfigError(f"--{err.field.replace('_', '-')}", err.message) from None
+    if args.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
     if not (Path(args.model) / "config.json").is_file():
         raise ConfigError("--model", f"{args.model} has no config.json")
-    result = train_sft(args.model, args.out, cfg, args.task)
+    from megapo.tasks.registry import get_task
+
+    task = get_task(args.task, field="--task")
+    result = train_sft(args.model, args.out, cfg, task, max_new_tokens=args.max_new_tokens)
     state = "reached" if result.reached else "did NOT reach"
     print(f"sft: {state} validation exact-match {result.val_accuracy:.3f} (threshold {cfg.threshold}) "
           f"after {result.steps} steps in {result.seconds:.1f} s; wrote {args.out}")

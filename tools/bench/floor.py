@@ -540,14 +540,22 @@ def bench_config(args):
 
 def plain_reward_fn(cfg, tokenizer):
     """The floor's rewards: the configured reward called directly on each decoded response (stop token
-    removed), without megapo's guard (timeout, type checks), as a hand-written loop would."""
+    removed), without megapo's guard (timeout, type checks), as a hand-written loop would; a response cut at
+    the length limit gets data.truncated_reward (unless null)."""
+    from megapo.tasks.registry import reward_spec
     from megapo.trainer.rewards import get_reward
 
-    fn = get_reward(cfg.data.reward)
+    fn = get_reward(reward_spec(cfg.data))
+    cut_reward = cfg.data.truncated_reward
+
+    def one(ex, s) -> float:
+        if s.finish_reason != "stop" and cut_reward is not None:
+            return float(cut_reward)
+        return float(fn(tokenizer.decode(s.output_ids[:-1] if s.finish_reason == "stop" else s.output_ids,
+                                         skip_special_tokens=True), ex.answer))
 
     def reward(pairs: list) -> list[float]:
-        return [float(fn(tokenizer.decode(s.output_ids[:-1] if s.finish_reason == "stop" else s.output_ids,
-                                          skip_special_tokens=True), ex.answer)) for ex, s in pairs]
+        return [one(ex, s) for ex, s in pairs]
 
     return reward
 

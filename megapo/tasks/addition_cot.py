@@ -1,0 +1,121 @@
+"""addition_cot: 2- to 6-digit addition whose response may show its work; the difficulty is the digit count.
+
+    prompt    "47+85="
+    answer    "132"                               (the reference: the sum, no leading zeros)
+    terse     "132"
+    scratchpad "7+5+0=12;4+8+1=13;132"           one column per digit, least significant first:
+                                                  digit + digit + carry in = carry out and digit
+
+Both operands have d digits (no leading zero), d in [min_digits, max_digits]. The reward reads the final
+answer only (the text after the last ";", or the whole response), so a policy may drop the scratchpad:
+the SFT warm start teaches both formats (scratchpad_frac of the demonstrations show the columns), and
+RL can trade its tokens (9 per digit) for accuracy, more digits needing the columns more.
+
+Splits: a problem (a, b) is in test, validation or train by a hash of "a+b", so they are disjoint whatever
+seeds a run uses. Test and validation hold fixed distinct problems, the same number per digit count,
+interleaved by digit count (so the first n of a split are balanced); the train split's i-th example is
+a seeded draw of digit count min_digits + i mod (number of counts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+
+from megapo.tasks.base import Example, Task
+
+MIN_DIGITS, MAX_DIGITS = 2, 6
+SPLIT_SEED = 20260415
+TEST_PER_DIGITS = 200
+VALIDATION_PER_DIGITS = 100
+TRAIN_SIZE = 1_000_000  # nominal: the i-th training example is drawn from i, so any size would do
+_SPLIT_CODE = {"train": 0, "validation": 1, "test": 2}
+SEPARATOR = ";"
+
+
+def split_of(a: int, b: int) -> str:
+    h = int.from_bytes(hashlib.sha256(f"{a}+{b}".encode()).digest()[:8], "big") % 100
+    return "test" if h < 5 else "validation" if h < 10 else "train"
+
+
+def _draw(rng: np.random.Generator, digits: int) -> tuple[int, int]:
+    lo, hi = 10 ** (digits - 1), 10 ** digits
+    return int(rng.integers(lo, hi)), int(rng.integers(lo, hi))
+
+
+@lru_cache(maxsize=32)
+def _held_out(split: str, digits: int, count: int) -> tuple[tuple[int, int], ...]:
+    """`count` distinct problems of `digits` digits in the test or validation split, in a fixed order."""
+    rng = np.random.default_rng([SPLIT_SEED, _SPLIT_CODE[split], digits])
+    seen: dict[tuple[int, int], None] = {}
+    while len(seen) < count:
+        pair = _draw(rng, digits)
+        if split_of(*pair) == split:
+            seen.setdefault(pair, None)
+    return tuple(seen)
+
+
+def _train_problem(digits: int, i: int) -> tuple[int, int]:
+    rng = np.random.default_rng([SPLIT_SEED, _SPLIT_CODE["train"], digits, i])
+    while True:
+        pair = _draw(rng, digits)
+        if split_of(*pair) == "train":
+            return pair
+
+
+def scratchpad(a: int, b: int) -> str:
+    """The column-by-column response of a + b (equal digit counts), ending with the sum."""
+    carry, columns = 0, []
+    for x, y in zip(str(a)[::-1], str(b)[::-1]):
+        total = int(x) + int(y) + carry
+        columns.append(f"{x}+{y}+{carry}={total:02d}")
+        carry = total // 10
+    return SEPARATOR.join(columns + [str(a + b)])
+
+
+def final_answer(response: str) -> str:
+    """The answer a response gives: the text after its last separator (the whole text when there is none)."""
+    return response.strip().rsplit(SEPARATOR, 1)[-1].strip()
+
+
+def reward(response: str, answer: str) -> float:
+    """1.0 when the final answer equals the reference sum, whatever comes before it; else 0.0."""
+    return 1.0 if final_answer(response) == answer.strip() else 0.0
+
+
+def uses_scratchpad(response: str) -> bool:
+    return SEPARATOR in response
+
+
+def example(a: int, b: int) -> Example:
+    return Example(f"{a}+{b}=", str(a + b), {"a": a, "b": b}, difficulty=len(str(a)))
+
+
+def task(min_digits: int = MIN_DIGITS, max_digits: int = MAX_DIGITS, scratchpad_frac: float = 0.5) -> Task:
+    """data.task=addition_cot; data.task_options: min_digits, max_digits (in [1, 9]), scratchpad_frac (the
+    share of SFT demonstrations that show the columns, in [0, 1])."""
+    for name, value in (("min_digits", min_digits), ("max_digits", max_digits)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 9:
+            raise ValueError(f"{name} must be an integer in [1, 9], got {value!r}")
+    if min_digits > max_digits:
+        raise ValueError(f"min_digits={min_digits} exceeds max_digits={max_digits}")
+    if isinstance(scratchpad_frac, bool) or not isinstance(scratchpad_frac, (int, float)) or not 0 <= scratchpad_frac <= 1:
+        raise ValueError(f"scratchpad_frac must be in [0, 1], got {scratchpad_frac!r}")
+    counts = max_digits - min_digits + 1
+    per_digits = {"validation": VALIDATION_PER_DIGITS, "test": TEST_PER_DIGITS}
+
+    def get(split: str, i: int) -> Example:
+        digits = min_digits + i % counts
+        if split == "train":
+            return example(*_train_problem(digits, i // counts))
+        return example(*_held_out(split, digits, per_digits[split])[i // counts])
+
+    def demonstrations(examples: Sequence[Example], seed: int) -> list[str]:
+        verbose = np.random.default_rng([seed, 1]).random(len(examples)) < scratchpad_frac
+        return [scratchpad(ex.meta["a"], ex.meta["b"]) if v else ex.answer for ex, v in zip(examples, verbose)]
+
+    sizes = {"train": TRAIN_SIZE, "validation": VALIDATION_PER_DIGITS * counts, "test": TEST_PER_DIGITS * counts}
+    return Task("addition_cot", sizes, get, reward="megapo.tasks.addition_cot:reward", demonstrations=demonstrations)
