@@ -151,3 +151,4 @@ def test_learner_counts_cover_the_whole_batch():
     assert _batch_counts(inputs, "ppo", "balanced") == {"global_polarity": PolarityCounts(1, 2, 2, 5)}
     assert _batch_counts(inputs, "ppo", "token-mean") == {}
     assert _batch_counts(inputs, "ppo", "auto") == {}  # ppo's own: token-mean
+    assert _batch_counts(inputs, "custom", "auto") == {}  # a custom loss_fn's objective: not looked up as one

@@ -515,9 +515,12 @@ def _batch_counts(inputs: TrainInputs, objective: str, loss_agg: str) -> dict:
     """policy_loss keywords holding counts over the whole batch that the aggregation needs beyond
     global_tokens / global_seqs (computed once per step, so the loss does not depend on the split);
     none for the other aggregations."""
-    from megapo.algorithms.aggregation import polarity_counts, resolve
+    from megapo.algorithms.aggregation import AUTO, polarity_counts
+    from megapo.algorithms.registry import entries
 
-    if resolve(loss_agg, objective) != "balanced":
+    if loss_agg == AUTO:  # the objective's own; a custom loss_fn's objective name may not be registered
+        loss_agg = next((e.loss_agg for e in entries("objective") if e.name == objective), None)
+    if loss_agg != "balanced":
         return {}
     response = torch.from_numpy(inputs.lengths - inputs.prompt_lens)
     adv = inputs.columns["advantage"]
