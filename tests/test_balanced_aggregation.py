@@ -152,3 +152,42 @@ def test_learner_counts_cover_the_whole_batch():
     assert _batch_counts(inputs, "ppo", "token-mean") == {}
     assert _batch_counts(inputs, "ppo", "auto") == {}  # ppo's own: token-mean
     assert _batch_counts(inputs, "custom", "auto") == {}  # a custom loss_fn's objective: not looked up as one
+
+
+SPLIT_SCRIPT = r"""
+import json, sys
+from megapo.config import OptimConfig, ParallelConfig
+from megapo.learner.learner import Learner
+
+def local_counts(*args, global_polarity=None, **kw):  # policy_loss without the batch-global counts
+    from megapo.algorithms import policy_loss
+    return policy_loss(*args, **kw)
+
+batch = [{"tokens": [5, 6, 7, 8, 9, 10], "prompt_len": 2, "advantage": 1.0, "old_logp": [-6.0] * 4},
+         {"tokens": [11, 12, 13, 14], "prompt_len": 2, "advantage": -0.5, "old_logp": [-6.0] * 2},
+         {"tokens": [15, 16, 17, 18, 19], "prompt_len": 1, "advantage": [0.3, -0.1, 0.2, 0.4], "old_logp": [-6.0] * 4},
+         {"tokens": [20, 21, 22], "prompt_len": 1, "advantage": -2.0, "old_logp": [-6.0] * 2}]
+out = {}
+for name, tokens, fn in (("one", 64, None), ("split", 8, None), ("split_local", 8, local_counts)):
+    learner = Learner(sys.argv[1], ParallelConfig(), OptimConfig(lr=1e-3), micro_batch_tokens=tokens, loss_fn=fn)
+    out[name] = learner.train_step(batch, "ppo", "balanced")["grad_norm"]
+    learner.close()
+print(json.dumps(out))
+"""
+
+
+def test_learner_balanced_gradient_does_not_depend_on_micro_batches(tmp_path, tiny_dense):
+    """One micro-batch vs one sequence per micro-batch: the same gradient norm (float32 learner), because the
+    learner passes the batch's polarity counts; without them (a loss_fn dropping global_polarity) it differs."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "split.py").write_text(SPLIT_SCRIPT)
+    proc = subprocess.run([sys.executable, str(tmp_path / "split.py"), str(tiny_dense)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["split"] == pytest.approx(out["one"], rel=1e-5)
+    assert out["split_local"] != pytest.approx(out["one"], rel=1e-3)
