@@ -120,7 +120,10 @@ def test_global_counts_scale_the_loss():
 # tokens (Σ_t log π per sequence), CISPO normalises by all tokens; the rest take DAPO's token mean.
 PAPER_AGG = {"gspo": "seq-mean-token-mean", "gspo_token": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean",
              "sapo": "seq-mean-token-mean", "vespo": "seq-mean-token-sum", "cispo": "token-mean", "ppo": "token-mean",
-             "ctpo": "token-mean", "minirl": "token-mean", "reinforce": "token-mean"}
+             "ctpo": "token-mean", "minirl": "token-mean", "reinforce": "token-mean",
+             # trust_region.py: the abstracts do not name one; sequence-ratio methods follow GSPO
+             "dhpo": "seq-mean-token-mean", "holder": "seq-mean-token-mean", "minpro": "token-mean",
+             "dppo": "token-mean", "cppo": "token-mean", "kpo": "token-mean", "aspo": "token-mean"}
 
 
 def test_each_objective_defaults_to_its_papers_aggregation():
