@@ -297,3 +297,22 @@ def test_dry_run_lists_the_cells_and_estimates(tmp_path, capsys):
     assert not out.exists()  # nothing written
     assert main(["bench", "stability", "--dry-run", "--out", str(out), "--cells", "ppo-off-m2-none-s0"]) == 2
     assert "--cells: 'ppo-off-m2-none-s0' is not a cell of the small grid" in capsys.readouterr().err
+
+
+def test_objectives_add_one_setting_each_in_the_collapse_regime(tmp_path):
+    from megapo.algorithms import entries
+
+    plan = make_plan(tmp_path, objectives=st.objective_names("dppo,gspo"))
+    extra = [c for c in plan.cells() if c.objective == "dppo"]
+    assert [(c.replay, c.mini_batches, c.mismatch, c.seed) for c in extra] == [("off", 8, "none", 0)]
+    # gspo-off-m8-none is a small-grid cell already: not added twice
+    assert len(plan.cells()) == len(make_plan(tmp_path).cells()) + 1
+    assert st.objective_names("all") == [e.name for e in entries("objective")]
+    with pytest.raises(ConfigError) as err:
+        st.objective_names("ppo,nope")
+    assert err.value.field == "--objectives" and "'nope'" in str(err.value)
+    st.run_grid(plan, runner=FakeRunner(), warm_start=fake_warm_start)
+    table = (plan.out / "table.md").read_text()
+    m8 = table.split("train.mini_batches=8)")[1].split("## Cells")[0]
+    assert "| dppo | off | none | 1 / 1 |" in m8  # its row (the fake scenario collapses every off-m8-none cell)
+    assert m8.index("| minirl |") < m8.index("| dppo |")

@@ -8,7 +8,8 @@
 Axes (every cell is `megapo train CONFIG` with config overrides only): objective {ppo (token-level), gspo,
 minirl, cispo} x routing replay {off, r2, r3} x train.mini_batches {1, 4, 8} (optimizer steps per rollout: the
 off-policy degree) x mismatch correction {none, tis} x seeds. `full` is the whole product; `small` is the union
-of the cells that answer the three questions in SMALL_QUESTIONS. The train-inference mismatch itself comes
+of the cells that answer the three questions in SMALL_QUESTIONS. `--objectives all` (or a list) adds every
+registered objective at no replay, no correction, m=8 (OBJECTIVE_REGIME). The train-inference mismatch itself comes
 from the config's rollout.dtype (the engine in bfloat16, the learner in fp32; megapo/configs/stability_base.yaml).
 
 Layout of --out:
@@ -106,9 +107,29 @@ def _product(values: dict[str, tuple]) -> list[tuple]:
     return list(itertools.product(*(values[a] for a in AXES)))
 
 
-def grid_cells(grid: str, seeds: int) -> list[Cell]:
-    """The cells of `grid` (small | full), seed-major: every setting of seed 0 first, so a grid stopped early
-    has whole seeds."""
+# --objectives: each objective alone in the regime where the small grid's baseline collapses (no replay, no
+# correction, 8 optimizer steps per rollout), so its row sits beside ppo's and gspo's in the m=8 table.
+OBJECTIVE_REGIME = {"replay": "off", "mini_batches": 8, "mismatch": "none"}
+
+
+def objective_names(spec: str) -> list[str]:
+    """--objectives: 'all' (every registered objective) or comma-separated names, each checked against the
+    registry."""
+    from megapo.algorithms import entries
+
+    known = [e.name for e in entries("objective")]
+    if spec.strip() == "all":
+        return known
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError("--objectives", f"unknown objective {unknown[0]!r}; known: {', '.join(known)} (or all)")
+    return names
+
+
+def grid_cells(grid: str, seeds: int, objectives: tuple[str, ...] = ()) -> list[Cell]:
+    """The cells of `grid` (small | full), plus one setting per name in `objectives` (OBJECTIVE_REGIME),
+    seed-major: every setting of seed 0 first, so a grid stopped early has whole seeds."""
     if grid == "full":
         settings = _product(AXES)
     elif grid == "small":
@@ -117,6 +138,8 @@ def grid_cells(grid: str, seeds: int) -> list[Cell]:
             settings += [s for s in _product(values) if s not in settings]
     else:
         raise ConfigError("--grid", f"must be small or full, got {grid!r}")
+    regime = tuple(OBJECTIVE_REGIME[a] for a in AXES if a != "objective")
+    settings += [s for s in ((o, *regime) for o in objectives) if s not in settings]
     return [Cell(*s, seed=seed) for seed in range(seeds) for s in settings]
 
 
@@ -135,9 +158,10 @@ class GridPlan:
     sets: list[str] = field(default_factory=list)  # grid-wide overrides (--set)
     resume: bool = False  # continue an unfinished cell from its checkpoint
     only: list[str] = field(default_factory=list)  # --cells: run just these cells of the grid
+    objectives: list[str] = field(default_factory=list)  # --objectives: one more setting each
 
     def cells(self) -> list[Cell]:
-        cells = grid_cells(self.grid, self.seeds)
+        cells = grid_cells(self.grid, self.seeds, tuple(self.objectives))
         if not self.only:
             return cells
         names = {c.name for c in cells}
@@ -448,8 +472,9 @@ def setting_summary(rows: list[dict]) -> list[dict]:
 
 
 def _axis_order(entry: dict) -> tuple:
-    return (entry["mini_batches"], AXES["objective"].index(entry["objective"]), AXES["replay"].index(entry["replay"]),
-            AXES["mismatch"].index(entry["mismatch"]))
+    objective = entry["objective"]  # the grid's objectives in AXES order, then --objectives' by name
+    rank = (0, AXES["objective"].index(objective), "") if objective in AXES["objective"] else (1, 0, objective)
+    return (entry["mini_batches"], rank, AXES["replay"].index(entry["replay"]), AXES["mismatch"].index(entry["mismatch"]))
 
 
 def cells_on_disk(plan: GridPlan) -> list[Cell]:
@@ -607,6 +632,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="a config override for every cell (repeatable), e.g. --set rollout.dtype=float32")
     parser.add_argument("--cells", default="", help="comma-separated cell names: run only these cells of the grid")
+    parser.add_argument("--objectives", default="",
+                        help="comma-separated objectives, or all: add each as a setting with no replay, no "
+                             "correction and train.mini_batches=8 (where the small grid's baseline collapses)")
     parser.add_argument("--resume", action="store_true",
                         help="continue unfinished cells from their checkpoint (default: restart them)")
     parser.add_argument("--report-only", action="store_true", help="rewrite summary/table/plots; run nothing")
@@ -631,7 +659,8 @@ def plan_from_args(args: argparse.Namespace) -> GridPlan:
     jobs = args.jobs or max(1, cores() // 2)
     return GridPlan(config=config.resolve(), out=Path(args.out).resolve(), grid=args.grid, seeds=args.seeds,
                     steps=args.steps, jobs=jobs, threads=args.threads or max(1, cores() // jobs),
-                    sets=list(args.sets), resume=args.resume, only=[c for c in args.cells.split(",") if c])
+                    sets=list(args.sets), resume=args.resume, only=[c for c in args.cells.split(",") if c],
+                    objectives=objective_names(args.objectives) if args.objectives else [])
 
 
 def _interrupt(signum, frame):
