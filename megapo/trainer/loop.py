@@ -5,7 +5,8 @@ One step (sync mode):
             ─► rewards (+ overlong shaping) ─► dynamic sampling (drop equal-reward groups, refill)
             ─► advantages (megapo.algorithms) ─► learner old log-probs (R2 records routes, R3 replays
                the engine's; none when on-policy: then the train forward gives π_old and the routing
-               metrics) ─► reference log-probs when kl_coef > 0
+               metrics) ─► reference log-probs when kl_coef > 0 (algorithm.reference: a frozen Megatron copy
+               replaying the same routes, or a plain one on rank 0)
             ─► learner.train_step per mini-batch ─► weight sync learner.hf_state_dict() → engine
             ─► metrics ─► held-out eval / checkpoint
 
@@ -231,27 +232,30 @@ def use_engine_logprobs(batch: list[dict]) -> dict:
             "old_policy/learner_vs_engine_max_abs_dlogp": m["max_abs_dlogp"]}
 
 
-class ReferencePolicy:
-    """Frozen starting weights for the KL penalty: per-token log-probs of the RL starting point, from
-    the embedded engine's plain-PyTorch model on rank 0 (fine for small models; a large model would
-    need a second Megatron learner)."""
+def build_reference(cfg: RunConfig, model_dir: Path):
+    """π_ref for the KL terms, or None when no term uses one (algorithm.reference, resolved by
+    RunConfig.reference): megatron, a frozen Megatron copy of `model_dir` under the learner's layout on every
+    rank (collective); plain, megapo's PyTorch model on rank 0 only (megapo/learner/reference.py)."""
+    from megapo.layout import read_hf_config
+    from megapo.learner.reference import MegatronReference, PlainReference
 
-    def __init__(self, model_dir: Path):
-        from megapo.engines.torch_lm import TorchCausalLM
+    if not cfg.algorithm.needs_reference():
+        return None
+    kind = cfg.reference(read_hf_config(model_dir))
+    log.info("KL reference: %s (algorithm.reference=%s)", kind, cfg.algorithm.reference)
+    if kind == "megatron":
+        return MegatronReference(model_dir, cfg.parallel, micro_batch_tokens=cfg.train.micro_batch_tokens,
+                                 row_tokens=cfg.train.row_tokens, routing_replay=cfg.algorithm.routing_replay != "off",
+                                 seed=cfg.train.seed)
+    return PlainReference(model_dir) if _rank() == 0 else None
 
-        self.model = TorchCausalLM.from_pretrained(model_dir)
 
-    def response_logprobs(self, batch: list[dict]) -> list[list[float]]:
-        by_len: dict[int, list[int]] = {}
-        for i, s in enumerate(batch):
-            by_len.setdefault(len(s["tokens"]), []).append(i)
-        out: list[list[float]] = [[] for _ in batch]
-        for idx in by_len.values():  # rows of one length form one unpadded batch
-            ids = torch.tensor([batch[i]["tokens"] for i in idx])
-            logp = torch.log_softmax(self.model.logits(ids)[:, :-1].float(), -1).gather(2, ids[:, 1:, None])[..., 0]
-            for row, i in enumerate(idx):
-                out[i] = logp[row, batch[i]["prompt_len"] - 1:].tolist()
-        return out
+def reference_logprobs(reference, batch: list[dict]) -> list[list[float]]:
+    """π_ref's response log-probs of every sample, on every rank: computed by every rank (a Megatron reference)
+    or on rank 0 and broadcast (a plain one)."""
+    if getattr(reference, "collective", False):
+        return reference.response_logprobs(batch)
+    return _broadcast(reference.response_logprobs(batch) if reference is not None else None)
 
 
 def loss_options(cfg: RunConfig) -> dict:
@@ -328,6 +332,7 @@ def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig) ->
     """Rank 0: sample groups for one step (with dynamic sampling, refilled up to max_sampling_rounds);
     returns the groups to train on (whole groups, a multiple of dp), metrics, generated tokens."""
     from megapo.trainer import data
+    from megapo.trainer.metrics import length_metrics
 
     sampled: list[Group] = []  # every group generated this step, kept or not, for the reward metrics
 
@@ -351,6 +356,8 @@ def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig) ->
         "reward": sum(rewards) / len(rewards),
         "response_len": sum(len(s.output_ids) for s in samples) / len(samples),
         "finish_length_frac": sum(s.finish_reason == "length" for s in samples) / len(samples)})
+    metrics.update(length_metrics([len(s.output_ids) for s in samples],  # len/mean, len/p90, len/d{k} by difficulty
+                                  [getattr(g.example, "difficulty", None) for g in sampled for _ in g.samples]))
     if cfg.data.reward_errors == "zero" and hasattr(reward_fn, "pop_errors"):
         metrics["reward/errors"] = reward_fn.pop_errors()  # failed reward calls scored 0 this step
     if hasattr(reward_fn, "pop_truncated"):
@@ -390,9 +397,9 @@ def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, optio
     if cfg.old_policy() == "engine":
         metrics.update(use_engine_logprobs(batch))
     metrics.update(token_stages(batch, cfg, step))  # trainer step `step` (token_select's schedule)
-    if cfg.algorithm.kl_coef:
+    if cfg.algorithm.needs_reference():
         with timer("ref_logp"):
-            ref = _broadcast(reference.response_logprobs(batch) if reference is not None else None)
+            ref = reference_logprobs(reference, batch)
         for sample, lp in zip(batch, ref):
             sample["ref_logp"] = lp
     with timer("train"):
@@ -489,7 +496,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
     producer = None
     logger = None
     try:  # a stopped or failed run still ends the rollout thread and any server megapo started
-        reference = ReferencePolicy(model_dir) if cfg.algorithm.kl_coef and _rank() == 0 else None
+        reference = build_reference(cfg, model_dir)
         transport = make_transport(cfg, out_dir, model_dir, learner, engine)
         start_step, version = 0, 0
         ckpt_root = out_dir / "checkpoints"

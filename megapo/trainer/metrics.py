@@ -126,6 +126,22 @@ def progress_line(step: int, row: dict, total: int | None = None) -> str:
     return " | ".join(parts)
 
 
+def length_metrics(lengths: list[int], difficulties: list[int | None]) -> dict[str, float]:
+    """Response lengths in tokens: len/mean and len/p90 over all, and len/d{k} / len/d{k}_p90 over the responses
+    of difficulty bucket k (examples without a bucket count only in the totals). p90: linear interpolation
+    between the closest ranks (numpy's default percentile)."""
+    import numpy as np
+
+    if not lengths:
+        return {}
+    out = {"len/mean": float(np.mean(lengths)), "len/p90": float(np.percentile(lengths, 90))}
+    for k in sorted({d for d in difficulties if d is not None}):
+        bucket = [n for n, d in zip(lengths, difficulties) if d == k]
+        out[f"len/d{k}"] = float(np.mean(bucket))
+        out[f"len/d{k}_p90"] = float(np.percentile(bucket, 90))
+    return out
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """The rows of a run's metrics.jsonl. A cut-off last line (a run still writing) is skipped with a
     warning; a damaged line elsewhere raises ConfigError naming the file and line."""
