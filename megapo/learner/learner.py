@@ -77,7 +77,10 @@ class TrainInputs:
 class Learner:
     def __init__(self, model_dir, parallel: ParallelConfig, optim: OptimConfig | None = None, *, seed: int = 0,
                  micro_batch_tokens: int = 4096, row_tokens: int = 0, total_steps: int | None = None,
-                 routing_replay: bool = False, loss_fn: Callable | None = None, hf_weights: bool = True):
+                 routing_replay: bool = False, loss_fn: Callable | None = None, hf_weights: bool = True,
+                 frozen: bool = False):
+        """`frozen`: log-probs only (a KL reference, megapo/learner/reference.py): no DDP wrapper, no
+        gradients, no optimizer state; built in the process groups a learner of the same layout made."""
         optim = optim or OptimConfig()
         optim.validate()
         if micro_batch_tokens < 1:
@@ -104,16 +107,22 @@ class Learner:
         from megatron.core import tensor_parallel
         from megatron.core.distributed import finalize_model_grads
 
-        tensor_parallel.get_cuda_rng_tracker().reset()
-        model_lib.init_distributed(parallel, self.backend, seed)
+        if not (frozen and model_lib.layout_initialized(parallel)):  # else keep the learner's groups and RNG
+            tensor_parallel.get_cuda_rng_tracker().reset()
+            model_lib.init_distributed(parallel, self.backend, seed)
         self.config = model_lib.transformer_config(self.spec, parallel, self.backend, routing_replay=routing_replay)
-        self.model = model_lib.build_model(self.spec, parallel, self.backend, self.config)
+        self.model = model_lib.build_model(self.spec, parallel, self.backend, self.config, ddp=not frozen)
         if routing_replay:  # megapo/replay: routes through the micro-batches into Megatron's RouterReplay
             from megapo.replay.hook import attach
 
             self.route_hook = attach(self.module, self.config, self.spec)
         if hf_weights:  # False: model_dir needs only config.json; `load` a checkpoint next (conversion)
             weights.load_hf_weights(self.module, self.family, self.spec, model_dir)
+        self.frozen = frozen
+        if frozen:
+            self.model.requires_grad_(False)
+            self.optimizer = self.scheduler = self.guard = None
+            return
         # Without it, norm/router grads are not summed over TP and TP>1 drifts from TP=1.
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = None
@@ -298,6 +307,8 @@ class Learner:
                keep_entropy: bool, options: dict) -> tuple[dict, dict]:
         from megatron.core import parallel_state as ps
 
+        if self.frozen:
+            raise RuntimeError("train_step: this model is frozen (a reference model has no optimizer)")
         start = time.perf_counter()
         inputs = _train_inputs(batch, self.spec.vocab_size, need_old=not on_policy, device=self.device)
         loss_fn = self._loss_fn

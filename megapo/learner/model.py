@@ -79,6 +79,20 @@ def init_distributed(parallel: ParallelConfig, backend: Backend, seed: int, time
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def layout_initialized(parallel: ParallelConfig) -> bool:
+    """Whether Megatron's groups exist already (a learner made them); ValueError if for another layout."""
+    from megatron.core import parallel_state as ps
+
+    if not (torch.distributed.is_initialized() and ps.model_parallel_is_initialized()):
+        return False
+    have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(), ps.get_data_parallel_world_size())
+    want = (parallel.tp, parallel.pp, parallel.ep, parallel.dp)
+    if have != want:
+        raise ValueError(f"parallel: the process groups are tp, pp, ep, dp = {have}; this model asks for {want}")
+    return True
+
+
 def variable_seq_lengths(spec: ModelSpec, parallel: ParallelConfig) -> bool:
     return parallel.pp > 1 and not (spec.num_experts and parallel.dispatcher == "allgather")
 

@@ -121,6 +121,11 @@ class AlgorithmConfig:
     loss_agg: str = "auto"  # auto: the objective's paper aggregation (`megapo objectives` lists each)
     kl_coef: float = bounded(0.0, ">= 0")
     kl_estimator: str = "k3"
+    # π_ref of the KL terms (megapo/learner/reference.py): megatron (a frozen Megatron copy of the starting
+    # weights under the learner's layout, replaying the routes the policy is trained under) | plain (megapo's
+    # PyTorch model on rank 0; one process, routing_replay off) | auto: plain for a single-process CPU learner
+    # with routing_replay off on a family that model runs, else megatron. The run's log names the one used.
+    reference: str = "auto"
     entropy_coef: float = bounded(0.0, ">= 0")
     mismatch: str = "none"  # rollout/learner mismatch correction: none or a correction name (megapo objectives)
     mismatch_options: dict[str, Any] = field(default_factory=dict)
@@ -145,6 +150,10 @@ class AlgorithmConfig:
     # token_select's options ({} = off; score, rho, weight, rho_end, anneal_steps): per-token loss weights,
     # 1 for the top-rho fraction of the batch's tokens by π_old entropy (or |A|·entropy), `weight` for the rest
     token_select: dict[str, Any] = field(default_factory=dict)
+
+    def needs_reference(self) -> bool:
+        """Whether a term uses π_ref's log-probs (sample["ref_logp"])."""
+        return self.kl_coef > 0
 
     def needs_old_stats(self) -> bool:
         """Whether a stage needs π_old's per-token statistics before the loss (the separate old-log-prob pass)."""
@@ -263,6 +272,19 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
 
+    def reference(self, hf: dict) -> str:
+        """algorithm.reference with auto resolved for the model config.json `hf`: plain where its one full copy
+        is cheap and gives what the policy is trained under (one learner process, no GPU, routing_replay off:
+        the plain model routes freely, and runs the family), else megatron."""
+        import torch
+
+        a = self.algorithm
+        if a.reference != "auto":
+            return a.reference
+        plain = (self.parallel.world_size == 1 and not torch.cuda.is_available() and a.routing_replay == "off"
+                 and plain_model_error(hf) is None)
+        return "plain" if plain else "megatron"
+
     def old_policy(self) -> str:
         """algorithm.old_policy with auto resolved: engine for async runs, learner for sync ones."""
         if self.algorithm.old_policy != "auto":
@@ -316,6 +338,27 @@ class RunConfig:
             raise ConfigError("algorithm.old_policy", f"must be one of {', '.join(OLD_POLICIES)}, got {a.old_policy!r}")
         if a.routing_replay not in ROUTING_REPLAY:
             raise ConfigError("algorithm.routing_replay", f"must be off, r2 or r3, got {a.routing_replay!r}")
+        self._validate_reference()
+
+    def _validate_reference(self) -> None:
+        from megapo.learner.reference import REFERENCES
+
+        a = self.algorithm
+        if a.reference not in REFERENCES:
+            raise ConfigError("algorithm.reference", f"must be one of {', '.join(REFERENCES)}, got {a.reference!r}")
+        if a.reference == "auto":
+            return
+        if not a.needs_reference():
+            raise ConfigError("algorithm.reference", f"set to {a.reference}, but no term uses a reference "
+                              "(algorithm.kl_coef is 0); leave it auto")
+        if a.reference == "plain" and self.parallel.world_size > 1:
+            raise ConfigError("algorithm.reference", "plain holds the whole model on rank 0, and this learner is "
+                              f"split over tp*pp*dp = {self.parallel.world_size} processes; use megatron (or auto)")
+        if a.reference == "plain" and a.routing_replay != "off":
+            raise ConfigError("algorithm.reference", "plain routes freely, so it cannot replay the routes "
+                              f"algorithm.routing_replay={a.routing_replay} trains the policy under; use megatron "
+                              "(or auto)")
+
 
     def _validate_stages(self) -> None:
         from megapo.algorithms.stages import POLARITIES
@@ -495,20 +538,26 @@ class RunConfig:
             raise ConfigError("algorithm.routing_replay", "routing replay needs an MoE model; this one is dense")
 
     def _check_torch_model(self, hf: dict, where: str) -> None:
-        """The embedded engine and the KL reference run megapo's in-process PyTorch model, which knows fewer
-        families than the learner (no llama): refuse here, not after the learner is built."""
-        users = {"rollout.engine": self.rollout.engine == "embedded", "algorithm.kl_coef": self.algorithm.kl_coef > 0}
+        """The embedded engine and the plain KL reference run megapo's in-process PyTorch model, which knows
+        fewer families than the learner (no llama): refuse here, not after the learner is built."""
+        plain_ref = self.algorithm.needs_reference() and self.reference(hf) == "plain"
+        users = {"rollout.engine": self.rollout.engine == "embedded", "algorithm.reference": plain_ref}
         field_name = next((name for name, uses in users.items() if uses), None)
-        if field_name is None:
-            return
-        from megapo.engines.torch_lm import ModelSpec
+        why = plain_model_error(hf) if field_name is not None else None
+        if why is not None:
+            user = "the embedded engine" if field_name == "rollout.engine" else "the plain KL reference"
+            raise ConfigError(field_name, f"{user} runs megapo's PyTorch model, which cannot run {where}: {why}")
 
-        try:
-            ModelSpec.from_config(hf)
-        except (ValueError, KeyError) as err:
-            why = err.args[0] if isinstance(err, ValueError) else f"it has no field {err}"
-            user = "the embedded engine" if field_name == "rollout.engine" else "the KL reference policy"
-            raise ConfigError(field_name, f"{user} runs megapo's PyTorch model, which cannot run {where}: {why}") from None
+
+def plain_model_error(hf: dict) -> str | None:
+    """Why megapo's in-process PyTorch model (megapo.engines.torch_lm) cannot run config.json `hf`, or None."""
+    from megapo.engines.torch_lm import ModelSpec
+
+    try:
+        ModelSpec.from_config(hf)
+    except (ValueError, KeyError) as err:
+        return err.args[0] if isinstance(err, ValueError) else f"it has no field {err}"
+    return None
 
 
 def _check_creatable_dir(path: str, field_name: str) -> None:

@@ -1,0 +1,93 @@
+"""π_ref, the frozen starting policy of the KL terms (algorithm.kl_coef > 0), in one of two forms
+(algorithm.reference; RunConfig.reference resolves auto):
+
+- megatron: a second Megatron model under the learner's layout (TP/PP/EP/DP, the same process groups),
+  loaded from the learner's HF folder and frozen: no DDP wrapper, no gradients, no optimizer state, the
+  learner's dtype (float32). Its log-probs use the learner's packing and, under routing replay (r2/r3),
+  replay each sample's routes (sample["routes"], what the old-log-prob pass used and the train steps
+  replay), so π_ref and π_θ are compared under the same routing. Collective: every rank calls it and
+  gets every sample's log-probs. Each rank holds only its shard, so it fits wherever the learner does.
+- plain: megapo's PyTorch model (the embedded engine's) on rank 0, routing freely; the other ranks get
+  its log-probs by broadcast. One full copy on one process: for single-process CPU runs of small models.
+
+    ref = MegatronReference(model_dir, parallel, micro_batch_tokens=4096, routing_replay=True)
+    ref_logps = ref.response_logprobs(batch)      # one list per sample, its response tokens
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from megapo.config import ParallelConfig
+
+REFERENCES = ("auto", "megatron", "plain")
+
+
+@contextmanager
+def _rng_kept():
+    """Building a model draws initial values from torch's and Megatron's generators; put them back, so a run
+    samples the same with and without a reference built in its middle."""
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    states = tracker.get_states()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    tracker.set_states(states)
+
+
+class MegatronReference:
+    collective = True  # every rank calls response_logprobs
+
+    def __init__(self, model_dir, parallel: ParallelConfig, *, micro_batch_tokens: int = 4096, row_tokens: int = 0,
+                 routing_replay: bool = False, seed: int = 0):
+        from megapo.learner.learner import Learner
+
+        with _rng_kept():
+            self.model = Learner(model_dir, parallel, seed=seed, micro_batch_tokens=micro_batch_tokens,
+                                 row_tokens=row_tokens, routing_replay=routing_replay, frozen=True)
+
+    def response_logprobs(self, batch: list[dict]) -> list[list[float]]:
+        """π_ref's log-prob of every response token of each sample (collective), replaying sample["routes"]
+        where the model replays routes and a sample has them."""
+        sequences = [list(s["tokens"]) for s in batch]
+        hook = self.model.route_hook
+        routes = [s.get("routes") for s in batch] if hook is not None else None
+        if routes is not None and all(r is None for r in routes):
+            routes = None  # (r2 on-policy: no pass has recorded routes yet; the train forward routes freely too)
+        logps = self.model.logprobs(sequences, routes=routes)
+        if hook is not None:
+            hook.take_counts()  # (collective) its counts would otherwise pile up
+        return [lp[s["prompt_len"] - 1:].tolist() for lp, s in zip(logps, batch)]
+
+    def close(self) -> None:
+        if self.model.route_hook is not None:
+            self.model.route_hook.close()
+
+
+class PlainReference:
+    collective = False  # rank 0 only
+
+    def __init__(self, model_dir: Path):
+        from megapo.engines.torch_lm import TorchCausalLM
+
+        self.model = TorchCausalLM.from_pretrained(model_dir)
+
+    def response_logprobs(self, batch: list[dict]) -> list[list[float]]:
+        by_len: dict[int, list[int]] = {}
+        for i, s in enumerate(batch):
+            by_len.setdefault(len(s["tokens"]), []).append(i)
+        out: list[list[float]] = [[] for _ in batch]
+        for idx in by_len.values():  # rows of one length form one unpadded batch
+            ids = torch.tensor([batch[i]["tokens"] for i in idx])
+            logp = torch.log_softmax(self.model.logits(ids)[:, :-1].float(), -1).gather(2, ids[:, 1:, None])[..., 0]
+            for row, i in enumerate(idx):
+                out[i] = logp[row, batch[i]["prompt_len"] - 1:].tolist()
+        return out
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,66 @@
+"""Run by tests/test_reference.py (plain python for one process, torchrun for more): the Megatron KL reference
+(megapo/learner/reference.py) beside a learner of the same layout, for each layout of the spec:
+
+- "free":      reference log-probs of the batch's response tokens, free routing;
+- "replayed":  the same replaying the spec's routes (sample["routes"], as r2/r3 leave them for training);
+- "learner_replayed": the learner's response log-probs replaying those routes (same weights at the start);
+- "after":     the reference's free log-probs again after the learner took an optimizer step, and the
+               learner's own (which the step moved);
+- "frozen":    the reference's local parameters all without requires_grad and grad, its optimizer None, its
+               local parameter count beside the learner's, and whether its train_step refused.
+Rank 0 saves everything to --out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megapo.config import OptimConfig, ParallelConfig
+from megapo.learner.learner import Learner
+from megapo.learner.reference import MegatronReference
+from spec_io import finish, read_spec  # this script's folder is on sys.path
+
+
+def response(full, batch):
+    return [lp[s["prompt_len"] - 1:].tolist() for lp, s in zip(full, batch)]
+
+
+def run_layout(spec: dict, layout: dict) -> dict:
+    parallel = ParallelConfig(**layout)
+    batch = spec["batch"]
+    routed = [dict(s, routes=np.asarray(r, dtype=np.int32)) for s, r in zip(batch, spec["routes"])]
+    sequences = [s["tokens"] for s in batch]
+    learner = Learner(spec["model"], parallel, OptimConfig(lr=1e-2, warmup_steps=0), routing_replay=True,
+                      micro_batch_tokens=spec["micro_batch_tokens"])
+    rng_before = torch.get_rng_state()
+    ref = MegatronReference(spec["model"], parallel, micro_batch_tokens=spec["micro_batch_tokens"],
+                            routing_replay=True)
+    out = {"rng_kept": bool(torch.equal(rng_before, torch.get_rng_state()))}
+    out["free"] = ref.response_logprobs(batch)
+    out["replayed"] = ref.response_logprobs(routed)
+    out["learner_replayed"] = response(learner.logprobs(sequences, routes=[s["routes"] for s in routed]), batch)
+    learner.train_step([dict(s, old_logp=lp) for s, lp in zip(batch, out["free"])], "reinforce", "token-mean")
+    out["after"] = {"reference": ref.response_logprobs(batch), "learner": response(learner.logprobs(sequences), batch)}
+    params = list(ref.model.module.parameters())
+    try:
+        ref.model.train_step(batch, "reinforce")
+        refused = False
+    except RuntimeError:
+        refused = True
+    out["frozen"] = {"requires_grad": any(p.requires_grad for p in params), "grads": any(p.grad is not None for p in params),
+                     "optimizer": ref.model.optimizer is not None, "numel": sum(p.numel() for p in params),
+                     "learner_numel": sum(p.numel() for p in learner.module.parameters()), "train_refused": refused}
+    ref.close()
+    learner.close()
+    return out
+
+
+def main() -> None:
+    spec, out_path = read_spec()
+    results = {"_".join(f"{k}{v}" for k, v in layout.items()): run_layout(spec, layout) for layout in spec["layouts"]}
+    finish(results, out_path)
+
+
+if __name__ == "__main__":
+    main()
