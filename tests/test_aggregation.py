@@ -122,7 +122,8 @@ PAPER_AGG = {"gspo": "seq-mean-token-mean", "gspo_token": "seq-mean-token-mean",
              "sapo": "seq-mean-token-mean", "vespo": "seq-mean-token-sum", "cispo": "token-mean", "ppo": "token-mean",
              "ctpo": "token-mean", "minirl": "token-mean", "reinforce": "token-mean",
              # trust_region.py: the abstracts do not name one; sequence-ratio methods follow GSPO
-             "dhpo": "seq-mean-token-mean", "holder": "seq-mean-token-mean", "minpro": "token-mean",
+             "dhpo": "seq-mean-token-mean", "sspo": "seq-mean-token-mean", "holder": "seq-mean-token-mean",
+             "minpro": "token-mean",
              "dppo": "token-mean", "cppo": "token-mean", "kpo": "token-mean", "aspo": "token-mean"}
 
 

@@ -24,7 +24,7 @@ from megapo.algorithms.registry import get
 
 # options policy_loss itself understands; everything else goes to the objective's options
 _COMMON = ("correction", "correction_options", "max_len", "ref_logp", "kl_coef", "kl_estimator",
-           "entropy", "entropy_coef", "token_weight")
+           "entropy", "entropy_coef", "token_weight", "old_entropy", "sentence_end")
 
 
 def _positive(name: str, value) -> float | Tensor | None:
@@ -53,6 +53,19 @@ def _token_weight(b: batch_mod.TokenBatch) -> Tensor:
     if bool((w[b.mask] < 0).any()):
         raise ValueError("token_weight: must be >= 0 at every valid token")
     return w
+
+
+def token_inputs(name: str, options: dict) -> tuple[str, ...]:
+    """The per-token inputs objective `name` with these options (policy_loss's keywords, common ones included)
+    reads beyond logp / old_logp / advantages: "old_entropy" (π_old's per-token entropy), "sentence_end"
+    (1.0 at a sentence's last token). () for an unregistered name (a custom loss_fn's objective)."""
+    from megapo.algorithms.registry import entries
+
+    entry = next((e for e in entries("objective") if e.name == name), None)
+    if entry is None:
+        return ()
+    opts = entry.make_options({k: v for k, v in options.items() if k not in _COMMON})
+    return tuple(getattr(opts, "token_inputs", ()))
 
 
 def _coef(name: str, value) -> float:
@@ -87,7 +100,9 @@ def policy_loss(
     loss_agg="seq-mean-token-sum-norm"); ref_logp + kl_coef (+ kl_estimator, default "k3") for a
     KL loss term; entropy (per-token entropies, differentiable) + entropy_coef for an entropy
     bonus; token_weight (per-token, detached, >= 0: a token_weight stage's output, megapo/algorithms/stages.py)
-    multiplies the objective's per-token loss as a correction does, the normaliser unchanged. Any other
+    multiplies the objective's per-token loss as a correction does, the normaliser unchanged; old_entropy
+    (π_old's per-token entropy) and sentence_end (1.0 at each sentence's last token) reach the objective only
+    when its options ask for them (`token_inputs`), and are refused missing then. Any other
     keyword is an option of the objective (see `megapo objectives`).
     global_polarity: loss_agg="balanced"'s sequence and token counts by advantage sign over the whole
     batch (aggregation.polarity_counts), so its shards, too, sum to the full-batch loss.
@@ -124,6 +139,11 @@ def policy_loss(
     token_weight = common.get("token_weight")
     if token_weight is not None:
         extra["token_weight"] = token_weight.detach() if isinstance(token_weight, Tensor) else token_weight
+    for key in getattr(obj_opts, "token_inputs", ()):  # only what the objective reads; the rest is ignored
+        value = common.get(key)
+        if value is None:
+            raise ValueError(f"{key}: required by objective {name!r} with these options")
+        extra[key] = value.detach() if isinstance(value, Tensor) else value
     b, _ = batch_mod.build(logp, old_logp, advantages, mask, rollout_logp, cu_seqlens, extra)
 
     out = entry.fn(b, obj_opts)

@@ -76,8 +76,11 @@ class PPOOptions:
     eps_low: float = 0.2
     eps_high: float = 0.2  # DAPO's clip-higher sets 0.28
     dual_clip: float | None = None  # c > 1: bound the loss of A<0 tokens by -c·A
-    clip_mode: str = "fixed"  # dynamic: DCPO's bounds that widen for low-probability tokens
+    clip_mode: str = "fixed"  # dynamic: DCPO's bounds that widen for low-probability tokens; entropy: HAPO's
     ratio_cap: float = 10.0  # clip_mode=dynamic: the largest upper bound [P]
+    eps_low_wide: float = 0.4  # clip_mode=entropy: ε_low at entropy 0 [A]
+    eps_high_wide: float = 0.4  # clip_mode=entropy: ε_high as the entropy grows without bound [A]
+    entropy_scale: float = 1.0  # clip_mode=entropy: τ of the entropy level 1 - e^{-H/τ} [A]
 
     def __post_init__(self):
         _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high)
@@ -88,9 +91,53 @@ class PPOOptions:
         if isinstance(self.ratio_cap, bool) or not isinstance(self.ratio_cap, (int, float)) or not self.ratio_cap > 1 \
                 or not math.isfinite(self.ratio_cap):
             raise ValueError(f"ratio_cap: must be a finite number > 1, got {self.ratio_cap!r}")
+        _check_nonneg(eps_low_wide=self.eps_low_wide, eps_high_wide=self.eps_high_wide)
+        check_entropy_scale(self.entropy_scale)
+        for name in ("eps_low", "eps_high"):
+            if getattr(self, name + "_wide") < getattr(self, name):
+                raise ValueError(f"{name}_wide: must be >= {name} ({getattr(self, name)!r}), "
+                                 f"got {getattr(self, name + '_wide')!r}")
+
+    @property
+    def token_inputs(self) -> tuple[str, ...]:
+        """Per-token inputs beyond logp / old_logp / advantages that the objective reads (policy_loss)."""
+        return ("old_entropy",) if self.clip_mode == "entropy" else ()
 
 
-CLIP_MODES = ("fixed", "dynamic")
+CLIP_MODES = ("fixed", "dynamic", "entropy")
+
+
+def check_entropy_scale(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"entropy_scale: must be a finite number > 0, got {value!r}")
+
+
+def old_entropy(b: TokenBatch) -> Tensor:
+    """π_old's per-token entropy (policy_loss's old_entropy; 0 on padding; a rounding excess below 0 clamped)."""
+    if "old_entropy" not in b.extra:
+        raise ValueError("old_entropy: this objective needs π_old's per-token entropy (policy_loss old_entropy=)")
+    return b.extra["old_entropy"].detach().clamp(min=0)
+
+
+def entropy_level(entropy: Tensor, scale: float) -> Tensor:
+    """h = 1 - e^{-H/τ} in [0, 1): 0 for a certain token, rising with the entropy H (τ = `scale`, nats) [A: a
+    fixed map, so the value of a token does not depend on the rest of the batch]."""
+    return -torch.expm1(-entropy / scale)
+
+
+def log_bounds_per_token(eps_low: Tensor, eps_high: Tensor) -> tuple[Tensor, Tensor]:
+    """_log_bounds for per-token ε tensors: [log(1-ε_low), log(1+ε_high)], -inf where ε_low >= 1."""
+    below_one = eps_low < 1
+    lo = torch.log1p(-torch.where(below_one, eps_low, torch.zeros_like(eps_low)))
+    return torch.where(below_one, lo, torch.full_like(lo, -math.inf)), torch.log1p(eps_high)
+
+
+def entropy_bounds(b: TokenBatch, o: "PPOOptions") -> tuple[Tensor, Tensor]:
+    """HAPO-style per-token bounds in log space from h = entropy_level(π_old's entropy):
+    ε_low,t = ε_low + (ε_low_wide - ε_low)·(1 - h_t), ε_high,t = ε_high + (ε_high_wide - ε_high)·h_t."""
+    h = entropy_level(old_entropy(b), o.entropy_scale)
+    return log_bounds_per_token(o.eps_low + (o.eps_low_wide - o.eps_low) * (1 - h),
+                                o.eps_high + (o.eps_high_wide - o.eps_high) * h)
 
 
 def dynamic_bounds(old_logp: Tensor, eps_low: float, eps_high: float, ratio_cap: float) -> tuple[Tensor, Tensor]:
@@ -107,7 +154,9 @@ def dynamic_bounds(old_logp: Tensor, eps_low: float, eps_high: float, ratio_cap:
     "ppo", "objective", "token",
     "Schulman et al. 2017, PPO (arXiv:1707.06347); clip-higher: DAPO, Yu et al. 2025 "
     "(arXiv:2503.14476); dual clip: Ye et al. 2020 (arXiv:1912.09729); clip_mode=dynamic: Yang et al. "
-    "2025, DCPO: Dynamic Clipping Policy Optimization (arXiv:2509.02333), seed 000 A20",
+    "2025, DCPO: Dynamic Clipping Policy Optimization (arXiv:2509.02333), seed 000 A20; clip_mode=entropy: "
+    "Liu et al. 2025, From Uniform to Heterogeneous: Tailoring Policy Optimization to Every Token's Nature "
+    "(arXiv:2509.16591), HAPO's Asymmetric Adaptive Clipping, seed 000 A15",
     PPOOptions,
     loss_agg="token-mean",  # PPO's per-token mean, as DAPO writes it
 )
@@ -116,12 +165,19 @@ def ppo(b: TokenBatch, o: PPOOptions) -> ObjectiveOut:
     loss_t = min(loss_t, -c·A_t).
     clip_mode=dynamic (DCPO; its smooth advantage standardisation is not part of this objective): the
     bounds depend on the token's prior probability q = π_old(y_t), wider for rare tokens (abstract),
-    [(1 + √max(1 - 4ε_low/q, 0))/2, min((1 + √(1 + 4ε_high/q))/2, ratio_cap)] [P]."""
+    [(1 + √max(1 - 4ε_low/q, 0))/2, min((1 + √(1 + 4ε_high/q))/2, ratio_cap)] [P].
+    clip_mode=entropy (HAPO's Asymmetric Adaptive Clipping; its adaptive temperature, token-level group average
+    and advantage redistribution are not part of this objective): h_t = 1 - e^{-H_t/τ} from π_old's entropy H_t
+    [A: the map], ε_low,t = ε_low + (ε_low_wide - ε_low)·(1 - h_t) (low-entropy tokens may fall further: the
+    abstract's aggressive reduction of noisy low-entropy tokens), ε_high,t = ε_high + (ε_high_wide - ε_high)·h_t
+    (high-entropy tokens may rise further: exploration) [A: the linear form and the wide ends' defaults]."""
     adv = b.advantages
     log_r = _log_ratio(b)
     ratio = torch.exp(log_r)
     if o.clip_mode == "dynamic":
         lo, hi = dynamic_bounds(b.old_logp, o.eps_low, o.eps_high, o.ratio_cap)
+    elif o.clip_mode == "entropy":
+        lo, hi = entropy_bounds(b, o)
     else:
         lo, hi = _log_bounds(o.eps_low, o.eps_high)
     neg_cap = None if o.dual_clip is None else math.log(o.dual_clip)

@@ -174,6 +174,8 @@ def advantage_reweighting(adv: Tensor, s: TokenStats, o: ReweightOptions) -> Ten
 
 
 NEEDS_ENTROPY = ("gtpo", "grpo_s")
+# advantage_stage entries that are not algorithm.token_advantage values (they have their own config fields)
+NOT_TOKEN_ADVANTAGE = ("polarity", "future_kl")
 
 
 def _padded(values: list, width: int, dtype) -> Tensor:
@@ -190,8 +192,8 @@ def token_advantages(name: str, advantages: Tensor, old_logp: list, entropy: lis
     contiguous), `old_logp` / `entropy` one sequence of π_old's response-token values per sample.
     Returns one float64 tensor per sample, as long as its old_logp."""
     entry = get("advantage_stage", name, argument="token_advantage")
-    if name == "polarity":
-        raise ValueError("token_advantage: polarity acts on sequence advantages (algorithm.advantage_polarity)")
+    if name in NOT_TOKEN_ADVANTAGE:
+        raise ValueError(f"token_advantage: {name} has its own field (algorithm.advantage_polarity, algorithm.kl_mode)")
     opts = entry.make_options(options)
     lengths = [len(v) for v in old_logp]
     if advantages.numel() != len(lengths) or len(lengths) % group_size:
@@ -274,3 +276,144 @@ def token_select_weights(advantages: list, entropy: list, *, step: int = 1, **op
     scores = flat_h if opts.score == "entropy" else torch.cat(adv).abs() * flat_h
     weights = entry.fn(scores, opts, step)
     return list(torch.split(weights, [len(e) for e in ent]))
+
+
+# ----------------------------------------------------------------------------- future KL (FRPO)
+
+
+@register(
+    "future_kl", "advantage_stage", "token",
+    "Future-KL Regularized Policy Optimization (FRPO, seed 000 A64: 'add a reverse cumulative sum of per-token "
+    "log ratios after advantage construction'); algorithm.kl_mode=future, β = algorithm.kl_coef",
+)
+def future_kl(adv: Tensor, old_logp: Tensor, ref_logp: Tensor, mask: Tensor, beta: float) -> Tensor:
+    """A_{i,t} = A_{i,t} − β·Σ_{s≥t}(log π_old(y_s) − log π_ref(y_s)) over the response's tokens s from t to
+    its end (the causal future-KL return-to-go of the reverse KL); A_{i,t} is the estimator's advantage
+    (after the other advantage stages), log π_old the old-log-prob pass's, log π_ref the frozen reference's
+    (the one algorithm.kl_coef > 0 already loads). No loss-side KL term (the KL is still measured, train/kl).
+    [A: the log-ratio is taken against π_old, the policy that drew the samples, as a constant.]"""
+    diff = torch.where(mask, old_logp - ref_logp, torch.zeros_like(old_logp))
+    to_go = torch.flip(torch.cumsum(torch.flip(diff, [-1]), -1), [-1])
+    return (adv - beta * to_go) * mask
+
+
+def future_kl_advantages(advantages: list, old_logp: list, ref_logp: list, *, beta: float) -> list[Tensor]:
+    """future_kl per sample: `advantages` one number or one per response token, `old_logp` / `ref_logp` one
+    per response token. Returns one float64 tensor per sample."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
+        raise ValueError(f"beta: must be a finite number >= 0, got {beta!r}")
+    lengths = [len(v) for v in old_logp]
+    for i, (r, n) in enumerate(zip(ref_logp, lengths)):
+        if r is None or len(r) != n:
+            raise ValueError(f"ref_logp[{i}]: expected {n} values (one per response token), got "
+                             f"{None if r is None else len(r)}")
+    width, dt = max(lengths), torch.float64
+    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    adv = _padded([torch.as_tensor(a, dtype=dt).reshape(-1).expand(n) for a, n in zip(advantages, lengths)],
+                  width, dt)
+    out = get("advantage_stage", "future_kl").fn(adv, _padded(old_logp, width, dt), _padded(ref_logp, width, dt),
+                                                 mask, float(beta))
+    return [out[i, :n] for i, n in enumerate(lengths)]
+
+
+# ----------------------------------------------------------------------------- token masks
+
+
+RENORMS = ("batch", "sequence", "none")
+
+
+@dataclass
+class StapoOptions:
+    prob_max: float = 0.05  # [A] a spurious token's π_old(y_t) is below this
+    entropy_max: float = 0.3  # [A] and π_old's entropy there (nats) below this
+    renorm: str = "batch"  # batch: N/N_kept (token-mean's normaliser); sequence: L_i/L_i,kept; none
+
+    def __post_init__(self):
+        if isinstance(self.prob_max, bool) or not isinstance(self.prob_max, (int, float)) or not 0 < self.prob_max <= 1:
+            raise ValueError(f"prob_max: must be in (0, 1], got {self.prob_max!r}")
+        if isinstance(self.entropy_max, bool) or not isinstance(self.entropy_max, (int, float)) \
+                or not math.isfinite(self.entropy_max) or self.entropy_max <= 0:
+            raise ValueError(f"entropy_max: must be a finite number > 0, got {self.entropy_max!r}")
+        if self.renorm not in RENORMS:
+            raise ValueError(f"renorm: must be one of {', '.join(RENORMS)}, got {self.renorm!r}")
+
+
+@register(
+    "stapo", "token_weight", "batch",
+    "Spurious-Token-Aware Policy Optimization (STAPO, seed 000 A77: mask the rare low-probability, low-entropy "
+    "tokens of correct responses and renormalise over the valid ones)",
+    StapoOptions,
+)
+def stapo(prob: Tensor, entropy: Tensor, positive: Tensor, owner: Tensor, o: StapoOptions) -> Tensor:
+    """M_t = 0 where the response is positive (sign of Σ_t A_t > 0: a correct response's tokens inherit the
+    reward) and π_old(y_t) < prob_max and H_t < entropy_max (π_old's entropy), else 1 [A: the two thresholds
+    are absolute numbers]. The loss is renormalised over the kept tokens [A: as a weight, the normaliser itself
+    unchanged]: renorm=batch w_t = M_t·N/Σ M (N every response token of the train batch, so a token-mean loss
+    divides by the kept count), sequence w_t = M_t·L_i/Σ_{t∈i} M_t (per response, for the seq-mean
+    aggregations), none w_t = M_t. Inputs are flat over the batch's tokens; `owner` maps each to its sample."""
+    keep = ~(positive[owner] & (prob < o.prob_max) & (entropy < o.entropy_max))
+    kept = keep.to(prob.dtype)
+    if o.renorm == "batch":
+        total = kept.sum()
+        return kept * (kept.numel() / total) if total > 0 else kept
+    if o.renorm == "sequence":
+        n = len(positive)
+        per = torch.zeros(n, dtype=prob.dtype).index_add_(0, owner, kept)
+        size = torch.zeros(n, dtype=prob.dtype).index_add_(0, owner, torch.ones_like(kept))
+        return kept * (size / per.clamp(min=1))[owner]
+    return kept
+
+
+@register(
+    "nat_prefix", "token_weight", "sequence",
+    "Not All Tokens Are Needed (NAT, seed 000 A79), Random Prefix Cutting with Horvitz-Thompson reweighting",
+)
+def nat_prefix(lengths: list[int], rng) -> list[Tensor]:
+    """Per response of L tokens a cut c ~ Uniform{1, …, L}; tokens t ≤ c are kept with weight
+    1/P(t kept) = L/(L − t + 1) (Horvitz–Thompson: P(c ≥ t) = (L − t + 1)/L, so the weighted sum of a
+    per-token loss is unbiased for the full sum), tokens t > c get weight 0. `rng` a numpy Generator (the loop
+    seeds it from (train.seed, trainer step), so a resumed run cuts as the unstopped one). [A: the cut
+    tokens still run forward and backward here at weight 0: the paper's compute saving is not realised.]"""
+    out = []
+    for n in lengths:
+        cut = int(rng.integers(1, n + 1)) if n else 0
+        t = torch.arange(1, n + 1, dtype=torch.float64)
+        out.append(torch.where(t <= cut, n / (n - t + 1), torch.zeros_like(t)))
+    return out
+
+
+TOKEN_MASKS = ("stapo", "nat_prefix")
+KL_MODES = ("loss", "future")  # algorithm.kl_mode: the KL to the reference as a loss term, or FRPO's future_kl
+
+
+def _sequence_sign(advantages: list, lengths: list[int]) -> Tensor:
+    """[S] bool: Σ_t A_t > 0 per sample (a scalar advantage counts once per token), in float64."""
+    return torch.tensor([float(torch.as_tensor(a, dtype=torch.float64).reshape(-1).expand(n).sum()) > 0
+                         for a, n in zip(advantages, lengths)])
+
+
+def token_mask_weights(name: str, *, lengths: list[int], advantages: list | None = None, old_logp: list | None = None,
+                       entropy: list | None = None, seed: int = 0, step: int = 1, **options) -> list[Tensor]:
+    """Per-token loss weights of token mask `name` (stapo | nat_prefix) for a whole train batch of responses of
+    `lengths` tokens: stapo from per-sample `advantages` (a number or one per token), π_old's `old_logp` and
+    `entropy` (per token); nat_prefix draws from numpy's default_rng([seed, step])."""
+    import numpy as np
+
+    if name not in TOKEN_MASKS:
+        raise ValueError(f"token_mask: unknown {name!r}; choose from {', '.join(TOKEN_MASKS)}")
+    entry = get("token_weight", name, argument="token_mask")
+    opts = entry.make_options(options)
+    lengths = [int(n) for n in lengths]
+    if name == "nat_prefix":
+        return entry.fn(lengths, np.random.default_rng([int(seed), int(step)]))
+    if old_logp is None or [len(v) for v in old_logp] != lengths:
+        raise ValueError("old_logp: token_mask 'stapo' needs π_old's log-prob at every response token")
+    if entropy is None or any(e is None for e in entropy):
+        raise ValueError("entropy: token_mask 'stapo' needs π_old's per-token entropy (sample['old_entropy'])")
+    prob = torch.exp(torch.cat([torch.as_tensor(v, dtype=torch.float64).reshape(-1) for v in old_logp]))
+    ent = torch.cat([torch.as_tensor(e, dtype=torch.float64).reshape(-1) for e in entropy])
+    if ent.numel() != prob.numel():
+        raise ValueError("entropy: one value per response token expected, as old_logp")
+    owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    weights = entry.fn(prob, ent, _sequence_sign(advantages, lengths), owner, opts)
+    return list(torch.split(weights, lengths))

@@ -1,4 +1,4 @@
-"""Ratio and trust-region objectives of seed 000 (issue 14): minpro, dppo, cppo, dhpo, holder, kpo, aspo.
+"""Ratio and trust-region objectives of seed 000 (issue 14): minpro, dppo, cppo, dhpo, sspo, holder, kpo, aspo.
 
 Conventions are objectives.py's: a per-token loss on the padded [S, T] view, r_t = π_θ(y_t)/π_old(y_t),
 ℓ_t = log r_t, A_t the advantage, sg[·] stop-gradient. A sequence is a row of that view (batch.build
@@ -10,6 +10,7 @@ the paper or its public code rather than the abstract.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -18,7 +19,8 @@ from torch import Tensor
 
 from megapo.algorithms.batch import TokenBatch
 from megapo.algorithms.objectives import (
-    ObjectiveOut, _check_nonneg, _log_bounds, _log_ratio, _pessimistic, _seq_ratio_clip,
+    ObjectiveOut, _check_nonneg, _log_bounds, _log_ratio, _pessimistic, _seq_ratio_clip, check_entropy_scale,
+    entropy_level, log_bounds_per_token, old_entropy,
 )
 from megapo.algorithms.registry import register
 
@@ -200,60 +202,163 @@ def cppo(b: TokenBatch, o: CPPOOptions) -> ObjectiveOut:
 
 @dataclass
 class DHPOOptions:
-    alpha: float = 0.5  # weight of the token branch (the averaged mixing)
+    alpha: float | str = 0.5  # weight of the token branch: a number (the averaged mixing) or "entropy"
     tok_eps_low: float = 0.2  # [A] PPO's range for the token branch
     tok_eps_high: float = 0.2
     seq_eps_low: float = 3e-4  # [A] GSPO's range for the sequence branch
     seq_eps_high: float = 4e-4
+    entropy_scale: float = 1.0  # alpha=entropy: τ of α_t = 1 - e^{-H_t/τ} [A]
 
     def __post_init__(self):
-        _check_nonneg(alpha=self.alpha, tok_eps_low=self.tok_eps_low, tok_eps_high=self.tok_eps_high,
+        if self.alpha != "entropy":
+            if isinstance(self.alpha, (str, bool)) or not isinstance(self.alpha, (int, float)):
+                raise ValueError(f"alpha: must be a number in [0, 1] or 'entropy', got {self.alpha!r}")
+            _check_nonneg(alpha=self.alpha)
+            if self.alpha > 1:
+                raise ValueError(f"alpha: must be in [0, 1], got {self.alpha!r}")
+        _check_nonneg(tok_eps_low=self.tok_eps_low, tok_eps_high=self.tok_eps_high,
                       seq_eps_low=self.seq_eps_low, seq_eps_high=self.seq_eps_high)
-        if self.alpha > 1:
-            raise ValueError(f"alpha: must be in [0, 1], got {self.alpha!r}")
+        check_entropy_scale(self.entropy_scale)
+
+    @property
+    def token_inputs(self) -> tuple[str, ...]:
+        return ("old_entropy",) if self.alpha == "entropy" else ()
 
 
-def _mix(alpha: float, token: Tensor, seq: Tensor) -> Tensor:
-    """α·token + (1-α)·seq, leaving out a branch of weight 0 (0·inf would be NaN)."""
-    if alpha == 0:
-        return seq
-    if alpha == 1:
-        return token
+def _mix(alpha: Tensor, token: Tensor, seq: Tensor) -> Tensor:
+    """α·token + (1-α)·seq per token; the caller gives a branch of weight 0 a finite value (0·inf is NaN)."""
     return alpha * token + (1 - alpha) * seq
+
+
+def _dhpo_alpha(b: TokenBatch, o: DHPOOptions) -> Tensor:
+    if o.alpha == "entropy":
+        return entropy_level(old_entropy(b), o.entropy_scale)
+    return torch.full_like(b.old_logp, float(o.alpha))
 
 
 @register(
     "dhpo", "objective", "token",
     "Min et al. 2026, Orchestrating Tokens and Sequences: Dynamic Hybrid Policy Optimization for RLVR "
-    "(arXiv:2601.05607), DHPO, averaged mixing; seed 000 A18",
+    "(arXiv:2601.05607), DHPO, averaged mixing (alpha a number) and entropy-guided mixing (alpha=entropy); "
+    "seed 000 A18",
     DHPOOptions,
     loss_agg="seq-mean-token-mean",  # [A] GRPO's and GSPO's 1/G Σ_i 1/|y_i| Σ_t, the two it bridges
 )
 def dhpo(b: TokenBatch, o: DHPOOptions) -> ObjectiveOut:
     """s_i = exp((1/|y_i|)·Σ_t log r_{i,t}) (GSPO's sequence ratio, gradient through every token);
-    ρ_t = α·r_t + (1-α)·s_i; ρ̂_t = α·clip(r_t, 1-ε^tok_low, 1+ε^tok_high) + (1-α)·clip(s_i,
+    ρ_t = α_t·r_t + (1-α_t)·s_i; ρ̂_t = α_t·clip(r_t, 1-ε^tok_low, 1+ε^tok_high) + (1-α_t)·clip(s_i,
     1-ε^seq_low, 1+ε^seq_high) (each branch clipped in its own range before mixing);
-    loss_t = max(-A_t·ρ_t, -A_t·ρ̂_t). α is a constant (default 0.5: the averaged mixing); the
-    entropy-guided α_t needs π_old's per-token entropy and is not implemented. For A >= 0 the unclipped
-    branch's ratios are capped where it can no longer win (r <= h/α, s <= h/(1-α), h the larger upper
-    bound), which changes no value or gradient and keeps an overflowing ratio finite."""
+    loss_t = max(-A_t·ρ_t, -A_t·ρ̂_t). alpha a number: α_t = alpha (default 0.5: the averaged mixing).
+    alpha=entropy (the entropy-guided mixing): α_t = 1 - e^{-H_t/τ}, H_t π_old's entropy at the token
+    [A: the map and its direction: an uncertain token (a fork) leans on its own ratio, a near-certain one on
+    the sequence's]. For A >= 0 the unclipped branch's ratios are capped where it can no longer win
+    (r <= h/α, s <= h/(1-α), h the larger upper bound), which changes no value or gradient and keeps an
+    overflowing ratio finite; a branch of weight 0 is evaluated at ratio 1."""
     adv = b.advantages
     log_r = _log_ratio(b)
     log_s = b.seq_mean(log_r)[:, None].expand_as(log_r)
+    alpha = _dhpo_alpha(b, o)
     tok_lo, tok_hi = _log_bounds(o.tok_eps_low, o.tok_eps_high)
     seq_lo, seq_hi = _log_bounds(o.seq_eps_low, o.seq_eps_high)
-    clipped = _mix(o.alpha, torch.exp(log_r.clamp(tok_lo, tok_hi)), torch.exp(log_s.clamp(seq_lo, seq_hi)))
+    clipped = _mix(alpha, torch.exp(log_r.clamp(tok_lo, tok_hi)), torch.exp(log_s.clamp(seq_lo, seq_hi)))
     top = math.log(max(1 + o.tok_eps_high, 1 + o.seq_eps_high))
-    cap_r = top - math.log(o.alpha) if o.alpha > 0 else 0.0
-    cap_s = top - math.log(1 - o.alpha) if o.alpha < 1 else 0.0
-    capped_r = torch.where(adv >= 0, log_r.clamp(max=cap_r), log_r)
-    capped_s = torch.where(adv >= 0, log_s.clamp(max=cap_s), log_s)
-    unclipped = _mix(o.alpha, torch.exp(capped_r), torch.exp(capped_s))
+    tiny = torch.finfo(alpha.dtype).tiny
+    has_tok, has_seq = alpha > 0, alpha < 1
+    cap_r = top - torch.log(alpha.clamp(min=tiny))
+    cap_s = top - torch.log((1 - alpha).clamp(min=tiny))
+    capped_r = torch.where(adv >= 0, torch.minimum(log_r, cap_r), log_r)
+    capped_s = torch.where(adv >= 0, torch.minimum(log_s, cap_s), log_s)
+    zero = torch.zeros_like(log_r)
+    unclipped = _mix(alpha, torch.exp(torch.where(has_tok, capped_r, zero)),
+                     torch.exp(torch.where(has_seq, capped_s, zero)))
     loss = torch.maximum(-adv * unclipped, -adv * clipped)
-    rho = _mix(o.alpha, torch.exp(log_r.detach()), torch.exp(log_s.detach()))
+    rho = _mix(alpha, torch.exp(torch.where(has_tok, log_r, zero).detach()),
+               torch.exp(torch.where(has_seq, log_s, zero).detach()))
     clipped_d = clipped.detach()
     return ObjectiveOut(loss, rho, clip_low=(adv < 0) & (rho < clipped_d) & b.mask,
                         clip_high=(adv > 0) & (rho > clipped_d) & b.mask)
+
+
+# ----------------------------------------------------------------------------------------- sspo
+
+
+@dataclass
+class SSPOOptions:
+    eps_low: float = 0.05  # [A] between PPO's token range (0.2) and GSPO's sequence range (3e-4)
+    eps_high: float = 0.05
+    scale_min: float = 0.5  # [A] bounds of the entropy factor g_k on the clip range
+    scale_max: float = 2.0
+    sentence_end_ids: list = dataclasses.field(default_factory=list)  # the tokenizer's sentence-ending ids
+
+    def __post_init__(self):
+        _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high)
+        _check_positive(scale_min=self.scale_min, scale_max=self.scale_max)
+        if self.scale_max < self.scale_min:
+            raise ValueError(f"scale_max: must be >= scale_min ({self.scale_min!r}), got {self.scale_max!r}")
+        ids = self.sentence_end_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) or \
+                any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise ValueError(f"sentence_end_ids: must be a list of token ids (integers >= 0), got {ids!r}")
+
+    @property
+    def token_inputs(self) -> tuple[str, ...]:
+        return ("old_entropy",) + (("sentence_end",) if self.sentence_end_ids else ())
+
+
+def sentence_ids(b: TokenBatch) -> Tensor:
+    """[S, T] long: each valid token's sentence index within its row (0, 1, ...): a sentence ends at a token
+    flagged in b.extra["sentence_end"]; without flags, or after the last one, the rest of the row is one."""
+    ends = b.extra.get("sentence_end")
+    if ends is None:
+        return torch.zeros_like(b.mask, dtype=torch.long)
+    flag = ((ends > 0.5) & b.mask).long()
+    return torch.cumsum(flag, -1) - flag
+
+
+def sentence_mean(values: Tensor, seg: Tensor, mask: Tensor) -> Tensor:
+    """[S, T]: the mean of `values` over the valid tokens of each token's sentence (differentiable)."""
+    rows, width = values.shape
+    key = (torch.arange(rows, device=values.device)[:, None] * width + seg).reshape(-1)
+    fmask = mask.to(values.dtype)
+    sums = values.new_zeros(rows * width).index_add(0, key, (values * fmask).reshape(-1))
+    counts = values.new_zeros(rows * width).index_add(0, key, fmask.reshape(-1))
+    return (sums / counts.clamp(min=1))[key].reshape(rows, width)
+
+
+@register(
+    "sspo", "objective", "token",
+    "Yang et al. 2025, SSPO: Subsentence-level Policy Optimization (arXiv:2511.04256); seed 000 A3",
+    SSPOOptions,
+    loss_agg="seq-mean-token-mean",  # [A] the 1/G Σ_i 1/|y_i| Σ_t of the GRPO and GSPO it balances
+)
+def sspo(b: TokenBatch, o: SSPOOptions) -> ObjectiveOut:
+    """A response splits into sentences k at its sentence-ending tokens (the tokenizer's ids in
+    sentence_end_ids; the token ends its sentence; the tail after the last one, or the whole response when
+    none is given, is one sentence). s_{i,k} = exp((1/|k|)·Σ_{t∈k} log r_t) (the sentence ratio, gradient
+    through each of its tokens); H_k = the mean over k of π_old's per-token entropy, H̄_i its mean over the
+    response; g_k = clamp(H_k/H̄_i, scale_min, scale_max) (1 when H̄_i = 0) [A: the abstract says sentence
+    entropy widens the clip range of high-entropy and narrows that of low-entropy sentences; the relative
+    form and its bounds are ours]; loss_t = max(-A·s_{i,k}, -A·clip(s_{i,k}, 1-ε_low·g_k, 1+ε_high·g_k)) on
+    every token t of sentence k."""
+    adv = b.advantages
+    log_r = _log_ratio(b)
+    seg = sentence_ids(b)
+    log_s = sentence_mean(log_r, seg, b.mask)
+    entropy = old_entropy(b)
+    h_sentence = sentence_mean(entropy, seg, b.mask)
+    h_response = b.seq_mean(entropy)[:, None]
+    rel = h_sentence / torch.where(h_response > 0, h_response, torch.ones_like(h_response))
+    g = torch.where(h_response > 0, rel.clamp(o.scale_min, o.scale_max), torch.ones_like(rel))
+    lo, hi = log_bounds_per_token(o.eps_low * g, o.eps_high * g)
+    s = log_s.detach()
+    return ObjectiveOut(_pessimistic(log_s, adv, lo, hi), torch.exp(s),
+                        clip_low=(adv < 0) & (s < lo) & b.mask, clip_high=(adv > 0) & (s > hi) & b.mask)
+
+
+def sentence_end_flags(response_ids, end_ids) -> list[float]:
+    """1.0 at each response token whose id is in `end_ids`, else 0.0 (sspo's policy_loss sentence_end)."""
+    ends = set(end_ids)
+    return [1.0 if int(t) in ends else 0.0 for t in response_ids]
 
 
 # ----------------------------------------------------------------------------------------- holder

@@ -40,9 +40,9 @@ from megapo.weights import gather
 # normaliser), so the batch's value is their sum, not their mean
 SHARE_METRICS = ("pg_loss",)
 # per-token sample fields of a train batch, one value per response token
-TOKEN_FIELDS = ("old_logp", "advantage", "rollout_logp", "ref_logp", "token_weight")
+TOKEN_FIELDS = ("old_logp", "advantage", "rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end")
 # optional ones: every sample has it or none does
-OPTIONAL_FIELDS = ("rollout_logp", "ref_logp", "token_weight")
+OPTIONAL_FIELDS = ("rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end")
 
 
 @dataclass
@@ -322,6 +322,9 @@ class Learner:
         counts = _batch_counts(inputs, objective, loss_agg)  # batch-global counts an aggregation needs
         scale = len(micro_batches) * ps.get_data_parallel_world_size()  # undo the schedule's /M and DDP's /dp
         cols = inputs.columns
+        from megapo.algorithms.loss import token_inputs
+
+        wanted = token_inputs(objective, options)  # per-token inputs the objective reads (old_entropy, sentence_end)
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             if not mb.order:  # an empty micro-batch (DP balancing): no loss, but keep the graph connected
@@ -341,6 +344,10 @@ class Learner:
             for name in ("ref_logp", "token_weight"):  # a token_weight stage's weights (algorithms/stages.py)
                 if name in cols:
                     extra[name] = column(name)
+            for name in wanted:  # on-policy, π_old's entropy is this forward's
+                value = entropy.detach() if name == "old_entropy" and on_policy else column(name)
+                if value is not None:
+                    extra[name] = value
             if extra.get("entropy_coef"):
                 extra["entropy"] = entropy
             loss, metrics = loss_fn(objective, logp, old, column("advantage"), mb.mask, column("rollout_logp"),

@@ -150,6 +150,13 @@ class AlgorithmConfig:
     # token_select's options ({} = off; score, rho, weight, rho_end, anneal_steps): per-token loss weights,
     # 1 for the top-rho fraction of the batch's tokens by π_old entropy (or |A|·entropy), `weight` for the rest
     token_select: dict[str, Any] = field(default_factory=dict)
+    # none | stapo | nat_prefix: per-token loss weights of a token mask (megapo/algorithms/stages.py), multiplied
+    # with token_select's; stapo takes the old-log-prob pass with entropies
+    token_mask: str = "none"
+    token_mask_options: dict[str, Any] = field(default_factory=dict)
+    # loss: the KL to the reference is a loss term (kl_coef · k1/k2/k3); future: FRPO's future-KL advantage
+    # A_t - β·Σ_{s≥t}(log π_old - log π_ref) with β = kl_coef, and no KL term in the loss
+    kl_mode: str = "loss"
 
     def needs_reference(self) -> bool:
         """Whether a term uses π_ref's log-probs (sample["ref_logp"])."""
@@ -157,12 +164,17 @@ class AlgorithmConfig:
 
     def needs_old_stats(self) -> bool:
         """Whether a stage needs π_old's per-token statistics before the loss (the separate old-log-prob pass)."""
-        return self.token_advantage != "none" or bool(self.token_select)
+        return (self.token_advantage != "none" or bool(self.token_select) or self.token_mask == "stapo"
+                or self.kl_mode == "future")
 
     def needs_old_entropy(self) -> bool:
+        """Whether the old-log-prob pass keeps π_old's per-token entropy: for a stage, or for the objective's
+        loss (sample["old_entropy"]; a fused on-policy step takes it from its own forward instead)."""
+        from megapo.algorithms.loss import token_inputs
         from megapo.algorithms.stages import NEEDS_ENTROPY
 
-        return self.token_advantage in NEEDS_ENTROPY or bool(self.token_select)
+        return (self.token_advantage in NEEDS_ENTROPY or bool(self.token_select) or self.token_mask == "stapo"
+                or "old_entropy" in token_inputs(self.objective, self.objective_options))
 
     def __post_init__(self) -> None:
         if self.routing_replay is False:
@@ -359,7 +371,6 @@ class RunConfig:
                               f"algorithm.routing_replay={a.routing_replay} trains the policy under; use megatron "
                               "(or auto)")
 
-
     def _validate_stages(self) -> None:
         from megapo.algorithms.stages import POLARITIES
 
@@ -367,7 +378,9 @@ class RunConfig:
         if a.advantage_polarity not in POLARITIES:
             raise ConfigError("algorithm.advantage_polarity", f"must be one of {', '.join(POLARITIES)}, "
                               f"got {a.advantage_polarity!r}")
-        known = [n for n in _registry_names("advantage_stage") if n != "polarity"]
+        from megapo.algorithms.stages import NOT_TOKEN_ADVANTAGE
+
+        known = [n for n in _registry_names("advantage_stage") if n not in NOT_TOKEN_ADVANTAGE]
         if a.token_advantage != "none":
             if a.token_advantage not in known:
                 raise ConfigError("algorithm.token_advantage", f"unknown stage {a.token_advantage!r}; known: none, "
@@ -378,6 +391,23 @@ class RunConfig:
             raise ConfigError("algorithm.token_advantage_options", "given but algorithm.token_advantage is 'none'")
         if a.token_select:
             _check_options("token_weight", "token_select", a.token_select, "algorithm.token_select")
+        self._validate_token_mask_and_kl_mode()
+
+    def _validate_token_mask_and_kl_mode(self) -> None:
+        from megapo.algorithms.stages import KL_MODES, TOKEN_MASKS
+
+        a = self.algorithm
+        if a.token_mask != "none":
+            if a.token_mask not in TOKEN_MASKS:
+                raise ConfigError("algorithm.token_mask", f"unknown mask {a.token_mask!r}; known: none, "
+                                  f"{', '.join(TOKEN_MASKS)}")
+            _check_options("token_weight", a.token_mask, a.token_mask_options, "algorithm.token_mask_options")
+        elif a.token_mask_options:
+            raise ConfigError("algorithm.token_mask_options", "given but algorithm.token_mask is 'none'")
+        if a.kl_mode not in KL_MODES:
+            raise ConfigError("algorithm.kl_mode", f"must be one of {', '.join(KL_MODES)}, got {a.kl_mode!r}")
+        if a.kl_mode == "future" and not a.kl_coef > 0:
+            raise ConfigError("algorithm.kl_coef", "algorithm.kl_mode=future takes its β from kl_coef: must be > 0")
 
     def _validate_rollout(self) -> None:
         r = self.rollout

@@ -149,17 +149,31 @@ def train_samples(groups: list[Group], cfg: RunConfig) -> list[dict]:
                              **cfg.algorithm.advantage_options)
     a = cfg.algorithm
     adv = apply_polarity(adv, a.advantage_polarity, a.pos_scale, a.neg_scale)
+    sentence_ends = _sentence_end_ids(cfg)
     out = []
     for gi, g in enumerate(groups):
         for si, s in enumerate(g.samples):
             sample = {"tokens": list(s.prompt_ids) + list(s.output_ids), "prompt_len": len(s.prompt_ids),
                       "advantage": float(adv[gi, si]), "rollout_logp": list(s.logprobs)}
+            if sentence_ends is not None:  # the objective splits responses into sentences (sspo)
+                from megapo.algorithms.trust_region import sentence_end_flags
+
+                sample["sentence_end"] = sentence_end_flags(s.output_ids, sentence_ends)
             if cfg.algorithm.routing_replay == "r3":
                 sample["routes"] = s.routes
             if getattr(s, "routes", None) is not None:  # for router/disagree (megapo.replay.modes.stability_metrics)
                 sample["engine_routes"] = s.routes
             out.append(sample)
     return out
+
+
+def _sentence_end_ids(cfg: RunConfig) -> list[int] | None:
+    """The objective's sentence-ending token ids when its loss reads sample["sentence_end"], else None."""
+    from megapo.algorithms.loss import token_inputs
+
+    a = cfg.algorithm
+    return list(a.objective_options["sentence_end_ids"]) if "sentence_end" in token_inputs(
+        a.objective, a.objective_options) else None
 
 
 def old_logprob_pass(learner, batch: list[dict], cfg: RunConfig, measure_free_kl: bool = False,
@@ -197,8 +211,11 @@ def token_stages(batch: list[dict], cfg: RunConfig, step: int) -> dict:
     batch-global statistics do not depend on mini-, micro-batches or DP ranks): algorithm.token_advantage
     turns each sample's advantage into a per-token list, algorithm.token_select sets sample["token_weight"]
     (the learner multiplies the per-token loss by it). π_old = sample["old_logp"], its entropy
-    sample["old_entropy"]."""
-    from megapo.algorithms.stages import token_advantages, token_select_weights
+    sample["old_entropy"]. In order: token_advantage, kl_mode=future (FRPO's future-KL advantage from
+    sample["ref_logp"]), token_select, token_mask (its weights multiply token_select's; nat_prefix draws from
+    (train.seed, `step`), so a resumed run cuts as the unstopped one)."""
+    from megapo.algorithms.stages import future_kl_advantages, token_advantages, token_mask_weights, \
+        token_select_weights
 
     a, metrics = cfg.algorithm, {}
     if a.token_advantage != "none":
@@ -208,12 +225,27 @@ def token_stages(batch: list[dict], cfg: RunConfig, step: int) -> dict:
                                      **a.token_advantage_options)
         for sample, values in zip(batch, per_token):
             sample["advantage"] = values.tolist()
+    if a.kl_mode == "future":
+        per_token = future_kl_advantages([s["advantage"] for s in batch], [s["old_logp"] for s in batch],
+                                         [s.get("ref_logp") for s in batch], beta=a.kl_coef)
+        for sample, values in zip(batch, per_token):
+            sample["advantage"] = values.tolist()
     if a.token_select:
         weights = token_select_weights([s["advantage"] for s in batch], [s["old_entropy"] for s in batch],
                                        step=step, **a.token_select)
         for sample, w in zip(batch, weights):
             sample["token_weight"] = w.tolist()
         metrics["token_select/kept_frac"] = float(torch.cat(weights).eq(1).double().mean())
+    if a.token_mask != "none":
+        masks = token_mask_weights(a.token_mask, lengths=[len(s["tokens"]) - s["prompt_len"] for s in batch],
+                                   advantages=[s["advantage"] for s in batch],
+                                   old_logp=[s.get("old_logp") for s in batch] if a.token_mask == "stapo" else None,
+                                   entropy=[s.get("old_entropy") for s in batch], seed=cfg.train.seed, step=step,
+                                   **a.token_mask_options)
+        for sample, w in zip(batch, masks):
+            before = sample.get("token_weight")
+            sample["token_weight"] = (w if before is None else w * torch.tensor(before, dtype=w.dtype)).tolist()
+        metrics[f"{a.token_mask}/kept_frac"] = float(torch.cat(masks).gt(0).double().mean())
     return metrics
 
 
@@ -268,7 +300,7 @@ def loss_options(cfg: RunConfig) -> dict:
             opts["correction_options"] = dict(a.mismatch_options)
     elif cfg.async_correction() != "none":
         opts["correction"] = cfg.async_correction()  # stale rollouts are off-policy
-    if a.kl_coef:
+    if a.kl_coef and a.kl_mode == "loss":  # kl_mode=future puts the KL into the advantages (token_stages)
         opts.update(kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
     if a.entropy_coef:
         opts["entropy_coef"] = a.entropy_coef
@@ -396,12 +428,12 @@ def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, optio
             metrics.update(old_logprob_pass(learner, batch, cfg, measure_free_kl, free_logps=free))
     if cfg.old_policy() == "engine":
         metrics.update(use_engine_logprobs(batch))
-    metrics.update(token_stages(batch, cfg, step))  # trainer step `step` (token_select's schedule)
-    if cfg.algorithm.needs_reference():
+    if cfg.algorithm.needs_reference():  # before the stages: kl_mode=future's advantages read it
         with timer("ref_logp"):
             ref = reference_logprobs(reference, batch)
         for sample, lp in zip(batch, ref):
             sample["ref_logp"] = lp
+    metrics.update(token_stages(batch, cfg, step))  # trainer step `step` (token_select's schedule, nat_prefix's cut)
     with timer("train"):
         last: dict = {}
         if fused:  # one update on the whole batch, π_old from its own forward

@@ -1,0 +1,248 @@
+"""Advantage and token-weight stages of issue 14 (megapo/algorithms/stages.py): algorithm.kl_mode=future (FRPO's
+future-KL advantage), algorithm.token_mask stapo (STAPO's spurious-token mask, renormalised) and nat_prefix
+(NAT's random prefix cutting with Horvitz-Thompson weights). Each against a loop written from its formula at
+float64; STAPO's batch-global renormalisation through policy_loss with float64 finite differences and the
+4 micro-batches x 2 DP shards split invariance; NAT's weights unbiased over every cut and reproducible from
+(seed, step); bad options refused at config time naming the field; the loop's wiring."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megapo.algorithms import policy_loss
+from megapo.algorithms.stages import future_kl_advantages, token_mask_weights
+
+F64 = torch.float64
+
+
+def rand_lists(seed, lengths, scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    return [(-torch.rand(n, generator=g, dtype=F64) * scale).tolist() for n in lengths]
+
+
+# ----------------------------------------------------------------------------- FRPO future KL
+
+
+def test_future_kl_against_a_loop():
+    lengths = [4, 1, 6, 3]
+    old, ref = rand_lists(1, lengths), rand_lists(2, lengths)
+    advantages = [0.8, -1.2, [0.1, 0.2, -0.3, 0.4, 0.5, -0.6], 0.0]  # scalar or per token
+    beta = 0.07
+    got = future_kl_advantages(advantages, old, ref, beta=beta)
+    for i, n in enumerate(lengths):
+        for t in range(n):
+            a = advantages[i][t] if isinstance(advantages[i], list) else advantages[i]
+            to_go = sum(old[i][s] - ref[i][s] for s in range(t, n))
+            assert got[i][t].item() == pytest.approx(a - beta * to_go, rel=1e-13, abs=1e-15), (i, t)
+    zero = future_kl_advantages(advantages, old, ref, beta=0.0)
+    assert zero[0].tolist() == [0.8] * 4  # β = 0: the estimator's advantage
+    with pytest.raises(ValueError, match=r"ref_logp\[1\]"):
+        future_kl_advantages(advantages, old, [ref[0], [], ref[2], ref[3]], beta=0.1)
+    with pytest.raises(ValueError, match="beta"):
+        future_kl_advantages(advantages, old, ref, beta=-1.0)
+
+
+def config_data(**algorithm):
+    return {
+        "model": {"path": "/nonexistent"},
+        "algorithm": {"objective": "ppo", "advantage": "grpo", **algorithm},
+        "rollout": {"engine": "embedded", "n_samples": 2, "max_new_tokens": 8},
+        "data": {"task": "addition", "max_prompt_tokens": 16, "prompts_per_step": 8},
+        "train": {"steps": 3, "output_dir": "/tmp/unused", "seed": 5},
+    }
+
+
+def make_cfg(**algorithm):
+    from megapo.config import from_dict
+    from megapo.trainer.config import RunConfig
+
+    cfg = from_dict(RunConfig, config_data(**algorithm))
+    cfg._validate_algorithm()
+    return cfg
+
+
+def test_kl_mode_future_in_the_loop_moves_the_kl_into_the_advantages():
+    from megapo.trainer import loop
+
+    cfg = make_cfg(kl_coef=0.1, kl_mode="future")
+    assert "kl_coef" not in loop.loss_options(cfg)  # no loss-side KL
+    assert loop.loss_options(make_cfg(kl_coef=0.1))["kl_coef"] == 0.1
+    assert cfg.algorithm.needs_old_stats() and cfg.algorithm.needs_reference()
+    batch = [{"tokens": [1, 2, 3, 4], "prompt_len": 2, "advantage": 1.0, "old_logp": [-0.5, -1.0],
+              "ref_logp": [-0.7, -0.4]},
+             {"tokens": [1, 2, 3], "prompt_len": 2, "advantage": -1.0, "old_logp": [-2.0], "ref_logp": [-1.5]}]
+    loop.token_stages(batch, cfg, step=1)
+    assert batch[0]["advantage"] == pytest.approx([1.0 - 0.1 * (0.2 - 0.6), 1.0 - 0.1 * -0.6], rel=1e-13)
+    assert batch[1]["advantage"] == pytest.approx([-1.0 - 0.1 * -0.5], rel=1e-13)
+
+
+# ----------------------------------------------------------------------------- STAPO
+
+
+def stapo_reference(advantages, old, ent, prob_max, entropy_max, renorm):
+    keep = []
+    for a, lp, h in zip(advantages, old, ent):
+        total = sum(a) if isinstance(a, list) else a * len(lp)
+        keep.append([0.0 if total > 0 and math.exp(p) < prob_max and e < entropy_max else 1.0
+                     for p, e in zip(lp, h)])
+    if renorm == "batch":
+        n, k = sum(len(r) for r in keep), sum(sum(r) for r in keep)
+        return [[w * n / k for w in r] for r in keep]
+    if renorm == "sequence":
+        return [[w * len(r) / max(sum(r), 1) for w in r] for r in keep]
+    return keep
+
+
+def stapo_batch():
+    lengths = [5, 3, 6, 4, 2, 7, 3, 4]
+    old = rand_lists(3, lengths, scale=4.0)  # probabilities from e^-4 to 1
+    g = torch.Generator().manual_seed(4)
+    ent = [(torch.rand(n, generator=g, dtype=F64) * 1.0).tolist() for n in lengths]
+    advantages = [0.9, -0.5, 1.3, 0.4, -1.1, 0.7, [0.2, -0.9, 0.1], -0.3]
+    return lengths, advantages, old, ent
+
+
+@pytest.mark.parametrize("renorm", ["batch", "sequence", "none"])
+def test_stapo_against_a_loop(renorm):
+    lengths, advantages, old, ent = stapo_batch()
+    opts = dict(prob_max=0.2, entropy_max=0.5, renorm=renorm)
+    got = token_mask_weights("stapo", lengths=lengths, advantages=advantages, old_logp=old, entropy=ent, **opts)
+    want = stapo_reference(advantages, old, ent, 0.2, 0.5, renorm)
+    masked = sum(w == 0 for r in want for w in r)
+    assert 0 < masked < sum(lengths) // 2  # the batch exercises the mask, on positive responses only
+    for g_row, w_row in zip(got, want):
+        assert g_row.tolist() == pytest.approx(w_row, rel=1e-13)
+
+
+def test_stapo_renormalised_loss_formula_gradient_and_split():
+    """renorm=batch with token-mean: the loss is the plain mean over the kept tokens only; 4 micro-batches x 2
+    DP shards, each with the batch's weights, give the single-batch loss and gradient."""
+    lengths, advantages, old, ent = stapo_batch()
+    weights = token_mask_weights("stapo", lengths=lengths, advantages=advantages, old_logp=old, entropy=ent,
+                                 prob_max=0.2, entropy_max=0.5)
+    width = max(lengths)
+
+    def pad(rows):
+        out = torch.zeros(len(rows), width, dtype=F64)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = torch.as_tensor(r, dtype=F64)
+        return out
+
+    g = torch.Generator().manual_seed(9)
+    lp = pad([torch.tensor(o, dtype=F64) + torch.randn(len(o), generator=g, dtype=F64) * 0.2 for o in old])
+    o, w = pad(old), pad(weights)
+    adv = pad([a if isinstance(a, list) else [a] * n for a, n in zip(advantages, lengths)])
+    mask = pad([[1] * n for n in lengths]).bool()
+    x = lp.clone().requires_grad_(True)
+    full, _ = policy_loss("ppo", x, o, adv, mask, loss_agg="token-mean", token_weight=w)
+    full.backward()
+    kept = [(i, t) for i, n in enumerate(lengths) for t in range(n) if weights[i][t] > 0]
+    expect = 0.0
+    for i, t in kept:
+        r = math.exp(lp[i, t].item() - o[i, t].item())
+        a = adv[i, t].item()
+        expect += -min(r * a, min(max(r, 0.8), 1.2) * a)
+    assert full.item() == pytest.approx(expect / len(kept), rel=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda y: policy_loss("ppo", y, o, adv, mask, loss_agg="token-mean", token_weight=w)[0],
+        (lp.clone().requires_grad_(True),), eps=1e-6, atol=1e-8)
+    total = 0.0
+    for shard in range(8):  # 2 DP ranks x 4 micro-batches of one sequence
+        sl = slice(shard, shard + 1)
+        y = lp[sl].clone().requires_grad_(True)
+        loss, _ = policy_loss("ppo", y, o[sl], adv[sl], mask[sl], loss_agg="token-mean",
+                              global_tokens=sum(lengths), token_weight=w[sl])
+        loss.backward()
+        total += loss.item()
+        assert torch.allclose(y.grad, x.grad[sl], rtol=1e-12, atol=1e-15)
+    assert total == pytest.approx(full.item(), rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- NAT random prefix cutting
+
+
+class FixedCut:
+    """A stand-in for numpy's Generator whose integers() returns the given cuts in turn."""
+
+    def __init__(self, cuts):
+        self.cuts = list(cuts)
+
+    def integers(self, low, high):
+        c = self.cuts.pop(0)
+        assert low <= c < high
+        return c
+
+
+def test_nat_prefix_weights_and_unbiasedness_over_every_cut():
+    from megapo.algorithms.registry import get
+
+    fn = get("token_weight", "nat_prefix").fn
+    (w,) = fn([5], FixedCut([3]))
+    assert w.tolist() == pytest.approx([5 / 5, 5 / 4, 5 / 3, 0.0, 0.0], rel=1e-15)
+    for n in (1, 4, 9):  # E_c[w_t] = (1/L)·Σ_c w_t(c) = 1 at every position: the HT estimator is unbiased
+        mean = sum(fn([n], FixedCut([c]))[0] for c in range(1, n + 1)) / n
+        assert mean.tolist() == pytest.approx([1.0] * n, rel=1e-13)
+
+
+def test_nat_prefix_is_reproducible_from_seed_and_step():
+    import numpy as np
+
+    lengths = [6, 2, 9, 4]
+    a = token_mask_weights("nat_prefix", lengths=lengths, seed=5, step=3)
+    b = token_mask_weights("nat_prefix", lengths=lengths, seed=5, step=3)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))  # a resumed run's step 3 cuts as the unstopped one
+    rng = np.random.default_rng([5, 3])  # the documented seeding, drawn here from the formula
+    for w, n in zip(a, lengths):
+        cut = int(rng.integers(1, n + 1))
+        assert w.tolist() == pytest.approx([n / (n - t + 1) if t <= cut else 0.0 for t in range(1, n + 1)])
+    others = [token_mask_weights("nat_prefix", lengths=lengths, seed=5, step=s) for s in range(4, 9)]
+    assert any(not torch.equal(x[2], a[2]) for x in others)  # another step, other cuts
+
+
+def test_token_mask_in_the_loop_multiplies_token_select():
+    from megapo.trainer import loop
+
+    cfg = make_cfg(token_mask="nat_prefix", token_select={"rho": 0.5})
+    assert not make_cfg(token_mask="nat_prefix").algorithm.needs_old_stats()
+    batch = [{"tokens": [1, 2, 3, 4, 5], "prompt_len": 2, "advantage": 1.0, "old_logp": [-0.1, -0.2, -0.3],
+              "old_entropy": [0.9, 0.1, 0.8]},
+             {"tokens": [1, 2, 3, 4], "prompt_len": 2, "advantage": -1.0, "old_logp": [-0.4, -0.5],
+              "old_entropy": [0.2, 0.7]}]
+    metrics = loop.token_stages(batch, cfg, step=4)
+    select = [[1.0, 0.0, 1.0], [0.0, 1.0]]  # top ceil(0.5·5) = 3 entropies: 0.9, 0.8, 0.7
+    nat = token_mask_weights("nat_prefix", lengths=[3, 2], seed=5, step=4)
+    for sample, s, n in zip(batch, select, nat):
+        assert sample["token_weight"] == pytest.approx([a * b for a, b in zip(s, n.tolist())], rel=1e-13)
+    assert metrics["nat_prefix/kept_frac"] == pytest.approx(float(torch.cat(nat).gt(0).double().mean()))
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("algorithm, field, words", [
+    ({"kl_mode": "futur", "kl_coef": 0.1}, "algorithm.kl_mode", "loss, future"),
+    ({"kl_mode": "future"}, "algorithm.kl_coef", "> 0"),
+    ({"token_mask": "stapoo"}, "algorithm.token_mask", "unknown mask"),
+    ({"token_mask": "token_select"}, "algorithm.token_mask", "unknown mask"),
+    ({"token_mask_options": {"prob_max": 0.1}}, "algorithm.token_mask_options", "'none'"),
+    ({"token_mask": "stapo", "token_mask_options": {"prob_max": 0}}, "algorithm.token_mask_options", "prob_max"),
+    ({"token_mask": "stapo", "token_mask_options": {"entropy_max": -1}}, "algorithm.token_mask_options",
+     "entropy_max"),
+    ({"token_mask": "stapo", "token_mask_options": {"renorm": "group"}}, "algorithm.token_mask_options", "renorm"),
+    ({"token_mask": "nat_prefix", "token_mask_options": {"rho": 0.5}}, "algorithm.token_mask_options", "rho"),
+    ({"token_advantage": "future_kl"}, "algorithm.token_advantage", "unknown stage"),
+])
+def test_bad_options_refused_at_config_time(algorithm, field, words):
+    from megapo.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        make_cfg(**algorithm)
+    assert err.value.field == field and words in str(err.value)
+
+
+def test_stapo_config_takes_the_old_pass_with_entropies():
+    cfg = make_cfg(token_mask="stapo", token_mask_options={"prob_max": 0.1, "renorm": "sequence"})
+    assert cfg.algorithm.needs_old_stats() and cfg.algorithm.needs_old_entropy()
