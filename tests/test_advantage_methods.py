@@ -108,7 +108,7 @@ def stapo_batch():
 @pytest.mark.parametrize("renorm", ["batch", "sequence", "none"])
 def test_stapo_against_a_loop(renorm):
     lengths, advantages, old, ent = stapo_batch()
-    opts = dict(prob_max=0.2, entropy_max=0.5, renorm=renorm)
+    opts = dict(prob_max=0.2, entropy_max=0.5, renorm=renorm)  # wide thresholds: a small batch exercises the mask
     got = token_mask_weights("stapo", lengths=lengths, advantages=advantages, old_logp=old, entropy=ent, **opts)
     want = stapo_reference(advantages, old, ent, 0.2, 0.5, renorm)
     masked = sum(w == 0 for r in want for w in r)
@@ -246,3 +246,160 @@ def test_bad_options_refused_at_config_time(algorithm, field, words):
 def test_stapo_config_takes_the_old_pass_with_entropies():
     cfg = make_cfg(token_mask="stapo", token_mask_options={"prob_max": 0.1, "renorm": "sequence"})
     assert cfg.algorithm.needs_old_stats() and cfg.algorithm.needs_old_entropy()
+
+
+# ----------------------------------------------------------------------------- D³S sample-level selection
+
+
+def test_max_variance_subset_against_every_subset():
+    import itertools
+
+    from megapo.algorithms.stages import max_variance_subset
+
+    g = torch.Generator().manual_seed(11)
+    for trial in range(30):
+        n = 2 + trial % 7
+        values = (torch.randn(n, generator=g, dtype=F64) * 2).tolist()
+        if trial % 5 == 0:
+            values[1] = values[0]  # ties
+        for k in range(1, n + 1):
+            def var(idx):
+                vals = [values[i] for i in idx]
+                m = sum(vals) / len(vals)
+                return sum((v - m) ** 2 for v in vals) / len(vals)
+
+            best = max(var(c) for c in itertools.combinations(range(n), k))
+            assert var(max_variance_subset(values, k)) == pytest.approx(best, rel=1e-12, abs=1e-15), (values, k)
+
+
+def test_d3s_select_keeps_the_max_variance_rollouts_on_a_schedule():
+    import itertools
+
+    from megapo.algorithms.stages import select_samples
+
+    adv = torch.tensor([[0.9, -1.2, 0.1, 0.3, -0.2, 1.4], [0.5, 0.5, -0.5, 0.2, -0.1, 0.05]], dtype=F64)
+    for step, k in [(1, 2), (2, 3), (3, 4), (5, 6), (9, 6)]:  # keep 1/3 -> 1 over 4 steps: ceil(keep·6)
+        out = select_samples(adv, step=step, keep=1 / 3, keep_end=1.0, anneal_steps=4)
+        for row, got in zip(adv.tolist(), out.tolist()):
+            kept = [i for i, v in enumerate(got) if v != 0.0]  # no advantage here is 0 itself
+            assert len(kept) == k and all(got[i] == row[i] for i in kept), step
+
+            def var(idx):
+                m = sum(row[i] for i in idx) / len(idx)
+                return sum((row[i] - m) ** 2 for i in idx) / len(idx)
+
+            best = max(var(c) for c in itertools.combinations(range(6), k))
+            assert var(kept) == pytest.approx(best, rel=1e-12), step
+    assert select_samples(adv, keep=0.01).ne(0).sum(-1).tolist() == [2, 2]  # at least 2 per group
+
+
+def fake_groups(rewards_per_group, prompts):
+    from types import SimpleNamespace
+
+    from megapo.tasks.base import Example
+    from megapo.trainer import loop
+
+    def sample():
+        return SimpleNamespace(prompt_ids=[1, 2], output_ids=[3, 4], logprobs=[-0.1, -0.2], routes=None,
+                               finish_reason="stop")
+
+    return [loop.Group(Example(p, "0"), [sample() for _ in r], list(r)) for r, p in zip(rewards_per_group, prompts)]
+
+
+def test_sample_select_in_train_samples():
+    from megapo.algorithms import compute_advantages
+    from megapo.trainer import loop
+
+    cfg = make_cfg(sample_select={"keep": 0.5})
+    cfg.rollout.n_samples = 4
+    rewards = [[1.0, 0.0, 0.0, 1.0], [0.2, 0.9, 0.4, 0.0]]
+    batch = loop.train_samples(fake_groups(rewards, ["a", "b"]), cfg, step=1)
+    adv = compute_advantages("grpo", torch.tensor(rewards, dtype=F64), group_size=4).tolist()
+    got = [s["advantage"] for s in batch]
+    assert [v != 0 for v in got[4:]] == [False, True, False, True]  # 0.9 and 0.0: the widest pair
+    assert got[5] == pytest.approx(adv[1][1]) and got[7] == pytest.approx(adv[1][3])
+
+
+# ----------------------------------------------------------------------------- DCPO cumulative standardisation
+
+
+def cumulative_reference(history):
+    """Advantages of each step's groups from all the rewards of its prompt up to and including that step."""
+    import statistics
+
+    seen: dict[str, list[float]] = {}
+    out = []
+    for prompts, rewards in history:
+        step = []
+        for p, r in zip(prompts, rewards):
+            seen.setdefault(p, []).extend(r)
+            mu, sd = statistics.fmean(seen[p]), statistics.pstdev(seen[p])
+            step.append([(x - mu) / (sd + 1e-6) if sd > 0 else 0.0 for x in r])
+        out.append(step)
+    return out
+
+
+HISTORY = [(["p", "q"], [[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]]),
+           (["q", "r"], [[1.0, 0.0, 0.0], [0.5, 0.5, 0.5]]),
+           (["p", "q"], [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])]  # equal rewards: still a signal from the history
+
+
+def test_cumulative_standardisation_against_a_loop_and_a_json_round_trip():
+    import json
+
+    from megapo.algorithms.stages import PromptRewardStats, cumulative_advantages
+
+    want = cumulative_reference(HISTORY)
+    stats = PromptRewardStats()
+    for (prompts, rewards), expect in zip(HISTORY, want):
+        got = cumulative_advantages(torch.tensor(rewards, dtype=F64), prompts, stats)
+        assert got.tolist() == [pytest.approx(row, rel=1e-12, abs=1e-15) for row in expect]
+    assert any(v != 0 for v in want[2][0])  # p's third group is all 1.0, its history is not
+    stats = PromptRewardStats()  # resumed after step 1 from the JSON state
+    cumulative_advantages(torch.tensor(HISTORY[0][1], dtype=F64), HISTORY[0][0], stats)
+    resumed = PromptRewardStats(json.loads(json.dumps(stats.state_dict())))
+    for (prompts, rewards), expect in zip(HISTORY[1:], want[1:]):
+        got = cumulative_advantages(torch.tensor(rewards, dtype=F64), prompts, resumed)
+        assert got.tolist() == [pytest.approx(row, rel=1e-12, abs=1e-15) for row in expect]
+    with pytest.raises(ValueError, match="prompt_stats"):
+        PromptRewardStats({"abc": [0, 1.0, 2.0]})
+
+
+def test_cumulative_statistics_survive_a_checkpoint(tmp_path):
+    """The loop's running statistics go into TrainerState.extra at a checkpoint and come back from it on
+    --resume: the resumed run's next advantages equal the uninterrupted run's."""
+    from megapo.trainer import checkpoint as ck
+    from megapo.trainer import loop
+
+    cfg = make_cfg(advantage_smoothing="cumulative")
+    cfg.rollout.n_samples = 3
+    assert loop.new_prompt_stats(make_cfg()) is None and loop.stage_state(None) == {}
+    straight = loop.new_prompt_stats(cfg)
+    straight_adv = [[s["advantage"] for s in loop.train_samples(fake_groups(r, p), cfg, prompt_stats=straight)]
+                    for p, r in HISTORY]
+    first = loop.new_prompt_stats(cfg)
+    loop.train_samples(fake_groups(HISTORY[0][1], HISTORY[0][0]), cfg, prompt_stats=first)
+    path = ck.save_checkpoint(tmp_path, ck.TrainerState(1, {}, 1, extra=loop.stage_state(first)))
+    state = ck.load_checkpoint(path, restore_rng=False)
+    resumed = loop.new_prompt_stats(cfg, state.extra)
+    for (prompts, rewards), expect in zip(HISTORY[1:], straight_adv[1:]):
+        got = [s["advantage"] for s in loop.train_samples(fake_groups(rewards, prompts), cfg, prompt_stats=resumed)]
+        assert got == expect  # exactly: float64 state through JSON
+    want = cumulative_reference(HISTORY)
+    assert straight_adv[2] == pytest.approx([v for row in want[2] for v in row], rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("algorithm, field, words", [
+    ({"sample_select": {"keep": 0}}, "algorithm.sample_select", "keep"),
+    ({"sample_select": {"keep": 0.5, "keep_end": 0.9}}, "algorithm.sample_select", "anneal_steps"),
+    ({"sample_select": {"rho": 0.5}}, "algorithm.sample_select", "rho"),
+    ({"advantage_smoothing": "ema"}, "algorithm.advantage_smoothing", "none or cumulative"),
+    ({"advantage_smoothing": "cumulative", "advantage": "rloo"}, "algorithm.advantage_smoothing", "grpo"),
+    ({"token_advantage": "d3s_select"}, "algorithm.token_advantage", "unknown stage"),
+])
+def test_bad_sample_stage_options_refused_at_config_time(algorithm, field, words):
+    from megapo.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        make_cfg(**algorithm)
+    assert err.value.field == field and words in str(err.value)

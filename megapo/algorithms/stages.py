@@ -175,7 +175,7 @@ def advantage_reweighting(adv: Tensor, s: TokenStats, o: ReweightOptions) -> Ten
 
 NEEDS_ENTROPY = ("gtpo", "grpo_s")
 # advantage_stage entries that are not algorithm.token_advantage values (they have their own config fields)
-NOT_TOKEN_ADVANTAGE = ("polarity", "future_kl")
+NOT_TOKEN_ADVANTAGE = ("polarity", "future_kl", "d3s_select", "cumulative_std")
 
 
 def _padded(values: list, width: int, dtype) -> Tensor:
@@ -193,7 +193,7 @@ def token_advantages(name: str, advantages: Tensor, old_logp: list, entropy: lis
     Returns one float64 tensor per sample, as long as its old_logp."""
     entry = get("advantage_stage", name, argument="token_advantage")
     if name in NOT_TOKEN_ADVANTAGE:
-        raise ValueError(f"token_advantage: {name} has its own field (algorithm.advantage_polarity, algorithm.kl_mode)")
+        raise ValueError(f"token_advantage: {name!r} is not a per-token advantage stage (it has its own config field)")
     opts = entry.make_options(options)
     lengths = [len(v) for v in old_logp]
     if advantages.numel() != len(lengths) or len(lengths) % group_size:
@@ -283,8 +283,8 @@ def token_select_weights(advantages: list, entropy: list, *, step: int = 1, **op
 
 @register(
     "future_kl", "advantage_stage", "token",
-    "Future-KL Regularized Policy Optimization (FRPO, seed 000 A64: 'add a reverse cumulative sum of per-token "
-    "log ratios after advantage construction'); algorithm.kl_mode=future, β = algorithm.kl_coef",
+    "Yao, Wang, Bai, Zhang 2026, Future-KL Regularized GRPO: Process-Level Credit Assignment from f-Divergence "
+    "Regularization (arXiv:2601.10201), FRPO; seed 000 A64; algorithm.kl_mode=future, β = algorithm.kl_coef",
 )
 def future_kl(adv: Tensor, old_logp: Tensor, ref_logp: Tensor, mask: Tensor, beta: float) -> Tensor:
     """A_{i,t} = A_{i,t} − β·Σ_{s≥t}(log π_old(y_s) − log π_ref(y_s)) over the response's tokens s from t to
@@ -324,7 +324,7 @@ RENORMS = ("batch", "sequence", "none")
 
 @dataclass
 class StapoOptions:
-    prob_max: float = 0.05  # [A] a spurious token's π_old(y_t) is below this
+    prob_max: float = 0.01  # [P] a spurious token's π_old(y_t) is below this
     entropy_max: float = 0.3  # [A] and π_old's entropy there (nats) below this
     renorm: str = "batch"  # batch: N/N_kept (token-mean's normaliser); sequence: L_i/L_i,kept; none
 
@@ -340,14 +340,15 @@ class StapoOptions:
 
 @register(
     "stapo", "token_weight", "batch",
-    "Spurious-Token-Aware Policy Optimization (STAPO, seed 000 A77: mask the rare low-probability, low-entropy "
-    "tokens of correct responses and renormalise over the valid ones)",
+    "Liu et al. 2026, STAPO: Stabilizing Reinforcement Learning for LLMs by Silencing Rare Spurious Tokens "
+    "(arXiv:2602.15620), the S2T mask; seed 000 A77",
     StapoOptions,
 )
 def stapo(prob: Tensor, entropy: Tensor, positive: Tensor, owner: Tensor, o: StapoOptions) -> Tensor:
     """M_t = 0 where the response is positive (sign of Σ_t A_t > 0: a correct response's tokens inherit the
-    reward) and π_old(y_t) < prob_max and H_t < entropy_max (π_old's entropy), else 1 [A: the two thresholds
-    are absolute numbers]. The loss is renormalised over the kept tokens [A: as a weight, the normaliser itself
+    reward) and π_old(y_t) < prob_max and H_t < entropy_max (π_old's entropy), else 1 [P: prob_max = 0.01, as a
+    summary of the paper gives it; there the entropy threshold is the batch's 5th percentile, here an absolute
+    number, entropy_max, default ours]. The loss is renormalised over the kept tokens [A: as a weight, the normaliser itself
     unchanged]: renorm=batch w_t = M_t·N/Σ M (N every response token of the train batch, so a token-mean loss
     divides by the kept count), sequence w_t = M_t·L_i/Σ_{t∈i} M_t (per response, for the seq-mean
     aggregations), none w_t = M_t. Inputs are flat over the batch's tokens; `owner` maps each to its sample."""
@@ -366,7 +367,8 @@ def stapo(prob: Tensor, entropy: Tensor, positive: Tensor, owner: Tensor, o: Sta
 
 @register(
     "nat_prefix", "token_weight", "sequence",
-    "Not All Tokens Are Needed (NAT, seed 000 A79), Random Prefix Cutting with Horvitz-Thompson reweighting",
+    "Sang et al. 2026, Not all tokens are needed (NAT): token efficient reinforcement learning (arXiv:2603.06619), "
+    "Random Prefix Cutting with Horvitz-Thompson reweighting; seed 000 A79",
 )
 def nat_prefix(lengths: list[int], rng) -> list[Tensor]:
     """Per response of L tokens a cut c ~ Uniform{1, …, L}; tokens t ≤ c are kept with weight
@@ -417,3 +419,153 @@ def token_mask_weights(name: str, *, lengths: list[int], advantages: list | None
     owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     weights = entry.fn(prob, ent, _sequence_sign(advantages, lengths), owner, opts)
     return list(torch.split(weights, lengths))
+
+
+# ----------------------------------------------------------------------------- sample selection (D³S)
+
+
+@dataclass
+class SampleSelectOptions:
+    keep: float = 0.5  # fraction of each group's rollouts kept (⌈keep·n⌉, at least 2)
+    keep_end: float | None = None  # anneal keep linearly to this over anneal_steps trainer steps
+    anneal_steps: int = 0
+
+    def __post_init__(self):
+        for name in ("keep", "keep_end"):
+            v = getattr(self, name)
+            if v is None and name == "keep_end":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ValueError(f"{name}: must be in (0, 1], got {v!r}")
+        if isinstance(self.anneal_steps, bool) or not isinstance(self.anneal_steps, int) or self.anneal_steps < 0:
+            raise ValueError(f"anneal_steps: must be an integer >= 0, got {self.anneal_steps!r}")
+        if (self.keep_end is None) != (self.anneal_steps == 0):
+            raise ValueError("keep_end: give keep_end and anneal_steps > 0 together (or neither)")
+
+    def keep_at(self, step: int) -> float:
+        if self.keep_end is None:
+            return self.keep
+        return self.keep + (self.keep_end - self.keep) * min(1.0, max(step - 1, 0) / self.anneal_steps)
+
+
+def max_variance_subset(values: list[float], k: int) -> list[int]:
+    """Indices of a k-subset of `values` with the largest (population) variance. Such a subset is the j
+    smallest and k - j largest values for some j (moving any kept value toward the rest's mean can only
+    lower the variance), so the k + 1 splits are compared; the first best (smallest j) wins a tie."""
+    order = sorted(range(len(values)), key=lambda i: (values[i], i))
+    best, best_var = None, -1.0
+    for j in range(k + 1):
+        chosen = order[:j] + order[len(order) - (k - j):]
+        vals = [values[i] for i in chosen]
+        mean = sum(vals) / k
+        var = sum((v - mean) ** 2 for v in vals) / k
+        if var > best_var + 1e-15:
+            best, best_var = chosen, var
+    return sorted(best)
+
+
+@register(
+    "d3s_select", "advantage_stage", "group",
+    "Wang et al. 2025, Learning More with Less: A Dynamic Dual-Level Down-Sampling Framework for Efficient Policy "
+    "Optimization (arXiv:2509.22115), D³S sample level; seed 000 A14",
+    SampleSelectOptions,
+)
+def d3s_select(adv: Tensor, o: SampleSelectOptions, step: int) -> Tensor:
+    """Per group of n rollouts: k = max(2, ⌈keep_t·n⌉) (at most n) of them, the subset S maximising
+    Var_{i∈S}(A_i) (population variance of the estimator's advantages); A_i is kept for i ∈ S and set to 0
+    otherwise [A: a dropped rollout still runs forward and backward and its tokens still count in the loss's
+    normaliser; it only gets no gradient]. keep_t moves linearly from keep to keep_end over anneal_steps
+    trainer steps (the abstract's schedule from aggressive to relaxed down-sampling; the linear form is ours)
+    [A: the selection is per group (a summary of the paper names this intra-group variant D³S-I); the
+    cross-group variant is not implemented]."""
+    n = adv.shape[-1]
+    k = min(n, max(2, math.ceil(o.keep_at(step) * n - 1e-9)))
+    out = torch.zeros_like(adv)
+    for g, row in enumerate(adv.tolist()):
+        for i in max_variance_subset(row, k):
+            out[g, i] = adv[g, i]
+    return out
+
+
+def select_samples(adv: Tensor, *, step: int = 1, **options) -> Tensor:
+    """d3s_select on [P, n] sequence advantages (groups as rows) at trainer step `step`."""
+    entry = get("advantage_stage", "d3s_select", argument="sample_select")
+    return entry.fn(adv, entry.make_options(options), step)
+
+
+# ----------------------------------------------------------------------------- DCPO smoothed standardisation
+
+
+@dataclass
+class CumulativeStdOptions:
+    eps: float = 1e-6
+
+    def __post_init__(self):
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not self.eps > 0:
+            raise ValueError(f"eps: must be > 0, got {self.eps!r}")
+
+
+class PromptRewardStats:
+    """Running count, mean and sum of squared deviations (Welford, float64) of each prompt's rewards over
+    every trainer step so far, by prompt key; `state_dict()` is JSON (the trainer checkpoint keeps it)."""
+
+    def __init__(self, state: dict | None = None):
+        self.stats: dict[str, list[float]] = {}
+        if state:
+            self.load_state_dict(state)
+
+    def update(self, key: str, rewards: list[float]) -> tuple[float, float]:
+        """Add `rewards`; returns the prompt's cumulative (mean, population std), these rewards included."""
+        count, mean, m2 = self.stats.get(key, [0.0, 0.0, 0.0])
+        for r in rewards:
+            count += 1
+            delta = r - mean
+            mean += delta / count
+            m2 += delta * (r - mean)
+        self.stats[key] = [count, mean, m2]
+        return mean, math.sqrt(max(m2, 0.0) / count)
+
+    def state_dict(self) -> dict:
+        return {k: list(v) for k, v in self.stats.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            if not (isinstance(value, list) and len(value) == 3 and all(isinstance(x, (int, float)) for x in value)
+                    and value[0] >= 1):
+                raise ValueError(f"prompt_stats[{key!r}]: expected [count >= 1, mean, m2], got {value!r}")
+        self.stats = {k: [float(x) for x in v] for k, v in state.items()}
+
+
+def prompt_key(prompt: str) -> str:
+    """A short stable key of a prompt's text (the running statistics' index)."""
+    import hashlib
+
+    return hashlib.sha256(prompt.encode()).hexdigest()[:20]
+
+
+@register(
+    "cumulative_std", "advantage_stage", "group",
+    "Yang et al. 2025, DCPO: Dynamic Clipping Policy Optimization (arXiv:2509.02333), smooth advantage "
+    "standardisation (seed 000 A20)",
+    CumulativeStdOptions,
+)
+def cumulative_std(rewards: Tensor, keys: list[str], stats: PromptRewardStats, o: CumulativeStdOptions) -> Tensor:
+    """A_i = (R_i − μ_p)/(σ_p + eps), μ_p and σ_p the mean and population std of every reward prompt p has
+    received over the training so far, this step's group included (the abstract: rewards standardised across
+    cumulative training steps), so a group of equal rewards still gets a signal once the prompt has varied;
+    0 while σ_p = 0. Replaces GRPO's per-group statistics [A: the cumulative form with equal weight for every
+    past step; no decay]. The running statistics live in the trainer checkpoint."""
+    out = torch.zeros_like(rewards, dtype=torch.float64)
+    for g, (key, row) in enumerate(zip(keys, rewards.tolist())):
+        mean, std = stats.update(key, row)
+        if std > 0:
+            out[g] = (torch.tensor(row, dtype=torch.float64) - mean) / (std + o.eps)
+    return out
+
+
+def cumulative_advantages(rewards: Tensor, prompts: list[str], stats: PromptRewardStats, **options) -> Tensor:
+    """cumulative_std on [P, n] rewards of the prompts `prompts` (their text), updating `stats`."""
+    entry = get("advantage_stage", "cumulative_std", argument="advantage_smoothing")
+    if len(prompts) != rewards.shape[0]:
+        raise ValueError(f"prompts: {len(prompts)} for {rewards.shape[0]} groups")
+    return entry.fn(rewards.to(torch.float64), [prompt_key(p) for p in prompts], stats, entry.make_options(options))

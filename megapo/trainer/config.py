@@ -157,6 +157,12 @@ class AlgorithmConfig:
     # loss: the KL to the reference is a loss term (kl_coef · k1/k2/k3); future: FRPO's future-KL advantage
     # A_t - β·Σ_{s≥t}(log π_old - log π_ref) with β = kl_coef, and no KL term in the loss
     kl_mode: str = "loss"
+    # D³S sample-level selection ({} = off; keep, keep_end, anneal_steps): per group, the rollouts that maximise
+    # Var(A) keep their advantage, the others get 0
+    sample_select: dict[str, Any] = field(default_factory=dict)
+    # none | cumulative: DCPO's smoothed standardisation, each prompt's rewards against its running mean / std
+    # over all steps so far (replaces grpo's group statistics; the statistics live in the checkpoint)
+    advantage_smoothing: str = "none"
 
     def needs_reference(self) -> bool:
         """Whether a term uses π_ref's log-probs (sample["ref_logp"])."""
@@ -408,6 +414,13 @@ class RunConfig:
             raise ConfigError("algorithm.kl_mode", f"must be one of {', '.join(KL_MODES)}, got {a.kl_mode!r}")
         if a.kl_mode == "future" and not a.kl_coef > 0:
             raise ConfigError("algorithm.kl_coef", "algorithm.kl_mode=future takes its β from kl_coef: must be > 0")
+        if a.sample_select:
+            _check_options("advantage_stage", "d3s_select", a.sample_select, "algorithm.sample_select")
+        if a.advantage_smoothing not in ("none", "cumulative"):
+            raise ConfigError("algorithm.advantage_smoothing", f"must be none or cumulative, got {a.advantage_smoothing!r}")
+        if a.advantage_smoothing == "cumulative" and a.advantage != "grpo":
+            raise ConfigError("algorithm.advantage_smoothing", "cumulative replaces grpo's per-group standardisation; "
+                              f"algorithm.advantage is {a.advantage!r} (set grpo)")
 
     def _validate_rollout(self) -> None:
         r = self.rollout

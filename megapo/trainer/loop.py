@@ -135,19 +135,26 @@ def rollout_round(engine, params, examples: list, prompt_ids: list[list[int]], r
     return groups
 
 
-def train_samples(groups: list[Group], cfg: RunConfig) -> list[dict]:
-    """Learner train samples (CONTRACTS.md) with per-sequence advantages from the configured estimator (and
-    algorithm.advantage_polarity); `old_logp` is filled in by the old-log-prob pass (`old_logprob_pass`), the
-    per-token stages after it (`token_stages`)."""
+def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_stats=None) -> list[dict]:
+    """Learner train samples (CONTRACTS.md) with per-sequence advantages from the configured estimator (or
+    algorithm.advantage_smoothing=cumulative from `prompt_stats`, stages.PromptRewardStats, updated here), then
+    algorithm.sample_select (at trainer step `step`) and algorithm.advantage_polarity; `old_logp` is filled in
+    by the old-log-prob pass (`old_logprob_pass`), the per-token stages after it (`token_stages`)."""
     from megapo.algorithms import compute_advantages
-    from megapo.algorithms.stages import apply_polarity
+    from megapo.algorithms.stages import apply_polarity, cumulative_advantages, select_samples
 
     n = cfg.rollout.n_samples
+    a = cfg.algorithm
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
     lengths = torch.tensor([[len(s.output_ids) for s in g.samples] for g in groups])  # token-weighted estimators
-    adv = compute_advantages(cfg.algorithm.advantage, rewards, group_size=n, lengths=lengths,
-                             **cfg.algorithm.advantage_options)
-    a = cfg.algorithm
+    if a.advantage_smoothing == "cumulative":
+        if prompt_stats is None:
+            raise ValueError("prompt_stats: algorithm.advantage_smoothing=cumulative needs the running statistics")
+        adv = cumulative_advantages(rewards, [g.example.prompt for g in groups], prompt_stats)
+    else:
+        adv = compute_advantages(a.advantage, rewards, group_size=n, lengths=lengths, **a.advantage_options)
+    if a.sample_select:
+        adv = select_samples(adv.view(-1, n), step=step, **a.sample_select).view(adv.shape)
     adv = apply_polarity(adv, a.advantage_polarity, a.pos_scale, a.neg_scale)
     sentence_ends = _sentence_end_ids(cfg)
     out = []
@@ -409,7 +416,8 @@ def mini_batch_bounds(num_groups: int, mini_batches: int, n_samples: int) -> lis
 
 
 def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, options: dict, timer: StepTimer,
-                  measure_free_kl: bool = False, measure_free_routing: bool = False, step: int = 1) -> dict:
+                  measure_free_kl: bool = False, measure_free_routing: bool = False, step: int = 1,
+                  prompt_stats=None) -> dict:
     """All ranks: advantages, old (and reference) log-probs, then the optimizer steps on mini-batches.
     π_old (sample["old_logp"]) and the replayed routes (sample["routes"]) are set once, before the first
     update, and stay fixed over all of them. Under r3, `measure_free_kl` / `measure_free_routing` take one more
@@ -418,7 +426,7 @@ def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, optio
 
     metrics: dict[str, float] = {}
     mode = cfg.algorithm.routing_replay
-    batch = train_samples(groups, cfg)
+    batch = train_samples(groups, cfg, step, prompt_stats)
     fused, free = on_policy(cfg, learner), None
     if mode == "r3" and (measure_free_kl or measure_free_routing):
         with timer("stability"):  # before any update: the weights π_old comes from
@@ -464,6 +472,21 @@ def build_engine(cfg: RunConfig, model_dir: Path):
     from megapo.trainer.engines import build_engine as build
 
     return build(cfg, model_dir, Path(cfg.train.output_dir))
+
+
+def new_prompt_stats(cfg: RunConfig, saved: dict | None = None):
+    """algorithm.advantage_smoothing=cumulative's running per-prompt reward statistics (stages.PromptRewardStats),
+    restored from a checkpoint's TrainerState.extra when `saved` is given; None when not configured."""
+    from megapo.algorithms.stages import PromptRewardStats
+
+    if cfg.algorithm.advantage_smoothing != "cumulative":
+        return None
+    return PromptRewardStats((saved or {}).get("prompt_stats"))
+
+
+def stage_state(prompt_stats) -> dict:
+    """What the stages keep across steps, for TrainerState.extra (JSON)."""
+    return {} if prompt_stats is None else {"prompt_stats": prompt_stats.state_dict()}
 
 
 def records_routes(cfg: RunConfig, model_dir: Path) -> bool:
@@ -531,6 +554,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
         reference = build_reference(cfg, model_dir)
         transport = make_transport(cfg, out_dir, model_dir, learner, engine)
         start_step, version = 0, 0
+        prompt_stats = new_prompt_stats(cfg)
         ckpt_root = out_dir / "checkpoints"
         latest = start.checkpoint
         if latest is not None:
@@ -539,6 +563,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
                 engine.set_rng_state(ckpt.rng_extra(latest)["engine"])
             source.load_state_dict(state.data_cursor)
             start_step, version = state.step, state.weight_version
+            prompt_stats = new_prompt_stats(cfg, state.extra)
             if version > 0:
                 sync_weights(learner, engine, version, cfg, transport)
             log.info("resumed from %s (step %d)", latest, start_step)
@@ -591,7 +616,8 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
             if groups:
                 eval_step = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
                 metrics.update(update_policy(learner, groups, cfg, reference, options, timer, measure_free_kl=eval_step,
-                                             measure_free_routing=stability_step(cfg, step), step=step))
+                                             measure_free_routing=stability_step(cfg, step), step=step,
+                                             prompt_stats=prompt_stats))
                 with timer("sync"):
                     version += 1
                     metrics.update(sync_weights(learner, engine, version, cfg, transport))
@@ -606,7 +632,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
             stopping = stop is not None and stop.agreed() and step < cfg.train.steps  # all ranks agree
             if stopping or step == cfg.train.steps or (cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0):
                 with timer("checkpoint"):
-                    state = ckpt.TrainerState(step, cursor, version)
+                    state = ckpt.TrainerState(step, cursor, version, extra=stage_state(prompt_stats))
                     engine_rng = {"engine": engine.rng_state()} if hasattr(engine, "rng_state") else {}
                     ckpt.save_checkpoint(ckpt_root, state, learner.save, cfg.train.keep_last, _rank() == 0, _barrier,
                                          rank=_rank(), rng_extra=engine_rng)
