@@ -2,7 +2,8 @@
 
 References: transformers' fp32 forward of the same HF weights (free routing, and forcing the replayed routes
 with test_replay_layouts.hf_forced); the learner's log-probs on the same weights and routes before any update.
-Layouts: TP=1 in one process and TP=2 x EP=2 over two gloo processes (tests/distributed/reference_layouts.py).
+Layouts: TP=1 in one process; TP=2 x EP=2 and PP=2 in one launch of two gloo processes
+(tests/distributed/reference_layouts.py).
 A `megapo train` run with kl_coef > 0: KL 0 at step 1 (π_ref is the starting policy) and > 0 after updates.
 Bad combinations refused at config time naming algorithm.reference.
 """
@@ -29,7 +30,9 @@ from megapo.trainer.config import RunConfig  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed" / "reference_layouts.py"
 CONFIG = ROOT / "megapo/configs/tiny_moe_addition.yaml"
-LAYOUTS = {1: dict(tp=1, pp=1, ep=1, dp=1), 2: dict(tp=2, pp=1, ep=2, dp=1)}
+LAYOUTS = {1: {"tp1": dict(tp=1, pp=1, ep=1, dp=1)},
+           2: {"tp2xep2": dict(tp=2, pp=1, ep=2, dp=1), "pp2": dict(tp=1, pp=2, ep=1, dp=1)}}
+NAMES = [name for layouts in LAYOUTS.values() for name in layouts]
 TOL = 1e-4
 
 
@@ -48,8 +51,9 @@ def runs(tiny_moe, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     batch, routes = make_batch()
     results = {}
-    for world, layout in LAYOUTS.items():
-        spec = dict(model=str(tiny_moe), batch=batch, routes=routes, micro_batch_tokens=24, layouts=[layout])
+    for world, layouts in LAYOUTS.items():
+        spec = dict(model=str(tiny_moe), batch=batch, routes=routes, micro_batch_tokens=24,
+                    layouts=list(layouts.values()))
         spec_path, out = tmp / f"spec{world}.json", tmp / f"out{world}.pt"
         spec_path.write_text(json.dumps(spec))
         args = [str(SCRIPT), "--spec", str(spec_path), "--out", str(out)]
@@ -58,7 +62,7 @@ def runs(tiny_moe, tmp_path_factory):
         else:
             rc = run_torchrun(args, world, timeout_s=600)
         assert rc == 0, f"world {world}: exit code {rc}"
-        results[world] = next(iter(torch.load(out, weights_only=False).values()))
+        results.update(zip(layouts, torch.load(out, weights_only=False).values()))  # in layout order
     return dict(results=results, batch=batch, routes=routes, model=tiny_moe)
 
 
@@ -68,9 +72,9 @@ def _close(got, want):
         assert (torch.tensor(g) - torch.as_tensor(w)).abs().max().item() < TOL
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2xep2"])
-def test_megatron_reference_matches_transformers_and_replays_routes(runs, world):
-    r, batch, routes = runs["results"][world], runs["batch"], runs["routes"]
+@pytest.mark.parametrize("layout", NAMES)
+def test_megatron_reference_matches_transformers_and_replays_routes(runs, layout):
+    r, batch, routes = runs["results"][layout], runs["batch"], runs["routes"]
     model = hf_model(runs["model"])
     with torch.no_grad():
         free = [hf_forced(model, s["tokens"])[0][s["prompt_len"] - 1:] for s in batch]
@@ -83,9 +87,9 @@ def test_megatron_reference_matches_transformers_and_replays_routes(runs, world)
     assert r["rng_kept"]  # building it left torch's generator where the learner had it
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2xep2"])
-def test_megatron_reference_stays_frozen(runs, world):
-    r = runs["results"][world]
+@pytest.mark.parametrize("layout", NAMES)
+def test_megatron_reference_stays_frozen(runs, layout):
+    r = runs["results"][layout]
     assert r["after"]["reference"] == r["free"]  # the learner's update did not reach it
     moved = max((torch.tensor(a) - torch.tensor(b)).abs().max().item() for a, b in zip(r["after"]["learner"], r["free"]))
     assert moved > 1e-4  # the learner did move
@@ -99,7 +103,7 @@ def test_train_with_kl_reference_is_zero_at_step_1_then_positive(tmp_path, tiny_
         "def parity(response, answer):\n    return float(sum(map(ord, response)) % 2)\n")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "megapo.cli", "train", str(CONFIG), f"model.path={tiny_moe}", "sft.enabled=false",
-           f"train.output_dir={out}", "train.steps=3", "train.eval_every=0", "train.ckpt_every=0", "train.log=[jsonl]",
+           f"train.output_dir={out}", "train.steps=2", "train.eval_every=0", "train.ckpt_every=0", "train.log=[jsonl]",
            "data.prompts_per_step=4", "rollout.n_samples=4", "rollout.max_new_tokens=6", "data.dynamic_sampling=false",
            "data.reward=ref_parity_reward:parity", "data.truncated_reward=null", "optim.lr=0.01",
            "optim.warmup_steps=0", "algorithm.kl_coef=0.05"]  # routing_replay r3 (the config's): auto = megatron
@@ -108,7 +112,7 @@ def test_train_with_kl_reference_is_zero_at_step_1_then_positive(tmp_path, tiny_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "KL reference: megatron (algorithm.reference=auto)" in proc.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["kl"] == rows[0]["train/kl"]
     assert abs(rows[0]["kl"]) < 1e-7  # π_θ = π_ref at step 1 (same weights, same routes)
     assert all(r["kl"] > 1e-6 for r in rows[1:])  # the updates moved π_θ away from π_ref
