@@ -397,9 +397,10 @@ class RunConfig:
             raise ConfigError("algorithm.token_advantage_options", "given but algorithm.token_advantage is 'none'")
         if a.token_select:
             _check_options("token_weight", "token_select", a.token_select, "algorithm.token_select")
-        self._validate_token_mask_and_kl_mode()
+        self._validate_stage_fields()
 
-    def _validate_token_mask_and_kl_mode(self) -> None:
+    def _validate_stage_fields(self) -> None:
+        """algorithm.token_mask(_options), kl_mode, sample_select, advantage_smoothing."""
         from megapo.algorithms.stages import KL_MODES, TOKEN_MASKS
 
         a = self.algorithm
