@@ -187,9 +187,24 @@ def load_config(cls: type, path: str | Path | None = None, overrides: list[str] 
     return cfg
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader reading floats as YAML 1.2 does: `1e-3` and `1E+38` are numbers, where YAML 1.1
+    (PyYAML's default) wants a dot (`1.0e-3`) and reads `1e-3` as a string."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def _load_yaml(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def _parse_yaml(path: Path):
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        return _load_yaml(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as err:
         raise InputError(str(path), f"not UTF-8 text (byte {err.start})") from None
     except yaml.YAMLError as err:
@@ -212,7 +227,7 @@ def apply_override(data: dict, item: str) -> None:
         raise ConfigError(item, "override must look like section.field=value")
     key, raw = item.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = _load_yaml(raw) if raw != "" else ""
     except yaml.YAMLError as err:
         raise ConfigError(key, f"value {raw!r} is not valid YAML: {_yaml_problem(err)}") from None
     parts = key.strip().split(".")

@@ -42,6 +42,16 @@ def test_yaml_then_overrides(tmp_path):
     assert cfg.maybe == 3 and cfg.flag is True and cfg.inner.tags == ["y", "z"]
 
 
+def test_exponent_without_a_dot_is_a_number_in_files_and_overrides(tmp_path):
+    """YAML 1.2 floats: PyYAML's YAML 1.1 reads `1e-3` as the string '1e-3' (it wants `1.0e-3`)."""
+    path = tmp_path / "c.yaml"
+    path.write_text("inner: {rate: 1e-3}\nweights: [2E+2, -5e-1, 1.5e1]\nname: 1e3x\n")
+    cfg = load_config(Outer, path)
+    assert cfg.inner.rate == 0.001 and cfg.weights == [200.0, -0.5, 15.0] and cfg.name == "1e3x"
+    assert load_config(Outer, path, ["inner.rate=3e-4"]).inner.rate == 0.0003
+    assert load_config(OptimConfig, None, ["lr=1e-5"]).lr == 1e-5
+
+
 @pytest.mark.parametrize("override, field_name, words", [
     ("inner.widht=3", "inner.widht", "did you mean 'width'"),
     ("inner.width=3.5", "inner.width", "integer"),
