@@ -569,6 +569,10 @@ class RunConfig:
             if self.data.chat_template and not _has_chat_template(path):
                 raise ConfigError("data.chat_template", f"the tokenizer in {m.path} has no chat template")
         learner_spec(hf, where)
+        if (path / "config.json").is_file():  # the safetensors hold exactly the tensors config.json describes
+            from megapo.convert.inputs import read_hf
+
+            read_hf(path, "model.path")  # headers only: names, shapes, a truncated file
         self._check_torch_model(hf, where)
         check_layout(self.parallel, hf)
         if self.rollout.engine == "vllm" and not self.rollout.servers:  # megapo starts the server here
