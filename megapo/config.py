@@ -139,6 +139,9 @@ class ParallelConfig:
             )
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 @dataclass
 class OptimConfig:
     lr: float = bounded(1e-3, "> 0")
@@ -162,6 +165,10 @@ class OptimConfig:
             raise ConfigError(f"{prefix}.lr_schedule", f"must be constant, cosine or linear, got {self.lr_schedule!r}")
         if self.min_lr > self.lr:
             raise ConfigError(f"{prefix}.min_lr", f"{self.min_lr} is above {prefix}.lr={self.lr}")
+        first_step = self.lr / (1.0 - self.adam_beta1)  # Adam's bias-corrected step size at step 1
+        if first_step >= FLOAT32_MAX:
+            raise ConfigError(f"{prefix}.lr", f"{self.lr}: Adam's first step size lr / (1 - adam_beta1) = "
+                              f"{first_step:.3g} is beyond float32 (max {FLOAT32_MAX:.3g})")
 
 
 # ----------------------------------------------------------------------------- loading

@@ -151,3 +151,12 @@ def test_non_utf8_config_names_the_file(tmp_path):
     with pytest.raises(InputError) as err:
         load_config(Outer, path)
     assert err.value.field == str(path) and "UTF-8" in str(err.value)
+
+
+def test_adam_step_beyond_float32_is_refused_naming_lr():
+    """Adam's first bias-corrected step size is lr / (1 - beta1); beyond float32's max the optimizer raised a
+    RuntimeError mid-step. The same lr with beta1 = 0 fits (3e38 < 3.4028e38) and is accepted."""
+    with pytest.raises(ConfigError) as err:
+        load_config(OptimConfig, None, ["lr=1.0e+38"])  # 1e38 / 0.1 = 1e39
+    assert err.value.field == "optim.lr" and "float32" in str(err.value)
+    assert load_config(OptimConfig, None, ["lr=3.0e+38", "adam_beta1=0"]).lr == 3.0e38

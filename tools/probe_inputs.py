@@ -332,12 +332,24 @@ def _metrics_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
+# An update that leaves every weight non-finite while each number stays within float32: Adam's first step size is
+# lr / (1 - beta1) = 3e38 (beta1 0), and weight decay 1 subtracts lr * w: weights of size > 1 reach inf.
+POISON = ("optim.lr=3.0e+38", "optim.adam_beta1=0", "optim.weight_decay=1", "optim.grad_clip=0")
+
+
+@case(NONFINITE)
+def adam_step_beyond_float32_is_refused(ctx):
+    """optim.lr=1.0e+38 with adam_beta1 0.9: Adam's first step size 1e39 is not a float32 (it was a RuntimeError
+    traceback inside the optimizer). Expected: exit 2 naming optim.lr, nothing written."""
+    return config_refusal(ctx, "lr_1e38", ("optim.lr=1.0e+38",), ("optim.lr",))
+
+
 @case(NONFINITE, cheap=False)
 def update_to_nonfinite_weights_is_skipped(ctx):
-    """optim.lr=1.0e+38: Adam's first step (lr / (1 - beta1) = 1e39 in float32) makes every weight inf. Expected: each
-    such update undone (train/skipped_nonfinite 1), the run finishes, its checkpoints are of finite weights."""
-    folder = ctx.fresh("lr_1e38")
-    out = ctx.train(ctx.config(folder), "optim.lr=1.0e+38", "optim.grad_clip=0", timeout=RUN_TIMEOUT_S)
+    """POISON: every update would leave non-finite weights. Expected: each such update undone
+    (train/skipped_nonfinite 1), the run finishes, its checkpoints are of finite weights."""
+    folder = ctx.fresh("lr_poison")
+    out = ctx.train(ctx.config(folder), *POISON, timeout=RUN_TIMEOUT_S)
     rows = [r for r in _metrics_rows(folder / "run") if "train/skipped_nonfinite" in r]
     if out.rc != 0:
         return out, ("poor" if out.rc is not None else "wrong", f"exit {out.rc}: {message_line(out)}")
@@ -350,9 +362,8 @@ def update_to_nonfinite_weights_is_skipped(ctx):
 def update_to_nonfinite_weights_without_restore_stops(ctx):
     """optim.restore_nonfinite=false: no copy to undo from, so the run stops (exit 1, one line naming the field),
     and no checkpoint of the poisoned weights is written."""
-    folder = ctx.fresh("lr_1e38_no_restore")
-    out = ctx.train(ctx.config(folder), "optim.lr=1.0e+38", "optim.grad_clip=0", "optim.restore_nonfinite=false",
-                    timeout=RUN_TIMEOUT_S)
+    folder = ctx.fresh("lr_poison_no_restore")
+    out = ctx.train(ctx.config(folder), *POISON, "optim.restore_nonfinite=false", timeout=RUN_TIMEOUT_S)
     ckpts = folder / "run" / "checkpoints"
     saved = sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else []
     return out, classify(out, rc=1, names=("optim.restore_nonfinite", "non-finite"),

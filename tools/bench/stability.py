@@ -510,7 +510,12 @@ def write_report(plan: GridPlan, steps: int) -> dict:
     plan.out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(plan.out / "summary.json", summary)
     (plan.out / "table.md").write_text(table_markdown(summary))
-    summary["plots"] = [str(p) for p in write_plots(plan, cells)]
+    grid_cells_ = [c for c in cells if c.objective in AXES["objective"]]
+    extra = [c for c in cells if c.objective not in AXES["objective"]]
+    summary["plots"] = [str(p) for p in write_plots(plan, grid_cells_)]
+    if extra:  # --objectives: one figure for all of them, beside the grid's own objectives in that regime
+        regime = [c for c in cells if (c.replay, c.mini_batches, c.mismatch) == tuple(OBJECTIVE_REGIME.values())]
+        summary["plots"].append(str(write_objectives_plot(plan, regime)))
     return summary
 
 
@@ -555,6 +560,36 @@ def table_markdown(summary: dict) -> str:
                      f"{_fmt(r.get('final_accuracy'))} | {collapsed_at} | {r.get('collapse_reason') or '–'} | "
                      f"{dipped_at} |")
     return "\n".join(lines) + "\n"
+
+
+def write_objectives_plot(plan: GridPlan, cells: list[Cell]) -> Path:
+    """Held-out accuracy against step, mean over seeds, one line per objective, in OBJECTIVE_REGIME."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megapo.trainer.metrics import read_metrics
+    from megapo.trainer.plot import series
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for objective in sorted({c.objective for c in cells}):
+        runs = [dict(zip(*series(read_metrics(plan.cell_dir(c)), "eval/accuracy")))
+                for c in cells if c.objective == objective and is_done(plan.cell_dir(c))]
+        steps = sorted(set.intersection(*(set(r) for r in runs))) if runs else []
+        if steps:
+            ax.plot(steps, [sum(r[s] for r in runs) / len(runs) for s in steps], marker=".",
+                    label=f"{objective} ({len(runs)})", linestyle="-" if objective in AXES["objective"] else "--")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out accuracy (mean over seeds)")
+    ax.set_title("every objective, no replay, no correction, 8 optimizer steps per rollout")
+    ax.grid(alpha=0.3)
+    ax.legend(ncol=3, fontsize=8)
+    path = plan.out / "plots" / "objectives-m8.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def write_plots(plan: GridPlan, cells: list[Cell]) -> list[Path]:
