@@ -55,8 +55,10 @@ def hf_greedy(model, tokenizer, max_new_tokens: int, batch_size: int = 256) -> G
     return generate
 
 
-def engine_greedy(engine, eos_token_id: int, max_new_tokens: int) -> GenerateFn:
-    """Greedy generation through a megapo Engine (temperature 0, one sample, stop at end-of-sequence)."""
+def engine_greedy(engine, eos_token_id: int, max_new_tokens: int, batch_size: int = 256) -> GenerateFn:
+    """Greedy generation through a megapo Engine (temperature 0, one sample, stop at end-of-sequence), `batch_size`
+    prompts per call: the embedded engine keeps its KV cache at the largest batch it has seen, and a cache sized
+    for a whole test split instead of a training batch slowed every later training step."""
     from megapo.engines.base import SamplingParams
 
     params = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens,
@@ -64,7 +66,8 @@ def engine_greedy(engine, eos_token_id: int, max_new_tokens: int) -> GenerateFn:
 
     def generate(prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
         out = []
-        for group in engine.generate(prompts, params):
+        groups = [g for i in range(0, len(prompts), batch_size) for g in engine.generate(prompts[i:i + batch_size], params)]
+        for group in groups:
             s = group[0]
             ids = list(s.output_ids)
             ended = bool(ids) and ids[-1] == eos_token_id
@@ -119,5 +122,5 @@ def evaluate(model_or_engine, task: str = "addition", split: str = "test", *, n:
     if hasattr(model, "generate") and isinstance(model, torch.nn.Module):
         gen = hf_greedy(model, tokenizer, max_new_tokens, batch_size)
     else:
-        gen = engine_greedy(model, tokenizer.eos_token_id, max_new_tokens)
+        gen = engine_greedy(model, tokenizer.eos_token_id, max_new_tokens, batch_size)
     return score(gen, tokenizer, examples, prompts, task_verifier(task))
