@@ -86,8 +86,12 @@ def _server(args: argparse.Namespace, served: dict):
     """The VLLMServer, nothing started; its refusals of what the command line gave (a bind or port that cannot be
     used, a bad key file, no config.json, no vLLM venv) as ConfigError: megapo.cli reports them (exit 2)."""
     from megapo.config import ConfigError
-    from megapo.engines.server import VLLMServer, VLLMServerConfig
+    from megapo.engines.server import VLLMServer, VLLMServerConfig, is_loopback
 
+    if args.allow_remote and not is_loopback(args.host) and not served.get("api_key_file"):
+        raise ConfigError("--api-key-file", f"--host {args.host} --allow-remote needs a key file the trainer on the "
+                          "other machine reads too (its rollout.api_key_file); give --api-key-file, or "
+                          "rollout.api_key_file in CONFIG")
     try:
         return VLLMServer(VLLMServerConfig(
             **served, host=args.host, port=args.port, venv=args.venv, kv_cache_gib=args.kv_cache_gib,
