@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import math
 import re
 import types
@@ -169,6 +170,20 @@ class OptimConfig:
         if first_step >= FLOAT32_MAX:
             raise ConfigError(f"{prefix}.lr", f"{self.lr}: Adam's first step size lr / (1 - adam_beta1) = "
                               f"{first_step:.3g} is beyond float32 (max {FLOAT32_MAX:.3g})")
+
+
+def import_function(spec: str, field: str, kind: str):
+    """The function a config field names as 'module:function' (a user reward, a user task), or a ConfigError
+    naming `field`: the module does not import, or holds no such callable."""
+    module_name, func_name = spec.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(field, f"cannot import {kind} module {module_name!r}: {exc}") from None
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise ConfigError(field, f"module {module_name!r} has no function {func_name!r}")
+    return fn
 
 
 # ----------------------------------------------------------------------------- loading

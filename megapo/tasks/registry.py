@@ -8,13 +8,12 @@ megapo.tasks.base.Task. Every failure is a ConfigError naming data.task (or data
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 from functools import lru_cache
 from typing import Any
 
-from megapo.config import ConfigError
+from megapo.config import ConfigError, import_function
 from megapo.tasks.base import Task
 
 BUILTIN = {
@@ -54,15 +53,7 @@ def _resolve(spec: str, field: str):
     target = BUILTIN.get(spec, spec)
     if ":" not in target:
         raise ConfigError(field, f"unknown task {spec!r}; built-in: {', '.join(BUILTIN)}, or 'module:function'")
-    module_name, func_name = target.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(field, f"cannot import task module {module_name!r}: {exc}") from None
-    fn = getattr(module, func_name, None)
-    if not callable(fn):
-        raise ConfigError(field, f"module {module_name!r} has no function {func_name!r}")
-    return fn
+    return import_function(target, field, "task")
 
 
 def _parameters(fn) -> str:

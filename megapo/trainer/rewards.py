@@ -14,7 +14,6 @@ its unfinished text (GuardedReward.score_all's `truncated`). `check_reward` call
 from __future__ import annotations
 
 import ctypes
-import importlib
 import inspect
 import logging
 import math
@@ -26,7 +25,7 @@ import weakref
 from fractions import Fraction
 from typing import Any, Callable, Sequence
 
-from megapo.config import ConfigError
+from megapo.config import ConfigError, import_function
 
 log = logging.getLogger(__name__)
 
@@ -153,15 +152,7 @@ def _resolve(spec: str, field: str) -> RewardFn:
         return math_fallback
     if ":" not in spec:
         raise ConfigError(field, f"unknown reward {spec!r}; use one of {', '.join(BUILTIN)} or 'module:function'")
-    module_name, func_name = spec.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(field, f"cannot import reward module {module_name!r}: {exc}") from None
-    fn = getattr(module, func_name, None)
-    if not callable(fn):
-        raise ConfigError(field, f"module {module_name!r} has no function {func_name!r}")
-    return fn
+    return import_function(spec, field, "reward")
 
 
 class RewardError(RuntimeError):
