@@ -121,7 +121,7 @@ def test_llama_needs_an_engine_that_runs_it(capsys, tmp_path, tiny_dense):
     from megapo.config import load_config
     from megapo.trainer.config import RunConfig
 
-    model = _model_with(tmp_path, tiny_dense, model_type="llama")
+    model = _model_with(tmp_path, tiny_dense, model_type="llama", attention_bias=True)  # qwen2 weights: q/k/v biases
     common = ["algorithm.routing_replay=off", "sft.enabled=false"]
     rc, err, out = _train(capsys, tmp_path, *common, model=model)
     assert rc == 2
@@ -165,3 +165,28 @@ def test_commands_with_subcommands_and_servers_report_through_the_same_surface(c
         err = capsys.readouterr().err
         assert rc == 2 and err.startswith(start) and "Traceback" not in err, (argv, err)
     assert not (tmp_path / "o").exists()
+
+
+def test_model_folder_whose_tensors_do_not_match_its_config(capsys, tmp_path, tiny_moe):
+    """Extra, missing and truncated safetensors are found at validation (exit 2 naming model.path and the tensor
+    or file), not as a KeyError / SafetensorError after the learner starts."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    def broken(edit):
+        model = _model_with(tmp_path, tiny_moe)
+        tensors = load_file(model / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+        return model
+
+    extra = broken(lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(2)}))
+    missing = broken(lambda t: t.pop(next(k for k in sorted(t) if k.endswith("k_proj.weight"))))
+    truncated = _model_with(tmp_path, tiny_moe)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) - 100])
+    for model, named in ((extra, "model.layers.0.extra.weight"), (missing, "k_proj.weight"),
+                         (truncated, "model.safetensors")):
+        rc, err, out = _train(capsys, tmp_path, "sft.enabled=false", model=model)
+        assert rc == 2 and err.startswith("megapo train: model.path: ") and named in err, err
+        assert "Traceback" not in err and not out.exists()

@@ -62,10 +62,18 @@ def read_config(folder, arg: str) -> ModelConfig:
 
 def read_hf(folder, arg: str) -> HFInput:
     """An HF model folder whose safetensors hold exactly the tensors its config describes."""
+    model = read_config(folder, arg)
+    found, dtypes = check_hf_tensors(model.folder, model.family, model.spec, arg)
+    return HFInput(model.folder, model.hf, model.family, model.spec, found, dtypes)
+
+
+def check_hf_tensors(folder: Path, family, spec, arg: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """The safetensors headers of `folder` (names, shapes, dtypes), checked to hold exactly the tensors of
+    `family` / `spec` with their shapes, every file readable (a truncated one is refused); ConfigError naming
+    `arg` otherwise. Reads headers only."""
     from safetensors import safe_open
 
-    model = read_config(folder, arg)
-    folder = model.folder
+    folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -91,7 +99,7 @@ def read_hf(folder, arg: str) -> HFInput:
                     dtypes.add(piece.get_dtype())
         except Exception as exc:  # safetensors raises its own error types for a damaged header
             raise ConfigError(arg, f"{path} is not a readable safetensors file ({exc})") from None
-    expected = expected_hf_tensors(model.family, model.spec)
+    expected = expected_hf_tensors(family, spec)
     missing = [k for k in expected if k not in found]
     if missing:
         raise ConfigError(arg, f"{len(missing)} tensor(s) the config describes are not in the safetensors, "
@@ -103,7 +111,7 @@ def read_hf(folder, arg: str) -> HFInput:
     for key, shape in expected.items():
         if found[key] != shape:
             raise ConfigError(arg, f"tensor {key} has shape {found[key]}, config.json implies {shape}")
-    return HFInput(folder, model.hf, model.family, model.spec, found, dtypes)
+    return found, dtypes
 
 
 def checkpoint_shapes(spec: ModelSpec, vocab_rows: int) -> dict[str, tuple[int, ...]]:

@@ -568,11 +568,7 @@ class RunConfig:
                 raise ConfigError("model.path", f"{m.path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
             if self.data.chat_template and not _has_chat_template(path):
                 raise ConfigError("data.chat_template", f"the tokenizer in {m.path} has no chat template")
-        learner_spec(hf, where)
-        if (path / "config.json").is_file():  # the safetensors hold exactly the tensors config.json describes
-            from megapo.convert.inputs import read_hf
-
-            read_hf(path, "model.path")  # headers only: names, shapes, a truncated file
+        spec = learner_spec(hf, where)
         self._check_torch_model(hf, where)
         check_layout(self.parallel, hf)
         if self.rollout.engine == "vllm" and not self.rollout.servers:  # megapo starts the server here
@@ -584,6 +580,11 @@ class RunConfig:
                 raise ConfigError("rollout.engine", str(err)) from None
         if self.algorithm.routing_replay != "off" and not num_experts(hf):
             raise ConfigError("algorithm.routing_replay", "routing replay needs an MoE model; this one is dense")
+        if (path / "config.json").is_file():  # the safetensors hold exactly the tensors config.json describes
+            from megapo.convert.inputs import check_hf_tensors
+            from megapo.models.family import family_for
+
+            check_hf_tensors(path, family_for(hf), spec, "model.path")  # headers only: names, shapes, truncation
 
     def _check_torch_model(self, hf: dict, where: str) -> None:
         """The embedded engine and the plain KL reference run megapo's in-process PyTorch model, which knows
