@@ -32,6 +32,21 @@ SCORES = ("entropy", "adv_entropy")
 # ----------------------------------------------------------------------------- sequence polarity
 
 
+def _check_anneal(end_name: str, end, anneal_steps) -> None:
+    """A linear schedule's options: anneal_steps an integer >= 0, given together with its end value."""
+    if isinstance(anneal_steps, bool) or not isinstance(anneal_steps, int) or anneal_steps < 0:
+        raise ValueError(f"anneal_steps: must be an integer >= 0, got {anneal_steps!r}")
+    if (end is None) != (anneal_steps == 0):
+        raise ValueError(f"{end_name}: give {end_name} and anneal_steps > 0 together (or neither)")
+
+
+def _annealed(start: float, end: float | None, anneal_steps: int, step: int) -> float:
+    """`start` at trainer step 1 (1-based), moving linearly to `end` over anneal_steps steps; start when no end."""
+    if end is None:
+        return start
+    return start + (end - start) * min(1.0, max(step - 1, 0) / anneal_steps)
+
+
 @dataclass
 class PolarityOptions:
     polarity: str = "both"
@@ -234,16 +249,11 @@ class TokenSelectOptions:
                 raise ValueError(f"{name}: must be in (0, 1], got {v!r}")
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not 0 <= self.weight <= 1:
             raise ValueError(f"weight: must be in [0, 1], got {self.weight!r}")
-        if isinstance(self.anneal_steps, bool) or not isinstance(self.anneal_steps, int) or self.anneal_steps < 0:
-            raise ValueError(f"anneal_steps: must be an integer >= 0, got {self.anneal_steps!r}")
-        if (self.rho_end is None) != (self.anneal_steps == 0):
-            raise ValueError("rho_end: give rho_end and anneal_steps > 0 together (or neither)")
+        _check_anneal("rho_end", self.rho_end, self.anneal_steps)
 
     def rho_at(self, step: int) -> float:
         """ρ at trainer step `step` (1-based): rho, moving linearly to rho_end over anneal_steps steps."""
-        if self.rho_end is None:
-            return self.rho
-        return self.rho + (self.rho_end - self.rho) * min(1.0, max(step - 1, 0) / self.anneal_steps)
+        return _annealed(self.rho, self.rho_end, self.anneal_steps, step)
 
 
 @register(
@@ -437,15 +447,10 @@ class SampleSelectOptions:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
                 raise ValueError(f"{name}: must be in (0, 1], got {v!r}")
-        if isinstance(self.anneal_steps, bool) or not isinstance(self.anneal_steps, int) or self.anneal_steps < 0:
-            raise ValueError(f"anneal_steps: must be an integer >= 0, got {self.anneal_steps!r}")
-        if (self.keep_end is None) != (self.anneal_steps == 0):
-            raise ValueError("keep_end: give keep_end and anneal_steps > 0 together (or neither)")
+        _check_anneal("keep_end", self.keep_end, self.anneal_steps)
 
     def keep_at(self, step: int) -> float:
-        if self.keep_end is None:
-            return self.keep
-        return self.keep + (self.keep_end - self.keep) * min(1.0, max(step - 1, 0) / self.anneal_steps)
+        return _annealed(self.keep, self.keep_end, self.anneal_steps, step)
 
 
 def max_variance_subset(values: list[float], k: int) -> list[int]:
