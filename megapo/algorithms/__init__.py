@@ -7,7 +7,7 @@ from megapo.algorithms.corrections import correction_weights, mismatch_metrics
 from megapo.algorithms.kl import kl_penalty
 from megapo.algorithms.loss import policy_loss
 from megapo.algorithms.registry import Entry, entries, get
-from megapo.algorithms.shaping import shape_rewards
+from megapo.algorithms.length import shape_rewards
 
 __all__ = [
     "Entry", "compute_advantages", "correction_weights", "entries", "get", "kl_penalty",

@@ -16,7 +16,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-KINDS = ("objective", "advantage", "advantage_stage", "token_weight", "correction", "aggregation", "kl", "shaping")
+KINDS = ("objective", "advantage", "advantage_stage", "token_weight", "correction", "aggregation", "kl",
+         "length_reward", "group_filter")
 GRANULARITIES = ("token", "sequence", "group", "batch")
 
 
@@ -62,7 +63,7 @@ _MODULES = (
     "megapo.algorithms.corrections",
     "megapo.algorithms.aggregation",
     "megapo.algorithms.kl",
-    "megapo.algorithms.shaping",
+    "megapo.algorithms.length",
     "megapo.algorithms.stages",
 )
 

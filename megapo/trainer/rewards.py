@@ -372,11 +372,11 @@ def math_backend() -> str:
 
 def shape_overlong(rewards: list[float], response_lens: list[int], max_len: int, buffer: int,
                    penalty: float = 1.0) -> list[float]:
-    """DAPO's soft overlong punishment (megapo.algorithms.shaping "dapo_overlong"): no change up to
+    """DAPO's soft overlong punishment (megapo.algorithms.length "dapo_overlong"): no change up to
     max_len - buffer tokens, then a penalty rising linearly to `penalty` at max_len (and beyond)."""
     import torch
 
-    from megapo.algorithms.shaping import shape_rewards
+    from megapo.algorithms.length import shape_rewards
 
     shaped = shape_rewards("dapo_overlong", torch.tensor(rewards, dtype=torch.float64),
                            torch.tensor(response_lens, dtype=torch.float64), max_len=max_len, cache_len=buffer,
