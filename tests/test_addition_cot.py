@@ -84,6 +84,29 @@ def test_warm_start_mixes_both_formats(frac):
     assert abs(verbose / 2000 - frac) < 0.04  # binomial sd at 0.3: ~0.01
 
 
+def test_checked_demonstrations_do_the_columns_twice():
+    pairs = get_task("addition_cot", {"scratchpad_frac": 0.6, "check_frac": 0.75}).sft_pairs(2000, seed=0)
+    counts = {"terse": 0, "scratchpad": 0, "checked": 0}
+    for ex, target in pairs:
+        a, b = ex.meta["a"], ex.meta["b"]
+        passes = target.split(";" + str(a + b) + ";")  # a checked target: one pass, the sum, the same pass again
+        if len(passes) == 2:
+            assert passes[0] + ";" + str(a + b) == passes[1]
+            _check_scratchpad(passes[1], a, b)
+            kind = "checked"
+        else:
+            kind = "scratchpad" if ";" in target else "terse"
+        assert cot.response_format(target) == kind and cot.reward(target, ex.answer) == 1.0
+        counts[kind] += 1
+    assert abs(counts["checked"] / 2000 - 0.6 * 0.75) < 0.04
+    assert abs((counts["checked"] + counts["scratchpad"]) / 2000 - 0.6) < 0.04
+    # the scratchpad share is drawn as without checks: a config's warm start keeps its mix
+    plain = get_task("addition_cot", {"scratchpad_frac": 0.6}).sft_pairs(2000, seed=0)
+    assert [";" in t for _, t in plain] == [";" in t for _, t in pairs]
+    with pytest.raises(ValueError, match="check_frac"):
+        get_task("addition_cot", {"check_frac": 1.5})
+
+
 def test_tiny_tokenizer_writes_the_scratchpad_and_the_config_fits_it(tiny_moe, tmp_path):
     from transformers import AutoTokenizer
 

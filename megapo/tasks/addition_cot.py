@@ -5,11 +5,15 @@
     terse     "132"
     scratchpad "7+5+0=12;4+8+1=13;132"           one column per digit, least significant first:
                                                   digit + digit + carry in = carry out and digit
+    checked   "7+5+0=12;4+8+1=13;132;7+5+0=12;4+8+1=13;132"   the scratchpad done twice: a check that adds
+                                                  no information (the answer is already written), the
+                                                  redundant re-verification length control should cut
 
 Both operands have d digits (no leading zero), d in [min_digits, max_digits]. The reward reads the final
 answer only (the text after the last ";", or the whole response), so a policy may drop the scratchpad:
-the SFT warm start teaches both formats (scratchpad_frac of the demonstrations show the columns), and
-RL can trade its tokens (9 per digit) for accuracy, more digits needing the columns more.
+the SFT warm start teaches the formats (scratchpad_frac of the demonstrations show the columns, check_frac
+of those do them twice), and RL can trade tokens (9 per digit and pass) for accuracy, more digits needing
+the columns more, while the second pass is pure cost.
 
 Splits: a problem (a, b) is in test, validation or train by a hash of "a+b", so they are disjoint whatever
 seeds a run uses. Test and validation hold fixed distinct problems, the same number per digit count,
@@ -76,6 +80,18 @@ def scratchpad(a: int, b: int) -> str:
     return SEPARATOR.join(columns + [str(a + b)])
 
 
+def checked(a: int, b: int) -> str:
+    """The scratchpad, then the same columns and sum again (the check)."""
+    return SEPARATOR.join([scratchpad(a, b)] * 2)
+
+
+def response_format(response: str) -> str:
+    """terse (no columns), scratchpad (one pass) or checked (two or more passes: the sum written more than once)."""
+    parts = response.strip().split(SEPARATOR)
+    passes = sum("=" not in part for part in parts)  # a column holds "=", a written sum does not
+    return "terse" if len(parts) == 1 else "scratchpad" if passes <= 1 else "checked"
+
+
 def final_answer(response: str) -> str:
     """The answer a response gives: the text after its last separator (the whole text when there is none)."""
     return response.strip().rsplit(SEPARATOR, 1)[-1].strip()
@@ -94,16 +110,19 @@ def example(a: int, b: int) -> Example:
     return Example(f"{a}+{b}=", str(a + b), {"a": a, "b": b}, difficulty=len(str(a)))
 
 
-def task(min_digits: int = MIN_DIGITS, max_digits: int = MAX_DIGITS, scratchpad_frac: float = 0.5) -> Task:
+def task(min_digits: int = MIN_DIGITS, max_digits: int = MAX_DIGITS, scratchpad_frac: float = 0.5,
+         check_frac: float = 0.0) -> Task:
     """data.task=addition_cot; data.task_options: min_digits, max_digits (in [1, 9]), scratchpad_frac (the
-    share of SFT demonstrations that show the columns, in [0, 1])."""
+    share of SFT demonstrations that show the columns, in [0, 1]), check_frac (the share of those that do
+    the columns twice, in [0, 1])."""
     for name, value in (("min_digits", min_digits), ("max_digits", max_digits)):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 9:
             raise ValueError(f"{name} must be an integer in [1, 9], got {value!r}")
     if min_digits > max_digits:
         raise ValueError(f"min_digits={min_digits} exceeds max_digits={max_digits}")
-    if isinstance(scratchpad_frac, bool) or not isinstance(scratchpad_frac, (int, float)) or not 0 <= scratchpad_frac <= 1:
-        raise ValueError(f"scratchpad_frac must be in [0, 1], got {scratchpad_frac!r}")
+    for name, value in (("scratchpad_frac", scratchpad_frac), ("check_frac", check_frac)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ValueError(f"{name} must be in [0, 1], got {value!r}")
     counts = max_digits - min_digits + 1
     per_digits = {"validation": VALIDATION_PER_DIGITS, "test": TEST_PER_DIGITS}
 
@@ -115,7 +134,10 @@ def task(min_digits: int = MIN_DIGITS, max_digits: int = MAX_DIGITS, scratchpad_
 
     def demonstrations(examples: Sequence[Example], seed: int) -> list[str]:
         verbose = np.random.default_rng([seed, 1]).random(len(examples)) < scratchpad_frac
-        return [scratchpad(ex.meta["a"], ex.meta["b"]) if v else ex.answer for ex, v in zip(examples, verbose)]
+        twice = np.random.default_rng([seed, 2]).random(len(examples)) < check_frac
+        write = {(True, False): scratchpad, (True, True): checked}
+        return [write[(bool(v), bool(c))](ex.meta["a"], ex.meta["b"]) if v else ex.answer
+                for ex, v, c in zip(examples, verbose, twice)]
 
     sizes = {"train": TRAIN_SIZE, "validation": VALIDATION_PER_DIGITS * counts, "test": TEST_PER_DIGITS * counts}
     return Task("addition_cot", sizes, get, reward="megapo.tasks.addition_cot:reward", demonstrations=demonstrations)
