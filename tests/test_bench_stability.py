@@ -316,3 +316,62 @@ def test_objectives_add_one_setting_each_in_the_collapse_regime(tmp_path):
     m8 = table.split("train.mini_batches=8)")[1].split("## Cells")[0]
     assert "| dppo | off | none | 1 / 1 |" in m8  # its row (the fake scenario collapses every off-m8-none cell)
     assert m8.index("| minirl |") < m8.index("| dppo |")
+
+
+# ----------------------------------------------------------------------------- --variants
+
+
+def test_variants_add_one_setting_each_with_their_overrides(tmp_path):
+    plan = make_plan(tmp_path, objectives=["dppo"], variants=st.variant_names("stapo,kl_future"))
+    added = [c for c in plan.cells() if c.variant]
+    assert [(c.name, c.objective, c.replay, c.mini_batches, c.mismatch) for c in added] == [
+        ("stapo-off-m8-none-s0", "ppo", "off", 8, "none"), ("kl_future-off-m8-none-s0", "ppo", "off", 8, "none")]
+    assert len(plan.cells()) == len(make_plan(tmp_path, objectives=["dppo"]).cells()) + 2
+    assert st.variant_names("all") == list(st.VARIANTS)
+    with pytest.raises(ConfigError) as err:
+        st.variant_names("stapo,nope")
+    assert err.value.field == "--variants" and "'nope'" in str(err.value)
+    # a cell.json written before variants existed still reads, as the same cell
+    old = st.Cell(**{"objective": "ppo", "replay": "off", "mini_batches": 8, "mismatch": "none", "seed": 1})
+    assert old.variant == "" and old.name == "ppo-off-m8-none-s1" and old.label == "ppo"
+
+    runner = FakeRunner()
+    st.run_grid(plan, runner=runner, warm_start=fake_warm_start)
+    job = next(j for j in runner.calls if j.cell.variant == "kl_future")
+    axes = job.argv.index("train.seed=0")  # the variant's overrides come after the cell's axes
+    assert job.argv[axes + 1: axes + 3] == ["algorithm.kl_mode=future", "algorithm.kl_coef=0.05"]
+    table = (plan.out / "table.md").read_text()
+    m8 = table.split("train.mini_batches=8)")[1].split("## Variants")[0]
+    assert "| ppo + stapo | off | none | 1 / 1 |" in m8  # the fake scenario collapses every off-m8-none cell
+    assert m8.index("| dppo |") < m8.index("| ppo + kl_future |") < m8.index("| ppo + stapo |")
+    assert "| kl_future | `algorithm.kl_mode=future algorithm.kl_coef=0.05` |" in table
+    summary = json.loads((plan.out / "summary.json").read_text())
+    row = next(s for s in summary["settings"] if s["setting"] == "stapo-off-m8-none")
+    assert (row["variant"], row["objective"], row["label"]) == ("stapo", "ppo", "ppo + stapo")
+    plots = sorted(p.name for p in (plan.out / "plots").glob("*.png"))
+    assert "variants-m8.png" in plots and "objectives-m8.png" in plots
+    assert "stapo-none.png" not in plots and "ppo-none.png" in plots  # variants stay out of the grid's figures
+
+
+def test_every_variant_config_is_valid_and_a_bad_one_stops_the_grid_first(tmp_path, monkeypatch):
+    plan = make_plan(tmp_path, variants=st.variant_names("all"))
+    st.validate_cells(plan, plan.cells(), STEPS)  # every listed variant is a valid config of the base
+    monkeypatch.setitem(st.VARIANTS, "bad_mask", ("algorithm.token_mask=nope",))
+    plan = make_plan(tmp_path, variants=["stapo", "bad_mask"])
+    runner = FakeRunner()
+    with pytest.raises(ConfigError) as err:
+        st.run_grid(plan, runner=runner, warm_start=fake_warm_start)
+    assert err.value.field == "algorithm.token_mask" and "(cell bad_mask-off-m8-none-s0)" in str(err.value)
+    assert runner.calls == [] and not (plan.out / "cells").exists()
+
+
+@pytest.mark.parametrize("variants, field, words", [
+    ({"v": ("algorithm.objective=gspo",)}, "VARIANTS['v'][0]", "cell axis"),
+    ({"v": ("algorithm.token_mask=stapo", "train.mini_batches=4")}, "VARIANTS['v'][1]", "cell axis"),
+    ({"v": ("token_mask",)}, "VARIANTS['v'][0]", "section.field=value"),
+    ({"gspo": ("algorithm.token_mask=stapo",)}, "VARIANTS['gspo']", "objective's name"),
+])
+def test_malformed_variants_are_refused(variants, field, words):
+    with pytest.raises(ConfigError) as err:
+        st.check_variants(variants, ["ppo", "gspo"])
+    assert err.value.field == field and words in str(err.value)

@@ -9,8 +9,10 @@ Axes (every cell is `megapo train CONFIG` with config overrides only): objective
 minirl, cispo} x routing replay {off, r2, r3} x train.mini_batches {1, 4, 8} (optimizer steps per rollout: the
 off-policy degree) x mismatch correction {none, tis} x seeds. `full` is the whole product; `small` is the union
 of the cells that answer the three questions in SMALL_QUESTIONS. `--objectives all` (or a list) adds every
-registered objective at no replay, no correction, m=8 (OBJECTIVE_REGIME). The train-inference mismatch itself comes
-from the config's rollout.dtype (the engine in bfloat16, the learner in fp32; megapo/configs/stability_base.yaml).
+registered objective at no replay, no correction, m=8 (OBJECTIVE_REGIME); `--variants all` (or a list) adds the
+named VARIANTS there too: ppo with one stage or option of issue 14 switched on (a config override list each), the
+methods that are not objectives. The train-inference mismatch itself comes from the config's rollout.dtype (the
+engine in bfloat16, the learner in fp32; megapo/configs/stability_base.yaml).
 
 Layout of --out:
     grid.json               the shared settings (config hash, steps, --set); a rerun with others is refused
@@ -87,20 +89,26 @@ class Cell:
     mini_batches: int
     mismatch: str
     seed: int
+    variant: str = ""  # a VARIANTS name: its overrides come after the axes' (cells made before variants have none)
 
     @property
     def setting(self) -> str:
         """The cell's name without its seed: the row of the table it is averaged into."""
-        return f"{self.objective}-{self.replay}-m{self.mini_batches}-{self.mismatch}"
+        return f"{self.variant or self.objective}-{self.replay}-m{self.mini_batches}-{self.mismatch}"
 
     @property
     def name(self) -> str:
         return f"{self.setting}-s{self.seed}"
 
+    @property
+    def label(self) -> str:
+        """The row's name in the table and the plots: the objective, or the variant on its objective."""
+        return f"{self.objective} + {self.variant}" if self.variant else self.objective
+
     def overrides(self) -> list[str]:
         return [f"algorithm.objective={self.objective}", f"algorithm.routing_replay={self.replay}",
                 f"train.mini_batches={self.mini_batches}", f"algorithm.mismatch={self.mismatch}",
-                f"train.seed={self.seed}"]
+                f"train.seed={self.seed}", *VARIANTS.get(self.variant, ())]
 
 
 def _product(values: dict[str, tuple]) -> list[tuple]:
@@ -127,9 +135,66 @@ def objective_names(spec: str) -> list[str]:
     return names
 
 
-def grid_cells(grid: str, seeds: int, objectives: tuple[str, ...] = ()) -> list[Cell]:
-    """The cells of `grid` (small | full), plus one setting per name in `objectives` (OBJECTIVE_REGIME),
-    seed-major: every setting of seed 0 first, so a grid stopped early has whole seeds."""
+# --variants: the methods of issue 14 that are stages or options rather than objectives (so --objectives cannot
+# reach them), each switched on alone over VARIANT_OBJECTIVE (the token-level baseline that collapses) in
+# OBJECTIVE_REGIME: name -> config overrides, applied after the cell's axes. Options are the stages' defaults
+# unless a value is needed (kl_future's β; token_select's ρ = 0.2, the high-entropy-minority rule's fraction).
+VARIANT_OBJECTIVE = "ppo"
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "token_select_entropy": ("algorithm.token_select={score: entropy, rho: 0.2}",),
+    "token_select_adv_entropy": ("algorithm.token_select={score: adv_entropy, rho: 0.2}",),
+    "stapo": ("algorithm.token_mask=stapo",),
+    "nat_prefix": ("algorithm.token_mask=nat_prefix",),
+    "gtpo": ("algorithm.token_advantage=gtpo",),
+    "grpo_s": ("algorithm.token_advantage=grpo_s",),
+    "advantage_reweighting": ("algorithm.token_advantage=advantage_reweighting",),
+    "polarity_positive": ("algorithm.advantage_polarity=positive",),
+    "polarity_negative": ("algorithm.advantage_polarity=negative",),
+    "kl_future": ("algorithm.kl_mode=future", "algorithm.kl_coef=0.05"),
+    "d3s_select": ("algorithm.sample_select={keep: 0.5}",),
+    "cumulative_std": ("algorithm.advantage_smoothing=cumulative",),
+    "balanced": ("algorithm.loss_agg=balanced",),
+    "clip_dynamic": ("algorithm.objective_options={clip_mode: dynamic}",),
+    "clip_entropy": ("algorithm.objective_options={clip_mode: entropy}",),
+}
+# what a variant may not override: the cell's axes (its row would then say what it did not run)
+CELL_FIELDS = ("algorithm.objective", "algorithm.routing_replay", "train.mini_batches", "algorithm.mismatch",
+               "train.seed")
+
+
+def check_variants(variants: dict[str, tuple[str, ...]], objectives: list[str]) -> None:
+    """A variant's overrides are `section.field=value`, none of them a cell axis, and its name is no objective's
+    (the cell names would clash)."""
+    for name, overrides in variants.items():
+        if name in objectives:
+            raise ConfigError(f"VARIANTS[{name!r}]", "has an objective's name; its cells would clash with the "
+                                                   "objective's")
+        for i, item in enumerate(overrides):
+            key = item.split("=", 1)[0].strip()
+            if "=" not in item or "." not in key:
+                raise ConfigError(f"VARIANTS[{name!r}][{i}]", f"expected section.field=value, got {item!r}")
+            if key in CELL_FIELDS:
+                raise ConfigError(f"VARIANTS[{name!r}][{i}]", f"sets {key}, a cell axis (the row would not say it)")
+
+
+def variant_names(spec: str) -> list[str]:
+    """--variants: 'all' (every entry of VARIANTS) or comma-separated names of it."""
+    from megapo.algorithms import entries
+
+    check_variants(VARIANTS, [e.name for e in entries("objective")])
+    if spec.strip() == "all":
+        return list(VARIANTS)
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ConfigError("--variants", f"unknown variant {unknown[0]!r}; known: {', '.join(VARIANTS)} (or all)")
+    return names
+
+
+def grid_cells(grid: str, seeds: int, objectives: tuple[str, ...] = (), variants: tuple[str, ...] = ()) -> list[Cell]:
+    """The cells of `grid` (small | full), plus one setting per name in `objectives` and one per name in
+    `variants` (OBJECTIVE_REGIME), seed-major: every setting of seed 0 first, so a grid stopped early has whole
+    seeds."""
     if grid == "full":
         settings = _product(AXES)
     elif grid == "small":
@@ -140,7 +205,9 @@ def grid_cells(grid: str, seeds: int, objectives: tuple[str, ...] = ()) -> list[
         raise ConfigError("--grid", f"must be small or full, got {grid!r}")
     regime = tuple(OBJECTIVE_REGIME[a] for a in AXES if a != "objective")
     settings += [s for s in ((o, *regime) for o in objectives) if s not in settings]
-    return [Cell(*s, seed=seed) for seed in range(seeds) for s in settings]
+    settings = [(*s, "") for s in settings]
+    settings += [s for s in ((VARIANT_OBJECTIVE, *regime, v) for v in variants) if s not in settings]
+    return [Cell(*s[:4], seed=seed, variant=s[4]) for seed in range(seeds) for s in settings]
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -159,9 +226,10 @@ class GridPlan:
     resume: bool = False  # continue an unfinished cell from its checkpoint
     only: list[str] = field(default_factory=list)  # --cells: run just these cells of the grid
     objectives: list[str] = field(default_factory=list)  # --objectives: one more setting each
+    variants: list[str] = field(default_factory=list)  # --variants: one more setting each
 
     def cells(self) -> list[Cell]:
-        cells = grid_cells(self.grid, self.seeds, tuple(self.objectives))
+        cells = grid_cells(self.grid, self.seeds, tuple(self.objectives), tuple(self.variants))
         if not self.only:
             return cells
         names = {c.name for c in cells}
@@ -427,7 +495,8 @@ def cell_summary(plan: GridPlan, cell: Cell, steps: int) -> dict:
     from megapo.trainer.metrics import read_metrics
 
     cell_dir = plan.cell_dir(cell)
-    row = {"cell": cell.name, "setting": cell.setting, **asdict(cell), "overrides": cell.overrides(),
+    row = {"cell": cell.name, "setting": cell.setting, "label": cell.label, **asdict(cell),
+           "overrides": cell.overrides(),
            "status": "done" if is_done(cell_dir) else "unfinished" if (cell_dir / "metrics.jsonl").is_file()
            else "not started"}
     if row["status"] == "not started":
@@ -457,7 +526,8 @@ def setting_summary(rows: list[dict]) -> list[dict]:
     for setting, group in by_setting.items():
         done = [r for r in group if r["status"] == "done"]
         first = group[0]
-        entry = {"setting": setting, **{a: first[a] for a in AXES}, "seeds": len(group), "done": len(done),
+        entry = {"setting": setting, **{a: first[a] for a in AXES}, "variant": first.get("variant", ""),
+                 "label": first.get("label", first["objective"]), "seeds": len(group), "done": len(done),
                  "collapsed": sum(bool(r["collapsed"]) for r in done),
                  "collapse_rate": sum(bool(r["collapsed"]) for r in done) / len(done) if done else None,
                  "dipped": sum(r.get("dip_step") is not None for r in done),
@@ -472,8 +542,11 @@ def setting_summary(rows: list[dict]) -> list[dict]:
 
 
 def _axis_order(entry: dict) -> tuple:
-    objective = entry["objective"]  # the grid's objectives in AXES order, then --objectives' by name
-    rank = (0, AXES["objective"].index(objective), "") if objective in AXES["objective"] else (1, 0, objective)
+    objective = entry["objective"]  # the grid's objectives in AXES order, then --objectives' by name, then variants
+    if entry.get("variant"):
+        rank = (2, 0, entry["variant"])
+    else:
+        rank = (0, AXES["objective"].index(objective), "") if objective in AXES["objective"] else (1, 0, objective)
     return (entry["mini_batches"], rank, AXES["replay"].index(entry["replay"]), AXES["mismatch"].index(entry["mismatch"]))
 
 
@@ -510,12 +583,19 @@ def write_report(plan: GridPlan, steps: int) -> dict:
     plan.out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(plan.out / "summary.json", summary)
     (plan.out / "table.md").write_text(table_markdown(summary))
-    grid_cells_ = [c for c in cells if c.objective in AXES["objective"]]
-    extra = [c for c in cells if c.objective not in AXES["objective"]]
+    grid_cells_ = [c for c in cells if c.objective in AXES["objective"] and not c.variant]
     summary["plots"] = [str(p) for p in write_plots(plan, grid_cells_)]
-    if extra:  # --objectives: one figure for all of them, beside the grid's own objectives in that regime
-        regime = [c for c in cells if (c.replay, c.mini_batches, c.mismatch) == tuple(OBJECTIVE_REGIME.values())]
-        summary["plots"].append(str(write_objectives_plot(plan, regime)))
+    regime = [c for c in cells if (c.replay, c.mini_batches, c.mismatch) == tuple(OBJECTIVE_REGIME.values())]
+    plain = [c for c in regime if not c.variant]
+    if any(c.objective not in AXES["objective"] for c in plain):  # --objectives: one figure for all of them,
+        summary["plots"].append(str(write_objectives_plot(plan, plain)))  # beside the grid's own objectives
+    variants = [c for c in regime if c.variant]
+    if variants:  # --variants: one figure, beside the baseline they modify and gspo
+        base = [c for c in plain if c.objective in (VARIANT_OBJECTIVE, "gspo")]
+        summary["plots"].append(str(write_objectives_plot(
+            plan, base + variants, name="variants-m8.png",
+            title=f"{VARIANT_OBJECTIVE} with one stage / option each, no replay, no correction, 8 optimizer steps "
+                  "per rollout")))
     return summary
 
 
@@ -544,12 +624,19 @@ def table_markdown(summary: dict) -> str:
                   "|" + "---|" * 13]
         for s in (s for s in summary["settings"] if s["mini_batches"] == m):
             unfinished = f" ({s['seeds'] - s['done']} unfinished)" if s["done"] < s["seeds"] else ""
-            lines.append(f"| {s['objective']} | {s['replay']} | {s['mismatch']} | {s['collapsed']} / {s['done']}"
+            lines.append(f"| {s.get('label', s['objective'])} | {s['replay']} | {s['mismatch']} | "
+                         f"{s['collapsed']} / {s['done']}"
                          f"{unfinished} | {s.get('dipped', 0)} | {_fmt(s['final_accuracy'])} | "
                          f"{' / '.join(_fmt(a) for a in s.get('final_accuracies', []))} | {_fmt(s['best_accuracy'])} | "
                          f"{_fmt(s['mismatch_kl_mean'], 'sci')} | {_fmt(s['mismatch_kl_max'], 'sci')} | "
                          f"{_fmt(s['router_disagree_mean'])} | {_fmt(s['disagree_post_mean'])} | "
                          f"{_fmt(s['tokens_per_s_mean'], 'int')} |")
+        lines.append("")
+    variants = {r["variant"]: r["overrides"][len(CELL_FIELDS):] for r in summary["cells"] if r.get("variant")}
+    if variants:
+        lines += [f"## Variants: {VARIANT_OBJECTIVE} with one stage or option of issue 14 (`--variants`)", "",
+                  "| variant | overrides |", "|---|---|"]
+        lines += [f"| {name} | `{' '.join(o)}` |" for name, o in sorted(variants.items())]
         lines.append("")
     lines += ["## Cells", "", "| cell | status | start acc | final acc | collapsed at | reason | dipped at |",
               "|---|---|---|---|---|---|---|"]
@@ -562,8 +649,11 @@ def table_markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_objectives_plot(plan: GridPlan, cells: list[Cell]) -> Path:
-    """Held-out accuracy against step, mean over seeds, one line per objective, in OBJECTIVE_REGIME."""
+def write_objectives_plot(plan: GridPlan, cells: list[Cell], name: str = "objectives-m8.png",
+                          title: str = "every objective, no replay, no correction, 8 optimizer steps per rollout"
+                          ) -> Path:
+    """Held-out accuracy against step, mean over seeds, one line per setting (objective or variant), in
+    OBJECTIVE_REGIME; the small grid's own objectives solid, the others dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -573,19 +663,19 @@ def write_objectives_plot(plan: GridPlan, cells: list[Cell]) -> Path:
     from megapo.trainer.plot import series
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    for objective in sorted({c.objective for c in cells}):
+    for label in sorted({c.label for c in cells}):
         runs = [dict(zip(*series(read_metrics(plan.cell_dir(c)), "eval/accuracy")))
-                for c in cells if c.objective == objective and is_done(plan.cell_dir(c))]
+                for c in cells if c.label == label and is_done(plan.cell_dir(c))]
         steps = sorted(set.intersection(*(set(r) for r in runs))) if runs else []
         if steps:
             ax.plot(steps, [sum(r[s] for r in runs) / len(runs) for s in steps], marker=".",
-                    label=f"{objective} ({len(runs)})", linestyle="-" if objective in AXES["objective"] else "--")
+                    label=f"{label} ({len(runs)})", linestyle="-" if label in AXES["objective"] else "--")
     ax.set_xlabel("step")
     ax.set_ylabel("held-out accuracy (mean over seeds)")
-    ax.set_title("every objective, no replay, no correction, 8 optimizer steps per rollout")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(ncol=3, fontsize=8)
-    path = plan.out / "plots" / "objectives-m8.png"
+    path = plan.out / "plots" / name
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -670,6 +760,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--objectives", default="",
                         help="comma-separated objectives, or all: add each as a setting with no replay, no "
                              "correction and train.mini_batches=8 (where the small grid's baseline collapses)")
+    parser.add_argument("--variants", default="",
+                        help="comma-separated VARIANTS names, or all: each a stage or option of issue 14 on ppo, "
+                             "as one more setting in the --objectives regime")
     parser.add_argument("--resume", action="store_true",
                         help="continue unfinished cells from their checkpoint (default: restart them)")
     parser.add_argument("--report-only", action="store_true", help="rewrite summary/table/plots; run nothing")
@@ -695,7 +788,8 @@ def plan_from_args(args: argparse.Namespace) -> GridPlan:
     return GridPlan(config=config.resolve(), out=Path(args.out).resolve(), grid=args.grid, seeds=args.seeds,
                     steps=args.steps, jobs=jobs, threads=args.threads or max(1, cores() // jobs),
                     sets=list(args.sets), resume=args.resume, only=[c for c in args.cells.split(",") if c],
-                    objectives=objective_names(args.objectives) if args.objectives else [])
+                    objectives=objective_names(args.objectives) if args.objectives else [],
+                    variants=variant_names(args.variants) if args.variants else [])
 
 
 def _interrupt(signum, frame):
