@@ -6,7 +6,8 @@
 
 - `advantage_stage` entries reshape advantages after the estimator: `polarity` on the sequence
   advantages, the others turn them into per-token advantages from π_old's per-token statistics
-  (sample["old_logp"], sample["old_entropy"]: the old-log-prob pass's).
+  (sample["old_logp"], sample["old_entropy"]: the old-log-prob pass's); fipo also from the reference's
+  (sample["ref_logp"]) or the engine's (sample["rollout_logp"]) log-probs.
 - `token_weight` entries give a detached weight per token that multiplies the objective's per-token
   loss as a correction does (policy_loss's `token_weight`); the normaliser's token count is unchanged.
 
@@ -100,6 +101,8 @@ class TokenStats:
     old_logp: Tensor
     entropy: Tensor | None
     mask: Tensor  # bool
+    rollout_logp: Tensor | None = None  # the engine's μ of the sampled tokens (sample["rollout_logp"])
+    ref_logp: Tensor | None = None  # π_ref's (sample["ref_logp"], when a reference is loaded)
 
 
 def _check_weights(alpha1: float, alpha2: float) -> None:
@@ -188,6 +191,75 @@ def advantage_reweighting(adv: Tensor, s: TokenStats, o: ReweightOptions) -> Ten
     return adv[..., None] * (o.alpha * torch.exp(s.old_logp) + 1 - o.alpha) * s.mask
 
 
+AGAINST = ("reference", "engine")
+
+
+@dataclass
+class FipoOptions:
+    half_life: float | None = 32.0  # tokens: the discount γ = 2^(−1/half_life); null: no discount (γ = 1)
+    clip: float = 0.2  # ε of the influence weight's clip
+    clip_high_only: bool = True  # the weight in [1, 1 + ε] (else [1 − ε, 1 + ε])
+    against: str = "reference"  # the log-ratio's other policy: reference (π_ref) | engine (μ, the sampler)
+
+    def __post_init__(self):
+        h = self.half_life
+        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h)
+                              or not h > 0):
+            raise ValueError(f"half_life: must be a finite number > 0 (null: no discount), got {h!r}")
+        if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or not 0 <= self.clip < 1:
+            raise ValueError(f"clip: must be in [0, 1), got {self.clip!r}")
+        if not isinstance(self.clip_high_only, bool):
+            raise ValueError(f"clip_high_only: must be true or false, got {self.clip_high_only!r}")
+        if self.against not in AGAINST:
+            raise ValueError(f"against: must be one of {', '.join(AGAINST)}, got {self.against!r}")
+
+    @property
+    def gamma(self) -> float:
+        return 1.0 if self.half_life is None else 2.0 ** (-1.0 / self.half_life)
+
+    @property
+    def token_inputs(self) -> tuple[str, ...]:
+        """The sample field the log-ratio is taken against (token_advantages' keyword)."""
+        return ("ref_logp",) if self.against == "reference" else ("rollout_logp",)
+
+
+def discounted_to_go(values: Tensor, gamma: float) -> Tensor:
+    """[..., T] -> [..., T]: Σ_{s≥t} γ^{s−t}·values_s (a reverse scan: no γ^{−s} that overflows on long responses)."""
+    out = torch.zeros_like(values)
+    acc = torch.zeros_like(values[..., 0])
+    for t in range(values.shape[-1] - 1, -1, -1):
+        acc = values[..., t] + gamma * acc
+        out[..., t] = acc
+    return out
+
+
+@register(
+    "fipo", "advantage_stage", "token",
+    "Ma et al. 2026, FIPO: Eliciting Deep Reasoning with Future-KL Influenced Policy Optimization "
+    "(arXiv:2603.19835), seed 000 A120",
+    FipoOptions,
+)
+def fipo(adv: Tensor, s: TokenStats, o: FipoOptions) -> Tensor:
+    """Ã_{i,t} = A_i·f_t, f_t = clip(exp(F_t), lo, 1 + ε), F_t = Σ_{s=t}^{L} γ^{s−t}·Δ_s the discounted future KL,
+    Δ_s = log π_old(y_s) − log b(y_s), γ = 2^(−1/half_life) (1: half_life null), lo = 1 (clip_high_only) or 1 − ε: a token whose
+    continuation the training has made likelier (F_t > 0) gets up to 1 + ε times the sequence advantage.
+    The abstract gives only "discounted future-KL divergence re-weights token advantages (dense advantage)";
+    Δ's sign, γ = 2^(−1/32), the exp-then-clip weight with ε = 0.2 and the high-only clip are [P: as ms-swift's
+    FIPO documentation states the paper's recipe, where Δ_s = log π_θ − log π_old inside each update]. [A] Here
+    the stage runs once before the updates, where π_θ = π_old and that Δ is 0, so the other policy b is:
+    against=reference (default) π_ref, the frozen start of training (Δ: how far training has moved each token;
+    loads the reference as kl_coef > 0 does), or against=engine μ = sample["rollout_logp"], the policy that drew
+    the sample (Δ: staleness plus the engine's numerics; refused with old_policy=engine, where π_old is μ).
+    [A] The weight is a detached constant; the paper's extreme-ratio token filtering (its δ) and dual clip are
+    not included."""
+    other = s.ref_logp if o.against == "reference" else s.rollout_logp
+    delta = torch.where(s.mask, s.old_logp - other, torch.zeros_like(s.old_logp))
+    future = discounted_to_go(delta, o.gamma)
+    lo = 1.0 if o.clip_high_only else 1.0 - o.clip
+    weight = torch.clamp(torch.exp(future), lo, 1.0 + o.clip)
+    return adv[..., None] * weight * s.mask
+
+
 NEEDS_ENTROPY = ("gtpo", "grpo_s")
 # advantage_stage entries that are not algorithm.token_advantage values (they have their own config fields)
 NOT_TOKEN_ADVANTAGE = ("polarity", "future_kl", "d3s_select", "cumulative_std")
@@ -201,10 +273,28 @@ def _padded(values: list, width: int, dtype) -> Tensor:
     return out
 
 
+def token_advantage_inputs(name: str, options: dict) -> tuple[str, ...]:
+    """The per-token log-probs stage `name` with these options reads beyond π_old's: "ref_logp" (the reference's,
+    so the run loads one) or "rollout_logp" (the engine's). () for a stage that reads none."""
+    entry = get("advantage_stage", name, argument="token_advantage")
+    return tuple(getattr(entry.make_options(options), "token_inputs", ()))
+
+
+def _other_logp(name: str, values: list | None, lengths: list[int], width: int) -> Tensor:
+    """[S, width] of a per-token log-prob list (`name` the sample field), each as long as its response."""
+    for i, (v, n) in enumerate(zip(values or [None] * len(lengths), lengths)):
+        if v is None or len(v) != n:
+            raise ValueError(f"{name}[{i}]: expected {n} values (one per response token), got "
+                             f"{None if v is None else len(v)}")
+    return _padded(values, width, torch.float64)
+
+
 def token_advantages(name: str, advantages: Tensor, old_logp: list, entropy: list | None = None, *,
-                     group_size: int, **options) -> list[Tensor]:
+                     group_size: int, rollout_logp: list | None = None, ref_logp: list | None = None,
+                     **options) -> list[Tensor]:
     """Per-token advantages of stage `name`: `advantages` [S] (one per sample, groups of `group_size`
-    contiguous), `old_logp` / `entropy` one sequence of π_old's response-token values per sample.
+    contiguous), `old_logp` / `entropy` one sequence of π_old's response-token values per sample,
+    `rollout_logp` / `ref_logp` the engine's / reference's where the stage reads them (token_advantage_inputs).
     Returns one float64 tensor per sample, as long as its old_logp."""
     entry = get("advantage_stage", name, argument="token_advantage")
     if name in NOT_TOKEN_ADVANTAGE:
@@ -222,7 +312,11 @@ def token_advantages(name: str, advantages: Tensor, old_logp: list, entropy: lis
     mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
     shape = (-1, group_size, width)
     stats = TokenStats(_padded(old_logp, width, dt).view(shape),
-                       None if entropy is None else _padded(entropy, width, dt).view(shape), mask.view(shape))
+                       None if entropy is None or any(e is None for e in entropy)  # kept only where read
+                       else _padded(entropy, width, dt).view(shape), mask.view(shape))
+    others = {"rollout_logp": rollout_logp, "ref_logp": ref_logp}
+    for field_name in getattr(opts, "token_inputs", ()):
+        setattr(stats, field_name, _other_logp(field_name, others[field_name], lengths, width).view(shape))
     out = entry.fn(advantages.to(dt).view(-1, group_size), stats, opts).reshape(len(lengths), width)
     return [out[i, :n] for i, n in enumerate(lengths)]
 

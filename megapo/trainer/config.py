@@ -143,8 +143,9 @@ class AlgorithmConfig:
     advantage_polarity: str = "both"
     pos_scale: float = bounded(1.0, ">= 0")
     neg_scale: float = bounded(1.0, ">= 0")
-    # none | gtpo | grpo_s | advantage_reweighting: per-token advantages from π_old's per-token statistics
-    # (takes the separate old-log-prob pass, with entropies for gtpo / grpo_s)
+    # none | gtpo | grpo_s | advantage_reweighting | fipo: per-token advantages from π_old's per-token statistics
+    # (takes the separate old-log-prob pass, with entropies for gtpo / grpo_s; fipo: with the reference's
+    # log-probs, or the engine's with against=engine)
     token_advantage: str = "none"
     token_advantage_options: dict[str, Any] = field(default_factory=dict)
     # token_select's options ({} = off; score, rho, weight, rho_end, anneal_steps): per-token loss weights,
@@ -165,8 +166,21 @@ class AlgorithmConfig:
     advantage_smoothing: str = "none"
 
     def needs_reference(self) -> bool:
-        """Whether a term uses π_ref's log-probs (sample["ref_logp"])."""
-        return self.kl_coef > 0
+        """Whether a term uses π_ref's log-probs (sample["ref_logp"]): a KL term, or a token advantage reading
+        them (fipo against=reference)."""
+        return self.kl_coef > 0 or "ref_logp" in self.token_advantage_inputs()
+
+    def token_advantage_inputs(self) -> tuple[str, ...]:
+        """The other policies' per-token log-probs algorithm.token_advantage reads (stages.token_advantage_inputs);
+        () for none, or for a name / options that validation refuses (naming the field)."""
+        from megapo.algorithms.stages import token_advantage_inputs
+
+        if self.token_advantage == "none":
+            return ()
+        try:
+            return token_advantage_inputs(self.token_advantage, self.token_advantage_options)
+        except (TypeError, ValueError):
+            return ()
 
     def needs_old_stats(self) -> bool:
         """Whether a stage needs π_old's per-token statistics before the loss (the separate old-log-prob pass)."""
@@ -393,6 +407,10 @@ class RunConfig:
                                   f"{', '.join(known)}")
             _check_options("advantage_stage", a.token_advantage, a.token_advantage_options,
                            "algorithm.token_advantage_options")
+            if "rollout_logp" in a.token_advantage_inputs() and self.old_policy() == "engine":
+                raise ConfigError("algorithm.token_advantage_options", f"{a.token_advantage} against=engine takes "
+                                  "the log-ratio π_old/μ, and with algorithm.old_policy=engine π_old is μ (always 0); "
+                                  "use against=reference or old_policy=learner")
         elif a.token_advantage_options:
             raise ConfigError("algorithm.token_advantage_options", "given but algorithm.token_advantage is 'none'")
         if a.token_select:

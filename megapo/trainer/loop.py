@@ -229,7 +229,8 @@ def token_stages(batch: list[dict], cfg: RunConfig, step: int) -> dict:
         adv = torch.tensor([s["advantage"] for s in batch], dtype=torch.float64)
         per_token = token_advantages(a.token_advantage, adv, [s["old_logp"] for s in batch],
                                      [s.get("old_entropy") for s in batch], group_size=cfg.rollout.n_samples,
-                                     **a.token_advantage_options)
+                                     rollout_logp=[s.get("rollout_logp") for s in batch],  # fipo's other policy
+                                     ref_logp=[s.get("ref_logp") for s in batch], **a.token_advantage_options)
         for sample, values in zip(batch, per_token):
             sample["advantage"] = values.tolist()
     if a.kl_mode == "future":
