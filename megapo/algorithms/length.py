@@ -14,12 +14,15 @@ history) keeps it in `state_dict()` (JSON); the trainer saves it in the checkpoi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 from torch import Tensor
 
 from megapo.algorithms.registry import get, register
+from megapo.algorithms.stages import _annealed
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,601 @@ def shape_rewards(name: str, rewards: Tensor, lengths: Tensor, budget: int = 0, 
     if bool((lengths < 0).any()):
         raise ValueError("lengths: must be >= 0")
     return entry.fn.penalty(rewards, lengths, entry.make_options(options), budget)
+
+
+# ----------------------------------------------------------------------------- option checks, difficulty
+
+
+def _check_number(name: str, value, *, low=None, above=None, high=None, integer: bool = False) -> None:
+    """One numeric option: finite (an int when `integer`), >= low, > above, <= high where given."""
+    kinds = (int,) if integer else (int, float)
+    ok = not isinstance(value, bool) and isinstance(value, kinds) and math.isfinite(value)
+    bounds = []
+    for sign, bound, holds in ((">=", low, lambda v, b: v >= b), (">", above, lambda v, b: v > b),
+                               ("<=", high, lambda v, b: v <= b)):
+        if bound is not None:
+            bounds.append(f"{sign} {bound}")
+            ok = ok and holds(value, bound)
+    if not ok:
+        what = "an int" if integer else "a finite number"
+        raise ValueError(f"{name}: must be {what} {' and '.join(bounds)}".rstrip() + f", got {value!r}")
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _or_budget(name: str, value: int, budget: int) -> int:
+    """An option where 0 means the generation budget (rollout.max_new_tokens)."""
+    if value:
+        return value
+    if not (isinstance(budget, int) and budget > 0):
+        raise ValueError(f"{name}: 0 means the generation budget, and none was given (budget={budget!r})")
+    return budget
+
+
+DIFFICULTIES = ("pass_rate", "task")
+
+
+@dataclass
+class DifficultyOptions:
+    """How a difficulty-adaptive method rates a prompt (default: the model's own pass rate, as the papers do)."""
+    difficulty: str = "pass_rate"  # pass_rate: the group's correct fraction; task: ScoredGroup.difficulty
+    task_range: list | None = None  # with difficulty: task, [easiest, hardest] task label (addition_cot: [2, 6])
+
+    def __post_init__(self):
+        _check_choice("difficulty", self.difficulty, DIFFICULTIES)
+        if self.difficulty == "pass_rate":
+            if self.task_range is not None:
+                raise ValueError(f"task_range: only with difficulty: task, got {self.task_range!r}")
+            return
+        r = self.task_range
+        if not (isinstance(r, (list, tuple)) and len(r) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in r) and r[0] < r[1]):
+            raise ValueError(f"task_range: difficulty: task needs [easiest, hardest] task labels (ints, "
+                             f"easiest < hardest), got {r!r}")
+
+
+def pass_rate(g: ScoredGroup) -> float:
+    """The group's correct fraction p̂."""
+    return float(g.correct.to(torch.float64).mean())
+
+
+def hardness(g: ScoredGroup, o: DifficultyOptions) -> Fraction:
+    """The prompt's hardness h in [0, 1], exact: 1 − p̂ (pass_rate), or under difficulty: task its label's
+    place in task_range, (d − easiest)/(hardest − easiest) clipped to [0, 1]. Its ease is 1 − h."""
+    if o.difficulty == "pass_rate":
+        return Fraction(int((~g.correct).sum()), g.size)
+    if g.difficulty is None:
+        raise ValueError(f"difficulty: task, but prompt {g.prompt_key} has no task difficulty")
+    lo, hi = o.task_range
+    return Fraction(min(max(g.difficulty, lo), hi) - lo, hi - lo)
+
+
+def difficulty_bucket(h: Fraction, n: int) -> int:
+    """Bucket 0 (easiest) .. n−1 (hardest) of n equal-width bins of hardness: min(n−1, ⌊h·n⌋)."""
+    return min(n - 1, math.floor(h * n))
+
+
+# ----------------------------------------------------------------------------- group-aware length rewards
+
+
+@dataclass
+class AlpOptions:
+    beta: float = 0.05  # β, the cost of a full-budget response at solve rate 1
+    norm: int = 0  # N (0: the generation budget)
+
+    def __post_init__(self):
+        _check_number("beta", self.beta, low=0)
+        _check_number("norm", self.norm, low=0, integer=True)
+
+
+@register("alp", "length_reward", "group", "Adaptive Length Penalty, ALP (seed 004 B58)", AlpOptions)
+class Alp(LengthReward):
+    """r_i = 1[correct_i] − (β/N)·max(p̂, 1/G)·L_i: p̂ the group's correct fraction (its online solve rate over
+    its G rollouts), N = norm or the generation budget. Easy prompts pay per token, prompts nobody solves
+    pay the floor 1/G. [A] the reward is replaced by the verifier's 0/1 verdict, as in the paper's
+    correctness reward."""
+
+    def __init__(self, o: AlpOptions, budget: int):
+        super().__init__(o, budget)
+        self.norm = _or_budget("norm", o.norm, budget)
+
+    def shape(self, groups, step):
+        return [g.correct.to(torch.float64)
+                - self.o.beta / self.norm * max(pass_rate(g), 1.0 / g.size) * g.lengths.to(torch.float64)
+                for g in groups]
+
+
+@dataclass
+class LaserOptions:
+    target_len: int = 0  # L_T (required)
+    alpha: float = 0.5  # α, the bonus of a correct response within L_T
+
+    def __post_init__(self):
+        _check_number("target_len", self.target_len, above=0, integer=True)
+        _check_number("alpha", self.alpha, low=0)
+
+
+def _step_bonus(g: ScoredGroup, target: float, alpha: float) -> Tensor:
+    """R + α·1[correct]·1[L <= L_T]."""
+    return g.rewards + alpha * (g.correct & (g.lengths <= target)).to(torch.float64)
+
+
+@register("laser", "length_reward", "sequence",
+          "Length-bAsed StEp Reward shaping, LASER (seed 004 B14)", LaserOptions)
+class Laser(LengthReward):
+    """R' = R + α·1[correct]·1[L <= L_T]: a step bonus for a correct response within the target length L_T."""
+
+    def shape(self, groups, step):
+        return [_step_bonus(g, self.o.target_len, self.o.alpha) for g in groups]
+
+
+@dataclass
+class LaserDOptions(DifficultyOptions):
+    alpha: float = 0.5  # α, the bonus of a correct response within its bucket's L_T
+    buckets: int = 3  # difficulty buckets (easy .. hard)
+    update_every: int = 10  # N: targets re-set at steps N, 2N, ...
+    coverage: float = 0.9  # c: a target covers this fraction of its bucket's recent correct lengths
+    window: int = 256  # recent correct lengths kept per bucket
+    init_len: int = 0  # every bucket's L_T before its first re-set (0: the generation budget)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_number("alpha", self.alpha, low=0)
+        _check_number("buckets", self.buckets, above=0, integer=True)
+        _check_number("update_every", self.update_every, above=0, integer=True)
+        _check_number("coverage", self.coverage, above=0, high=1)
+        _check_number("window", self.window, above=0, integer=True)
+        _check_number("init_len", self.init_len, low=0, integer=True)
+
+
+def _coverage_length(lengths: list[int], coverage: float) -> int:
+    """The smallest length L with #{l <= L} >= c·n (exact in c's binary value)."""
+    ranked = sorted(lengths)
+    return ranked[math.ceil(Fraction(coverage) * len(ranked)) - 1]
+
+
+@register("laser_d", "length_reward", "group",
+          "LASER-D, Dynamic and Difficulty-aware LASER (seed 004 B14)", LaserDOptions)
+class LaserD(LengthReward):
+    """R' = R + α·1[correct]·1[L <= L_T(b)], b the prompt's difficulty bucket: hardness h = 1 − p̂ (difficulty:
+    pass_rate, the default; or the task label, difficulty: task) in `buckets` equal bins, b = min(n−1, ⌊h·n⌋), 0 the
+    easiest. Each bucket keeps its last `window` correct response lengths; at the first call of step t with t −
+    t_last >= N (t_last the step of the last re-set, 0 at the start) every bucket with lengths is re-set to the
+    smallest L covering a fraction c of them, before shaping; the call's correct lengths join the windows after
+    shaping. Until its first re-set a bucket's L_T is init_len. [A] difficulty from the training groups' own pass
+    rate (the paper uses a monitoring set); state: targets, windows, t_last."""
+
+    def __init__(self, o: LaserDOptions, budget: int):
+        super().__init__(o, budget)
+        self.init_len = _or_budget("init_len", o.init_len, budget)
+        self.targets: dict[str, int] = {}
+        self.windows: dict[str, list[int]] = {}
+        self.last_update = 0
+
+    def shape(self, groups, step):
+        if step - self.last_update >= self.o.update_every:
+            self.targets.update({b: _coverage_length(w, self.o.coverage) for b, w in self.windows.items() if w})
+            self.last_update = step
+        keys = [str(difficulty_bucket(hardness(g, self.o), self.o.buckets)) for g in groups]
+        shaped = [_step_bonus(g, self.targets.get(b, self.init_len), self.o.alpha) for g, b in zip(groups, keys)]
+        for g, b in zip(groups, keys):
+            window = self.windows.setdefault(b, [])
+            window.extend(g.lengths[g.correct].tolist())
+            del window[:-self.o.window]
+        return shaped
+
+    def state_dict(self):
+        return {"targets": dict(self.targets), "windows": {b: list(w) for b, w in self.windows.items()},
+                "last_update": self.last_update}
+
+    def load_state_dict(self, state):
+        _check_state_keys(state, ("targets", "windows", "last_update"), "laser_d")
+        targets, windows = state["targets"], state["windows"]
+        if not (isinstance(targets, dict) and all(_is_int(v) and v > 0 for v in targets.values())):
+            raise ValueError(f"length state: laser_d targets must map buckets to positive ints, got {targets!r}")
+        if not (isinstance(windows, dict) and all(isinstance(w, list) and all(_is_int(x) for x in w)
+                                                  for w in windows.values())):
+            raise ValueError(f"length state: laser_d windows must map buckets to lists of ints, got {windows!r}")
+        if not _is_int(state["last_update"]):
+            raise ValueError(f"length state: laser_d last_update must be an int, got {state['last_update']!r}")
+        self.targets = {str(b): int(v) for b, v in targets.items()}
+        self.windows = {str(b): [int(x) for x in w] for b, w in windows.items()}
+        self.last_update = int(state["last_update"])
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_state_keys(state: dict, keys: tuple[str, ...], name: str) -> None:
+    if not isinstance(state, dict) or set(state) != set(keys):
+        got = sorted(state) if isinstance(state, dict) else state
+        raise ValueError(f"length state: {name} expects keys {sorted(keys)}, got {got!r}")
+
+
+@dataclass
+class KimiOptions:
+    weight: float = 1.0  # w, the length reward's scale
+
+    def __post_init__(self):
+        _check_number("weight", self.weight, low=0)
+
+
+@register("kimi", "length_reward", "group",
+          "Kimi k1.5 length reward, in LASER's unified view of length rewards (seed 004 B14)", KimiOptions)
+class Kimi(LengthReward):
+    """λ_i = 0.5 − (L_i − L_min)/(L_max − L_min) over the group (λ_i = 0 when all lengths are equal);
+    R' = R + w·λ_i for a correct response, R + w·min(0, λ_i) for an incorrect one."""
+
+    def shape(self, groups, step):
+        out = []
+        for g in groups:
+            lengths = g.lengths.to(torch.float64)
+            spread = float(lengths.max() - lengths.min())
+            lam = 0.5 - (lengths - lengths.min()) / spread if spread > 0 else torch.zeros_like(lengths)
+            out.append(g.rewards + self.o.weight * torch.where(g.correct, lam, lam.clamp(max=0.0)))
+        return out
+
+
+@dataclass
+class LaconicOptions:
+    target: int = 0  # B, the token budget (0: the generation budget)
+    dual_lr: float = 0.1  # η, the dual ascent step
+    lambda_init: float = 0.0  # λ at the start
+
+    def __post_init__(self):
+        _check_number("target", self.target, low=0, integer=True)
+        _check_number("dual_lr", self.dual_lr, low=0)
+        _check_number("lambda_init", self.lambda_init, low=0)
+
+
+@register("laconic", "length_reward", "batch", "LACONIC, target token budget by an adaptive cost (seed 004 B5)",
+          LaconicOptions)
+class Laconic(LengthReward):
+    """R' = R − λ·max(0, L − B)/B, then (dual ascent, once per call, over all its responses)
+    λ ← max(0, λ + η·(mean L − B)/B). B = target or the generation budget. [A] the cost c(L) = max(0, L − B)/B
+    and the projected dual step; state: λ."""
+
+    def __init__(self, o: LaconicOptions, budget: int):
+        super().__init__(o, budget)
+        self.target = _or_budget("target", o.target, budget)
+        self.lam = float(o.lambda_init)
+
+    def shape(self, groups, step):
+        if not groups:
+            return []
+        b = self.target
+        shaped = [g.rewards - self.lam * (g.lengths.to(torch.float64) - b).clamp(min=0.0) / b for g in groups]
+        lengths = torch.cat([g.lengths for g in groups]).to(torch.float64)
+        if lengths.numel():
+            self.lam = max(0.0, self.lam + self.o.dual_lr * (float(lengths.mean()) - b) / b)
+        return shaped
+
+    def state_dict(self):
+        return {"lambda": self.lam}
+
+    def load_state_dict(self, state):
+        _check_state_keys(state, ("lambda",), "laconic")
+        if not (_is_number(state["lambda"]) and state["lambda"] >= 0):
+            raise ValueError(f"length state: laconic lambda must be a finite number >= 0, got {state['lambda']!r}")
+        self.lam = float(state["lambda"])
+
+
+GRPO_LAMBDA_INNER = ("kimi", "length_penalty", "laser")
+
+
+@dataclass
+class GrpoLambdaOptions:
+    inner: str = "kimi"  # the length reward used in groups that solve often enough
+    inner_options: dict = field(default_factory=dict)  # its options
+    min_correct_ratio: float = 0.5  # τ
+
+    def __post_init__(self):
+        _check_choice("inner", self.inner, GRPO_LAMBDA_INNER)
+        if not isinstance(self.inner_options, dict):
+            raise ValueError(f"inner_options: must be a mapping of {self.inner}'s options, got {self.inner_options!r}")
+        try:
+            get("length_reward", self.inner).make_options(dict(self.inner_options))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"inner_options: {e}") from None
+        _check_number("min_correct_ratio", self.min_correct_ratio, low=0, high=1)
+
+
+@register("grpo_lambda", "length_reward", "group", "GRPO-lambda (seed 004 B23)", GrpoLambdaOptions)
+class GrpoLambda(LengthReward):
+    """Per group: R' = the inner length reward (kimi | length_penalty | laser, with inner_options) when the
+    group's correct fraction p̂ >= τ, the plain reward R otherwise (the abstract: length-agnostic rewards
+    while a prompt is rarely solved). Its companion clamp (B22, algorithm.clamp_correct_adv) keeps correct
+    responses' advantages >= 0."""
+
+    def __init__(self, o: GrpoLambdaOptions, budget: int):
+        super().__init__(o, budget)
+        self.inner = build_length_reward(o.inner, o.inner_options, budget)
+
+    def shape(self, groups, step):
+        chosen = [i for i, g in enumerate(groups) if pass_rate(g) >= self.o.min_correct_ratio]
+        shaped = [g.rewards.clone() for g in groups]
+        for i, r in zip(chosen, self.inner.shape([groups[i] for i in chosen], step) if chosen else []):
+            shaped[i] = r
+        return shaped
+
+
+def clamp_correct_advantages(adv: Tensor, correct: Tensor) -> Tensor:
+    """A_i ← max(A_i, 0) for correct responses (seed 004 B22: under group-mean normalisation a length reward
+    turns long correct answers' advantages negative once the pass rate exceeds 2/3); others unchanged."""
+    if not isinstance(adv, Tensor) or not adv.is_floating_point():
+        raise ValueError("adv: expected a floating torch.Tensor")
+    if not isinstance(correct, Tensor) or correct.dtype != torch.bool or correct.shape != adv.shape:
+        raise ValueError(f"correct: expected a bool tensor of adv's shape {tuple(adv.shape)}")
+    return torch.where(correct, adv.clamp(min=0.0), adv)
+
+
+@dataclass
+class HapoOptions:
+    weight: float = 1.0  # w, the length reward's scale
+
+    def __post_init__(self):
+        _check_number("weight", self.weight, low=0)
+
+
+@register("hapo", "length_reward", "group", "History-Aware Policy Optimization, HAPO (seed 004 B54)", HapoOptions)
+class Hapo(LengthReward):
+    """h_p = the shortest correct response prompt p has had at earlier calls (none at first);
+    f(L) = cos(min(π/2·L/h_p, π)) (1 at L = 0, 0 at L = h_p, −1 from 2·h_p on); R' = R + w·f(L) for a correct
+    response, R + w·min(f(L), 0) for an incorrect one (shorter incorrect ones are not penalised, so the search
+    for shorter solutions is not punished), R while p has no history. After shaping a group, h_p ← min(h_p,
+    its shortest correct length). [A] the cosine form and the incorrect branch's min(f, 0); state: h per
+    prompt key."""
+
+    def __init__(self, o: HapoOptions, budget: int):
+        super().__init__(o, budget)
+        self.history: dict[str, int] = {}
+
+    def shape(self, groups, step):
+        out = []
+        for g in groups:
+            h = self.history.get(g.prompt_key)
+            if h is None:
+                out.append(g.rewards.clone())
+            else:
+                f = torch.cos((math.pi / 2 * g.lengths.to(torch.float64) / h).clamp(max=math.pi))
+                out.append(g.rewards + self.o.weight * torch.where(g.correct, f, f.clamp(max=0.0)))
+            if bool(g.correct.any()):
+                shortest = max(int(g.lengths[g.correct].min()), 1)
+                self.history[g.prompt_key] = shortest if h is None else min(h, shortest)
+        return out
+
+    def state_dict(self):
+        return {"history": dict(self.history)}
+
+    def load_state_dict(self, state):
+        _check_state_keys(state, ("history",), "hapo")
+        history = state["history"]
+        if not (isinstance(history, dict) and all(_is_int(v) and v > 0 for v in history.values())):
+            raise ValueError(f"length state: hapo history must map prompt keys to positive ints, got {history!r}")
+        self.history = {str(k): int(v) for k, v in history.items()}
+
+
+@dataclass
+class CurriculumOptions:
+    start: int = 0  # the budget at step 1 (0: the generation budget)
+    end: int = 0  # the budget from step 1 + steps on (required)
+    steps: int = 0  # anneal length in trainer steps (required)
+    over_reward: float = 0.0  # the reward of a response over the current budget
+
+    def __post_init__(self):
+        _check_number("start", self.start, low=0, integer=True)
+        _check_number("end", self.end, above=0, integer=True)
+        _check_number("steps", self.steps, above=0, integer=True)
+        _check_number("over_reward", self.over_reward)
+
+
+@register("curriculum", "length_reward", "sequence", "Curriculum length budget for GRPO (seed 004 B36)",
+          CurriculumOptions)
+class Curriculum(LengthReward):
+    """B_t = start + (end − start)·min(1, (t − 1)/steps) at trainer step t (1-based; start = the generation
+    budget when 0); R' = over_reward when L > B_t or the response was truncated (it is treated as cut at
+    B_t), R otherwise. [A] the linear decay and the truncation form of the length term."""
+
+    def __init__(self, o: CurriculumOptions, budget: int):
+        super().__init__(o, budget)
+        self.start = _or_budget("start", o.start, budget)
+
+    def shape(self, groups, step):
+        limit = _annealed(float(self.start), float(self.o.end), self.o.steps, step)
+        return [_truncate(g, limit, self.o.over_reward) for g in groups]
+
+
+def _truncate(g: ScoredGroup, limit: float, reward: float) -> Tensor:
+    """R' = reward where L > limit or the response was truncated, R elsewhere."""
+    cut = (g.lengths.to(torch.float64) > limit) | g.truncated
+    return torch.where(cut, torch.full_like(g.rewards, reward), g.rewards)
+
+
+@dataclass
+class DlerOptions(DifficultyOptions):
+    truncate_at: int = 0  # L_T (0: the generation budget)
+    truncated_reward: float = 0.0  # the reward of a response longer than its budget
+    easy_pass_rate: float | None = None  # τ: difficulty-aware when given
+    easy_scale: float = 0.5  # γ: an easy prompt's budget is γ·L_T
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_number("truncate_at", self.truncate_at, low=0, integer=True)
+        _check_number("truncated_reward", self.truncated_reward)
+        if self.easy_pass_rate is not None:
+            _check_number("easy_pass_rate", self.easy_pass_rate, low=0, high=1)
+        _check_number("easy_scale", self.easy_scale, above=0, high=1)
+
+
+@register("dler", "length_reward", "group", "Doing Length pEnalty Right, DLER (seed 004 B45)", DlerOptions)
+class Dler(LengthReward):
+    """R' = truncated_reward when L > L_g or the response was truncated, R otherwise; L_g = γ·L_T for an easy
+    prompt (ease 1 − h >= τ: by default the group's pass rate p̂ >= τ; under difficulty: task the label's place),
+    L_T otherwise, L_T = truncate_at or the generation budget; without easy_pass_rate every prompt has L_T.
+    The rest of the recipe (batch-wise reward normalisation, higher clipping, dynamic sampling) lives in
+    algorithm.advantage, ppo eps_high and data.dynamic_sampling."""
+
+    def __init__(self, o: DlerOptions, budget: int):
+        super().__init__(o, budget)
+        self.limit = _or_budget("truncate_at", o.truncate_at, budget)
+
+    def shape(self, groups, step):
+        return [_truncate(g, self._limit(g), self.o.truncated_reward) for g in groups]
+
+    def _limit(self, g: ScoredGroup) -> float:
+        easy = self.o.easy_pass_rate is not None and 1 - hardness(g, self.o) >= Fraction(self.o.easy_pass_rate)
+        return self.o.easy_scale * self.limit if easy else float(self.limit)
+
+
+@dataclass
+class DastOptions(DifficultyOptions):
+    weight: float = 1.0  # w, the budget score's scale
+    max_len: int = 0  # L_max, the budget of the hardest prompt (0: the generation budget)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_number("weight", self.weight, low=0)
+        _check_number("max_len", self.max_len, low=0, integer=True)
+
+
+@register("dast", "length_reward", "group", "Difficulty-Adaptive Slow Thinking, DAST (seed 004 B10)", DastOptions)
+class Dast(LengthReward):
+    """Token length budget B = e·L̄_c + (1 − e)·L_max: e the prompt's ease (its pass rate p̂ by default, or 1 − h under
+    difficulty: task), L̄_c the group's mean correct length (L_max when none is correct), L_max = max_len or the
+    generation budget, so easy prompts get small budgets. λ_i = (L_i − B)/B; s_i = max(0.5 − 0.5·λ_i, 0.1) for a
+    correct response (shorter is better), min(0.9·λ_i − 0.1, −0.1) for an incorrect one (longer is better:
+    sufficient reasoning on hard prompts); R' = R + w·s_i. [A] the budget and score forms; the paper turns the
+    scores into preference pairs, here they shape the RL reward."""
+
+    def __init__(self, o: DastOptions, budget: int):
+        super().__init__(o, budget)
+        self.max_len = _or_budget("max_len", o.max_len, budget)
+
+    def shape(self, groups, step):
+        out = []
+        for g in groups:
+            ease = float(1 - hardness(g, self.o))
+            lengths = g.lengths.to(torch.float64)
+            mean_correct = float(lengths[g.correct].mean()) if bool(g.correct.any()) else float(self.max_len)
+            b = ease * mean_correct + (1 - ease) * self.max_len
+            lam = (lengths - b) / b
+            score = torch.where(g.correct, (0.5 - 0.5 * lam).clamp(min=0.1), (0.9 * lam - 0.1).clamp(max=-0.1))
+            out.append(g.rewards + self.o.weight * score)
+        return out
+
+
+@dataclass
+class DeepCompressOptions(DifficultyOptions):
+    alpha: float = 0.5  # α, the length reward's scale
+    threshold: float = 0.5  # τ: Simple when the prompt's ease >= τ
+    momentum: float = 0.5  # m: running accuracy a ← (1 − m)·a + m·p̂
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_number("alpha", self.alpha, low=0)
+        _check_number("threshold", self.threshold, low=0, high=1)
+        _check_number("momentum", self.momentum, above=0, high=1)
+
+
+@register("deepcompress", "length_reward", "group", "DeepCompress, dual length reward (seed 004 B1)",
+          DeepCompressOptions)
+class DeepCompress(LengthReward):
+    """Running accuracy per prompt, this group included: a_p ← (1 − m)·a_p + m·p̂ (a_p = p̂ at its first group).
+    Simple when a_p >= τ (the default; under difficulty: task, when the label's ease 1 − h >= τ), Hard otherwise.
+    z_i = (L_i − mean L)/std L over the group (population std; 0 when it is 0), σ the logistic function;
+    R' = R + α·1[correct]·σ(−z_i) on Simple (shorter correct chains earn more), R + α·1[correct]·σ(z_i) on
+    Hard (longer ones do). [A] the moving average, the threshold and the logistic length score; state: a per
+    prompt key."""
+
+    def __init__(self, o: DeepCompressOptions, budget: int):
+        super().__init__(o, budget)
+        self.accuracy: dict[str, float] = {}
+
+    def shape(self, groups, step):
+        return [self._shape_group(g) for g in groups]
+
+    def _shape_group(self, g: ScoredGroup) -> Tensor:
+        p = pass_rate(g)
+        a = self.accuracy.get(g.prompt_key)
+        a = p if a is None else (1 - self.o.momentum) * a + self.o.momentum * p
+        self.accuracy[g.prompt_key] = a
+        ease = a if self.o.difficulty == "pass_rate" else float(1 - hardness(g, self.o))
+        lengths = g.lengths.to(torch.float64)
+        std = float(lengths.std(unbiased=False))
+        z = (lengths - lengths.mean()) / std if std > 0 else torch.zeros_like(lengths)
+        sign = -1.0 if ease >= self.o.threshold else 1.0
+        return g.rewards + self.o.alpha * g.correct.to(torch.float64) * torch.sigmoid(sign * z)
+
+    def state_dict(self):
+        return {"accuracy": dict(self.accuracy)}
+
+    def load_state_dict(self, state):
+        _check_state_keys(state, ("accuracy",), "deepcompress")
+        acc = state["accuracy"]
+        if not (isinstance(acc, dict) and all(_is_number(v) and 0 <= v <= 1 for v in acc.values())):
+            raise ValueError(f"length state: deepcompress accuracy must map prompt keys to numbers in [0, 1], "
+                             f"got {acc!r}")
+        self.accuracy = {str(k): float(v) for k, v in acc.items()}
+
+
+# ----------------------------------------------------------------------------- group filters
+
+
+GFPO_METRICS = ("length", "reward_per_token")
+
+
+@dataclass
+class GfpoOptions(DifficultyOptions):
+    keep: int | None = None  # k, responses kept per group (or adaptive_keep)
+    metric: str = "length"  # length: the k shortest; reward_per_token: the k with the highest R/L
+    adaptive_keep: list | None = None  # [k_easy, ..., k_hard], one k per difficulty bucket
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_choice("metric", self.metric, GFPO_METRICS)
+        if (self.keep is None) == (self.adaptive_keep is None):
+            raise ValueError(f"keep: give keep or adaptive_keep (exactly one), got keep={self.keep!r}, "
+                             f"adaptive_keep={self.adaptive_keep!r}")
+        if self.keep is not None:
+            _check_number("keep", self.keep, above=0, integer=True)
+        elif not (isinstance(self.adaptive_keep, (list, tuple)) and self.adaptive_keep
+                  and all(_is_int(k) and k > 0 for k in self.adaptive_keep)):
+            raise ValueError(f"adaptive_keep: must be a non-empty list of ints > 0 (easy .. hard), "
+                             f"got {self.adaptive_keep!r}")
+
+
+@register("gfpo", "group_filter", "group", "Group Filtered Policy Optimization, GFPO (seed 004 B16 = A93)",
+          GfpoOptions)
+class Gfpo(GroupFilter):
+    """Keep, of each group of G, the min(k, G) responses first by the metric, ties by index: `length` the shortest L_i,
+    `reward_per_token` the highest R_i/L_i. k = keep, or adaptive_keep[b] with b the prompt's difficulty bucket
+    (hardness h = 1 − p̂ by default, or the task label under difficulty: task, in n = len(adaptive_keep) equal bins,
+    b = min(n−1, ⌊h·n⌋), 0 the easiest), so harder prompts can keep more. Advantages are computed over the kept
+    ones. [A] fixed-width pass-rate buckets (the paper buckets by running quantiles)."""
+
+    def select(self, groups, step):
+        return [self._select_group(g) for g in groups]
+
+    def _select_group(self, g: ScoredGroup) -> Tensor:
+        if self.o.keep is not None:
+            k = self.o.keep
+        else:
+            k = self.o.adaptive_keep[difficulty_bucket(hardness(g, self.o), len(self.o.adaptive_keep))]
+        lengths = g.lengths.tolist()
+        if self.o.metric == "length":
+            order = sorted(range(g.size), key=lambda i: (lengths[i], i))
+        else:
+            rewards = g.rewards.tolist()
+            order = sorted(range(g.size), key=lambda i: (-rewards[i] / max(lengths[i], 1), i))
+        return torch.tensor(sorted(order[:k]), dtype=torch.int64)
 
 
 # ----------------------------------------------------------------------------- building and checking
