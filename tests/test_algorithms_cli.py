@@ -25,7 +25,7 @@ def test_objectives_lists_every_entry(capsys):
         assert e.formula, f"{e.name} has no formula docstring"
     kinds = {e.kind for e in all_entries}
     assert kinds == {"objective", "advantage", "advantage_stage", "token_weight", "correction", "aggregation", "kl",
-                     "shaping"}
+                     "length_reward", "group_filter"}
     names = {e.name for e in entries("objective")}
     assert {"ppo", "gspo", "gspo_token", "gmpo", "sapo", "cispo", "vespo", "ctpo", "minirl", "reinforce"} <= names
     # each objective's default aggregation (used when the config leaves loss_agg "auto") is on its row

@@ -47,6 +47,9 @@ class LengthMethod:
         self.o = options
         self.budget = budget
 
+    def check_group_size(self, n: int) -> None:
+        """Config time: refuse a group size `n` (rollout.n_samples) the method cannot work with."""
+
     def state_dict(self) -> dict:
         return {}
 
@@ -341,6 +344,9 @@ class LaserD(LengthReward):
         return {"targets": dict(self.targets), "windows": {b: list(w) for b, w in self.windows.items()},
                 "last_update": self.last_update}
 
+    def metrics(self) -> dict[str, float]:
+        return {f"target_b{b}": t for b, t in sorted(self.targets.items())}
+
     def load_state_dict(self, state):
         _check_state_keys(state, ("targets", "windows", "last_update"), "laser_d")
         targets, windows = state["targets"], state["windows"]
@@ -429,6 +435,9 @@ class Laconic(LengthReward):
         return shaped
 
     def state_dict(self):
+        return {"lambda": self.lam}
+
+    def metrics(self) -> dict[str, float]:
         return {"lambda": self.lam}
 
     def load_state_dict(self, state):
@@ -733,6 +742,11 @@ class Gfpo(GroupFilter):
 
     def select(self, groups, step):
         return [self._select_group(g) for g in groups]
+
+    def check_group_size(self, n: int) -> None:
+        k = max([self.o.keep] if self.o.keep is not None else self.o.adaptive_keep)
+        if k >= n:
+            raise ValueError(f"keep: GFPO samples more than it keeps; k={k} needs rollout.n_samples > {k}, got {n}")
 
     def _select_group(self, g: ScoredGroup) -> Tensor:
         if self.o.keep is not None:

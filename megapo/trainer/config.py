@@ -140,6 +140,9 @@ class AlgorithmConfig:
     routing_replay: str | bool = "off"
     # stages after the estimator (megapo/algorithms/stages.py, `megapo objectives --kind advantage_stage`):
     # both | positive | negative: which sequence advantages are kept, each side scaled by pos_scale / neg_scale
+    # GRPO-λ's companion (seed 004 B22): a correct response's advantage is clamped at >= 0, so a length term
+    # cannot push a long correct answer below a wrong one (megapo.algorithms.length.clamp_correct_advantages)
+    clamp_correct_adv: bool = False
     advantage_polarity: str = "both"
     pos_scale: float = bounded(1.0, ">= 0")
     neg_scale: float = bounded(1.0, ">= 0")
@@ -263,7 +266,17 @@ class DataConfig:
     # a reward that raises, times out or returns no finite number: fail (stop, naming the reward and the
     # sample) | zero (score it 0 and count it in the metric reward/errors)
     reward_errors: str = "fail"
+    # DAPO's soft overlong penalty; the same as length_reward=dapo_overlong (set one of the two)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    # length control (megapo/algorithms/length.py; `megapo objectives --kind length_reward --formulas`): a
+    # group-aware length reward applied after the verifier, before advantages (none | its name) and its options
+    length_reward: str = "none"
+    length_reward_options: dict[str, Any] = field(default_factory=dict)
+    # keep some responses of each group for training (none | gfpo, `--kind group_filter`) and its options
+    group_filter: str = "none"
+    group_filter_options: dict[str, Any] = field(default_factory=dict)
+    # the verifier's verdict the length methods read: a response is correct when its reward is at least this
+    correct_threshold: float = 0.5
 
 
 @dataclass
@@ -502,6 +515,25 @@ class RunConfig:
             if backend not in LOG_BACKENDS:
                 raise ConfigError(f"train.log[{i}]", f"unknown backend {backend!r}; choose from {', '.join(LOG_BACKENDS)}")
 
+    def _validate_length(self) -> None:
+        """data.length_reward / data.group_filter: known names and options, a dry run on one group of
+        rollout.n_samples responses; a filter's possibly ragged groups refused where the stages need [P, n]."""
+        from megapo.trainer.length_stage import check_length_config
+
+        d, a = self.data, self.algorithm
+        if d.overlong.enabled and d.length_reward != "none":
+            raise ConfigError("data.length_reward", "data.overlong is dapo_overlong under its older spelling; set one")
+        check_length_config(self)
+        if d.group_filter != "none":
+            from megapo.algorithms.registry import get
+
+            ragged_ok = get("advantage", a.advantage).granularity == "group" and not a.sample_select \
+                and a.advantage_smoothing != "cumulative"
+            if not ragged_ok:
+                raise ConfigError("data.group_filter", "a group filter may keep groups of different sizes; it needs a "
+                                  f"group-level advantage (not {a.advantage!r}) and no algorithm.sample_select or "
+                                  "advantage_smoothing")
+
     def _validate_data(self) -> None:
         from megapo.tasks.registry import reward_spec
         from megapo.trainer import rewards
@@ -514,6 +546,7 @@ class RunConfig:
         if d.overlong.enabled and not 0 < d.overlong.buffer < self.rollout.max_new_tokens:
             raise ConfigError("data.overlong.buffer", f"must be in (0, rollout.max_new_tokens={self.rollout.max_new_tokens}), "
                               f"got {d.overlong.buffer}")
+        self._validate_length()
         if d.task and d.train_files:
             raise ConfigError("data.task", "give either a task or train_files, not both")
         if d.task:

@@ -25,6 +25,7 @@ import torch
 
 from megapo.trainer import checkpoint as ckpt
 from megapo.trainer.config import RunConfig
+from megapo.trainer.length_stage import LengthStage
 from megapo.trainer.metrics import MetricsLogger, StepTimer
 
 log = logging.getLogger(__name__)
@@ -87,11 +88,14 @@ def prepare_model(cfg: RunConfig, out_dir: Path) -> Path:
 
 @dataclass
 class Group:
-    """The n samples of one prompt, with their rewards."""
+    """The samples of one prompt kept for training, with their rewards (shaped by the length stage)."""
 
     example: Any  # megapo.tasks.base.Example
     samples: list  # list[megapo.engines.base.Sample]
-    rewards: list[float]
+    rewards: list[float]  # what the advantages are computed from
+    scores: list[float] | None = None  # the verifier's rewards before length shaping (None: not shaped)
+    correct: list[bool] | None = None  # the verifier's verdict, reward >= data.correct_threshold
+    sampled: int | None = None  # responses drawn for this prompt (more than len(samples) after a group filter)
 
 
 def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[list], list[float]]:
@@ -119,20 +123,11 @@ def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[list], list[float]]:
     return reward
 
 
-def rollout_round(engine, params, examples: list, prompt_ids: list[list[int]], reward_fn, cfg: RunConfig) -> list[Group]:
-    from megapo.trainer.rewards import shape_overlong
-
-    groups = []
+def rollout_round(engine, params, examples: list, prompt_ids: list[list[int]], reward_fn) -> list[Group]:
+    """One sampling round: every prompt's samples with the verifier's rewards (before length shaping)."""
     drawn = engine.generate(prompt_ids, params)
     scores = iter(reward_fn([(ex, s) for ex, samples in zip(examples, drawn) for s in samples]))
-    for ex, samples in zip(examples, drawn):
-        rewards = [next(scores) for _ in samples]
-        if cfg.data.overlong.enabled:
-            o = cfg.data.overlong
-            rewards = shape_overlong(rewards, [len(s.output_ids) for s in samples], cfg.rollout.max_new_tokens,
-                                     o.buffer, o.penalty)
-        groups.append(Group(ex, samples, rewards))
-    return groups
+    return [Group(ex, samples, [next(scores) for _ in samples]) for ex, samples in zip(examples, drawn)]
 
 
 def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_stats=None) -> list[dict]:
@@ -143,25 +138,13 @@ def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_sta
     from megapo.algorithms import compute_advantages
     from megapo.algorithms.stages import apply_polarity, cumulative_advantages, select_samples
 
-    n = cfg.rollout.n_samples
-    a = cfg.algorithm
-    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
-    lengths = torch.tensor([[len(s.output_ids) for s in g.samples] for g in groups])  # token-weighted estimators
-    if a.advantage_smoothing == "cumulative":
-        if prompt_stats is None:
-            raise ValueError("prompt_stats: algorithm.advantage_smoothing=cumulative needs the running statistics")
-        adv = cumulative_advantages(rewards, [g.example.prompt for g in groups], prompt_stats)
-    else:
-        adv = compute_advantages(a.advantage, rewards, group_size=n, lengths=lengths, **a.advantage_options)
-    if a.sample_select:
-        adv = select_samples(adv.view(-1, n), step=step, **a.sample_select).view(adv.shape)
-    adv = apply_polarity(adv, a.advantage_polarity, a.pos_scale, a.neg_scale)
+    adv = [a_g.tolist() for a_g in group_advantages(groups, cfg, step, prompt_stats)]
     sentence_ends = _sentence_end_ids(cfg)
     out = []
     for gi, g in enumerate(groups):
         for si, s in enumerate(g.samples):
             sample = {"tokens": list(s.prompt_ids) + list(s.output_ids), "prompt_len": len(s.prompt_ids),
-                      "advantage": float(adv[gi, si]), "rollout_logp": list(s.logprobs)}
+                      "advantage": adv[gi][si], "rollout_logp": list(s.logprobs)}
             if sentence_ends is not None:  # the objective splits responses into sentences (sspo)
                 from megapo.algorithms.trust_region import sentence_end_flags
 
@@ -172,6 +155,41 @@ def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_sta
                 sample["engine_routes"] = s.routes
             out.append(sample)
     return out
+
+
+def group_advantages(groups: list[Group], cfg: RunConfig, step: int, prompt_stats=None) -> list[torch.Tensor]:
+    """One advantage per sample, per group: the configured estimator (or algorithm.advantage_smoothing), then
+    algorithm.sample_select, algorithm.advantage_polarity and algorithm.clamp_correct_adv. Groups of different
+    sizes (a group filter kept k_i of each) get a group estimator one group at a time (RunConfig refuses the
+    batch-level ones and the [P, n] stages with ragged groups)."""
+    from megapo.algorithms import compute_advantages
+    from megapo.algorithms.length import clamp_correct_advantages
+    from megapo.algorithms.stages import apply_polarity, cumulative_advantages, select_samples
+
+    a = cfg.algorithm
+    sizes = [len(g.samples) for g in groups]
+    if len(set(sizes)) > 1:
+        per_group = [compute_advantages(a.advantage, torch.tensor([g.rewards], dtype=torch.float64),
+                                        lengths=torch.tensor([[len(s.output_ids) for s in g.samples]]),
+                                        **a.advantage_options)[0] for g in groups]
+        adv = [apply_polarity(x, a.advantage_polarity, a.pos_scale, a.neg_scale) for x in per_group]
+    else:
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
+        lengths = torch.tensor([[len(s.output_ids) for s in g.samples] for g in groups])  # token-weighted estimators
+        if a.advantage_smoothing == "cumulative":
+            if prompt_stats is None:
+                raise ValueError("prompt_stats: algorithm.advantage_smoothing=cumulative needs the running statistics")
+            full = cumulative_advantages(rewards, [g.example.prompt for g in groups], prompt_stats)
+        else:
+            full = compute_advantages(a.advantage, rewards, lengths=lengths, **a.advantage_options)
+        if a.sample_select:
+            full = select_samples(full, step=step, **a.sample_select)
+        adv = list(apply_polarity(full, a.advantage_polarity, a.pos_scale, a.neg_scale))
+    if a.clamp_correct_adv:
+        if any(g.correct is None for g in groups):
+            raise ValueError("algorithm.clamp_correct_adv: needs the verifier's verdicts (the length stage)")
+        adv = [clamp_correct_advantages(x, torch.tensor(g.correct)) for x, g in zip(adv, groups)]
+    return adv
 
 
 def _sentence_end_ids(cfg: RunConfig) -> list[int] | None:
@@ -368,18 +386,24 @@ def sync_weights(learner, engine, version: int, cfg: RunConfig, transport) -> di
 # ----------------------------------------------------------------------------- one step
 
 
-def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig) -> tuple[list[Group], dict, int]:
-    """Rank 0: sample groups for one step (with dynamic sampling, refilled up to max_sampling_rounds);
+def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig, length=None) -> tuple[list[Group], dict, int]:
+    """Rank 0: sample groups for one step (with dynamic sampling, refilled up to max_sampling_rounds), each
+    round shaped and filtered by `length` (trainer.length_stage.LengthStage) before dynamic sampling judges it;
     returns the groups to train on (whole groups, a multiple of dp), metrics, generated tokens."""
     from megapo.trainer import data
     from megapo.trainer.metrics import length_metrics
 
-    sampled: list[Group] = []  # every group generated this step, kept or not, for the reward metrics
+    sampled: list[Group] = []  # every group generated this step, as the verifier scored it, for the metrics
+    shaped: list[Group] = []  # the same after the length stage (kept responses only)
+    if length is not None:
+        length.begin_batch()
 
     def one_round() -> list[Group]:
         items = [pool[i] for i in source.next_batch(cfg.data.prompts_per_step)]
-        new = rollout_round(engine, params, [ex for ex, _ in items], [ids for _, ids in items], reward_fn, cfg)
+        new = rollout_round(engine, params, [ex for ex, _ in items], [ids for _, ids in items], reward_fn)
         sampled.extend(new)
+        new = length.apply(new) if length is not None else new
+        shaped.extend(new)
         return new
 
     metrics: dict[str, float] = {}
@@ -392,8 +416,13 @@ def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig) ->
         groups = one_round()
     samples = [s for g in sampled for s in g.samples]
     rewards = [r for g in sampled for r in g.rewards]
+    if length is not None:
+        kept = [r for g in shaped for r in g.rewards]
+        metrics.update({"reward/shaped": sum(kept) / len(kept), "length/kept_frac": len(kept) / len(rewards),
+                        "correct_frac": sum(r >= cfg.data.correct_threshold for r in rewards) / len(rewards),
+                        **length.metrics()})
     metrics.update({
-        "reward": sum(rewards) / len(rewards),
+        "reward": sum(rewards) / len(rewards),  # the verifier's, before length shaping
         "response_len": sum(len(s.output_ids) for s in samples) / len(samples),
         "finish_length_frac": sum(s.finish_reason == "length" for s in samples) / len(samples)})
     metrics.update(length_metrics([len(s.output_ids) for s in samples],  # len/mean, len/p90, len/d{k} by difficulty
@@ -407,12 +436,14 @@ def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig) ->
     return groups[:keep], metrics, sum(len(s.output_ids) for s in samples)
 
 
-def mini_batch_bounds(num_groups: int, mini_batches: int, n_samples: int) -> list[tuple[int, int]]:
+def mini_batch_bounds(group_sizes: list[int], mini_batches: int) -> list[tuple[int, int]]:
     """[lo, hi) sample ranges of the optimizer steps on one rollout batch: `mini_batches` of whole groups (fewer
-    when dynamic sampling kept fewer groups than that), as even as whole groups allow, in batch order."""
+    when dynamic sampling kept fewer groups than that), as even in groups as whole groups allow, in batch
+    order; `group_sizes`: the samples of each group (they differ after a group filter)."""
+    num_groups = len(group_sizes)
     parts = min(mini_batches, num_groups)
-    sizes = [num_groups // parts + (i < num_groups % parts) for i in range(parts)]
-    ends = [sum(sizes[:i + 1]) * n_samples for i in range(parts)]
+    counts = [num_groups // parts + (i < num_groups % parts) for i in range(parts)]
+    ends = [sum(group_sizes[:sum(counts[:i + 1])]) for i in range(parts)]
     return list(zip([0] + ends[:-1], ends))
 
 
@@ -450,7 +481,7 @@ def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, optio
                                             cfg.algorithm.loss_agg, measure_kl=measure_free_kl, free_logps=free,
                                             **options)
             metrics.update(old_pass)
-        bounds = mini_batch_bounds(len(groups), cfg.train.mini_batches, cfg.rollout.n_samples)
+        bounds = mini_batch_bounds([len(g.samples) for g in groups], cfg.train.mini_batches)
         for _ in range(0 if fused else cfg.train.updates_per_rollout):
             for lo, hi in bounds:
                 last = learner.train_step(batch[lo:hi], cfg.algorithm.objective, cfg.algorithm.loss_agg, **options)
@@ -556,6 +587,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
         transport = make_transport(cfg, out_dir, model_dir, learner, engine)
         start_step, version = 0, 0
         prompt_stats = new_prompt_stats(cfg)
+        length = LengthStage(cfg) if _rank() == 0 else None
         ckpt_root = out_dir / "checkpoints"
         latest = start.checkpoint
         if latest is not None:
@@ -565,6 +597,8 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
             source.load_state_dict(state.data_cursor)
             start_step, version = state.step, state.weight_version
             prompt_stats = new_prompt_stats(cfg, state.extra)
+            if length is not None:
+                length.load_state_dict(state.extra.get("length", {}))
             if version > 0:
                 sync_weights(learner, engine, version, cfg, transport)
             log.info("resumed from %s (step %d)", latest, start_step)
@@ -596,23 +630,26 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
         if cfg.train.mode == "async" and _rank() == 0:
             from megapo.trainer.async_rollout import AsyncRollouts
 
-            producer = AsyncRollouts(lambda: collect_rollouts(engine, params, pool, source, reward_fn, cfg),
+            producer = AsyncRollouts(lambda: collect_rollouts(engine, params, pool, source, reward_fn, cfg, length),
                                      staleness=cfg.train.staleness, version_fn=lambda: engine.weight_version,
                                      generate_threads=max(1, torch.get_num_threads() // 2),
-                                     cursor_fn=source.state_dict)
+                                     cursor_fn=lambda: (source.state_dict(), length.state_dict()))
             producer.start(cfg.train.steps - start_step)
-        cursor = source.state_dict()  # after the prompts of the last trained batch (what a checkpoint keeps)
+        # after the prompts of the last trained batch (what a checkpoint keeps), and the length stage then
+        cursor, length_state = source.state_dict(), length.state_dict() if length is not None else {}
         for step in range(start_step + 1, cfg.train.steps + 1):
             timer = StepTimer()
             groups, metrics, gen_tokens = [], {}, 0
             if producer is not None:
                 from megapo.trainer.async_rollout import next_batch
 
-                groups, metrics, gen_tokens, cursor = next_batch(producer, version, cfg.train.staleness, timer)
+                groups, metrics, gen_tokens, (cursor, length_state) = next_batch(producer, version,
+                                                                                 cfg.train.staleness, timer)
             elif _rank() == 0:
                 with timer("generate"):
-                    groups, metrics, gen_tokens = collect_rollouts(engine, params, pool, source, reward_fn, cfg)
-                cursor = source.state_dict()
+                    groups, metrics, gen_tokens = collect_rollouts(engine, params, pool, source, reward_fn, cfg,
+                                                                   length)
+                cursor, length_state = source.state_dict(), length.state_dict()
             groups = _broadcast(groups)
             if groups:
                 eval_step = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
@@ -633,7 +670,8 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
             stopping = stop is not None and stop.agreed() and step < cfg.train.steps  # all ranks agree
             if stopping or step == cfg.train.steps or (cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0):
                 with timer("checkpoint"):
-                    state = ckpt.TrainerState(step, cursor, version, extra=stage_state(prompt_stats))
+                    state = ckpt.TrainerState(step, cursor, version,
+                                              extra={**stage_state(prompt_stats), "length": length_state})
                     engine_rng = {"engine": engine.rng_state()} if hasattr(engine, "rng_state") else {}
                     ckpt.save_checkpoint(ckpt_root, state, learner.save, cfg.train.keep_last, _rank() == 0, _barrier,
                                          rank=_rank(), rng_extra=engine_rng)
