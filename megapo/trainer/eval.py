@@ -10,7 +10,7 @@ length limit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -27,6 +27,21 @@ class EvalResult:
     correct: int
     total: int
     mean_response_len: float
+    lengths: list[int] = field(default_factory=list)  # response tokens of each example, end-of-sequence included
+    solved: list[bool] = field(default_factory=list)  # each example's verdict
+    difficulties: list[int | None] = field(default_factory=list)  # each example's task difficulty
+
+    def metrics(self, prefix: str = "eval/") -> dict[str, float]:
+        """accuracy, response_len, and by difficulty bucket k: acc_d{k}; lengths as metrics.length_metrics
+        (len/mean, len/p90, len/d{k}, len/d{k}_p90)."""
+        from megapo.trainer.metrics import length_metrics
+
+        out = {f"{prefix}accuracy": self.accuracy, f"{prefix}response_len": self.mean_response_len}
+        for k in sorted({d for d in self.difficulties if d is not None}):
+            bucket = [ok for ok, d in zip(self.solved, self.difficulties) if d == k]
+            out[f"{prefix}acc_d{k}"] = sum(bucket) / len(bucket)
+        out.update({prefix + key: v for key, v in length_metrics(self.lengths, self.difficulties).items()})
+        return out
 
 
 @torch.no_grad()
@@ -89,14 +104,12 @@ def task_verifier(task) -> Callable[[Example, str], float]:
 def score(generate: GenerateFn, tokenizer, examples: Sequence[Example], prompt_ids: Sequence[list[int]],
           verify: Callable[[Example, str], float]) -> EvalResult:
     outputs = generate(list(prompt_ids))
-    correct = 0
-    lengths = 0
-    for ex, (ids, ended) in zip(examples, outputs):
-        lengths += len(ids) + int(ended)
-        if ended and verify(ex, tokenizer.decode(ids, skip_special_tokens=True)) > 0.5:
-            correct += 1
+    lengths = [len(ids) + int(ended) for ids, ended in outputs]
+    solved = [ended and verify(ex, tokenizer.decode(ids, skip_special_tokens=True)) > 0.5
+              for ex, (ids, ended) in zip(examples, outputs)]
     total = len(examples)
-    return EvalResult(correct / max(total, 1), correct, total, lengths / max(total, 1))
+    return EvalResult(sum(solved) / max(total, 1), sum(solved), total, sum(lengths) / max(total, 1), lengths,
+                      solved, [getattr(ex, "difficulty", None) for ex in examples])
 
 
 def evaluate(model_or_engine, task: str = "addition", split: str = "test", *, n: int | None = None,

@@ -620,7 +620,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
             r = evaluate(engine, get_task(cfg.data.task, cfg.data.task_options), "test", n=cfg.train.eval_prompts,
                          tokenizer=tokenizer, chat_template=cfg.data.chat_template,
                          max_new_tokens=cfg.rollout.max_new_tokens)
-            return {"eval/accuracy": r.accuracy, "eval/response_len": r.mean_response_len}
+            return r.metrics("eval/")  # accuracy, response_len, and by difficulty acc_d{k}, len/*
 
         earlier = start_step and _rank() == 0 and (out_dir / "metrics.jsonl").is_file()  # a resumed run's history
         collapse = CollapseWatch(read_metrics(out_dir) if earlier else (), upto=start_step)
