@@ -1,6 +1,7 @@
 """The `megapo` console script.
 
-Each subcommand lives in the module that owns the feature; this file only lists them. A command
+Each subcommand is a module of megapo/commands/ (library packages import no command code); this file only
+lists them. A command
 module exposes `add_arguments(parser)` and `run(args) -> int`, and is imported only when its
 command runs, so `megapo objectives` does not pay for importing Megatron. A ConfigError a command
 raises (bad config field, input file, layout) ends as `megapo <command>: <message>` and exit code 2
@@ -20,16 +21,16 @@ EXIT_BAD_INPUT = 2  # a config or input error, reported before anything is writt
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "objectives": ("megapo.algorithms.cli", "list every objective, estimator and correction"),
-    "tiny-model": ("megapo.models.tiny", "write a tiny random-weight HF model with its own tokenizer"),
-    "logprobs": ("megapo.learner.logprobs_cmd", "log-probs of given tokens from the Megatron learner"),
-    "sft": ("megapo.trainer.sft", "supervised warm start on a built-in task"),
-    "train": ("megapo.trainer.cli", "RL training: megapo train CONFIG.yaml [dotted.overrides=...]"),
-    "plot": ("megapo.trainer.plot", "draw reward/length/KL curves of a run to PNG"),
-    "convert": ("tools.convert", "HF <-> Megatron checkpoint conversion"),
-    "launch": ("launch.cli", "launch a run (local or Slurm)"),
-    "bench": ("tools.bench.cli", "benchmarks (train step, packing, weight sync, scaling)"),
-    "serve": ("megapo.engines.serve", "start an inference server megapo can use as an engine"),
+    "objectives": ("megapo.commands.objectives", "list every objective, estimator and correction"),
+    "tiny-model": ("megapo.commands.tiny_model", "write a tiny random-weight HF model with its own tokenizer"),
+    "logprobs": ("megapo.commands.logprobs", "log-probs of given tokens from the Megatron learner"),
+    "sft": ("megapo.commands.sft", "supervised warm start on a built-in task"),
+    "train": ("megapo.commands.train", "RL training: megapo train CONFIG.yaml [dotted.overrides=...]"),
+    "plot": ("megapo.commands.plot", "draw reward/length/KL curves of a run to PNG"),
+    "convert": ("megapo.commands.convert", "HF <-> Megatron checkpoint conversion"),
+    "launch": ("megapo.commands.launch", "launch a run (local or Slurm)"),
+    "bench": ("megapo.commands.bench", "benchmarks (train step, packing, weight sync, scaling)"),
+    "serve": ("megapo.commands.serve", "start an inference server megapo can use as an engine"),
 }
 
 

@@ -67,11 +67,11 @@ def reward_module(user_module):
 @pytest.fixture
 def no_launch(monkeypatch):
     """Fails the test if `megapo logprobs` would start a process or build a learner."""
-    import launch.local
-    from megapo.learner import logprobs_cmd
+    import megapo.launch.local
+    from megapo.commands import logprobs as logprobs_cmd
 
     def refuse(*a, **k):
         raise AssertionError("a process was started")
 
-    monkeypatch.setattr(launch.local, "run_torchrun", refuse)
+    monkeypatch.setattr(megapo.launch.local, "run_torchrun", refuse)
     monkeypatch.setattr(logprobs_cmd, "_work", refuse)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from launch.slurm import CHECKPOINT_SUBDIR, EXIT_CHECKPOINTED
+from megapo.launch.slurm import CHECKPOINT_SUBDIR, EXIT_CHECKPOINTED
 from megapo.config import apply_override
 
 

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from megapo.cli import main as megapo_main
-from tools import convert
+from megapo.commands import convert
 
 FAMILIES = ("qwen3_moe", "qwen2", "mixtral", "qwen3")
 CASES = (*FAMILIES, "qwen2_bf16")  # + bf16 weights: written back as bf16 (dtype auto)
@@ -272,7 +272,7 @@ def conversions(sources, tmp_path_factory):
     """Launch 1: hf-to-megatron of each family (+ --verify) and the trainer checkpoint; launch 2:
     megatron-to-hf of each (+ --verify) and of the trainer checkpoint, and a verify of an HF config whose
     router normalisation was flipped against the unchanged checkpoint. Returns paths, exit codes, output."""
-    from launch.local import run_torchrun
+    from megapo.launch.local import run_torchrun
 
     root = tmp_path_factory.mktemp("convert")
     src = sources

@@ -217,11 +217,11 @@ def test_compute_dtype_follows_rollout_dtype(tiny_moe, tmp_path):
     still within bfloat16's reach of them)."""
     from megapo.config import load_config
     from megapo.trainer.config import RunConfig
-    from megapo.trainer.engines import build_engine
+    from megapo.trainer.engine_setup import engine_from_config
 
     def engine_for(*overrides):
         cfg = load_config(RunConfig, None, [f"model.path={tiny_moe}", "data.task=addition", *overrides])
-        return build_engine(cfg, tiny_moe, tmp_path)
+        return engine_from_config(cfg, tiny_moe, tmp_path)
 
     assert engine_for().model.embed.dtype == torch.float32
     assert engine_for("rollout.dtype=float16").model.embed.dtype == torch.float16
@@ -239,7 +239,7 @@ def test_auto_dtype_stays_bfloat16_for_a_vllm_server(tiny_moe):
     leaves it out still starts vLLM in bfloat16."""
     import argparse
 
-    from megapo.engines import serve
+    from megapo.commands import serve
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.local import run_torchrun
+from megapo.launch.local import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed" / "learner_layouts.py"

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_replay_layouts import hf_forced, hf_model  # noqa: E402  (transformers forcing given routes)
 
-from launch.local import run_torchrun  # noqa: E402
+from megapo.launch.local import run_torchrun  # noqa: E402
 from megapo.config import ConfigError, load_config  # noqa: E402
 from megapo.trainer.config import RunConfig  # noqa: E402
 

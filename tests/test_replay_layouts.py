@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from launch.local import run_torchrun
+from megapo.launch.local import run_torchrun
 from megapo.replay.routes import load_routes, save_routes
 
 ROOT = Path(__file__).resolve().parents[1]

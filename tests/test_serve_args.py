@@ -8,7 +8,7 @@ import os
 import pytest
 
 from megapo.cli import run_command
-from megapo.engines import serve
+from megapo.commands import serve
 from megapo.engines.server import VLLMServer, VLLMServerConfig
 
 CONFIG = "megapo/configs/tiny_moe_addition.yaml"

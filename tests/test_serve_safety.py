@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megapo.cli import run_command
-from megapo.engines import serve
+from megapo.commands import serve
 from megapo.engines.auth import GUARD_ENV, IDENTITY_PATH
 from megapo.engines.server import PortInUse, ServerError, VLLMServer, VLLMServerConfig
 from megapo.net import free_port

@@ -136,7 +136,7 @@ def test_hostile_rng_pickle_of_an_old_checkpoint_is_never_run(tmp_path):
 def real(tiny_moe, tmp_path_factory):
     """Two torchrun ranks (TP=2): a trainer checkpoint of a trained Megatron learner, a refused NaN save,
     and a bare torch_dist folder holding the NaN (tests/distributed/trainer_checkpoints.py)."""
-    from launch.local import run_torchrun
+    from megapo.launch.local import run_torchrun
 
     root = tmp_path_factory.mktemp("real_ckpt")
     spec = {"model": str(tiny_moe), "root": str(root / "checkpoints"), "nan_ckpt": str(root / "nan_ckpt"),

@@ -91,7 +91,7 @@ def test_nan_loss_skips_the_update(tmp_path, tiny_dense):
 
 
 def test_hung_collective_times_out(tmp_path):
-    from launch.local import torchrun_command
+    from megapo.launch.local import torchrun_command
 
     (tmp_path / "hang.py").write_text(HANG_SCRIPT)
     start = time.monotonic()
@@ -164,7 +164,7 @@ if __name__ == "__main__":
 def test_a_stop_on_one_rank_is_agreed_by_every_rank(tmp_path):
     """StopFlag.agreed over 2 gloo ranks (megapo.dist.any_rank): a stop only rank 1 was asked for is True on both
     ranks; no stop anywhere is False on both."""
-    from launch.local import torchrun_command
+    from megapo.launch.local import torchrun_command
 
     (tmp_path / "agree.py").write_text(AGREE_SCRIPT)
     proc = subprocess.run(torchrun_command([str(tmp_path / "agree.py"), str(tmp_path)], 2), cwd=ROOT, capture_output=True,

@@ -68,7 +68,7 @@ def test_vllm_engine_learns_weights_each_step(tmp_path, family, sizes, sync, dty
     from transformers import AutoModelForCausalLM
 
     from megapo.engines.base import SamplingParams
-    from megapo.trainer.engines import build_engine
+    from megapo.trainer.engine_setup import engine_from_config
     from megapo.trainer.loop import train
 
     model_dir = tiny_model_factory(family, **sizes)
@@ -80,7 +80,7 @@ def test_vllm_engine_learns_weights_each_step(tmp_path, family, sizes, sync, dty
              "train.steps": 2, "train.eval_every": 0, "train.ckpt_every": 0, "train.output_dir": str(tmp_path / "run"),
              "train.log": ["jsonl"]}
     cfg = run_config(items)
-    engine = RecordingEngine(build_engine(cfg, model_dir, tmp_path))
+    engine = RecordingEngine(engine_from_config(cfg, model_dir, tmp_path))
     try:
         learner = SnapshotLearner(model_dir)
         train(cfg, learner=learner, engine=engine, print_fn=lambda *_: None)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from launch.local import run_torchrun
+from megapo.launch.local import run_torchrun
 from megapo.engines.base import SamplingParams
 from megapo.engines.server import VLLMServer, VLLMServerConfig, vllm_python
 from megapo.engines.torch_lm import iter_safetensors
@@ -228,7 +228,7 @@ def test_killing_one_of_two_real_servers_mid_batch_loses_and_duplicates_nothing(
 
 def test_learner_tp2ep2_sync_through_router(engine, models, tmp_path):
     """A 2-rank Megatron learner (TP=2 x EP=2) takes one optimizer step and syncs to the running server with
-    sync_weights(learner, [Router([VLLMEngine(url)])], DiskTransport); the server's log-probs of what it samples
+    sync_learner(learner, [Router([VLLMEngine(url)])], DiskTransport); the server's log-probs of what it samples
     afterwards equal the learner's own (Megatron's forward, fp32) and no longer fit the old weights."""
     base, _ = models
     start = time.perf_counter()

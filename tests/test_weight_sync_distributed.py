@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.local import run_torchrun
+from megapo.launch.local import run_torchrun
 from megapo.net import free_port
 
 HERE = Path(__file__).parent

@@ -621,7 +621,7 @@ def section_engine_decode(ctx: Context) -> dict:
     from megapo.engines.base import SamplingParams
     from megapo.engines.embedded import EmbeddedEngine
     from megapo.layout import read_hf_config
-    from megapo.weights import TensorTransport, bucket_bytes, sync_weights
+    from megapo.weights import TensorTransport, bucket_bytes, sync_learner
 
     s = ctx.sizes
     learner = large_learner(ctx)
@@ -629,7 +629,7 @@ def section_engine_decode(ctx: Context) -> dict:
     start = time.perf_counter()
     engine = EmbeddedEngine(config=hf, named_tensors=learner.hf_state_dict())
     load_s = time.perf_counter() - start
-    stats = sync_weights(learner, [engine], TensorTransport(), bucket_bytes(512, "bucket_mb"), 1)
+    stats = sync_learner(learner, [engine], TensorTransport(), bucket_bytes(512, "bucket_mb"), 1)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, hf["vocab_size"], (s.engine_prompt_length,), generator=gen).tolist()
                for _ in range(s.engine_prompts)]
@@ -743,13 +743,13 @@ def broadcast_send(args) -> dict:
 
     from megapo.config import ParallelConfig
     from megapo.learner.learner import Learner
-    from megapo.weights import bucket_bytes, sync_weights
+    from megapo.weights import bucket_bytes, sync_learner
     from megapo.weights.broadcast import BroadcastSender, BroadcastTransport, join_group
 
     learner = Learner(args.model, ParallelConfig())
     group = join_group(sync_address(args), 0, rank=0)
     transport = BroadcastTransport(BroadcastSender(group, device=learner.device))
-    stats = sync_weights(learner, [], transport, bucket_bytes(64, "bucket_mb"), 1)
+    stats = sync_learner(learner, [], transport, bucket_bytes(64, "bucket_mb"), 1)
     save_file({n: t.cpu().contiguous() for n, t in learner.hf_state_dict()}, str(Path(args.work) / "sent.safetensors"))
     return {**stats.to_dict(), "device": learner.device}
 

@@ -132,7 +132,7 @@ def check_mask(mask, shape) -> Tensor:
     return bmask
 
 
-def check_finite(name: str, x: Tensor, bmask: Tensor) -> None:
+def check_finite_at_tokens(name: str, x: Tensor, bmask: Tensor) -> None:
     if not bool(torch.isfinite(x[bmask]).all()):
         raise ValueError(f"{name}: NaN or inf at a valid (mask=1) token")
 
@@ -163,7 +163,7 @@ def build(
         named.append(("rollout_logp", rollout_logp))
     named += list(extra.items())
     for key, value in named:
-        check_finite(key, value.detach(), bmask)
+        check_finite_at_tokens(key, value.detach(), bmask)
 
     def view(x: Tensor) -> Tensor:
         # zero the padding so that nothing from it (not even a NaN) reaches a loss or a gradient

@@ -143,7 +143,7 @@ def icepop(b: TokenBatch, o: IcePopOptions) -> Tensor:
     return k * _inside(k, o.alpha, o.beta)
 
 
-def apply(name: str, b: TokenBatch, options: dict | None) -> tuple[Tensor, dict[str, Tensor]]:
+def batch_correction_weights(name: str, b: TokenBatch, options: dict | None) -> tuple[Tensor, dict[str, Tensor]]:
     """Detached weights [S, T] of correction `name` and its metrics."""
     entry = get("correction", name, argument="correction")
     if options is not None and not isinstance(options, dict):
@@ -190,5 +190,5 @@ def correction_weights(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token detached weights of correction `name`, in the caller's layout, and metrics."""
     b, layout = batch_mod.build(old_logp, old_logp, torch.zeros_like(old_logp), mask, rollout_logp, cu_seqlens)
-    w, metrics = apply(name, b, options)
+    w, metrics = batch_correction_weights(name, b, options)
     return layout.to_input(w), metrics

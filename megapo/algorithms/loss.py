@@ -150,7 +150,7 @@ def policy_loss(
     token_loss = out.loss
     metrics: dict[str, Tensor] = {}
     if correction is not None:
-        weights, corr_metrics = corrections.apply(correction, b, common.get("correction_options"))
+        weights, corr_metrics = corrections.batch_correction_weights(correction, b, common.get("correction_options"))
         token_loss = token_loss * weights
         metrics.update(corr_metrics)
     if token_weight is not None:

@@ -1,4 +1,4 @@
-"""HF <-> Megatron-core (torch_dist) checkpoint conversion; the `megapo convert` command is tools/convert.py.
+"""HF <-> Megatron-core (torch_dist) checkpoint conversion; the `megapo convert` command is megapo/commands/convert.py.
 
 support.py   what is accepted (config keys, expected tensor names and shapes)
 inputs.py    checks of input folders before any process starts

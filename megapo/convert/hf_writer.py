@@ -6,7 +6,7 @@
     writer.close()   # model.safetensors, or model-0000K-of-0000N.safetensors + model.safetensors.index.json
 
 Shards are first written under a temporary name and given their final `-of-N` names in close(),
-when N is known; the caller writes into a temporary folder anyway (see tools/convert.py).
+when N is known; the caller writes into a temporary folder anyway (see megapo/commands/convert.py).
 """
 
 from __future__ import annotations

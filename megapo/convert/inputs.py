@@ -24,7 +24,7 @@ WEIGHT_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", 
 
 
 @dataclass
-class ModelConfig:
+class ModelFolder:
     folder: Path  # holds config.json (and usually the tokenizer)
     hf: dict
     family: Family
@@ -32,7 +32,7 @@ class ModelConfig:
 
 
 @dataclass
-class HFInput(ModelConfig):
+class HFInput(ModelFolder):
     tensors: dict[str, tuple[int, ...]]  # name -> shape, as expected and found
     dtypes: set[str]  # safetensors dtypes found ("F32", "BF16", ...)
 
@@ -40,12 +40,12 @@ class HFInput(ModelConfig):
 @dataclass
 class CheckpointInput:
     folder: Path  # the torch_dist folder
-    model: ModelConfig
+    model: ModelFolder
     meta: dict | None  # megapo_checkpoint.json when written by hf-to-megatron
     stored: dict[str, tuple[int, ...]]  # checkpoint key -> global shape (model tensors only)
 
 
-def read_config(folder, arg: str) -> ModelConfig:
+def read_config(folder, arg: str) -> ModelFolder:
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError(arg, f"{folder} is not a folder")
@@ -57,7 +57,7 @@ def read_config(folder, arg: str) -> ModelConfig:
     except json.JSONDecodeError as exc:
         raise ConfigError(arg, f"{path} is not valid JSON ({exc})") from None
     family, spec = check_config(hf, arg)
-    return ModelConfig(folder, hf, family, spec)
+    return ModelFolder(folder, hf, family, spec)
 
 
 def read_hf(folder, arg: str) -> HFInput:

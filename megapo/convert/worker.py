@@ -1,9 +1,9 @@
-"""The per-rank part of `megapo convert`, started by tools/convert.py under torchrun:
+"""The per-rank part of `megapo convert`, started by megapo/commands/convert.py under torchrun:
 
     python -m torch.distributed.run --nproc-per-node N -m megapo.convert.worker --job JOB.json [--job ...]
 
 hf_to_megatron: every rank reads its shard of the HF safetensors into a Megatron model (the learner's
-    mapping, megapo/learner/weights.py) and the ranks save it together with dist_checkpointing
+    mapping, megapo/weights/hf_load.py) and the ranks save it together with dist_checkpointing
     (torch_dist, weights only: {"model": sharded_state_dict}, the same key Learner.save uses).
 megatron_to_hf: the ranks load the checkpoint under this layout (torch_dist reshards on load), gather
     one HF tensor at a time (megapo.weights.gather, as Learner.hf_state_dict), and rank 0 writes
@@ -79,10 +79,10 @@ def _build(config_dir: str, parallel: ParallelConfig):
 def hf_to_megatron(job: Job, parallel: ParallelConfig) -> None:
     from megatron.core import dist_checkpointing
 
-    from megapo.learner import weights
+    from megapo.weights import hf_load
 
     module, family, spec = _build(job.config_dir, parallel)
-    weights.load_hf_weights(module, family, spec, job.hf_dir)
+    hf_load.load_hf_weights(module, family, spec, job.hf_dir)
     check_finite_all_ranks(module.named_parameters(), f"--hf {job.hf_dir}")
     dist_checkpointing.save({"model": module.sharded_state_dict()}, job.ckpt)
     torch.distributed.barrier()

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from megapo.engines.base import Engine, Sample, SamplingParams, check_prompts
-from megapo.engines.torch_lm import KVCache, ModelSpec, TorchCausalLM
+from megapo.engines.torch_lm import KVCache, TorchLMSpec, TorchCausalLM
 from megapo.weights.safetensors_io import read_folder_into
 
 LOGPROB_MODES = ("scaled", "raw")
@@ -45,7 +45,7 @@ class EmbeddedEngine(Engine):
         else:
             if named_tensors is None:
                 raise ValueError("named_tensors is required with config")
-            self.model = TorchCausalLM(ModelSpec.from_config(config), dtype)
+            self.model = TorchCausalLM(TorchLMSpec.from_config(config), dtype)
             loaded = self.model.load(named_tensors)
             missing = self.model.required_names() - loaded
             if missing:

@@ -47,9 +47,9 @@ def decode_routed_experts(meta_info: dict, num_moe_layers: int, topk: int) -> np
 
 
 def moe_shape_from_config(config_dir: str) -> tuple[int, int]:
-    from megapo.engines.torch_lm import ModelSpec
+    from megapo.engines.torch_lm import TorchLMSpec
 
-    spec = ModelSpec.from_config(json.loads((Path(config_dir) / "config.json").read_text()))
+    spec = TorchLMSpec.from_config(json.loads((Path(config_dir) / "config.json").read_text()))
     return spec.num_moe_layers, spec.topk
 
 

@@ -27,7 +27,7 @@ SUPPORTED_FAMILIES = ("qwen3_moe", "qwen3", "qwen2", "mixtral")
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class TorchLMSpec:
     family: str
     vocab_size: int
     hidden: int
@@ -54,7 +54,7 @@ class ModelSpec:
         return sum(self.moe_layers)
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "ModelSpec":
+    def from_config(cls, cfg: dict) -> "TorchLMSpec":
         family = cfg.get("model_type")
         if family not in SUPPORTED_FAMILIES:
             raise ValueError(f"config.json model_type must be one of {SUPPORTED_FAMILIES}, got {family!r}")
@@ -99,7 +99,7 @@ class KVCache:
     (n samples per prefilled prompt, finished samples dropping out) copy into a second buffer of the same shape,
     which then becomes the cache: no allocation per step, and one cache can serve many batches (`fits`)."""
 
-    def __init__(self, spec: ModelSpec, batch: int, max_len: int, dtype: torch.dtype):
+    def __init__(self, spec: TorchLMSpec, batch: int, max_len: int, dtype: torch.dtype):
         self.batch, self.max_len = batch, max_len
         shape = (batch, spec.kv_heads, max_len, spec.head_dim)
         self.k = [torch.empty(shape, dtype=dtype) for _ in range(spec.layers)]
@@ -158,7 +158,7 @@ def _mlp_weights(experts: int, ffn: int, hidden: int, dtype: torch.dtype) -> tup
 class TorchCausalLM:
     """Weights + forward. `step` runs T new tokens per row against a KV cache; `logits` is a plain full forward."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32):
+    def __init__(self, spec: TorchLMSpec, dtype: torch.dtype = torch.float32):
         self.spec, self.dtype = spec, dtype
         s = spec
         z = lambda *shape: torch.zeros(shape, dtype=dtype)  # noqa: E731
@@ -261,7 +261,7 @@ class TorchCausalLM:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"model_dir {str(model_dir)!r} has no config.json")
-        model = cls(ModelSpec.from_config(json.loads((model_dir / "config.json").read_text())), dtype)
+        model = cls(TorchLMSpec.from_config(json.loads((model_dir / "config.json").read_text())), dtype)
         loaded = model.load(iter_safetensors(model_dir))
         missing = model.required_names() - loaded
         if missing:

@@ -29,12 +29,12 @@ from megapo.config import OptimConfig, ParallelConfig
 from megapo.dist import any_rank
 from megapo.layout import check_layout, read_hf_config
 from megapo.learner import model as model_lib
-from megapo.learner import packing, weights
+from megapo.learner import packing
 from megapo.learner.guard import UpdateGuard
 from megapo.learner.logprobs import vocab_parallel_logprobs
 from megapo.learner.rope import set_positions
 from megapo.models.family import family_for
-from megapo.weights import gather
+from megapo.weights import gather, hf_load
 
 # policy_loss metrics that are a micro-batch's share of the batch total (aggregated with the global
 # normaliser), so the batch's value is their sum, not their mean
@@ -117,7 +117,7 @@ class Learner:
 
             self.route_hook = attach(self.module, self.config, self.spec)
         if hf_weights:  # False: model_dir needs only config.json; `load` a checkpoint next (conversion)
-            weights.load_hf_weights(self.module, self.family, self.spec, model_dir)
+            hf_load.load_hf_weights(self.module, self.family, self.spec, model_dir)
         self.frozen = frozen
         if frozen:
             self.model.requires_grad_(False)

@@ -8,7 +8,7 @@ sample is at most k weight versions older than the learner that trains on it (k 
 thread in between). A sample records the version that produced it (Sample.weight_version); the loop
 measures staleness = learner version - sample version and drops groups beyond the bound.
 
-Weight sync stays in the learner's thread (megapo.weights.sync_weights): it pauses the engine, which
+Weight sync stays in the learner's thread (megapo.weights.sync_learner): it pauses the engine, which
 waits for the generate call in flight to finish on the old weights, so no batch sees half-updated
 weights; the producer's next generate call starts on the new version.
 

@@ -651,10 +651,10 @@ class RunConfig:
 
 def plain_model_error(hf: dict) -> str | None:
     """Why megapo's in-process PyTorch model (megapo.engines.torch_lm) cannot run config.json `hf`, or None."""
-    from megapo.engines.torch_lm import ModelSpec
+    from megapo.engines.torch_lm import TorchLMSpec
 
     try:
-        ModelSpec.from_config(hf)
+        TorchLMSpec.from_config(hf)
     except (ValueError, KeyError) as err:
         return err.args[0] if isinstance(err, ValueError) else f"it has no field {err}"
     return None

@@ -501,9 +501,9 @@ def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, optio
 
 
 def build_engine(cfg: RunConfig, model_dir: Path):
-    from megapo.trainer.engines import build_engine as build
+    from megapo.trainer.engine_setup import engine_from_config
 
-    return build(cfg, model_dir, Path(cfg.train.output_dir))
+    return engine_from_config(cfg, model_dir, Path(cfg.train.output_dir))
 
 
 def new_prompt_stats(cfg: RunConfig, saved: dict | None = None):

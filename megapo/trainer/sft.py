@@ -1,4 +1,5 @@
-"""`megapo sft`: supervised warm start of an HF model on a task's demonstrations, straight in PyTorch.
+"""Supervised warm start of an HF model on a task's demonstrations, straight in PyTorch (the
+command: megapo/commands/sft.py).
 
 RL needs a policy that sometimes gets the answer right. A fixed set of examples (2000 by default)
 is trained with AdamW until greedy exact-match on the validation split reaches a threshold
@@ -10,7 +11,6 @@ the answer) and end-of-sequence only, not the prompt. Validation accuracy uses t
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
@@ -107,41 +107,3 @@ def train_sft(model_dir: str | Path, out_dir: str | Path, cfg: SFTConfig, task="
     (out / "sft_result.json").write_text(json.dumps(asdict(result), indent=1))
     return result
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="HF folder to start from")
-    parser.add_argument("--out", required=True, help="where to write the warm-started HF folder")
-    parser.add_argument("--task", default="addition", help="a task of megapo.tasks.registry (built-in: "
-                        "addition, addition_cot) or module:function")
-    parser.add_argument("--max-new-tokens", type=int, default=8, help="response limit of the validation decode")
-    parser.add_argument("--examples", type=int, default=2000)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--threshold", type=float, default=0.2, help="stop at this validation exact-match")
-    parser.add_argument("--check-every", type=int, default=20)
-    parser.add_argument("--max-steps", type=int, default=2000)
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def run(args: argparse.Namespace) -> int:
-    from megapo.config import ConfigError, check_fields
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = SFTConfig(enabled=True, examples=args.examples, lr=args.lr, batch_size=args.batch_size,
-                    threshold=args.threshold, check_every=args.check_every, max_steps=args.max_steps, seed=args.seed)
-    try:
-        check_fields(cfg)  # the ranges SFTConfig declares (sft.* of a run config), NaN/inf refused
-    except ConfigError as err:  # named as the flag that set the field
-        raise ConfigError(f"--{err.field.replace('_', '-')}", err.message) from None
-    if args.max_new_tokens < 1:
-        raise ConfigError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
-    if not (Path(args.model) / "config.json").is_file():
-        raise ConfigError("--model", f"{args.model} has no config.json")
-    from megapo.tasks.registry import get_task
-
-    task = get_task(args.task, field="--task")
-    result = train_sft(args.model, args.out, cfg, task, max_new_tokens=args.max_new_tokens)
-    state = "reached" if result.reached else "did NOT reach"
-    print(f"sft: {state} validation exact-match {result.val_accuracy:.3f} (threshold {cfg.threshold}) "
-          f"after {result.steps} steps in {result.seconds:.1f} s; wrote {args.out}")
-    return 0 if result.reached else 1

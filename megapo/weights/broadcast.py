@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megapo.weights.buckets import (DTYPE_NAMES, DTYPES, Entry, FlatBucket, check_bucket_bytes, decode_metadata,
+from megapo.weights.buckets import (DTYPE_NAMES, DTYPES, BucketSlot, FlatBucket, check_bucket_bytes, decode_metadata,
                                     encode_metadata, nbytes, unpack)
 from megapo.weights.transports import Moved, Transport, drain
 
@@ -174,8 +174,8 @@ class _Message:
     def empty(self) -> bool:
         return not self.packed.entries and not self.large
 
-    def entries(self, runs: list[int]) -> list[Entry]:
-        return self.packed.entries + [Entry(n, DTYPE_NAMES[t.dtype], list(t.shape), -1 - r)
+    def entries(self, runs: list[int]) -> list[BucketSlot]:
+        return self.packed.entries + [BucketSlot(n, DTYPE_NAMES[t.dtype], list(t.shape), -1 - r)
                                       for (n, t), r in zip(self.large, runs)]
 
     def wait(self) -> None:
@@ -368,7 +368,7 @@ class BroadcastReceiver:
         _bcast(group, head)
         return head
 
-    def _head(self, group, head: torch.Tensor) -> tuple[list[Entry], int, int] | None:
+    def _head(self, group, head: torch.Tensor) -> tuple[list[BucketSlot], int, int] | None:
         """A received header -> (entries, version, packed bytes), or None when the stage is done. Receives
         the metadata when it did not fit the header."""
         head = head.cpu()
@@ -395,7 +395,7 @@ class BroadcastReceiver:
             apply(named, version)
         moved.add_bucket(n_bytes, n_tensors)
 
-    def _target(self, targets: Mapping[str, torch.Tensor], e: Entry) -> torch.Tensor | None:
+    def _target(self, targets: Mapping[str, torch.Tensor], e: BucketSlot) -> torch.Tensor | None:
         dest = targets.get(e.name)
         if (dest is not None and dest.dtype == DTYPES[e.dtype] and list(dest.shape) == e.shape
                 and dest.is_contiguous() and dest.device == self.device):
@@ -458,8 +458,8 @@ def _run_tail(large: list[tuple[str, torch.Tensor]], t: torch.Tensor, room: int)
     return []
 
 
-def _group_runs(entries: list[Entry]) -> list[list[Entry]]:
-    runs: list[list[Entry]] = []
+def _group_runs(entries: list[BucketSlot]) -> list[list[BucketSlot]]:
+    runs: list[list[BucketSlot]] = []
     for e in entries:
         if runs and runs[-1][-1].offset == e.offset:
             runs[-1].append(e)
@@ -468,7 +468,7 @@ def _group_runs(entries: list[Entry]) -> list[list[Entry]]:
     return runs
 
 
-def _split(span: torch.Tensor, run: list[Entry]) -> list[tuple[str, torch.Tensor]]:
+def _split(span: torch.Tensor, run: list[BucketSlot]) -> list[tuple[str, torch.Tensor]]:
     """The run's tensors out of its received bytes (views when aligned for their dtype, else copies)."""
     out, offset = [], 0
     for e in run:

@@ -68,7 +68,7 @@ def _aligned(n: int) -> int:
 
 
 @dataclass
-class Entry:
+class BucketSlot:
     name: str
     dtype: str  # key of DTYPES
     shape: list[int]
@@ -89,7 +89,7 @@ class FlatBucket:
     capacity: int
     device: str | torch.device = "cpu"
     buffer: torch.Tensor = field(init=False, repr=False)
-    entries: list[Entry] = field(init=False, default_factory=list)
+    entries: list[BucketSlot] = field(init=False, default_factory=list)
     used: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -109,7 +109,7 @@ class FlatBucket:
         if start + n > self.capacity:
             raise ValueError(f"{name}: {n} bytes do not fit the bucket ({self.capacity - start} left)")
         self.buffer[start:start + n].view(dtype).view(t.shape).copy_(t)
-        self.entries.append(Entry(name, DTYPE_NAMES[dtype], list(t.shape), start))
+        self.entries.append(BucketSlot(name, DTYPE_NAMES[dtype], list(t.shape), start))
         self.used = start + n
 
     def clear(self) -> None:
@@ -126,20 +126,20 @@ class FlatBucket:
         return unpack(self.buffer, self.entries)
 
 
-def encode_metadata(entries: list[Entry], **extra) -> bytes:
+def encode_metadata(entries: list[BucketSlot], **extra) -> bytes:
     return json.dumps({"entries": [[e.name, e.dtype, e.shape, e.offset] for e in entries], **extra}).encode()
 
 
-def decode_metadata(data: bytes) -> tuple[list[Entry], dict]:
+def decode_metadata(data: bytes) -> tuple[list[BucketSlot], dict]:
     obj = json.loads(data.decode())
-    entries = [Entry(name, dtype, list(shape), int(offset)) for name, dtype, shape, offset in obj.pop("entries")]
+    entries = [BucketSlot(name, dtype, list(shape), int(offset)) for name, dtype, shape, offset in obj.pop("entries")]
     for e in entries:
         if e.dtype not in DTYPES:
             raise ValueError(f"{e.name}: unknown dtype {e.dtype!r} in bucket metadata")
     return entries, obj
 
 
-def unpack(buffer: torch.Tensor, entries: list[Entry]) -> list[tuple[str, torch.Tensor]]:
+def unpack(buffer: torch.Tensor, entries: list[BucketSlot]) -> list[tuple[str, torch.Tensor]]:
     """Views of `buffer` (uint8) for each entry: no copies."""
     out = []
     for e in entries:

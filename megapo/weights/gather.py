@@ -1,6 +1,6 @@
 """Stream a Megatron learner's weights as full HF-named tensors, one parameter at a time.
 
-The one export of a sharded model (the reverse of megapo.learner.weights.load_hf_weights: the family's
+The one export of a sharded model (the reverse of megapo.weights.hf_load.load_hf_weights: the family's
 rename rules, QKV split per KV group, gate/up halves, vocabulary padding stripped, experts renamed to
 their global ids), used by Learner.hf_state_dict, weight sync and `megapo convert`. A generator: at any
 moment only the current parameter's gathered shards are alive, so a weight sync's extra memory is
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megapo.learner.weights import Located, locate, tp_shard
+from megapo.weights.hf_load import Located, locate, tp_shard
 from megapo.models.family import Family, ModelSpec, from_shards
 from megapo.weights.buckets import DTYPE_NAMES, DTYPES
 

@@ -1,6 +1,6 @@
 """Weight sync, learner -> engines: one entry point for every transport.
 
-    stats = sync_weights(learner, [engine], TensorTransport(), bucket_bytes(512), version=3)
+    stats = sync_learner(learner, [engine], TensorTransport(), bucket_bytes(512), version=3)
 
 Every learner rank calls it (the gather over TP/EP/PP is collective); pass the engines only on the
 rank that owns them (others pass []). The learner's weights stream out as full HF-named tensors
@@ -80,7 +80,7 @@ def sync_named(named: Iterable[tuple[str, torch.Tensor]], engines: Sequence, tra
     return SyncStats(transport.name, version, moved.bytes, moved.tensors, moved.buckets, moved.largest_bucket, seconds)
 
 
-def sync_weights(learner, engines: Sequence, transport: Transport, bucket_bytes: int, version: int, *,
+def sync_learner(learner, engines: Sequence, transport: Transport, bucket_bytes: int, version: int, *,
                  dtype: torch.dtype | None = None, pause: bool = True) -> SyncStats:
     """Sync a megapo Learner's weights to `engines` (collective over the learner's ranks)."""
     from megapo.weights import gather

@@ -2,7 +2,7 @@
 for several parallel layouts of one world size. For each layout, on the perturbed tiny model:
 
 - "full":    `megapo logprobs --routes-in FULL.npz --routes-out OUT.npz` (the command's own replay
-             code, megapo.replay.cli.logprobs) -> log-probs and the routes written;
+             code, megapo.commands.logprobs_routes.logprobs) -> log-probs and the routes written;
 - "partial": the same with PARTIAL.npz (a missing key, short arrays, -1 entries);
 - "free":    routes recorded with no routes given (the router's own choice);
 - "metrics": replay metrics of a FULL pass;
@@ -29,7 +29,7 @@ import torch
 
 from megapo.config import OptimConfig, ParallelConfig
 from megapo.learner.learner import Learner
-from megapo.replay import cli as route_cli
+from megapo.commands import logprobs_routes as route_cli
 from megapo.replay.modes import logprobs_with_routes, mismatch_kl, old_logprobs
 from megapo.replay.routes import load_routes
 from on_policy_step import run_modes  # this script's folder is on sys.path

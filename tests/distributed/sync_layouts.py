@@ -20,7 +20,7 @@ import torch
 from megapo.config import OptimConfig, ParallelConfig
 from megapo.engines.embedded import EmbeddedEngine
 from megapo.learner.learner import Learner
-from megapo.weights import DiskTransport, TensorTransport, sync_weights
+from megapo.weights import DiskTransport, TensorTransport, sync_learner
 from megapo.weights import gather
 from megapo.weights.broadcast import BroadcastSender, BroadcastTransport, GroupAddress, join_group
 from megapo.weights.memory import allocator_peak
@@ -44,7 +44,7 @@ def main() -> None:
 
         # tensor transport (peak extra memory measured on rank 0 by torch's allocator events)
         def tensor_sync():
-            return sync_weights(learner, [engine] if mine else [], TensorTransport(), spec["bucket_bytes"], 1)
+            return sync_learner(learner, [engine] if mine else [], TensorTransport(), spec["bucket_bytes"], 1)
 
         peak, stats = allocator_peak(tensor_sync)
         if mine:
@@ -55,7 +55,7 @@ def main() -> None:
 
         # disk transport into a fresh engine
         engine = EmbeddedEngine(case["model_dir"]) if mine else None
-        stats = sync_weights(learner, [engine] if mine else [], DiskTransport(f"{spec['disk_dir']}/{case['name']}"),
+        stats = sync_learner(learner, [engine] if mine else [], DiskTransport(f"{spec['disk_dir']}/{case['name']}"),
                              spec["bucket_bytes"], 1)
         if mine:
             res["disk"] = engine_logprobs(engine, spec["sequences"])
@@ -69,7 +69,7 @@ def main() -> None:
 
             stage = parallel_state.get_pipeline_model_parallel_rank()
             sender = BroadcastSender(join_group(address, stage, rank=0))
-        stats = sync_weights(learner, [], BroadcastTransport(sender), spec["bucket_bytes"], 1)
+        stats = sync_learner(learner, [], BroadcastTransport(sender), spec["bucket_bytes"], 1)
         res["broadcast_sent"] = stats.bytes
 
         # the streamed tensors against the learner's own (materialising) export: same names, order, values

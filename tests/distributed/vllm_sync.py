@@ -6,7 +6,7 @@ running vLLM server through megapo's Router + VLLMEngine and the disk transport.
 SPEC: {"url", "api_key_file" (the server's key), "model_dir", "disk_dir", "version" (the server's current weight version), "prompts", "n",
        "max_new_tokens", "seed", "batch" (train samples), "lr", "bucket_bytes", "sync_port" (broadcast group)}
 Rank 0 owns the Router. Steps: the server samples from the base weights (`pre`); every rank computes the learner's
-log-probs of those samples; the learner takes one optimizer step; sync_weights(version + 1); the server samples
+log-probs of those samples; the learner takes one optimizer step; sync_learner(version + 1); the server samples
 again (`post`); every rank computes the learner's log-probs of the new samples and of the old ones. Then the
 server's worker joins a broadcast group, the learner steps again, syncs(version + 2) by broadcast, and the server
 samples once more (`post2`). Rank 0 saves
@@ -26,7 +26,7 @@ from megapo.engines.base import SamplingParams
 from megapo.engines.router import Router
 from megapo.engines.vllm import VLLMEngine
 from megapo.learner.learner import Learner
-from megapo.weights import DiskTransport, sync_weights
+from megapo.weights import DiskTransport, sync_learner
 from megapo.weights.broadcast import BroadcastSender, BroadcastTransport, GroupAddress, join_group
 from spec_io import read_spec  # this script's folder is on sys.path
 
@@ -69,7 +69,7 @@ def main() -> None:
     res = {"pre": sample()}
     res["learner_pre"] = learner_logprobs(learner, res["pre"])  # base weights
     res["train"] = learner.train_step(spec["batch"], "reinforce", "token-mean")
-    stats = sync_weights(learner, [router] if rank == 0 else [],
+    stats = sync_learner(learner, [router] if rank == 0 else [],
                          DiskTransport(spec["disk_dir"], config_dir=spec["model_dir"]), spec["bucket_bytes"],
                          version + 1)
     res["post"] = sample()
@@ -86,7 +86,7 @@ def main() -> None:
             joined.result()
     res["train2"] = learner.train_step(spec["batch"], "reinforce", "token-mean")
     transport = BroadcastTransport(BroadcastSender(group) if rank == 0 else None)
-    stats2 = sync_weights(learner, [router] if rank == 0 else [], transport, spec["bucket_bytes"], version + 2)
+    stats2 = sync_learner(learner, [router] if rank == 0 else [], transport, spec["bucket_bytes"], version + 2)
     res["post2"] = sample()
     res["learner_post2"] = learner_logprobs(learner, res["post2"])
     res["learner_v2_on_post"] = learner_logprobs(learner, res["post"])

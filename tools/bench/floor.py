@@ -14,7 +14,7 @@ safetensors (the main job's SFT warm start, made under --work-dir on the first r
   advantages and seq-mean-token-mean aggregation, backward, grad-norm clip, AdamW (the config's lr, warmup and
   clip);
 - sync: none (the sampler reads the trained parameters).
-megapo's step is the main job's: EmbeddedEngine (megapo.trainer.engines) and megapo.trainer.loop's
+megapo's step is the main job's: EmbeddedEngine (megapo.trainer.engine_setup) and megapo.trainer.loop's
 collect_rollouts / update_policy / sync_weights with the config's RunConfig, so changes there show up here.
 
 Before timing, step 0 checks that both do the same work: on megapo's first batch (its engine's samples and

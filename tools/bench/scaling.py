@@ -170,7 +170,7 @@ def worker_args(spec: Path, raw: Path) -> list[str]:
 
 
 def run_local(specs: dict[int, Path], out: Path, timeout_s: float) -> None:
-    from launch.local import run_torchrun
+    from megapo.launch.local import run_torchrun
 
     repo = Path(__file__).resolve().parents[2]
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p),

@@ -8,7 +8,7 @@ One step, as megapo's trainer does it (megapo/trainer/loop.py), each phase timed
   generate   rank 0's embedded engine samples n responses per prompt; the batch goes to every rank
   old_logp   learner.logprobs over the batch (collective)
   train      learner.train_step, PPO objective (collective)
-  weight_sync megapo.weights.sync_weights with the tensor transport into rank 0's engine (collective gather)
+  weight_sync megapo.weights.sync_learner with the tensor transport into rank 0's engine (collective gather)
 Per run: one warm-up step (not timed), then --steps timed steps with the strong-scaling batch
 (fixed `prompts`), then --steps with the weak-scaling batch (`prompts * world_size`; skipped at world 1,
 where it equals the strong batch). Peak memory per rank: resident set size sampled every 10 ms on CPU,
@@ -101,7 +101,7 @@ def _sync_device(device: str) -> None:
 
 def one_step(learner, engine, prompts, spec: dict, version: int, seed: int) -> tuple[dict, list[dict]]:
     """Seconds per phase of one RL step on this rank, and the batch."""
-    from megapo.weights import TensorTransport, bucket_bytes, sync_weights
+    from megapo.weights import TensorTransport, bucket_bytes, sync_learner
 
     rank = torch.distributed.get_rank()
     device = learner.device if isinstance(learner.device, str) else learner.device.type
@@ -125,7 +125,7 @@ def one_step(learner, engine, prompts, spec: dict, version: int, seed: int) -> t
     times["train"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    sync_weights(learner, [engine] if rank == 0 else [], TensorTransport(), bucket_bytes(spec["bucket_mb"]), version)
+    sync_learner(learner, [engine] if rank == 0 else [], TensorTransport(), bucket_bytes(spec["bucket_mb"]), version)
     _sync_device(device)
     times["weight_sync"] = time.perf_counter() - t
     times["step"] = sum(times[p] for p in PHASES)

@@ -5,7 +5,7 @@ moves the same bytes in the same run.
 
 A tiny Qwen3-MoE (hidden 512, 32 experts, ≈ 430 MB fp32 by default) is written, loaded into a one-process
 Megatron learner (TP=1) and into an embedded engine. For each transport, the sync bandwidth is model
-bytes / wall time of the whole `sync_weights` (gather, HF conversion, bucketing, transport, engine load),
+bytes / wall time of the whole `sync_learner` (gather, HF conversion, bucketing, transport, engine load),
 and the reference is the faster of the raw variants measured in the same trial:
 - tensor:    a plain memory copy of the model's bytes (one preallocated flat buffer into another);
 - disk:      a bare safetensors save_file + load_file (+ unlink) of the model's tensors, and a plain
@@ -195,7 +195,7 @@ def run(args) -> dict:
     from megapo.learner.learner import Learner
     from megapo.net import free_port
     from megapo.models.tiny import write_tiny_model
-    from megapo.weights import DiskTransport, TensorTransport, bucket_bytes, sync_weights
+    from megapo.weights import DiskTransport, TensorTransport, bucket_bytes, sync_learner
     from megapo.weights.broadcast import BroadcastSender, BroadcastTransport, GroupAddress, join_group
     from megapo.weights.gather import iter_model_tensors, learner_parts
 
@@ -249,13 +249,13 @@ def run(args) -> dict:
                   f"[{min(ratios):.2f}, {max(ratios):.2f}] (target {TARGETS[name]})", flush=True)
 
         # tensor
-        sync = lambda: sync_weights(learner, [engine], TensorTransport(), bucket, next_version())  # noqa: E731
+        sync = lambda: sync_learner(learner, [engine], TensorTransport(), bucket, next_version())  # noqa: E731
         sync()  # warm-up (every transport gets one untimed sync)
         report("tensor", paired(sync, raw_memcpy(nbytes), args.trials), "memcpy")
 
         # disk
         transport = DiskTransport(work / "sync")
-        sync = lambda: sync_weights(learner, [engine], transport, bucket, next_version())  # noqa: E731
+        sync = lambda: sync_learner(learner, [engine], transport, bucket, next_version())  # noqa: E731
         sync()  # the first sync has no previous version's files to recycle: not representative
         raws, info = raw_disk(tensors, nbytes, work)
         rows = paired(sync, {**raws, **info}, args.trials)
@@ -281,7 +281,7 @@ def run(args) -> dict:
                                0, rank=0)
             transport = BroadcastTransport(BroadcastSender(group, slots=args.slots,
                                                            direct_bytes=int(args.direct_kb * 1024)))
-            sync = lambda: sync_weights(learner, [], transport, bucket, next_version())  # noqa: E731
+            sync = lambda: sync_learner(learner, [], transport, bucket, next_version())  # noqa: E731
             sync()  # warm-up: allocates the packing buffers (kept between syncs), tells us the broadcast sizes
             sizes = share_sizes(group, transport.sender.sizes)
             info = {"same_pieces_s": same_pieces(group, nbytes, sizes, sender=True)}

@@ -3,6 +3,7 @@
     megapo bench scaling [--layouts tp1,tp2,pp2,ep2,tp2xep2,dp2] [--sizes small,medium] --out DIR
     megapo bench projection --model qwen3-30b-a3b --gpus 8 --out FILE.json
     megapo bench stability [--grid small|full] [--out DIR] [--seeds N] [--jobs J] [--steps S] [--report-only]
+    megapo bench length [--out DIR] [--methods all|a,b] [--seeds 2] [--jobs J] [--report-only]
     megapo bench floor --out FILE.json [--steps 8] [section.field=value ...]   (tools/bench/floor.py)
     megapo bench train-step --out FILE.json [...]     (tools/bench/train_step.py, its own arguments)
     megapo bench rollout --engine embedded [...]      (tools/bench/rollout.py)
@@ -10,7 +11,7 @@
     megapo bench learner-passes --baseline REV --out benchmarks/results/learner_passes.json [...]
                                                       (tools/bench/learner_passes.py)
 
-scaling, projection, stability and floor parse their arguments here; the other four get the rest of the
+scaling, projection, stability, length and floor parse their arguments here; the other four get the rest of the
 command line unchanged, as if their module had been run with `python -m tools.bench.<name>`.
 """
 
@@ -25,7 +26,9 @@ OWN = {"scaling": ("tools.bench.scaling", "RL step over layouts x model sizes: J
        "projection": ("tools.bench.projection", "projected step and weight-sync time of Qwen3 MoE on N GPUs"),
        "stability": ("tools.bench.stability", "grid of short RL runs (objective x replay x off-policy degree x "
                                              "correction x seeds): collapse table and curves"),
-       "floor": ("tools.bench.floor", "megapo's RL step vs a plain single-process PyTorch step (the floor)")}
+       "floor": ("tools.bench.floor", "megapo's RL step vs a plain single-process PyTorch step (the floor)"),
+       "length": ("tools.bench.length", "every length method x seeds from one warm start: accuracy vs tokens "
+                                       "(summary, table, Pareto plot)")}
 PASSTHROUGH = {"train-step": ("tools.bench.train_step", "megapo train step vs raw Megatron forward_backward"),
                "rollout": ("tools.bench.rollout", "rollout throughput (embedded engine, vLLM)"),
                "weight-sync": ("tools.bench.weight_sync", "weight sync transports"),

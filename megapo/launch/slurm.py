@@ -35,7 +35,7 @@ from megapo.layout import LayoutError, check_layout, read_hf_config
 EXIT_CHECKPOINTED = 75
 CHECKPOINT_SUBDIR = "checkpoints"
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "slurm"
+TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "slurm"
 _PLACEHOLDER = re.compile(r"\{\{([A-Z_]+)\}\}")
 # Slurm --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 _TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$")

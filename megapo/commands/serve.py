@@ -67,7 +67,7 @@ def _served(args: argparse.Namespace) -> dict:
                 "weights_dirs": args.weights_dir or [args.model]}
     from megapo.config import load_config
     from megapo.trainer.config import RunConfig
-    from megapo.trainer.engines import server_max_model_len
+    from megapo.trainer.engine_setup import server_max_model_len
 
     cfg = load_config(RunConfig, args.config, args.overrides)
     if cfg.rollout.engine != "vllm":

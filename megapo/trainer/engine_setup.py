@@ -39,7 +39,7 @@ def _clients(cfg: RunConfig, model_dir: Path):
     return [SGLangEngine(f"http://{s}", config_dir=str(model_dir)) for s in cfg.rollout.servers]
 
 
-def build_engine(cfg: RunConfig, model_dir: Path, out_dir: Path):
+def engine_from_config(cfg: RunConfig, model_dir: Path, out_dir: Path):
     """The engine (rank 0 only). The caller closes it at the end of the run."""
     kind = cfg.rollout.engine
     if kind == "embedded":

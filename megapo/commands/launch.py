@@ -16,7 +16,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from launch import local, slurm
+from megapo.launch import local, slurm
 from megapo.config import ConfigError
 
 SUBCOMMAND = "where"  # megapo.cli names it in error messages: `megapo launch local: ...`

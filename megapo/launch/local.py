@@ -1,6 +1,6 @@
 """Start N local processes with torchrun for a command that needs a multi-process learner.
 
-    rc = run_torchrun(["-m", "megapo.learner.logprobs_cmd", "--worker", ...], nproc=4, timeout_s=600)
+    rc = run_torchrun(["-m", "megapo.commands.logprobs", "--worker", ...], nproc=4, timeout_s=600)
 
 `python -m torch.distributed.run --nproc-per-node N --master-port <free port>` runs the module in
 N processes; the whole process group is killed when `timeout_s` passes, so a hung collective ends

@@ -327,7 +327,7 @@ def _job_path(job) -> Path:
 
 
 def _launch(plans: list[Plan], timeout_s: float) -> int:
-    from launch.local import run_torchrun
+    from megapo.launch.local import run_torchrun
 
     argv = ["-m", "megapo.convert.worker"]
     for plan in plans:

@@ -5,7 +5,7 @@
 
 IN lines: {"tokens": [...]}; OUT lines: {"logprobs": [...]}, log p(tokens[t] | tokens[:t]) for
 t = 1..len-1. The layout is checked against the model first (an error naming the numbers, before
-any process starts); a layout with more than one process is started with torchrun (launch/local.py).
+any process starts); a layout with more than one process is started with torchrun (megapo/launch/local.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megapo.config import ConfigError, ParallelConfig
 from megapo.layout import check_layout, read_hf_config
-from megapo.replay import cli as route_cli
+from megapo.commands import logprobs_routes as route_cli
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dispatcher", default="alltoall", choices=("alltoall", "allgather"))
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
     parser.add_argument("--timeout", type=float, default=900, help="seconds before the processes are killed")
-    route_cli.add_arguments(parser)  # routing replay: --routes-in / --routes-out (megapo/replay/cli.py)
+    route_cli.add_arguments(parser)  # routing replay: --routes-in / --routes-out (megapo/commands/logprobs_routes.py)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set for torchrun's processes
 
 
@@ -78,10 +78,10 @@ def run(args: argparse.Namespace) -> int:
     route_cli.check(args, hf, sequences)  # routing replay flags
     if args.worker or parallel.world_size == 1:
         return _work(args, parallel, sequences)
-    from launch.local import run_torchrun
+    from megapo.launch.local import run_torchrun
 
     argv = _to_argv(args)
-    return run_torchrun(["-m", "megapo.learner.logprobs_cmd", "--worker", *argv], parallel.world_size,
+    return run_torchrun(["-m", "megapo.commands.logprobs", "--worker", *argv], parallel.world_size,
                         timeout_s=args.timeout)
 
 

@@ -3,7 +3,7 @@
 ROUTES.npz has one int array per input line, key "0", "1", ...: [len(tokens)-1, num_moe_layers, topk]
 (a key may be missing or an array partial: those positions use the router's own choice). --routes-out
 writes the routes the learner actually routed with, in the same layout (complete for every line).
-megapo/learner/logprobs_cmd.py calls these functions at marked call sites.
+megapo/commands/logprobs.py calls these functions at marked call sites.
 """
 
 from __future__ import annotations
