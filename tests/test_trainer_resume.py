@@ -4,7 +4,8 @@ Reference: an uninterrupted run with the same seeds (run A). Run B gets a real S
 logged; by the Slurm contract (slurm/README.md) it saves a checkpoint after the step in flight and
 exits 75; `--resume` continues at the next step. Every later step's metrics (reward, response length,
 loss, grad norm, engine-vs-learner mismatch...) must equal run A's: any state not saved (weights,
-Adam moments, LR schedule, data cursor, the engine's sampling RNG, the synced weight version) would
+Adam moments, LR schedule, data cursor, the engine's sampling RNG, the synced weight version, the length
+stage's state) would
 change them. Also: a checkpoint saved before any optimizer step (every group had equal rewards, so
 every update was skipped) resumes (it used to fail with KeyError: optimizer.state.exp_avg).
 """
@@ -33,6 +34,10 @@ def _cmd(model, out, *extra, resume=False):
             "optim.lr=0.01", "optim.warmup_steps=2", "optim.lr_schedule=cosine", *extra]
 
 
+# a length reward with state (its dual variable, logged as length/lambda), which --resume must restore
+LACONIC = ("data.length_reward=laconic", "data.length_reward_options={target: 3, dual_lr: 0.5}")
+
+
 def _env(tmp_path):
     (tmp_path / "resume_rewards.py").write_text(REWARDS)
     return {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
@@ -50,9 +55,9 @@ def _deterministic(row):
 def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_moe):
     env = _env(tmp_path)
     a, b = tmp_path / "a", tmp_path / "b"
-    run_a = subprocess.Popen(_cmd(tiny_moe, a), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+    run_a = subprocess.Popen(_cmd(tiny_moe, a, *LACONIC), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
-    run_b = subprocess.Popen(_cmd(tiny_moe, b), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+    run_b = subprocess.Popen(_cmd(tiny_moe, b, *LACONIC), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -75,15 +80,17 @@ def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_moe):
     assert stopped_at in (1, 2, 3), saved  # the step in flight when the signal came was finished
     assert f"step_{stopped_at:08d}" in saved and not any(n.endswith(".tmp") for n in saved)
 
-    resumed = subprocess.run(_cmd(tiny_moe, b, resume=True), cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=300)
+    resumed = subprocess.run(_cmd(tiny_moe, b, *LACONIC, resume=True), cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows_a, rows_b = _rows(a), _rows(b)
+    assert rows_a[stopped_at]["length/lambda"] > 0  # the stage had state to lose when run B stopped
     assert sorted(rows_b) == [1, 2, 3, 4, 5]  # resumed at the next step, nothing repeated or lost
     for step in range(stopped_at + 1, 6):
         want, got = _deterministic(rows_a[step]), _deterministic(rows_b[step])
         assert set(got) == set(want)
-        assert {"reward", "train/loss", "train/grad_norm", "train/lr", "response_len"} <= set(got)
+        assert {"reward", "reward/shaped", "length/lambda", "train/loss", "train/grad_norm", "train/lr",
+                "response_len"} <= set(got)
         for k in want:
             assert abs(got[k] - want[k]) <= 1e-6 * (1 + abs(want[k])), (step, k, got[k], want[k])
     # the weights moved between the resumed steps (a frozen learner would also "agree")
