@@ -215,11 +215,11 @@ def engine_mismatch(samples: list[dict], logps: list) -> dict[str, float]:
     def flat(values) -> torch.Tensor:
         return torch.from_numpy(np.concatenate([np.asarray(v, dtype=np.float64).reshape(-1) for v in values]))
 
-    learner, engine = flat(logps), flat(s["rollout_logp"] for s in samples)
-    if learner.shape != engine.shape:
-        raise ValueError(f"logps: {learner.numel()} response log-probs for {engine.numel()} engine log-probs")
+    pi, mu = flat(logps), flat(s["rollout_logp"] for s in samples)
+    if pi.shape != mu.shape:
+        raise ValueError(f"logps: {pi.numel()} response log-probs for {mu.numel()} engine log-probs")
     # token means and a max: all tokens as one [1, N] row give the same as one row per sequence
-    m = mismatch_metrics(learner[None], engine[None], torch.ones(1, learner.numel(), dtype=torch.bool))
+    m = mismatch_metrics(pi[None], mu[None], torch.ones(1, pi.numel(), dtype=torch.bool))
     return {"k3": float(m["mismatch_k3"]), "max_abs_dlogp": float(m["mismatch_max_abs_dlogp"])}
 
 
@@ -236,10 +236,10 @@ def route_disagreement(engine_routes: list, learner_routes: list, prefix: str = 
         pairs.append((e, own))
     if not pairs:
         return {}
-    engine = np.concatenate([e for e, _ in pairs])
+    engine_ids = np.concatenate([e for e, _ in pairs])
     own = np.concatenate([o for _, o in pairs])
-    given = (engine >= 0).all(-1)  # [positions, layers]
-    differ = (np.sort(engine, -1) != np.sort(own, -1)).any(-1) & given
+    given = (engine_ids >= 0).all(-1)  # [positions, layers]
+    differ = (np.sort(engine_ids, -1) != np.sort(own, -1)).any(-1) & given
     tokens = given.any(-1)
 
     def frac(num, den) -> float:
@@ -247,7 +247,7 @@ def route_disagreement(engine_routes: list, learner_routes: list, prefix: str = 
 
     out = {prefix + "disagree": frac(differ.sum(), given.sum()),
            prefix + "disagree_any": frac(differ.any(-1).sum(), tokens.sum())}
-    for layer in range(engine.shape[1]):
+    for layer in range(engine_ids.shape[1]):
         out[f"{prefix}disagree_l{layer}"] = frac(differ[:, layer].sum(), given[:, layer].sum())
     return out
 
