@@ -177,7 +177,8 @@ def test_resume_continues_the_prompt_order(tmp_path, tiny_dense, reward_module):
     from megapo.trainer.loop import train
 
     # without dynamic sampling every step takes exactly prompts_per_step prompts, whatever the samples
-    fixed = {"data.dynamic_sampling": False, "rollout.weight_sync": "disk"}  # and the disk transport
+    fixed = {"data.dynamic_sampling": False, "rollout.weight_sync": "disk",  # and the disk transport
+             "train.log_samples": True}
     full_engine = RecordingEngine(tiny_dense)
     train(_cfg(tiny_dense, tmp_path / "full", reward_module, **fixed), learner=HFLearner(tiny_dense), engine=full_engine,
           print_fn=lambda s: None)
@@ -208,3 +209,42 @@ def test_resume_continues_the_prompt_order(tmp_path, tiny_dense, reward_module):
     assert train_prompts(first) + train_prompts(second) == train_prompts(full_engine)
     rows = [json.loads(l) for l in (part / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    # samples.jsonl: the stopped-and-resumed run trained the same (step, prompt, sample) and tokens as the full one
+    dump = lambda run: [json.loads(l) for l in (run / "samples.jsonl").read_text().splitlines()]
+    key = lambda r: (r["step"], r["prompt_id"], r["sample"], tuple(r["response_ids"]), r["reward"])
+    assert [key(r) for r in dump(part)] == [key(r) for r in dump(tmp_path / "full")]
+    assert sorted({r["step"] for r in dump(part)}) == [1, 2, 3, 4] and len(dump(part)) == 4 * 4 * 4
+    trained = [s["tokens"] for s in resumed_learner.batches[-1]]  # the last step's batch, in order
+    assert [r["prompt_ids"] + r["response_ids"] for r in dump(part) if r["step"] == 4] == trained
+    assert all(r["response"] == tok.decode(r["response_ids"], skip_special_tokens=True) for r in dump(part))
+
+
+def test_group_filter_trains_whole_ragged_groups(tmp_path, tiny_dense, reward_module):
+    """gfpo with a k per difficulty bucket: groups of 2 and 3 of the 4 drawn; mini-batches cut between whole
+    groups, GRPO advantages centred within each kept group, samples.jsonl naming the kept sample indices."""
+    from megapo.trainer.loop import train
+
+    cfg = _cfg(tiny_dense, tmp_path / "run", reward_module, **{
+        "train.mini_batches": 2, "data.dynamic_sampling": False, "train.log_samples": True, "train.steps": 2,
+        "train.eval_every": 0, "data.group_filter": "gfpo", "data.group_filter_options": {"adaptive_keep": [2, 3]}})
+    learner = HFLearner(tiny_dense)
+    train(cfg, learner=learner, engine=RecordingEngine(tiny_dense), print_fn=lambda s: None)
+    rows = [json.loads(l) for l in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    for step, batches in ((1, learner.batches[:2]), (2, learner.batches[2:])):
+        mine = [r for r in rows if r["step"] == step]
+        groups = {}
+        for r in mine:
+            groups.setdefault(r["prompt_id"], []).append(r)
+        assert len(groups) == 4 and all(len(g) in (2, 3) for g in groups.values())
+        for g in groups.values():  # kept samples in draw order, distinct indices among the 4 drawn
+            assert [r["sample"] for r in g] == sorted({r["sample"] for r in g}) and g[-1]["sample"] < 4
+        flat = [s for b in batches for s in b]
+        assert [s["tokens"] for s in flat] == [r["prompt_ids"] + r["response_ids"] for r in mine]
+        at = 0
+        for b in batches:  # each mini-batch ends where a group ends
+            at += len(b)
+            ends = [sum(len(g) for g in list(groups.values())[:i + 1]) for i in range(len(groups))]
+            assert at in ends
+        for g in groups.values():
+            advs = [s["advantage"] for s in flat if s["tokens"][:len(g[0]["prompt_ids"])] == g[0]["prompt_ids"]][:len(g)]
+            assert abs(sum(advs)) < 1e-6

@@ -304,6 +304,9 @@ class TrainConfig:
     keep_last: int = bounded(2, ">= 1")
     output_dir: str = "runs/run"
     log: list[str] = field(default_factory=lambda: ["jsonl"])
+    # write samples.jsonl: every trained response (step, prompt id, sample index, token ids, decoded text,
+    # verifier and shaped reward, weight version, finish reason)
+    log_samples: bool = False
 
 
 @dataclass

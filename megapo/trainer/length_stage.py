@@ -57,7 +57,7 @@ class LengthStage:
             idx = k.tolist()
             out.append(Group(g.example, [g.samples[i] for i in idx], [float(r[i]) for i in idx],
                              scores=[float(s.rewards[i]) for i in idx], correct=[bool(s.correct[i]) for i in idx],
-                             sampled=s.size))
+                             sampled=s.size, prompt_index=g.prompt_index, sample_ids=idx))
         return out
 
     def scored_group(self, g, key: str) -> ScoredGroup:

@@ -26,7 +26,7 @@ import torch
 from megapo.trainer import checkpoint as ckpt
 from megapo.trainer.config import RunConfig
 from megapo.trainer.length_stage import LengthStage
-from megapo.trainer.metrics import MetricsLogger, StepTimer
+from megapo.trainer.metrics import MetricsLogger, SampleLogger, StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,8 @@ class Group:
     scores: list[float] | None = None  # the verifier's rewards before length shaping (None: not shaped)
     correct: list[bool] | None = None  # the verifier's verdict, reward >= data.correct_threshold
     sampled: int | None = None  # responses drawn for this prompt (more than len(samples) after a group filter)
+    prompt_index: int | None = None  # the prompt's place in the run's prompt pool
+    sample_ids: list[int] | None = None  # each kept sample's index among those drawn (None: all, in order)
 
 
 def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[list], list[float]]:
@@ -123,11 +125,15 @@ def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[list], list[float]]:
     return reward
 
 
-def rollout_round(engine, params, examples: list, prompt_ids: list[list[int]], reward_fn) -> list[Group]:
-    """One sampling round: every prompt's samples with the verifier's rewards (before length shaping)."""
+def rollout_round(engine, params, examples: list, prompt_ids: list[list[int]], reward_fn,
+                  indices: list[int] | None = None) -> list[Group]:
+    """One sampling round: every prompt's samples with the verifier's rewards (before length shaping);
+    `indices`: the prompts' places in the prompt pool."""
     drawn = engine.generate(prompt_ids, params)
     scores = iter(reward_fn([(ex, s) for ex, samples in zip(examples, drawn) for s in samples]))
-    return [Group(ex, samples, [next(scores) for _ in samples]) for ex, samples in zip(examples, drawn)]
+    indices = indices if indices is not None else [None] * len(examples)
+    return [Group(ex, samples, [next(scores) for _ in samples], prompt_index=i)
+            for ex, samples, i in zip(examples, drawn, indices)]
 
 
 def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_stats=None) -> list[dict]:
@@ -399,8 +405,10 @@ def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig, le
         length.begin_batch()
 
     def one_round() -> list[Group]:
-        items = [pool[i] for i in source.next_batch(cfg.data.prompts_per_step)]
-        new = rollout_round(engine, params, [ex for ex, _ in items], [ids for _, ids in items], reward_fn)
+        chosen = source.next_batch(cfg.data.prompts_per_step)
+        items = [pool[i] for i in chosen]
+        new = rollout_round(engine, params, [ex for ex, _ in items], [ids for _, ids in items], reward_fn,
+                            [int(i) for i in chosen])
         sampled.extend(new)
         new = length.apply(new) if length is not None else new
         shaped.extend(new)
@@ -581,14 +589,14 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
     if own_engine:
         engine = build_engine(cfg, model_dir)
     producer = None
-    logger = None
+    logger = samples_log = None
     try:  # a stopped or failed run still ends the rollout thread and any server megapo started
         reference = build_reference(cfg, model_dir)
         transport = make_transport(cfg, out_dir, model_dir, learner, engine)
         start_step, version = 0, 0
         prompt_stats = new_prompt_stats(cfg)
         length = LengthStage(cfg) if _rank() == 0 else None
-        ckpt_root = out_dir / "checkpoints"
+        ckpt_root = out_dir / run_dir.CHECKPOINTS
         latest = start.checkpoint
         if latest is not None:
             state = ckpt.load_checkpoint(latest, learner.load, rank=_rank(), model_dir=model_dir)  # verified first
@@ -606,6 +614,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
         if _rank() == 0:  # the run has started (a resume has loaded its checkpoint): metrics rows, config.json
             run_dir.started(start, cfg)
         logger = MetricsLogger(out_dir, cfg.train.log, asdict(cfg), cfg.train.steps, print_fn) if _rank() == 0 else None
+        samples_log = SampleLogger(out_dir, tokenizer) if cfg.train.log_samples and _rank() == 0 else None
         # the engine's routes: replayed under r3; otherwise compared with the learner's (router/disagree) when the
         # learner records its own and the embedded engine hands them over in-process
         compare_routes = cfg.rollout.engine == "embedded" and getattr(learner, "route_hook", None) is not None
@@ -650,6 +659,8 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
                     groups, metrics, gen_tokens = collect_rollouts(engine, params, pool, source, reward_fn, cfg,
                                                                    length)
                 cursor, length_state = source.state_dict(), length.state_dict()
+            if samples_log is not None and groups:
+                samples_log.log(step, groups)
             groups = _broadcast(groups)
             if groups:
                 eval_step = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
@@ -690,4 +701,6 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
             engine.close()
     if logger is not None:
         logger.close()
+    if samples_log is not None:
+        samples_log.close()
     return row

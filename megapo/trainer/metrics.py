@@ -142,6 +142,31 @@ def length_metrics(lengths: list[int], difficulties: list[int | None]) -> dict[s
     return out
 
 
+class SampleLogger:
+    """train.log_samples: appends one JSON row per trained response to run_dir/samples.jsonl, each step's rows
+    written and flushed together (a resumed run first drops the rows after its checkpoint: run_dir.started)."""
+
+    def __init__(self, run_dir: str | Path, tokenizer):
+        self.tokenizer = tokenizer
+        self._file = open(Path(run_dir) / "samples.jsonl", "a", encoding="utf-8")
+
+    def log(self, step: int, groups: list) -> None:
+        lines = [json.dumps(self.row(step, g, i)) + "\n" for g in groups for i in range(len(g.samples))]
+        self._file.write("".join(lines))
+        self._file.flush()
+
+    def row(self, step: int, g, i: int) -> dict:
+        s = g.samples[i]
+        return {"step": step, "prompt_id": g.prompt_index, "sample": g.sample_ids[i] if g.sample_ids else i,
+                "prompt_ids": list(s.prompt_ids), "response_ids": list(s.output_ids),
+                "prompt": g.example.prompt, "response": self.tokenizer.decode(s.output_ids, skip_special_tokens=True),
+                "reward": g.scores[i] if g.scores is not None else g.rewards[i], "shaped_reward": g.rewards[i],
+                "weight_version": s.weight_version, "finish_reason": s.finish_reason}
+
+    def close(self) -> None:
+        self._file.close()
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """The rows of a run's metrics.jsonl. A cut-off last line (a run still writing) is skipped with a
     warning; a damaged line elsewhere raises ConfigError naming the file and line."""

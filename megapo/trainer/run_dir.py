@@ -37,10 +37,11 @@ log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # train.log_samples: one row per trained response, with its step
 CHECKPOINTS = "checkpoints"
 SFT_DIR = "sft"
 # Everything a run writes into its folder (logs/ is the Slurm templates', written before the trainer starts).
-RUN_ARTIFACTS = (CHECKPOINTS, METRICS_FILE, "tensorboard", "wandb", CONFIG_FILE, "weights_sync", "vllm-server.log",
+RUN_ARTIFACTS = (CHECKPOINTS, METRICS_FILE, SAMPLES_FILE, "tensorboard", "wandb", CONFIG_FILE, "weights_sync", "vllm-server.log",
                  SFT_DIR)
 
 
@@ -94,9 +95,10 @@ def begin(start: RunStart) -> None:
 
 
 def started(start: RunStart, cfg) -> None:
-    """Rank 0, once the run has started: drop the metrics rows it logs again, write its config.json."""
+    """Rank 0, once the run has started: drop the metrics and sample rows it logs again, write its config.json."""
     if start.metrics_upto is not None:
-        trim_metrics(start.out_dir / METRICS_FILE, start.metrics_upto)
+        for name in (METRICS_FILE, SAMPLES_FILE):
+            trim_metrics(start.out_dir / name, start.metrics_upto)
     start.out_dir.mkdir(parents=True, exist_ok=True)
     tmp = start.out_dir / (CONFIG_FILE + ".tmp")
     tmp.write_text(json.dumps(asdict(cfg), indent=1))
