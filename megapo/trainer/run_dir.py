@@ -41,8 +41,8 @@ SAMPLES_FILE = "samples.jsonl"  # train.log_samples: one row per trained respons
 CHECKPOINTS = "checkpoints"
 SFT_DIR = "sft"
 # Everything a run writes into its folder (logs/ is the Slurm templates', written before the trainer starts).
-RUN_ARTIFACTS = (CHECKPOINTS, METRICS_FILE, SAMPLES_FILE, "tensorboard", "wandb", CONFIG_FILE, "weights_sync", "vllm-server.log",
-                 SFT_DIR)
+RUN_ARTIFACTS = (CHECKPOINTS, METRICS_FILE, SAMPLES_FILE, "tensorboard", "wandb", CONFIG_FILE, "weights_sync",
+                 "vllm-server.log", SFT_DIR)
 
 
 @dataclass
