@@ -28,7 +28,8 @@ from pathlib import Path
 
 import yaml
 
-from megapo.launch.slurm import CHECKPOINT_SUBDIR, EXIT_CHECKPOINTED
+from megapo.trainer.run_dir import CHECKPOINTS
+from megapo.trainer.stop import EXIT_CHECKPOINTED
 from megapo.config import apply_override
 
 
@@ -62,7 +63,7 @@ def train(argv: list[str]) -> int:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # set by torchrun
     group = FileGroup(out, rank, world)
-    ckpt = out / CHECKPOINT_SUBDIR / "latest.json"
+    ckpt = out / CHECKPOINTS / "latest.json"
     start = 0
     if args.resume and ckpt.is_file():
         start = json.loads(ckpt.read_text())["step"]

@@ -7,7 +7,8 @@ import transformers
 
 from megapo.engines.base import SamplingParams
 from megapo.engines.embedded import EmbeddedEngine
-from megapo.engines.torch_lm import TorchCausalLM, iter_safetensors
+from megapo.engines.torch_lm import TorchCausalLM
+from megapo.weights.safetensors_io import iter_folder
 
 FAMILIES = ["qwen3_moe", "qwen2", "mixtral"]
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
@@ -154,7 +155,7 @@ def test_update_weights_changes_samples_and_version(tiny_moe, tiny_model_factory
     params = SamplingParams(n=2, max_new_tokens=8, seed=0)
     before = engine.generate(PROMPTS, params)
     assert engine.weight_version == 0 and before[0][0].weight_version == 0
-    engine.update_weights(iter_safetensors(other), version=3)
+    engine.update_weights(iter_folder(other), version=3)
     after = engine.generate(PROMPTS, params)
     assert engine.weight_version == 3 and after[0][0].weight_version == 3
     assert [s.output_ids for g in after for s in g] != [s.output_ids for g in before for s in g]

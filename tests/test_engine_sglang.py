@@ -18,7 +18,7 @@ import torch
 from megapo.engines.base import SamplingParams
 from megapo.engines.embedded import EmbeddedEngine
 from megapo.engines.sglang import SGLangEngine
-from megapo.engines.torch_lm import iter_safetensors
+from megapo.weights.safetensors_io import iter_folder
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12]]
 
@@ -157,7 +157,7 @@ def test_weight_updates_pause_flush(fake, tiny_moe, tiny_model_factory):
     body = dict(fake.calls)["/update_weights_from_disk"]
     assert body["weight_version"] == "4" and body["flush_cache"] is True and body["model_path"].endswith(other.name)
     # tensors staged as safetensors, loaded from disk: back to the first model
-    engine.update_weights(iter_safetensors(tiny_moe), version=5)
+    engine.update_weights(iter_folder(tiny_moe), version=5)
     again = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=0))
     assert [g[0].output_ids for g in again] == [g[0].output_ids for g in before]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from megapo.launch.slurm import EXIT_CHECKPOINTED
+from megapo.trainer.stop import EXIT_CHECKPOINTED
 
 REPO = Path(__file__).resolve().parents[1]
 STANDIN = REPO / "tests" / "slurm_standin.py"

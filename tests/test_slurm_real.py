@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megapo.launch.slurm import EXIT_CHECKPOINTED
+from megapo.trainer.stop import EXIT_CHECKPOINTED
 from megapo.cli import main
 from megapo.net import free_port
 

@@ -193,3 +193,10 @@ def test_shared_names_are_still_shared():
     found = definitions()
     stale = [name for name in SHARED_NAMES if len(found.get(name, [])) < 2]
     assert not stale, f"SHARED_NAMES lists names defined once or not at all: {stale}"
+
+
+def test_one_module_touches_the_safetensors_library():
+    """Every safetensors file megapo writes or reads goes through megapo/weights/safetensors_io.py."""
+    users = [f"{path.relative_to(ROOT)}:{line}" for path in _sources() if path.name != "safetensors_io.py"
+             for name, line in _imports(path) if name.split(".")[0] == "safetensors"]
+    assert not users, "safetensors imported outside megapo/weights/safetensors_io.py: " + ", ".join(users)

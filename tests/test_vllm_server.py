@@ -20,7 +20,7 @@ import transformers
 from megapo.launch.local import run_torchrun
 from megapo.engines.base import SamplingParams
 from megapo.engines.server import VLLMServer, VLLMServerConfig, vllm_python
-from megapo.engines.torch_lm import iter_safetensors
+from megapo.weights.safetensors_io import iter_folder
 from megapo.engines.vllm import VLLMEngine
 from megapo.net import free_port
 
@@ -43,8 +43,8 @@ def models(tiny_model_factory, tmp_path_factory):
             shutil.copy(f, changed / f.name)
     from safetensors.torch import save_file
 
-    new = dict(iter_safetensors(base))
-    for name, t in iter_safetensors(other):
+    new = dict(iter_folder(base))
+    for name, t in iter_folder(other):
         if ".mlp." in name:
             new[name] = t * 4
     save_file(new, str(changed / "model.safetensors"))
@@ -155,7 +155,7 @@ def test_vllm_generate_reload_and_version(engine, models):
     assert err_vs_old > 0.05  # the reload really changed what the server computes
 
     # update_weights (tensors staged as safetensors) back to the base model
-    engine.update_weights(iter_safetensors(base), version=2)
+    engine.update_weights(iter_folder(base), version=2)
     back = engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=8, seed=0))
     assert all(s.weight_version == 2 for g in back for s in g)
     assert max_error(hf_base, back) < TOL
@@ -310,8 +310,8 @@ def test_broadcast_sync_into_the_real_server(engine, models):
     hf_changed = transformers.AutoModelForCausalLM.from_pretrained(changed, dtype=torch.float32).eval()
     for path, hf, other in ((changed, hf_changed, hf_base), (base, hf_base, hf_changed)):
         version = engine.weight_version + 1
-        stats = sync_named(iter_safetensors(path), [engine], transport, 256 * 1024, version)
-        assert stats.bytes == sum(t.numel() * t.element_size() for _, t in iter_safetensors(path))
+        stats = sync_named(iter_folder(path), [engine], transport, 256 * 1024, version)
+        assert stats.bytes == sum(t.numel() * t.element_size() for _, t in iter_folder(path))
         assert engine.server_weight_version() == str(version)
         out = engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=8, seed=0))
         assert all(s.weight_version == version for g in out for s in g)

@@ -11,7 +11,7 @@ import transformers
 from safetensors import safe_open
 
 from megapo.engines.embedded import EmbeddedEngine
-from megapo.engines.torch_lm import iter_safetensors
+from megapo.weights.safetensors_io import iter_folder
 from megapo.models.tiny import write_tiny_model
 from megapo.weights import DiskTransport, TensorTransport, bucket_bytes, sync_named
 from megapo.weights.broadcast import BroadcastReceiver, BroadcastSender, BroadcastTransport, GroupAddress, join_group
@@ -41,7 +41,7 @@ def assert_engine_is(engine, path, tol=1e-4):
 
 
 def model_bytes(path) -> int:
-    return sum(t.numel() * t.element_size() for _, t in iter_safetensors(path))
+    return sum(t.numel() * t.element_size() for _, t in iter_folder(path))
 
 
 # ----------------------------------------------------------------------------------------- bad input
@@ -83,7 +83,7 @@ def test_sync_refuses_bucket_bytes_before_anything(bad):
 def test_sync_refuses_stale_version(pair):
     engine = EmbeddedEngine(pair[0], weight_version=3)
     with pytest.raises(ValueError, match="version"):
-        sync_named(iter_safetensors(pair[1]), [engine], TensorTransport(), 2**20, 3)
+        sync_named(iter_folder(pair[1]), [engine], TensorTransport(), 2**20, 3)
     assert engine.weight_version == 3
     assert_engine_is(engine, pair[0])
 
@@ -135,8 +135,8 @@ def test_write_safetensors_views_and_cast(tmp_path):
 def test_tensor_transport(pair):
     engines = [EmbeddedEngine(pair[0]), EmbeddedEngine(pair[0])]
     total = model_bytes(pair[1])
-    stats = sync_named(iter_safetensors(pair[1]), engines, TensorTransport(), 64 * 1024, 1)
-    largest = max(t.numel() * t.element_size() for _, t in iter_safetensors(pair[1]))  # the embedding, 128 KiB
+    stats = sync_named(iter_folder(pair[1]), engines, TensorTransport(), 64 * 1024, 1)
+    largest = max(t.numel() * t.element_size() for _, t in iter_folder(pair[1]))  # the embedding, 128 KiB
     assert stats.bytes == total and stats.buckets > 3 and stats.largest_bucket <= max(64 * 1024, largest)
     for engine in engines:
         assert engine.weight_version == 1
@@ -146,23 +146,23 @@ def test_tensor_transport(pair):
 def test_disk_transport(pair, tmp_path):
     engine = EmbeddedEngine(pair[0])
     transport = DiskTransport(tmp_path, config_dir=pair[1])
-    stats = sync_named(iter_safetensors(pair[1]), [engine], transport, 64 * 1024, 1)
+    stats = sync_named(iter_folder(pair[1]), [engine], transport, 64 * 1024, 1)
     folder = tmp_path / "v1"
     assert engine.weight_version == 1
     assert_engine_is(engine, pair[1])
     # the folder is a loadable HF checkpoint: transformers reads it (index + shards + config)
     assert (hf_logits(folder) - hf_logits(pair[1])).abs().max().item() == 0
     index = json.loads((folder / "model.safetensors.index.json").read_text())
-    assert sorted(index["weight_map"]) == sorted(n for n, _ in iter_safetensors(pair[1]))
+    assert sorted(index["weight_map"]) == sorted(n for n, _ in iter_folder(pair[1]))
     assert len(set(index["weight_map"].values())) == stats.buckets > 3
-    sync_named(iter_safetensors(pair[0]), [engine], transport, 64 * 1024, 2)
+    sync_named(iter_folder(pair[0]), [engine], transport, 64 * 1024, 2)
     assert engine.weight_version == 2 and not folder.exists() and (tmp_path / "v2").is_dir()
     assert_engine_is(engine, pair[0])
     # v1's files became the staging folder; the next sync overwrites them in place (with fewer, larger
     # shards here, so some of v1's shards are stale and must go) and renames the folder to v3
     staging = tmp_path / "staging"
     assert sorted(p.name for p in staging.iterdir()) == sorted(p.name for p in folder.parent.joinpath("v2").iterdir())
-    stats3 = sync_named(iter_safetensors(pair[1]), [engine], transport, 256 * 1024, 3)
+    stats3 = sync_named(iter_folder(pair[1]), [engine], transport, 256 * 1024, 3)
     v3 = tmp_path / "v3"
     assert engine.weight_version == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["staging", "v3"]
     assert len(list(v3.glob("*.safetensors"))) == stats3.buckets < stats.buckets
@@ -171,7 +171,7 @@ def test_disk_transport(pair, tmp_path):
     DiskTransport(tmp_path, recycle=False)._prune(3)  # nothing older than v3 is left to drop
     no_recycle = DiskTransport(tmp_path / "plain", recycle=False)
     for v in (4, 5):
-        sync_named(iter_safetensors(pair[0]), [engine], no_recycle, 64 * 1024, v)
+        sync_named(iter_folder(pair[0]), [engine], no_recycle, 64 * 1024, v)
     assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["v5"]
     assert_engine_is(engine, pair[0])
 
@@ -201,7 +201,7 @@ def test_read_safetensors_into(tmp_path):
 
 def fused_gate_up(path):
     """The model's tensors, each expert's gate and up yielded as the two halves of one fresh tensor."""
-    tensors = dict(iter_safetensors(path))
+    tensors = dict(iter_folder(path))
     for name, t in tensors.items():
         if ".gate_proj." in name:
             fused = torch.cat([t, tensors[name.replace("gate_proj", "up_proj")]])
@@ -278,10 +278,10 @@ def test_broadcast_bf16_cast(pair):
 
     thread = threading.Thread(target=worker)
     thread.start()
-    stats = sync_named(iter_safetensors(pair[1]), [], BroadcastTransport(BroadcastSender(groups[0])), 2**20, 1,
+    stats = sync_named(iter_folder(pair[1]), [], BroadcastTransport(BroadcastSender(groups[0])), 2**20, 1,
                        dtype=torch.bfloat16)
     thread.join()
-    ref = dict(iter_safetensors(pair[1]))
+    ref = dict(iter_folder(pair[1]))
     assert stats.bytes == model_bytes(pair[1]) // 2
     assert sorted(got) == sorted(ref)
     for name, t in ref.items():
@@ -331,7 +331,7 @@ def wide(tmp_path_factory):
 
 def fresh_copies(path):
     """Like a gather: every tensor is a new allocation that only the consumer keeps alive."""
-    tensors = dict(iter_safetensors(path))
+    tensors = dict(iter_folder(path))
     return tensors, lambda: ((name, t.clone()) for name, t in tensors.items())
 
 
@@ -412,7 +412,7 @@ def megatron_order_stream(path):
     """The model's HF tensors as a TP=1 Megatron learner streams them: each expert's gate, up and down lie back
     to back in one buffer (its fc1 = [gate; up] and fc2 follow each other in contiguous parameter storage),
     q, k and v back to back in another (the QKV export writes them so)."""
-    tensors = dict(iter_safetensors(path))
+    tensors = dict(iter_folder(path))
     out, done = [], set()
     for name, t in tensors.items():
         if name in done:

@@ -16,8 +16,8 @@ import signal
 import subprocess
 from pathlib import Path
 
-from megapo.launch import local, slurm
 from megapo.config import ConfigError
+from megapo.launch import local, slurm
 
 SUBCOMMAND = "where"  # megapo.cli names it in error messages: `megapo launch local: ...`
 

@@ -65,10 +65,10 @@ class ShardWriter:
         self.total_bytes += out.nbytes
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
+        from megapo.weights.safetensors_io import save_tensors
 
         path = self.out_dir / f"shard-{len(self._written):05d}.safetensors.partial"
-        save_file(self._pending, str(path), metadata={"format": "pt"})
+        save_tensors(path, self._pending, metadata={"format": "pt"})
         self._written.append((path, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
 

@@ -71,7 +71,7 @@ def check_hf_tensors(folder: Path, family, spec, arg: str) -> tuple[dict[str, tu
     """The safetensors headers of `folder` (names, shapes, dtypes), checked to hold exactly the tensors of
     `family` / `spec` with their shapes, every file readable (a truncated one is refused); ConfigError naming
     `arg` otherwise. Reads headers only."""
-    from safetensors import safe_open
+    from megapo.weights.safetensors_io import open_tensors
 
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
@@ -92,7 +92,7 @@ def check_hf_tensors(folder: Path, family, spec, arg: str) -> tuple[dict[str, tu
         if not path.is_file():
             raise ConfigError(arg, f"{path} (listed in the index) does not exist")
         try:
-            with safe_open(path, "pt") as handle:
+            with open_tensors(path) as handle:
                 for key in handle.keys():
                     piece = handle.get_slice(key)
                     found[key] = tuple(piece.get_shape())

@@ -116,7 +116,7 @@ def stage_and_reload(engine: Engine, config_dir, staging_root, named_tensors: It
     import tempfile
     from pathlib import Path
 
-    from safetensors.torch import save_file
+    from megapo.weights.safetensors_io import save_tensors
 
     if config_dir is None:
         raise ValueError("update_weights needs config_dir (the HF folder of the served model) to stage weights")
@@ -128,7 +128,7 @@ def stage_and_reload(engine: Engine, config_dir, staging_root, named_tensors: It
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
         if not tensors:
             raise ValueError("named_tensors is empty")
-        save_file(tensors, str(stage / "model.safetensors"))
+        save_tensors(stage / "model.safetensors", tensors)
         engine.update_weights_from_disk(str(stage), version)
     finally:
         shutil.rmtree(stage, ignore_errors=True)

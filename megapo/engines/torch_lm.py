@@ -258,11 +258,13 @@ class TorchCausalLM:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "TorchCausalLM":
+        from megapo.weights.safetensors_io import iter_folder
+
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"model_dir {str(model_dir)!r} has no config.json")
         model = cls(TorchLMSpec.from_config(json.loads((model_dir / "config.json").read_text())), dtype)
-        loaded = model.load(iter_safetensors(model_dir))
+        loaded = model.load(iter_folder(model_dir))
         missing = model.required_names() - loaded
         if missing:
             raise ValueError(f"model_dir {str(model_dir)!r} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
@@ -354,17 +356,3 @@ class TorchCausalLM:
         if with_routes:
             return out, torch.stack(routes, dim=2)
         return out
-
-
-def iter_safetensors(model_dir: str | Path) -> Iterable[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor in the folder's *.safetensors files (no pickles)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {str(model_dir)!r}")
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                yield name, st.get_tensor(name)
-

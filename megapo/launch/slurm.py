@@ -29,11 +29,9 @@ import yaml
 
 from megapo.config import ConfigError, ParallelConfig, apply_override, from_dict, load_config
 from megapo.layout import LayoutError, check_layout, read_hf_config
-
 # The trainer's side of the contract (slurm/README.md): on SIGTERM it saves a checkpoint under
-# <train.output_dir>/CHECKPOINT_SUBDIR and exits with EXIT_CHECKPOINTED (EX_TEMPFAIL, "try again").
-EXIT_CHECKPOINTED = 75
-CHECKPOINT_SUBDIR = "checkpoints"
+# <train.output_dir>/<megapo.trainer.run_dir.CHECKPOINTS> and exits with EXIT_CHECKPOINTED (EX_TEMPFAIL, "try again").
+from megapo.trainer.stop import EXIT_CHECKPOINTED
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "slurm"
 _PLACEHOLDER = re.compile(r"\{\{([A-Z_]+)\}\}")
@@ -278,7 +276,7 @@ def render(run: RunSpec, job: SlurmJob) -> str:
         "PYTHON": shlex.quote(job.python),
         "CONFIG": shlex.quote(str(run.config_path)),
         "OUTPUT_DIR": shlex.quote(str(run.output_dir)),
-        "CHECKPOINT_SUBDIR": CHECKPOINT_SUBDIR,
+        "CHECKPOINT_SUBDIR": _checkpoint_folder_name(),
         "EXIT_CHECKPOINTED": str(EXIT_CHECKPOINTED),
         "PROCS_PER_NODE": str(job.procs),
         "GPUS_PER_NODE": str(job.gpus_per_node),
@@ -322,3 +320,9 @@ def submit(script: str, run: RunSpec, job: SlurmJob) -> str:
     if out.returncode != 0:
         raise RuntimeError(f"sbatch {path} failed ({out.returncode}): {out.stderr.strip()}")
     return out.stdout.strip().split(";")[0]
+
+
+def _checkpoint_folder_name() -> str:
+    from megapo.trainer.run_dir import CHECKPOINTS  # imports torch: only when a script is rendered
+
+    return CHECKPOINTS

@@ -109,20 +109,20 @@ def set_rng_state(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> 
 
 
 def _save_rng(path: Path, extra: dict) -> None:
-    from safetensors.torch import save_file
+    from megapo.weights.safetensors_io import save_tensors
 
     tensors, scalars = rng_state()
     for name, value in extra.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"rng_extra[{name!r}]: expected a tensor, got {type(value).__name__}")
         tensors[f"extra.{name}"] = value.detach().cpu().contiguous()
-    save_file(tensors, str(path), metadata={"scalars": json.dumps(scalars)})
+    save_tensors(path, tensors, metadata={"scalars": json.dumps(scalars)})
 
 
 def _load_rng(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    from safetensors import safe_open
+    from megapo.weights.safetensors_io import open_tensors
 
-    with safe_open(str(path), "pt") as handle:
+    with open_tensors(path) as handle:
         scalars = json.loads(handle.metadata()["scalars"])
         return {k: handle.get_tensor(k) for k in handle.keys()}, scalars
 

@@ -16,9 +16,8 @@ import os
 import signal
 from dataclasses import dataclass, field
 
-from megapo.dist import any_rank
-
-EXIT_CHECKPOINTED = 75  # = launch.slurm.EXIT_CHECKPOINTED (EX_TEMPFAIL: stopped early, try again)
+# the launchers' exit code for "stopped early, try again" (EX_TEMPFAIL); megapo.launch.slurm reads it from here
+EXIT_CHECKPOINTED = 75
 # SIGINT: a terminal sends it to the whole foreground process group, like torchrun's SIGTERM
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -60,4 +59,6 @@ class StopFlag:
 
     def agreed(self) -> bool:
         """True on every rank when any rank was asked to stop (collective when distributed)."""
+        from megapo.dist import any_rank  # (torch: not imported by launchers that only read EXIT_CHECKPOINTED)
+
         return any_rank(self.requested)

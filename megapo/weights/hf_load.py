@@ -80,7 +80,7 @@ class SafetensorsReader:
     """Reads single tensors by name from a model folder (one file or an index of shards)."""
 
     def __init__(self, model_dir: str | Path):
-        from safetensors import safe_open
+        from megapo.weights.safetensors_io import open_tensors
 
         model_dir = Path(model_dir)
         index = model_dir / "model.safetensors.index.json"
@@ -92,10 +92,10 @@ class SafetensorsReader:
                 raise FileNotFoundError(f"model: no *.safetensors in {model_dir}")
             weight_map = {}
             for f in files:
-                with safe_open(f, "pt") as handle:
+                with open_tensors(f) as handle:
                     weight_map.update({k: f.name for k in handle.keys()})
         self.weight_map = weight_map
-        self.handles = {f: safe_open(model_dir / f, "pt") for f in set(weight_map.values())}
+        self.handles = {f: open_tensors(model_dir / f) for f in set(weight_map.values())}
 
     def _handle(self, name: str):
         if name not in self.weight_map:

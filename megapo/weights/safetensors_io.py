@@ -1,5 +1,8 @@
-"""Safetensors files of a weight sync, written and read with no intermediate copy.
+"""megapo's one safetensors module: every file megapo writes or reads in that format goes through here.
 
+- `save_tensors` / `open_tensors` / `iter_folder`: the official writer and reader (checkpoint RNG state,
+  converted HF shards, staged engine weights, model folders).
+Weight sync's files, written and read with no intermediate copy:
 - `write_safetensors`: straight from the tensors (views included). safetensors' own `save_file` refuses
   tensors that share storage, and the HF tensors of a weight sync often do (gate and up are two halves of
   one Megatron parameter); it also makes a bytes copy of every tensor first. A file that already exists
@@ -28,6 +31,30 @@ from megapo.weights.buckets import DTYPE_NAMES, DTYPES, nbytes
 
 MAX_HEADER = 100 * 2**20  # the official reader's limit
 
+
+def save_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """The official writer: contiguous tensors that share no storage; `metadata` maps str to str."""
+    from safetensors.torch import save_file
+
+    save_file(dict(tensors), str(path), metadata=metadata)
+
+
+def open_tensors(path: str | Path):
+    """The official reader of one file, a context manager: keys(), get_tensor(), get_slice(), metadata()."""
+    from safetensors import safe_open
+
+    return safe_open(str(path), framework="pt")
+
+
+def iter_folder(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor in the folder's *.safetensors files, in file-name order (no pickles)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {str(model_dir)!r}")
+    for f in files:
+        with open_tensors(f) as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
 
 def write_safetensors(path: str | Path, tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
                       metadata: dict[str, str] | None = None) -> int:
@@ -110,9 +137,7 @@ def read_safetensors_into(path: str | Path, targets: Mapping[str, torch.Tensor])
             if hi > lo:
                 _read_into(fd, dest, start + lo, path, name)
     if rest:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as st:
+        with open_tensors(path) as st:
             for name in rest:
                 yield name, st.get_tensor(name)
 
