@@ -68,7 +68,8 @@ def test_report_numbers_follow_the_formulas(tmp_path):
 
 def test_eval_metrics_by_difficulty():
     lengths, solved, digits = [5, 7, 20, 30, 31], [True, False, True, True, False], [2, 2, 5, 5, 5]
-    r = EvalResult(3 / 5, 3, 5, sum(lengths) / 5, lengths, solved, digits)
+    r = EvalResult(3 / 5, 3, 5, sum(lengths) / 5, lengths, solved, digits, ["terse", "terse", "checked", "x", "x"])
     m = r.metrics("eval/")
+    assert m["eval/kind/terse"] == 0.4 and m["eval/kind/checked"] == 0.2 and m["eval/kind/x"] == 0.4
     assert m["eval/accuracy"] == 0.6 and m["eval/acc_d2"] == 0.5 and m["eval/acc_d5"] == pytest.approx(2 / 3)
     assert m["eval/len/d2"] == 6.0 and m["eval/len/d5"] == pytest.approx(27.0) and m["eval/len/mean"] == 18.6

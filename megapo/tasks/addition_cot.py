@@ -140,4 +140,5 @@ def task(min_digits: int = MIN_DIGITS, max_digits: int = MAX_DIGITS, scratchpad_
                 for ex, v, c in zip(examples, verbose, twice)]
 
     sizes = {"train": TRAIN_SIZE, "validation": VALIDATION_PER_DIGITS * counts, "test": TEST_PER_DIGITS * counts}
-    return Task("addition_cot", sizes, get, reward="megapo.tasks.addition_cot:reward", demonstrations=demonstrations)
+    return Task("addition_cot", sizes, get, reward="megapo.tasks.addition_cot:reward", demonstrations=demonstrations,
+                response_kind=response_format)

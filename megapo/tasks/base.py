@@ -40,6 +40,8 @@ class Task:
     example: Callable[[str, int], Example]
     reward: str = "exact_match"
     demonstrations: Callable[[Sequence[Example], int], list[str]] | None = None
+    # the kind of a response (addition_cot: terse | scratchpad | checked): held-out eval logs each kind's share
+    response_kind: Callable[[str], str] | None = None
 
     def size(self, split: str) -> int:
         if split not in self.sizes:

@@ -30,6 +30,7 @@ class EvalResult:
     lengths: list[int] = field(default_factory=list)  # response tokens of each example, end-of-sequence included
     solved: list[bool] = field(default_factory=list)  # each example's verdict
     difficulties: list[int | None] = field(default_factory=list)  # each example's task difficulty
+    kinds: list[str] = field(default_factory=list)  # each response's kind (Task.response_kind), when the task has one
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         """accuracy, response_len, and by difficulty bucket k: acc_d{k}; lengths as metrics.length_metrics
@@ -41,6 +42,8 @@ class EvalResult:
             bucket = [ok for ok, d in zip(self.solved, self.difficulties) if d == k]
             out[f"{prefix}acc_d{k}"] = sum(bucket) / len(bucket)
         out.update({prefix + key: v for key, v in length_metrics(self.lengths, self.difficulties).items()})
+        for kind in sorted(set(self.kinds)):
+            out[f"{prefix}kind/{kind}"] = self.kinds.count(kind) / len(self.kinds)
         return out
 
 
@@ -102,14 +105,15 @@ def task_verifier(task) -> Callable[[Example, str], float]:
 
 
 def score(generate: GenerateFn, tokenizer, examples: Sequence[Example], prompt_ids: Sequence[list[int]],
-          verify: Callable[[Example, str], float]) -> EvalResult:
+          verify: Callable[[Example, str], float], kind: Callable[[str], str] | None = None) -> EvalResult:
     outputs = generate(list(prompt_ids))
     lengths = [len(ids) + int(ended) for ids, ended in outputs]
-    solved = [ended and verify(ex, tokenizer.decode(ids, skip_special_tokens=True)) > 0.5
-              for ex, (ids, ended) in zip(examples, outputs)]
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in outputs]
+    solved = [ended and verify(ex, text) > 0.5 for ex, text, (_, ended) in zip(examples, texts, outputs)]
     total = len(examples)
     return EvalResult(sum(solved) / max(total, 1), sum(solved), total, sum(lengths) / max(total, 1), lengths,
-                      solved, [getattr(ex, "difficulty", None) for ex in examples])
+                      solved, [getattr(ex, "difficulty", None) for ex in examples],
+                      [kind(text) for text in texts] if kind is not None else [])
 
 
 def evaluate(model_or_engine, task: str = "addition", split: str = "test", *, n: int | None = None,
@@ -136,4 +140,4 @@ def evaluate(model_or_engine, task: str = "addition", split: str = "test", *, n:
         gen = hf_greedy(model, tokenizer, max_new_tokens, batch_size)
     else:
         gen = engine_greedy(model, tokenizer.eos_token_id, max_new_tokens, batch_size)
-    return score(gen, tokenizer, examples, prompts, task_verifier(task))
+    return score(gen, tokenizer, examples, prompts, task_verifier(task), task.response_kind)

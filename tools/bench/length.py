@@ -268,10 +268,14 @@ def _fmt(x, kind: str = "f") -> str:
 def table_markdown(summary: dict) -> str:
     methods = summary["methods"]
     digits = digit_counts(next(iter(methods.values()), {}))
+    kinds = sorted({k for s in methods.values() for k in s if k.startswith("kind/")})
     head = ["method", "seeds", "accuracy", "Δ acc vs baseline", "mean tokens", "token cut", "p90 tokens",
-            *[f"tokens d{d}" for d in digits], *[f"acc d{d}" for d in digits], "per-seed accuracy"]
+            *[f"tokens d{d}" for d in digits], *[f"acc d{d}" for d in digits],
+            *[f"{k.removeprefix('kind/')} share" for k in kinds], "per-seed accuracy"]
     lines = [f"# Length bench ({summary['steps']} RL steps per cell, {summary['config']})", "",
-             "Held-out test split, greedy; means over seeds. Token cut: 1 − mean tokens / the baseline's.", ""]
+             "Held-out test split, greedy; means over seeds. Token cut: 1 − mean tokens / the baseline's. Shares: "
+             "the task's response kinds (addition_cot: terse = the answer alone, scratchpad = one pass of the "
+             "columns, checked = the columns twice).", ""]
     if summary.get("warm_start"):
         w = summary["warm_start"]
         lines += [f"Warm start: accuracy {_fmt(w.get('accuracy'), 'acc')}, mean tokens {_fmt(w.get('len/mean'))}.", ""]
@@ -280,7 +284,7 @@ def table_markdown(summary: dict) -> str:
         cols = [m, str(s["seeds"]), _fmt(s.get("accuracy"), "acc"), _fmt(s.get("accuracy_delta"), "pct"),
                 _fmt(s.get("len/mean")), _fmt(s.get("token_cut"), "pct"), _fmt(s.get("len/p90")),
                 *[_fmt(s.get(f"len/d{d}")) for d in digits], *[_fmt(s.get(f"acc_d{d}"), "acc") for d in digits],
-                " ".join(f"{a:.3f}" for a in s["per_seed_accuracy"])]
+                *[_fmt(s.get(k), "acc") for k in kinds], " ".join(f"{a:.3f}" for a in s["per_seed_accuracy"])]
         lines.append("| " + " | ".join(cols) + " |")
     t = summary["targets"]
     lines += ["", f"≥ 40 % fewer tokens at accuracy within 2 points of the baseline: "
