@@ -59,7 +59,7 @@ METHODS: dict[str, list[str]] = {
     "laconic": _reward("laconic", "{target: 40, dual_lr: 0.05}"),
     "grpo_lambda": [*_reward("grpo_lambda", "{inner: kimi, min_correct_ratio: 0.5}"), "algorithm.clamp_correct_adv=true"],
     "hapo": _reward("hapo"),
-    "curriculum": _reward("curriculum", f"{{start: {BUDGET}, end: 56, steps: 80}}"),
+    "curriculum": _reward("curriculum", f"{{start: {BUDGET}, end: 56, steps: 50}}"),
     "dler": [*_reward("dler", "{truncate_at: 60}"), "algorithm.advantage=reinforce_pp_baseline",
              "data.dynamic_sampling=true"],
     "dast": _reward("dast"),
