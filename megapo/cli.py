@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "logprobs": ("megapo.commands.logprobs", "log-probs of given tokens from the Megatron learner"),
     "sft": ("megapo.commands.sft", "supervised warm start on a built-in task"),
     "train": ("megapo.commands.train", "RL training: megapo train CONFIG.yaml [dotted.overrides=...]"),
+    "config": ("megapo.commands.config", "show a run config: every field's value, default, range and doc"),
     "plot": ("megapo.commands.plot", "draw reward/length/KL curves of a run to PNG"),
     "convert": ("megapo.commands.convert", "HF <-> Megatron checkpoint conversion"),
     "launch": ("megapo.commands.launch", "launch a run (local or Slurm)"),

@@ -11,11 +11,17 @@ any process or allocation starts. YAML syntax errors name the file (or override)
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import functools
 import importlib
+import inspect
+import io
 import math
 import re
+import textwrap
+import tokenize
 import types
 import typing
 from dataclasses import dataclass, field
@@ -105,6 +111,43 @@ def _check_finite(value, name: str) -> None:
             _check_finite(item, f"{name}[{i}]")
 
 
+# ----------------------------------------------------------------------------- field docs
+# A field's doc is written where it is declared, as comments: the lines right above it (no blank line
+# between) and the comment at the end of its line. `megapo config show` prints them.
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field of dataclass `cls` -> its doc, read from the class's source ("" for an undocumented field)."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments = _comments(source)
+    class_def = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef))
+    docs = {}
+    for node in class_def.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            above = []
+            line = node.lineno - 1
+            while comments.get(line, (False, ""))[0]:  # a whole-line comment right above
+                above.insert(0, comments[line][1])
+                line -= 1
+            trailing = [comments[n][1] for n in range(node.lineno, node.end_lineno + 1)
+                        if n in comments and not comments[n][0]]
+            docs[node.target.id] = " ".join(text for text in above + trailing if text)
+    return docs
+
+
+def _comments(source: str) -> dict[int, tuple[bool, str]]:
+    """line -> (whether the comment is the whole line, its text without '#'), found with tokenize (so a '#'
+    inside a string is not a comment)."""
+    lines = source.splitlines()
+    found = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            row, col = tok.start
+            found[row] = (not lines[row - 1][:col].strip(), tok.string.lstrip("#").strip())
+    return found
+
+
 # ----------------------------------------------------------------------------- sections shared by
 # the learner, the trainer and the launchers. The trainer's full run config is in trainer/config.py.
 
@@ -113,12 +156,12 @@ def _check_finite(value, name: str) -> None:
 class ParallelConfig:
     """How the learner is split over processes. World size = tp * pp * dp; ep divides tp * dp."""
 
-    tp: int = bounded(1, ">= 1")
-    pp: int = bounded(1, ">= 1")
-    ep: int = bounded(1, ">= 1")
-    dp: int = bounded(1, ">= 1")
+    tp: int = bounded(1, ">= 1")  # tensor-parallel size
+    pp: int = bounded(1, ">= 1")  # pipeline-parallel stages
+    ep: int = bounded(1, ">= 1")  # expert-parallel size (divides tp * dp)
+    dp: int = bounded(1, ">= 1")  # data-parallel replicas
     dispatcher: str = "alltoall"  # MoE token dispatcher: "alltoall" | "allgather"
-    distributed_optimizer: bool = False
+    distributed_optimizer: bool = False  # shard the optimizer state over the data-parallel ranks (Megatron's)
     recompute: bool = False  # full activation recompute
     fp8: bool = False  # Transformer Engine FP8 (GPU with TE only)
 
@@ -145,15 +188,17 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 @dataclass
 class OptimConfig:
-    lr: float = bounded(1e-3, "> 0")
-    min_lr: float = bounded(0.0, ">= 0")
+    """The learner's Adam optimizer and learning-rate schedule."""
+
+    lr: float = bounded(1e-3, "> 0")  # learning rate after warmup (where a cosine / linear decay starts)
+    min_lr: float = bounded(0.0, ">= 0")  # where a cosine / linear schedule ends, at the last step
     lr_schedule: str = "constant"  # "constant" | "cosine" | "linear"
-    warmup_steps: int = bounded(0, ">= 0")
-    weight_decay: float = bounded(0.0, ">= 0")
-    adam_beta1: float = bounded(0.9, "[0, 1)")
-    adam_beta2: float = bounded(0.999, "[0, 1)")
-    adam_eps: float = bounded(1e-8, "> 0")
-    grad_clip: float = bounded(1.0, ">= 0", "0 disables")
+    warmup_steps: int = bounded(0, ">= 0")  # steps of linear warmup from 0 to lr
+    weight_decay: float = bounded(0.0, ">= 0")  # Adam's weight decay
+    adam_beta1: float = bounded(0.9, "[0, 1)")  # decay rate of the gradient's running mean
+    adam_beta2: float = bounded(0.999, "[0, 1)")  # decay rate of the squared gradient's running mean
+    adam_eps: float = bounded(1e-8, "> 0")  # added to the root of the squared-gradient mean
+    grad_clip: float = bounded(1.0, ">= 0", "0 disables")  # the gradients' global norm is clipped to this
     # Undo a non-finite update (megapo/learner/guard.py) from a copy of this rank's parameters and Adam state,
     # refilled every step: one more set of them in memory, twice what the optimizer holds. False keeps no copy:
     # a non-finite gradient norm still skips the step before Adam; non-finite parameters after Adam then stop
@@ -189,8 +234,10 @@ def import_function(spec: str, field: str, kind: str):
 # ----------------------------------------------------------------------------- loading
 
 
-def load_config(cls: type, path: str | Path | None = None, overrides: list[str] | None = None):
-    """Build `cls` from a YAML file plus `a.b=value` overrides (values parsed as YAML), then validate."""
+def load_config(cls: type, path: str | Path | None = None, overrides: list[str] | None = None,
+                validate: bool = True):
+    """Build `cls` from a YAML file plus `a.b=value` overrides (values parsed as YAML), then validate
+    (validate=False: field names, types and declared ranges only; no cross-field rule, no file read)."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -202,7 +249,7 @@ def load_config(cls: type, path: str | Path | None = None, overrides: list[str] 
         data = loaded
     for item in overrides or []:
         apply_override(data, item)
-    validates = hasattr(cls, "validate")  # then validate() checks the fields, naming them with its own prefix
+    validates = validate and hasattr(cls, "validate")  # validate() checks the fields, naming them its own way
     cfg = from_dict(cls, data, check=not validates)
     if validates:
         cfg.validate()

@@ -16,7 +16,8 @@ EXIT_FAILED = 1
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config (YAML), e.g. megapo/configs/tiny_moe_addition.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10 parallel.tp=2")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10 parallel.tp=2 "
+                        "(`megapo config show --defaults` lists every field with its doc)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in train.output_dir from its newest complete checkpoint")
     parser.add_argument("--overwrite", action="store_true",

@@ -78,22 +78,24 @@ def engine_returns_routes(engine: str) -> tuple[bool, str]:
 class TinyModelConfig:
     """Arguments of megapo.models.tiny.write_tiny_model; the model is written to model.path if absent."""
 
-    family: str = "qwen3_moe"
-    layers: int = bounded(2, ">= 1")
-    experts: int = bounded(8, ">= 1")
-    topk: int = bounded(2, ">= 1")
-    hidden: int = bounded(64, ">= 1")
-    heads: int = bounded(4, ">= 1")
-    kv_heads: int = bounded(2, ">= 1")
-    head_dim: int = bounded(32, ">= 1")
-    ffn: int = bounded(128, ">= 1")
-    moe_ffn: int = bounded(128, ">= 1")
-    vocab: int = bounded(512, ">= 300", "256 byte symbols + specials + merges")
-    seed: int = 0
+    family: str = "qwen3_moe"  # qwen3_moe | mixtral (MoE) | qwen2 (dense)
+    layers: int = bounded(2, ">= 1")  # decoder layers
+    experts: int = bounded(8, ">= 1")  # routed experts per MoE layer (unused by qwen2)
+    topk: int = bounded(2, ">= 1")  # experts each token is routed to (at most experts)
+    hidden: int = bounded(64, ">= 1")  # hidden size
+    heads: int = bounded(4, ">= 1")  # attention heads
+    kv_heads: int = bounded(2, ">= 1")  # key/value heads (grouped-query attention)
+    head_dim: int = bounded(32, ">= 1")  # width of one attention head
+    ffn: int = bounded(128, ">= 1")  # intermediate size of a dense MLP (config.json intermediate_size)
+    moe_ffn: int = bounded(128, ">= 1")  # intermediate size of one expert
+    vocab: int = bounded(512, ">= 300", "256 byte symbols + specials + merges")  # tokenizer vocabulary size
+    seed: int = 0  # seed of the random weights
 
 
 @dataclass
 class ModelConfig:
+    """The model RL starts from."""
+
     path: str = ""  # HF folder (config.json, safetensors, tokenizer)
     tiny: TinyModelConfig | None = None  # create a tiny model at `path` when it does not exist yet
 
@@ -102,33 +104,35 @@ class ModelConfig:
 class SFTConfig:
     """Supervised warm start on the built-in task before RL (see megapo.trainer.sft)."""
 
-    enabled: bool = False
+    enabled: bool = False  # run the warm start on data.task's demonstrations before RL
     examples: int = bounded(2000, ">= 1")  # fixed training examples (fewer are memorised, more solve the task outright)
-    lr: float = bounded(2e-3, "> 0")
-    batch_size: int = bounded(128, ">= 1")
+    lr: float = bounded(2e-3, "> 0")  # AdamW learning rate
+    batch_size: int = bounded(128, ">= 1")  # examples per step
     threshold: float = bounded(0.2, "(0, 1]")  # stop when validation exact-match reaches this
-    check_every: int = bounded(20, ">= 1")
-    max_steps: int = bounded(2000, ">= 1")
-    seed: int = 0
+    check_every: int = bounded(20, ">= 1")  # steps between validation checks
+    max_steps: int = bounded(2000, ">= 1")  # stop here even below threshold (sft_result.json says which)
+    seed: int = 0  # seed of the examples and their order
 
 
 @dataclass
 class AlgorithmConfig:
-    objective: str = "gspo"
+    """The RL algorithm: objective, advantages and the stages around them, KL, corrections."""
+
+    objective: str = "gspo"  # the policy-gradient loss (`megapo objectives --kind objective`)
     objective_options: dict[str, Any] = field(default_factory=dict)  # e.g. clip_low, clip_high
-    advantage: str = "grpo"
-    advantage_options: dict[str, Any] = field(default_factory=dict)
+    advantage: str = "grpo"  # the advantage estimator (`megapo objectives --kind advantage`)
+    advantage_options: dict[str, Any] = field(default_factory=dict)  # the estimator's options (--formulas)
     loss_agg: str = "auto"  # auto: the objective's paper aggregation (`megapo objectives` lists each)
-    kl_coef: float = bounded(0.0, ">= 0")
-    kl_estimator: str = "k3"
+    kl_coef: float = bounded(0.0, ">= 0")  # weight of the KL to π_ref (0: no KL term)
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (`megapo objectives --kind kl`)
     # π_ref of the KL terms (megapo/learner/reference.py): megatron (a frozen Megatron copy of the starting
     # weights under the learner's layout, replaying the routes the policy is trained under) | plain (megapo's
     # PyTorch model on rank 0; one process, routing_replay off) | auto: plain for a single-process CPU learner
     # with routing_replay off on a family that model runs, else megatron. The run's log names the one used.
     reference: str = "auto"
-    entropy_coef: float = bounded(0.0, ">= 0")
+    entropy_coef: float = bounded(0.0, ">= 0")  # weight of the entropy bonus (0: none)
     mismatch: str = "none"  # rollout/learner mismatch correction: none or a correction name (megapo objectives)
-    mismatch_options: dict[str, Any] = field(default_factory=dict)
+    mismatch_options: dict[str, Any] = field(default_factory=dict)  # the correction's options
     # π_old of the objective's ratio. learner: recomputed by the learner before the update (its clip bounds
     # the move within one rollout batch; a correction re-weights samples the engine drew from other
     # weights). engine: the engine's log-probs of the weights that drew the sample (the clip bounds the move
@@ -138,26 +142,26 @@ class AlgorithmConfig:
     # off | r2 (replay the learner's own routes from the old-log-prob pass) | r3 (replay the engine's routes).
     # `bool` because YAML 1.1 reads a bare `off` as false.
     routing_replay: str | bool = "off"
-    # stages after the estimator (megapo/algorithms/stages.py, `megapo objectives --kind advantage_stage`):
-    # both | positive | negative: which sequence advantages are kept, each side scaled by pos_scale / neg_scale
     # GRPO-λ's companion (seed 004 B22): a correct response's advantage is clamped at >= 0, so a length term
     # cannot push a long correct answer below a wrong one (megapo.algorithms.length.clamp_correct_advantages)
     clamp_correct_adv: bool = False
+    # stages after the estimator (megapo/algorithms/stages.py, `megapo objectives --kind advantage_stage`):
+    # both | positive | negative: which sequence advantages are kept, each side scaled by pos_scale / neg_scale
     advantage_polarity: str = "both"
-    pos_scale: float = bounded(1.0, ">= 0")
-    neg_scale: float = bounded(1.0, ">= 0")
+    pos_scale: float = bounded(1.0, ">= 0")  # factor on the positive sequence advantages
+    neg_scale: float = bounded(1.0, ">= 0")  # factor on the negative sequence advantages
     # none | gtpo | grpo_s | advantage_reweighting | fipo: per-token advantages from π_old's per-token statistics
     # (takes the separate old-log-prob pass, with entropies for gtpo / grpo_s; fipo: with the reference's
     # log-probs, or the engine's with against=engine)
     token_advantage: str = "none"
-    token_advantage_options: dict[str, Any] = field(default_factory=dict)
+    token_advantage_options: dict[str, Any] = field(default_factory=dict)  # the token advantage's options
     # token_select's options ({} = off; score, rho, weight, rho_end, anneal_steps): per-token loss weights,
     # 1 for the top-rho fraction of the batch's tokens by π_old entropy (or |A|·entropy), `weight` for the rest
     token_select: dict[str, Any] = field(default_factory=dict)
     # none | stapo | nat_prefix: per-token loss weights of a token mask (megapo/algorithms/stages.py), multiplied
     # with token_select's; stapo takes the old-log-prob pass with entropies
     token_mask: str = "none"
-    token_mask_options: dict[str, Any] = field(default_factory=dict)
+    token_mask_options: dict[str, Any] = field(default_factory=dict)  # the token mask's options
     # loss: the KL to the reference is a loss term (kl_coef · k1/k2/k3); future: FRPO's future-KL advantage
     # A_t - β·Σ_{s≥t}(log π_old - log π_ref) with β = kl_coef, and no KL term in the loss
     kl_mode: str = "loss"
@@ -206,20 +210,25 @@ class AlgorithmConfig:
 
 @dataclass
 class RolloutConfig:
+    """How responses are generated, and how new weights reach the engine."""
+
+    # embedded (megapo's PyTorch model in the trainer's process) | vllm | sglang (megapo/trainer/engine_setup.py)
     engine: str = "embedded"
     servers: list[str] = field(default_factory=list)  # host:port of running vLLM/SGLang servers
-    host: str = "127.0.0.1"
-    n_samples: int = bounded(8, ">= 1")
-    temperature: float = bounded(1.0, "> 0")
-    top_p: float = bounded(1.0, "(0, 1]")
-    max_new_tokens: int = bounded(64, ">= 1")
+    host: str = "127.0.0.1"  # the address a vLLM server megapo starts itself listens on (no rollout.servers)
+    n_samples: int = bounded(8, ">= 1")  # responses per prompt (the group size)
+    temperature: float = bounded(1.0, "> 0")  # sampling temperature
+    top_p: float = bounded(1.0, "(0, 1]")  # nucleus sampling: the probability mass kept
+    max_new_tokens: int = bounded(64, ">= 1")  # most tokens per response; a longer one is cut (truncated)
+    # how new weights reach the engine: tensor (handed over in the process) | disk (safetensors the servers
+    # reload) | broadcast (a collective group with vLLM's workers); which engine takes which: ENGINE_SYNC
     weight_sync: str = "tensor"
-    bucket_mb: int = bounded(512, ">= 1")
+    bucket_mb: int = bounded(512, ">= 1")  # weight sync sends the tensors in buckets of at most this many MB
     # broadcast: where the servers' workers meet the learner's stage roots (host: an address of the learner's
     # rank-0 node the servers can reach, set by the Slurm templates; port 0: a free one picked at start;
     # stage s uses port + s)
     sync_host: str = "127.0.0.1"
-    sync_port: int = bounded(0, "[0, 65535]", "0: a free port")
+    sync_port: int = bounded(0, "[0, 65535]", "0: a free port")  # broadcast: the first stage root's port
     # compute dtype of the embedded engine and of a vLLM server megapo starts itself (rollout.engine=vllm, no
     # rollout.servers); auto: float32 for the embedded engine (its log-probs and routes match the learner's),
     # bfloat16 for vLLM. float32 makes a server's log-probs match the learner's to ~1e-6 (tests, mismatch
@@ -238,23 +247,31 @@ class RolloutConfig:
 
 @dataclass
 class OverlongConfig:
-    enabled: bool = False
+    """DAPO's soft overlong penalty on responses near rollout.max_new_tokens."""
+
+    enabled: bool = False  # subtract the penalty from the rewards of long responses
     buffer: int = bounded(16, ">= 1")  # tokens before max_new_tokens where the penalty starts
-    penalty: float = bounded(1.0, ">= 0")
+    penalty: float = bounded(1.0, ">= 0")  # the penalty at max_new_tokens, growing linearly over the buffer
 
 
 @dataclass
 class DataConfig:
+    """The prompts, the reward, and the reward shaping before advantages."""
+
     # a task (megapo.tasks.registry): built-in (addition, addition_cot) or "module:function"; empty with train_files
     task: str = ""
     task_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the task's function
-    train_files: list[str] = field(default_factory=list)
+    train_files: list[str] = field(default_factory=list)  # jsonl / parquet rows of prompt and answer (no task)
+    # held-out rows in the same format: checked when the config loads; the held-out evaluation reads only a
+    # task's test split so far
     val_files: list[str] = field(default_factory=list)
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    chat_template: bool = False
-    max_prompt_tokens: int = bounded(512, ">= 1")
-    prompts_per_step: int = bounded(64, ">= 1")
+    prompt_key: str = "prompt"  # the prompt's column in the data files
+    answer_key: str = "answer"  # the answer's column (what the reward compares with)
+    chat_template: bool = False  # wrap each prompt in the tokenizer's chat template
+    max_prompt_tokens: int = bounded(512, ">= 1")  # longer prompts are skipped (the log counts them)
+    prompts_per_step: int = bounded(64, ">= 1")  # prompts per step, rollout.n_samples responses each
+    # DAPO's dynamic sampling: groups whose rewards all agree (no signal) are dropped and refilled with new
+    # prompts
     dynamic_sampling: bool = False
     max_sampling_rounds: int = bounded(4, ">= 1")  # dynamic sampling: rounds of refills before training on fewer groups
     reward: str = "auto"  # exact_match | math | "module:function" | auto: the task's own, else exact_match
@@ -271,39 +288,44 @@ class DataConfig:
     # length control (megapo/algorithms/length.py; `megapo objectives --kind length_reward --formulas`): a
     # group-aware length reward applied after the verifier, before advantages (none | its name) and its options
     length_reward: str = "none"
-    length_reward_options: dict[str, Any] = field(default_factory=dict)
+    length_reward_options: dict[str, Any] = field(default_factory=dict)  # the length reward's options
     # keep some responses of each group for training (none | gfpo, `--kind group_filter`) and its options
     group_filter: str = "none"
-    group_filter_options: dict[str, Any] = field(default_factory=dict)
+    group_filter_options: dict[str, Any] = field(default_factory=dict)  # the group filter's options
     # the verifier's verdict the length methods read: a response is correct when its reward is at least this
     correct_threshold: float = 0.5
 
 
 @dataclass
 class TrainConfig:
-    steps: int = bounded(100, ">= 1")
+    """The step loop: batches, sync or async, evaluation, checkpoints, logs."""
+
+    steps: int = bounded(100, ">= 1")  # RL steps, one rollout batch each
     updates_per_rollout: int = bounded(1, ">= 1")  # passes over each rollout batch
     mini_batches: int = bounded(1, ">= 1")  # optimizer steps per pass
     micro_batch_tokens: int = bounded(4096, ">= 1")  # tokens per micro-batch: rows x row width
     # width of a packed row (megapo/learner/packing.py): 0 the batch's longest sequence; a sequence longer
     # than it gets a row of its own (1: one sequence per row)
     row_tokens: int = bounded(0, ">= 0", "0: the longest sequence")
+    # sync: generate, then train, in turn | async: a thread generates the next batches while the learner
+    # trains (train.staleness bounds how old their weights may be)
     mode: str = "sync"
     staleness: int = bounded(1, ">= 0")  # async: the newest rollouts may come from weights this many versions old
     # async with algorithm.old_policy=learner: the correction (π_old/μ weights, megapo objectives) used when
     # algorithm.mismatch is none -- stale rollouts are off-policy. With old_policy=engine (the async default)
     # the objective's clipped ratio π_θ/μ is the correction, and this must stay "auto" or "none".
     async_correction: str = "auto"
-    seed: int = 0
+    seed: int = 0  # seed of the prompt order, the embedded engine's sampling, the learner and seeded stages
+    # steps between held-out evaluations on data.task's test split (also before step 1 and after the last)
     eval_every: int = bounded(50, ">= 0", "0 disables")
-    eval_prompts: int = bounded(1000, ">= 0")
+    eval_prompts: int = bounded(1000, ">= 0")  # test problems per held-out evaluation (0: none)
     # under routing_replay=r3: every how many steps the learner takes one more forward pass with its own routing
     # for mismatch/k3_free and router/* (the other stability metrics come every step; megapo.replay.modes)
     stability_metrics_every: int = bounded(0, ">= 0", "0: on eval steps")
-    ckpt_every: int = bounded(0, ">= 0", "0: only at the end")
-    keep_last: int = bounded(2, ">= 1")
-    output_dir: str = "runs/run"
-    log: list[str] = field(default_factory=lambda: ["jsonl"])
+    ckpt_every: int = bounded(0, ">= 0", "0: only at the end")  # steps between checkpoints
+    keep_last: int = bounded(2, ">= 1")  # checkpoints kept; older ones are removed
+    output_dir: str = "runs/run"  # the run folder: checkpoints, metrics, config (megapo/trainer/run_dir.py)
+    log: list[str] = field(default_factory=lambda: ["jsonl"])  # metric backends: jsonl | tensorboard | wandb
     # write samples.jsonl: every trained response (step, prompt id, sample index, token ids, decoded text,
     # verifier and shaped reward, weight version, finish reason)
     log_samples: bool = False
@@ -311,6 +333,8 @@ class TrainConfig:
 
 @dataclass
 class RunConfig:
+    """The config of `megapo train`: one section per part of the run."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
