@@ -234,7 +234,8 @@ class VLLMServer:
         raise ServerError(f"vLLM server not ready after {timeout:.0f} s{foreign}; last log lines:\n{self.tail()}")
 
     def warmup(self) -> None:
-        """The first request asking for log-probs compiles kernels (~20 s on CPU): pay it here."""
+        """The first request asking for log-probs compiles kernels (slow on CPU, docs/measurements.md): pay it
+        here."""
         body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "logprobs": 0, "detokenize": False}}
         self.client.post("/inference/v1/generate", body, timeout=300)
 

@@ -16,7 +16,7 @@ Wire protocol, per message, all broadcasts from rank 0 (no pickles anywhere):
     when the worker passes `targets`, straight into the engine's weights (zero copies on both ends). A run
     is a sequence of large tensors that lie back to back in one storage on the sender: one broadcast
     instead of several, since every gloo broadcast costs a rendezvous and thread hand-offs on both ends
-    (measured on 2 shared cores: 288 pieces of the same bytes cost 1.3x one broadcast, 32 pieces ~1.05x).
+    (what many pieces cost against one broadcast of the same bytes: docs/measurements.md).
     Runs are long because both ends keep HF order in memory: a learner's parameters lie back to back in
     registration order (learner.model.contiguous_parameters: a layer's experts are gate, up, down, gate...;
     the QKV export writes q, k, v into one buffer), and the embedded engine keeps a layer's experts in one
@@ -54,9 +54,8 @@ BUCKET, DONE = 1, 0
 HEADER_BYTES = 64 * 1024  # a message's header: 3 int64, then its metadata when it fits
 DIRECT_BYTES = 256 * 1024  # tensors at least this large travel on their own, without packing
 BACKENDS = ("gloo", "nccl")
-# gloo worker threads per rank (its default is 2). Measured on the shared 2-core machine, 288 separate 1.5 MB
-# broadcasts against one broadcast of the same bytes, paired trials: 16 threads beat 2 in 31 of 42 trials
-# (median speed-up 1.15-1.39x); idle threads only wait on a condition variable.
+# gloo worker threads per rank (its default is 2): more of them send a sync's many broadcasts faster
+# (docs/measurements.md); idle threads only wait on a condition variable.
 GLOO_THREADS = 16
 
 

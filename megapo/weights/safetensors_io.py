@@ -6,8 +6,8 @@ Weight sync's files, written and read with no intermediate copy:
 - `write_safetensors`: straight from the tensors (views included). safetensors' own `save_file` refuses
   tensors that share storage, and the HF tensors of a weight sync often do (gate and up are two halves of
   one Megatron parameter); it also makes a bytes copy of every tensor first. A file that already exists
-  is overwritten in place: rewriting pages the kernel already caches costs half as much as filling a new
-  file (measured: 45 vs 92 ms for 432 MB), and replacing a file by rename makes ext4 flush it to disk
+  is overwritten in place: rewriting pages the kernel already caches costs less than filling a new file
+  (docs/measurements.md), and replacing a file by rename makes ext4 flush it to disk
   (auto_da_alloc). The caller publishes the folder atomically (DiskTransport renames its staging folder).
 - `read_safetensors_into`: read each tensor straight into the engine's own weight (one read() per tensor
   from the page cache, no new tensor, no mmap page faults); tensors without a matching destination (other
