@@ -16,6 +16,7 @@ run the learner on that thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 import torch
@@ -200,6 +201,13 @@ def _patch_megatron() -> None:
          lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state(),
          why="RNG tracker reads generator state; read the CPU one")
 
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        _set(multi_latent_attention, "HAVE_TE", False,
+             why="without Transformer Engine its TELinear is a MagicMock placeholder, which MLA's "
+                 "isinstance(linear_proj, TELinear) check rejects")
+
     if not hasattr(moe_utils, "te_general_gemm"):
         _set(moe_utils, "te_general_gemm", None,
              why="referenced by the router GEMM but only defined when Transformer Engine imports")
@@ -267,3 +275,23 @@ def _patch_megatron() -> None:
          why="alltoall dispatcher with TP>1 gathers uneven shards, which gloo rejects")
     _set(mappings, "_reduce_scatter_along_first_dim", scatter_first_dim,
          why="alltoall dispatcher with TP>1 reduce-scatters uneven shards, which gloo rejects")
+
+
+# ----------------------------------------------------------------------------- local-spec MLA
+
+
+@functools.cache
+def latent_core_attention():
+    """Megatron's local DotProductAttention for multi-latent attention (the layer spec's core_attention
+    when Transformer Engine is absent). MLA builds its core attention with `k_channels` / `v_channels`
+    (query/key heads wider than value heads), which TE's attention accepts and the local one (0.16.1)
+    rejects as unexpected arguments. Its forward already handles distinct key and value widths (the
+    output width comes from kv_channels, set to v_head_dim), so this subclass only drops the two
+    arguments. Not a patch: megapo.learner.model puts it into its own layer spec."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LatentDotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    return LatentDotProductAttention

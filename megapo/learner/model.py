@@ -171,22 +171,78 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig, backend: Backe
             moe_router_dtype="fp32",
             moe_permute_fusion=False,
             moe_enable_routing_replay=routing_replay,
+            **router_fields(spec),
         )
+    if spec.mla is not None:
+        return mla_config(spec, kwargs)
     return TransformerConfig(**kwargs)
 
 
+def router_fields(spec: ModelSpec) -> dict:
+    """Megatron's router and MoE-layer switches for the spec's sigmoid / biased / grouped router, shared
+    experts and dense layers (empty for a plain softmax router on every layer)."""
+    fields: dict = {}
+    if spec.router_score != "softmax":
+        fields["moe_router_score_function"] = spec.router_score
+    if spec.router_expert_bias:
+        # RL fine-tuning keeps the pretrained bias: no aux-loss-free balancing updates (rate 0)
+        fields.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+    if spec.router_groups:
+        fields.update(moe_router_num_groups=spec.router_groups, moe_router_group_topk=spec.router_group_topk)
+    if spec.router_scaling != 1.0:
+        fields["moe_router_topk_scaling_factor"] = spec.router_scaling
+    if spec.shared_expert_ffn:
+        fields["moe_shared_expert_intermediate_size"] = spec.shared_expert_ffn
+    if spec.moe_layers and not all(spec.moe_layers):
+        fields["moe_layer_freq"] = [int(m) for m in spec.moe_layers]
+    return fields
+
+
+def mla_config(spec: ModelSpec, kwargs: dict):
+    """MLATransformerConfig: plain RoPE on the rotary dims (no YaRN: scaling factor 1, so the softmax
+    scale is 1/sqrt(qk_nope + qk_rope) as in HF)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    mla = spec.mla
+    kwargs = {**kwargs, "qk_layernorm": True}  # the q/kv latents' RMSNorms
+    kwargs.pop("num_query_groups")
+    kwargs["kv_channels"] = mla.v_head_dim
+    return MLATransformerConfig(
+        **kwargs, q_lora_rank=mla.q_lora_rank or None, kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope_head_dim, qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
+        rope_type="rope", rotary_base=spec.rope_theta, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+
+
 def layer_spec(spec: ModelSpec, config, backend: Backend):
+    """One spec for every layer, or (dense and MoE layers mixed) Megatron's block spec for this pipeline
+    stage's layers, built from config.moe_layer_freq."""
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    if spec.moe_layers and not all(spec.moe_layers):
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=backend.use_te, normalization="RMSNorm")
+        for layer in block.layer_specs:
+            _local_mla_attention(layer, spec, backend)
+        return block
     experts = spec.num_experts or None
+    mla = spec.mla is not None
     if backend.use_te:
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=spec.qk_norm)
-    return get_gpt_layer_local_spec(
-        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+            num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=mla)
+    return _local_mla_attention(
+        get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
+                                 multi_latent_attention=mla, normalization="RMSNorm"), spec, backend)
+
+
+def _local_mla_attention(layer, spec: ModelSpec, backend: Backend):
+    """The local spec's MLA core attention, made to accept MLA's key/value widths (see compat)."""
+    if spec.mla is not None and not backend.use_te:
+        layer.submodules.self_attention.submodules.core_attention = compat.latent_core_attention()
+    return layer
 
 
 def build_model(spec: ModelSpec, parallel: ParallelConfig, backend: Backend, config, *, ddp: bool = True):

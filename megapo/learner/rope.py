@@ -27,8 +27,13 @@ class PositionIdsRotaryEmbedding(RotaryEmbedding):
 
 
 def use_position_ids(model) -> None:
-    """Make `model`'s rotary embedding read position ids (class swap on our own model instance)."""
-    model.rotary_pos_emb.__class__ = PositionIdsRotaryEmbedding
+    """Make `model`'s rotary embeddings read position ids (class swap on our own model instance): the
+    model's one, or with multi-latent attention each attention layer's own (listed on the model once, so
+    that setting positions does not walk every module)."""
+    ropes = [m for m in model.modules() if type(m) is RotaryEmbedding]
+    for rope in ropes:
+        rope.__class__ = PositionIdsRotaryEmbedding
+    model.position_id_ropes = ropes
 
 
 def set_positions(model, position_ids: torch.Tensor | None, longest: int | None = None) -> None:
@@ -36,8 +41,9 @@ def set_positions(model, position_ids: torch.Tensor | None, longest: int | None 
     maximum when the caller knows it (saves a device-to-host read)."""
     while hasattr(model, "module"):
         model = model.module
-    rope = getattr(model, "rotary_pos_emb", None)
-    if isinstance(rope, PositionIdsRotaryEmbedding):
+    ropes = getattr(model, "position_id_ropes", ())
+    if ropes and position_ids is not None and longest is None:
+        longest = int(position_ids.max()) + 1
+    for rope in ropes:
         rope.positions = position_ids
-        if position_ids is not None:
-            rope.longest = longest if longest is not None else int(position_ids.max()) + 1
+        rope.longest = longest or 0

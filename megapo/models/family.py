@@ -45,6 +45,35 @@ class ModelSpec:
     # Router: softmax over all experts then top-k (True), or top-k logits then softmax over the k (False).
     # HF Qwen3-MoE/Mixtral with normalised top-k probabilities equal the latter.
     router_pre_softmax: bool = False
+    router_score: str = "softmax"  # "softmax" | "sigmoid" (sigmoid gates renormalised over the top k)
+    # A per-expert bias added to the scores only to choose the experts (not to the gates); a buffer in
+    # Megatron (router.expert_bias), loaded and exported like a parameter (Family.buffers).
+    router_expert_bias: bool = False
+    router_groups: int = 0  # group-limited routing: experts in this many equal groups (0: off) ...
+    router_group_topk: int = 0  # ... of which each token may use this many
+    router_scaling: float = 1.0  # the k gates are multiplied by it
+    shared_expert_ffn: int = 0  # width of the shared experts' MLP, always applied (0: none)
+    moe_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or dense MLP; (): every layer MoE if num_experts
+    mla: "MLASpec | None" = None  # multi-latent attention (DeepSeek); None: grouped-query attention
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.num_experts) and (not self.moe_layers or self.moe_layers[layer])
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-latent attention: q (optionally through a low-rank q_lora_rank bottleneck) and a shared
+    kv latent of kv_lora_rank plus one rotary key of qk_rope_head_dim per token."""
+
+    q_lora_rank: int  # 0: q projected directly from the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -68,6 +97,9 @@ class Family:
     global_rules: dict[str, Rule]
     layer_rules: dict[str, Rule]  # suffix after "decoder.layers.{i}."
     expert_rules: dict[str, Rule]  # suffix after "decoder.layers.{i}.mlp.experts.local_experts.{k}."
+    # Megatron buffers (suffixes after "decoder.layers.{i}.") that hold weights: loaded and exported with
+    # the parameters (e.g. the router's expert bias); every other buffer is Megatron's own state.
+    buffers: tuple[str, ...] = ()
 
 
 # model_type in config.json -> module holding the family's mapping
@@ -77,6 +109,7 @@ FAMILIES: dict[str, str] = {
     "qwen3": "megapo.models.qwen3.mapping",  # dense Qwen3: qwen2 without biases, with q/k norm
     "llama": "megapo.models.qwen2.mapping",  # same layout as qwen2 without QKV bias (spec reads it)
     "mixtral": "megapo.models.mixtral.mapping",
+    "deepseek_v3": "megapo.models.deepseek_v3.mapping",  # also Kimi-K2 / Moonlight configs
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-FAMILIES = ("qwen3_moe", "qwen2", "mixtral")
+FAMILIES = ("qwen3_moe", "qwen2", "mixtral", "deepseek_v3")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -87,6 +87,11 @@ def build_config(family: str, *, vocab_size: int, hidden: int, layers: int, expe
         return transformers.MixtralConfig(
             head_dim=head_dim, intermediate_size=moe_ffn, num_local_experts=experts, num_experts_per_tok=topk,
             output_router_logits=False, router_aux_loss_coef=0.001, **common)
+    if family == "deepseek_v3":
+        from megapo.models.deepseek_v3 import tiny
+
+        return tiny.config(common, layers=layers, experts=experts, topk=topk, hidden=hidden, head_dim=head_dim,
+                           ffn=ffn, moe_ffn=moe_ffn)
     raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
 
 
@@ -113,6 +118,10 @@ def write_tiny_model(out: str | Path, family: str = "qwen3_moe", *, layers: int 
     config.initializer_range = init_std
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family == "deepseek_v3":  # a non-zero router expert bias
+        from megapo.models.deepseek_v3 import tiny
+
+        tiny.finish(model, torch.Generator().manual_seed(seed))
     model.generation_config.do_sample = True
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megapo.weights.hf_load import Located, locate, tp_shard
+from megapo.weights.hf_load import Located, locate, tp_shard, weight_tensors
 from megapo.models.family import Family, ModelSpec, from_shards
 from megapo.weights.buckets import DTYPE_NAMES, DTYPES
 
@@ -81,8 +81,8 @@ def _to_hf(where: Located, spec: ModelSpec, shards: list[torch.Tensor], dim: int
     return from_shards(where.rule, spec, shards, dim=dim)
 
 
-def _params(module, spec: ModelSpec):
-    for name, param in module.named_parameters():
+def _params(module, family: Family, spec: ModelSpec):
+    for name, param in weight_tensors(module, family):
         if name == "output_layer.weight" and spec.tied_embeddings:
             continue  # the embedding carries it
         yield name, param
@@ -113,7 +113,7 @@ def _plan(module, family: Family, spec: ModelSpec) -> list[_Step]:
     ep_size, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     per_rank = spec.num_experts // ep_size if spec.num_experts else 0
     steps = []
-    for name, param in _params(module, spec):
+    for name, param in _params(module, family, spec):
         where = locate(name, module, family, spec)
         dim, group = tp_shard(param)
         names = None

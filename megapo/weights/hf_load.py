@@ -23,6 +23,8 @@ GROUPED = "mlp.experts."  # TE spec: TEGroupedMLP, mlp.experts.linear_fc1.weight
 TE_FUSED_NORMS = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",  # MLA
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
 
 
@@ -59,6 +61,16 @@ def locate(name: str, model, family: Family, spec: ModelSpec) -> Located:
     per_rank = spec.num_experts // parallel_state.get_expert_model_parallel_world_size()
     expert = parallel_state.get_expert_model_parallel_rank() * per_rank + int(local)
     return Located(family.expert_rules[expert_suffix], layer, expert)
+
+
+def weight_tensors(model, family: Family):
+    """(name, tensor) of every parameter, then of the buffers the family names as weights (Family.buffers,
+    e.g. the router's expert bias): what is loaded from and exported to HF tensors."""
+    yield from model.named_parameters()
+    if family.buffers:
+        for name, buf in model.named_buffers():
+            if name.startswith(LAYERS) and name[len(LAYERS):].split(".", 1)[1] in family.buffers:
+                yield name, buf
 
 
 def is_expert(param) -> bool:
@@ -123,7 +135,7 @@ def load_hf_weights(model, family: Family, spec: ModelSpec, model_dir: str | Pat
     tp = _tp_size()
     loaded = 0
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in weight_tensors(model, family):
             where = locate(name, model, family, spec)
             dim, group = tp_shard(param)
             rank, size = (group.rank(), group.size()) if group is not None else (0, 1)
