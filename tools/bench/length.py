@@ -48,15 +48,20 @@ def _reward(name: str, options: str = "{}") -> list[str]:
 
 # Each method's overrides of the base config. Options are set for this task's lengths: one pass of the columns
 # is 22 / 32 / 42 / 52 tokens at 2 / 3 / 4 / 5 digits (end-of-sequence included), the checked response twice that.
+# The *_strong settings are the first ones tried: they collapse to empty responses (kept as a finding).
 METHODS: dict[str, list[str]] = {
     "baseline": [],
-    "length_penalty": _reward("length_penalty", "{coef: 0.003}"),
+    "length_penalty": _reward("length_penalty", "{coef: 0.0005}"),
+    "length_penalty_strong": _reward("length_penalty", "{coef: 0.003}"),
     "dapo_overlong": _reward("dapo_overlong", "{cache_len: 56}"),
-    "alp": _reward("alp", "{beta: 0.5}"),
+    "alp": _reward("alp", "{beta: 0.05}"),
+    "alp_strong": _reward("alp", "{beta: 0.5}"),
     "laser": _reward("laser", "{target_len: 56, alpha: 0.5}"),
     "laser_d": _reward("laser_d", "{alpha: 0.5, update_every: 10, coverage: 0.9}"),
-    "kimi": _reward("kimi"),
-    "laconic": _reward("laconic", "{target: 40, dual_lr: 0.05}"),
+    "kimi": _reward("kimi", "{weight: 0.2}"),
+    "kimi_strong": _reward("kimi", "{weight: 1.0}"),
+    "laconic": _reward("laconic", "{target: 56, dual_lr: 0.05}"),
+    "laconic_tight": _reward("laconic", "{target: 40, dual_lr: 0.05}"),
     "grpo_lambda": [*_reward("grpo_lambda", "{inner: kimi, min_correct_ratio: 0.5}"), "algorithm.clamp_correct_adv=true"],
     "hapo": _reward("hapo"),
     "curriculum": _reward("curriculum", f"{{start: {BUDGET}, end: 56, steps: 50}}"),
@@ -262,6 +267,8 @@ def targets(methods: dict) -> dict:
 def _fmt(x, kind: str = "f") -> str:
     if x is None:
         return "-"
+    if kind == "pts":
+        return f"{100 * x:+.1f} pts"
     return f"{x:+.1%}" if kind == "pct" else f"{x:.3f}" if kind == "acc" else f"{x:.1f}"
 
 
@@ -281,7 +288,7 @@ def table_markdown(summary: dict) -> str:
         lines += [f"Warm start: accuracy {_fmt(w.get('accuracy'), 'acc')}, mean tokens {_fmt(w.get('len/mean'))}.", ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m, s in methods.items():
-        cols = [m, str(s["seeds"]), _fmt(s.get("accuracy"), "acc"), _fmt(s.get("accuracy_delta"), "pct"),
+        cols = [m, str(s["seeds"]), _fmt(s.get("accuracy"), "acc"), _fmt(s.get("accuracy_delta"), "pts"),
                 _fmt(s.get("len/mean")), _fmt(s.get("token_cut"), "pct"), _fmt(s.get("len/p90")),
                 *[_fmt(s.get(f"len/d{d}")) for d in digits], *[_fmt(s.get(f"acc_d{d}"), "acc") for d in digits],
                 *[_fmt(s.get(k), "acc") for k in kinds], " ".join(f"{a:.3f}" for a in s["per_seed_accuracy"])]
