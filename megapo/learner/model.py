@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megapo import compat
-from megapo.config import ParallelConfig
+from megapo.config import ConfigError, ParallelConfig
 from megapo.models.family import ModelSpec, padded_vocab
 from megapo.net import free_port
 
@@ -174,7 +174,7 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig, backend: Backe
             **router_fields(spec),
         )
     if spec.mla is not None:
-        return mla_config(spec, kwargs)
+        return mla_config(spec, kwargs, backend)
     return TransformerConfig(**kwargs)
 
 
@@ -198,10 +198,15 @@ def router_fields(spec: ModelSpec) -> dict:
     return fields
 
 
-def mla_config(spec: ModelSpec, kwargs: dict):
+def mla_config(spec: ModelSpec, kwargs: dict, backend: Backend):
     """MLATransformerConfig: plain RoPE on the rotary dims (no YaRN: scaling factor 1, so the softmax
-    scale is 1/sqrt(qk_nope + qk_rope) as in HF)."""
+    scale is 1/sqrt(qk_nope + qk_rope) as in HF). Runs with Transformer Engine (GPU) or on CPU, where
+    megapo.compat makes Megatron's local MLA work; a GPU without TE gets neither."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    if backend.device == "cuda" and not backend.use_te:
+        raise ConfigError("model", f"{spec.family}: multi-latent attention on a GPU needs Transformer Engine "
+                                   "(megatron-core's local MLA path is made to work only on CPU, by megapo.compat)")
 
     mla = spec.mla
     kwargs = {**kwargs, "qk_layernorm": True}  # the q/kv latents' RMSNorms
