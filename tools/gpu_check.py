@@ -973,7 +973,7 @@ def orchestrate(args, work: Path) -> dict:
         finally:
             if worker.poll() is None:  # (this process was interrupted)
                 kill_group(worker)
-        if all(n not in results for n in pending):  # the worker died before finishing anything
+        if all(n not in results for n in pending) and time.time() <= deadline:  # it died before finishing any
             results[pending[0]] = {"status": "error", "error": "worker exited before this section ended",
                                    "seconds": 0.0}
     return {n: results[n] for n in names}
