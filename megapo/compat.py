@@ -280,14 +280,28 @@ def _patch_megatron() -> None:
 # ----------------------------------------------------------------------------- local-spec MLA
 
 
+def use_local_mla(attention) -> None:
+    """Make the local layer spec's multi-latent attention (`attention`: its MLASelfAttentionSubmodules)
+    work and train correctly without Transformer Engine (megatron-core 0.16.1). Not a patch: edits
+    megapo's own layer spec (megapo.learner.model).
+    - core attention: MLA builds it with `k_channels` / `v_channels`, which the local
+      DotProductAttention rejects (see latent_core_attention);
+    - q/kv down projections: as TE's spec does, one unsharded Linear per rank (its weight's grads are
+      summed over TP as sequence-parallel). The local spec's ColumnParallelLinear all-gathers the kv latent
+      over TP, whose backward only splits the gradient: the shared rotary key, used by every rank's heads,
+      then gets only the local heads' gradient (TP=2 drifts from TP=1 by ~1% in kv_a_proj_with_mqa)."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    attention.core_attention = latent_core_attention()
+    attention.linear_q_down_proj = Linear
+    attention.linear_kv_down_proj = Linear
+
+
 @functools.cache
 def latent_core_attention():
-    """Megatron's local DotProductAttention for multi-latent attention (the layer spec's core_attention
-    when Transformer Engine is absent). MLA builds its core attention with `k_channels` / `v_channels`
-    (query/key heads wider than value heads), which TE's attention accepts and the local one (0.16.1)
-    rejects as unexpected arguments. Its forward already handles distinct key and value widths (the
-    output width comes from kv_channels, set to v_head_dim), so this subclass only drops the two
-    arguments. Not a patch: megapo.learner.model puts it into its own layer spec."""
+    """Megatron's local DotProductAttention, accepting MLA's `k_channels` / `v_channels`. Its forward
+    already handles query/key heads wider than value heads (the output width comes from kv_channels, set
+    to v_head_dim), so this subclass only drops the two arguments."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class LatentDotProductAttention(DotProductAttention):

@@ -1,6 +1,8 @@
 """The DeepSeek-V3 family (megapo/models/deepseek_v3): its tiny model, its ModelSpec, `megapo logprobs`
-against transformers' fp32 forward on the same weights under TP=1, TP=2, PP=2, EP=2 (x DP=2) and
-TP=2xEP=2, and the config.json values the Megatron model would compute differently, refused by name.
+against transformers' fp32 forward on the same weights under TP=1, PP=2, EP=2 (x DP=2) and TP=2xEP=2,
+the learner's export right after loading vs the HF file (expert bias included), one optimizer step under
+TP=2xEP=2 vs TP=1 (tests/distributed/deepseek_v3_step.py), and the config.json values the Megatron model
+would compute differently, refused by name.
 
 The tiny model has MLA with low ranks, a dense first layer, 8 experts in 2 routing groups of which a
 token may use 1, one shared expert, a routed scaling factor and a non-zero router expert bias (a buffer,
@@ -20,9 +22,13 @@ import pytest
 import torch
 
 from megapo.config import ConfigError
+from megapo.launch.local import run_torchrun
 from megapo.models.family import family_for
+from megapo.weights.safetensors_io import open_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
+STEP_SCRIPT = ROOT / "tests" / "distributed" / "deepseek_v3_step.py"
+BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +100,10 @@ def test_expert_bias_changes_the_reference(tiny_ds, tmp_path):
 
 @pytest.mark.parametrize("layout", [
     [],
-    ["--tp", "2"],
     ["--pp", "2"],  # stage 0 the dense layer, stage 1 the MoE layer
     ["--ep", "2", "--dp", "2"],
     ["--tp", "2", "--ep", "2", "--dispatcher", "allgather"],
-], ids=["tp1", "tp2", "pp2", "ep2xdp2", "tp2xep2-allgather"])
+], ids=["tp1", "pp2", "ep2xdp2", "tp2xep2-allgather"])
 def test_logprobs_command_matches_transformers(tiny_ds, tmp_path, layout):
     sequences = write_input(tmp_path / "in.jsonl", hf_config(tiny_ds)["vocab_size"])
     out = tmp_path / "out.jsonl"
@@ -125,3 +130,47 @@ def test_configs_it_would_compute_differently_are_refused(tiny_ds, change, words
     with pytest.raises(ConfigError) as err:
         family_for(hf).spec(hf)
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def read_tensors(path) -> dict[str, torch.Tensor]:
+    with open_tensors(path) as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.fixture(scope="module")
+def step_runs(tiny_ds, tmp_path_factory):
+    """{layout: {"loaded": tensors exported right after loading, "stepped": after one REINFORCE step}}."""
+    tmp = tmp_path_factory.mktemp("ds_step")
+    rng = random.Random(0)
+    batch = [dict(tokens=[rng.randrange(512) for _ in range(n)], prompt_len=p, advantage=rng.uniform(-1, 1),
+                  old_logp=[-6.0] * (n - p)) for n, p in [(10, 4), (16, 6), (7, 3), (20, 10)]]
+    (tmp / "batch.json").write_text(json.dumps(batch))
+    args = [str(STEP_SCRIPT), "--model", str(tiny_ds), "--batch", str(tmp / "batch.json")]
+    proc = subprocess.run([sys.executable, *args, "--out", str(tmp / "tp1")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run_torchrun([*args, "--out", str(tmp / "tp2xep2"), "--tp", "2", "--ep", "2"], 2, timeout_s=600) == 0
+    return {name: {part: read_tensors(tmp / name / f"{part}.safetensors") for part in ("loaded", "stepped")}
+            for name in ("tp1", "tp2xep2")}
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2xep2"])
+def test_export_after_loading_equals_the_hf_file_expert_bias_included(tiny_ds, step_runs, layout):
+    hf = read_tensors(Path(tiny_ds) / "model.safetensors")
+    loaded = step_runs[layout]["loaded"]
+    assert sorted(loaded) == sorted(hf)
+    for name, ref in hf.items():
+        assert torch.equal(loaded[name], ref), name
+
+
+def test_one_step_tp2xep2_equals_tp1_and_keeps_the_expert_bias(tiny_ds, step_runs):
+    hf = read_tensors(Path(tiny_ds) / "model.safetensors")
+    one, four = step_runs["tp1"]["stepped"], step_runs["tp2xep2"]["stepped"]
+    moved = max((one[k] - hf[k]).abs().max().item() for k in hf)
+    assert moved > 1e-2  # the step is large enough to show a gradient error
+    for name in hf:
+        err = (four[name] - one[name]).abs().max().item()
+        assert err < 1e-6, f"{name}: max |TP2xEP2 - TP1| after the step = {err:.2e}"
+    # the router learns; its expert bias is kept (no aux-loss-free balancing updates during RL)
+    assert not torch.equal(one["model.layers.1.mlp.gate.weight"], hf["model.layers.1.mlp.gate.weight"])
+    assert torch.equal(one[BIAS], hf[BIAS]) and torch.equal(four[BIAS], hf[BIAS])

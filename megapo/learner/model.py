@@ -244,9 +244,9 @@ def layer_spec(spec: ModelSpec, config, backend: Backend):
 
 
 def _local_mla_attention(layer, spec: ModelSpec, backend: Backend):
-    """The local spec's MLA core attention, made to accept MLA's key/value widths (see compat)."""
+    """The local spec's MLA, with the pieces megatron-core 0.16.1 lacks without TE (see compat.use_local_mla)."""
     if spec.mla is not None and not backend.use_te:
-        layer.submodules.self_attention.submodules.core_attention = compat.latent_core_attention()
+        compat.use_local_mla(layer.submodules.self_attention.submodules)
     return layer
 
 
