@@ -34,9 +34,13 @@ class RouteShape:
 
     @classmethod
     def from_spec(cls, spec) -> "RouteShape":
-        """From a megapo.models.family.ModelSpec (every layer of a supported MoE family is an MoE layer)."""
+        """From a megapo.models.family.ModelSpec; ValueError for a model with dense layers between its MoE
+        layers (e.g. deepseek_v3's first_k_dense_replace): routes of mixed layers are not supported yet."""
         if not spec.num_experts:
             return cls(0, 0, 0)
+        if spec.num_moe_layers != spec.num_layers:
+            raise ValueError(f"routing replay on {spec.family} with dense layers ({spec.num_layers - spec.num_moe_layers} "
+                             f"of {spec.num_layers}) is not supported yet: routes cover every layer")
         return cls(spec.num_layers, spec.topk, spec.num_experts)
 
 

@@ -658,6 +658,13 @@ class RunConfig:
                 raise ConfigError("rollout.engine", str(err)) from None
         if self.algorithm.routing_replay != "off" and not num_experts(hf):
             raise ConfigError("algorithm.routing_replay", "routing replay needs an MoE model; this one is dense")
+        if self.algorithm.routing_replay != "off":
+            from megapo.replay.routes import RouteShape
+
+            try:
+                RouteShape.from_spec(spec)
+            except ValueError as err:
+                raise ConfigError("algorithm.routing_replay", str(err)) from None
         if (path / "config.json").is_file():  # the safetensors hold exactly the tensors config.json describes
             from megapo.convert.inputs import check_hf_tensors
             from megapo.models.family import family_for
