@@ -89,7 +89,14 @@ def test_model_path_under_a_file(capsys, tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "gpt_oss"])
+def test_a_family_field_missing_from_config_json_names_it(capsys, tmp_path, tiny_moe):
+    model = _model_with(tmp_path, tiny_moe, model_type="deepseek_v3")  # a Qwen3-MoE config.json: no MLA ranks
+    rc, err, out = _train(capsys, tmp_path, model=model)
+    assert rc == 2 and err.startswith(f"megapo train: model.path: {model / 'config.json'}:"), err
+    assert "qk_nope_head_dim" in err and not out.exists()
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "gpt_oss"])
 def test_unsupported_model_type_names_the_file(capsys, tmp_path, tiny_moe, model_type):
     model = _model_with(tmp_path, tiny_moe, model_type=model_type)
     rc, err, out = _train(capsys, tmp_path, model=model)
