@@ -60,7 +60,8 @@ def test_report_numbers_follow_the_formulas(tmp_path):
     assert kimi["hardest_over_easiest_tokens"] == pytest.approx(80.0 / 20.0)
     assert summary["methods"]["alp"]["seeds"] == 1
     assert summary["targets"]["cut_40pct_within_2pts"] == ["kimi"]  # cut 44 %, -1 point; alp cuts more but loses 12
-    assert summary["targets"]["adaptive_hardest_over_easiest"] == {"alp": pytest.approx(20.0 / 30.0)}
+    assert summary["targets"]["adaptive_hardest_over_easiest"] == {"baseline": pytest.approx(135.0 / 45.0),
+                                                                   "alp": pytest.approx(20.0 / 30.0)}
     table = (plan.out / "table.md").read_text()
     assert "| kimi | 2 | 0.810 |" in table and "kimi." in table
     assert (plan.out / "pareto.png").stat().st_size > 0 and (plan.out / "tokens_by_difficulty.png").is_file()

@@ -245,7 +245,7 @@ def write_report(plan: Plan) -> dict:
         if digits:
             s["hardest_over_easiest_tokens"] = s[f"len/d{digits[-1]}"] / s[f"len/d{digits[0]}"]
     warm = results[0]["start"] if results else None
-    summary = {"config": str(plan.config), "steps": steps_of(plan), "warm_start": warm, "methods": methods,
+    summary = {"config": _shown(plan.config), "steps": steps_of(plan), "warm_start": warm, "methods": methods,
                "cells": results, "targets": targets(methods)}
     plan.out.mkdir(parents=True, exist_ok=True)
     (plan.out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -255,12 +255,20 @@ def write_report(plan: Plan) -> dict:
     return summary
 
 
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory when it lies under it (summaries compare across clones)."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def targets(methods: dict) -> dict:
     """Issue 15's two targets: a method with >= 40 % fewer mean tokens than the baseline at accuracy within 2
     points of it; adaptive methods spending more tokens on the hardest digit count than on the easiest."""
     cut = [m for m, s in methods.items() if m != "baseline" and s.get("token_cut", 0) >= 0.4
            and s.get("accuracy_delta", -1) >= -0.02]
-    adaptive = {m: methods[m].get("hardest_over_easiest_tokens") for m in ADAPTIVE if m in methods}
+    adaptive = {m: methods[m].get("hardest_over_easiest_tokens") for m in ("baseline", *ADAPTIVE) if m in methods}
     return {"cut_40pct_within_2pts": cut, "adaptive_hardest_over_easiest": adaptive}
 
 
@@ -296,7 +304,7 @@ def table_markdown(summary: dict) -> str:
     t = summary["targets"]
     lines += ["", f"≥ 40 % fewer tokens at accuracy within 2 points of the baseline: "
                   f"{', '.join(t['cut_40pct_within_2pts']) or 'none'}.",
-              "Hardest / easiest digit count, mean tokens (adaptive methods): " +
+              "Hardest / easiest digit count, mean tokens (the baseline, then the adaptive methods): " +
               (", ".join(f"{m} {_fmt(v)}×" if v is not None else f"{m} -" for m, v in
                          t["adaptive_hardest_over_easiest"].items()) or "-") + "."]
     return "\n".join(lines) + "\n"
