@@ -25,6 +25,7 @@ FLAG_SCRIPT = r"""
 import json, os, signal, time
 from megapo.trainer.stop import StopFlag
 
+before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN when started as a background job
 flag = StopFlag()
 flag.install()
 interrupted = False
@@ -38,7 +39,7 @@ except KeyboardInterrupt:
 ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
 flag.uninstall()
 print(json.dumps({"requested": flag.requested, "signals": flag.signals, "interrupted": interrupted,
-                  "ignored_after_first": ignored, "restored": signal.getsignal(signal.SIGINT) is signal.default_int_handler}))
+                  "ignored_after_first": ignored, "restored": signal.getsignal(signal.SIGINT) is before}))
 """
 
 
