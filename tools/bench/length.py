@@ -359,15 +359,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
-    from tools.bench.stability import cores
+    from tools.bench.stability import check_run_args, cores
 
-    for name in ("seeds", "steps", "jobs", "threads"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name}", f"must be >= 1, got {value}")
-    config = Path(args.config)
-    if not config.is_file():
-        raise ConfigError("--config", f"{config} does not exist")
+    config = check_run_args(args)
     jobs = args.jobs or min(2, cores())
     return Plan(config.resolve(), Path(args.out).resolve(), method_names(args.methods), args.seeds, args.steps,
                 jobs, args.threads or max(1, cores() // jobs))

@@ -774,7 +774,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--assume-warm-start-s", type=float, default=120.0, help="--dry-run: seconds of the SFT")
 
 
-def plan_from_args(args: argparse.Namespace) -> GridPlan:
+def check_run_args(args: argparse.Namespace) -> Path:
+    """The flags every grid of runs shares: --seeds/--steps/--jobs/--threads >= 1 when given, --config a file
+    (returned). Shared with megapo bench length."""
     for name in ("seeds", "steps", "jobs", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -782,6 +784,11 @@ def plan_from_args(args: argparse.Namespace) -> GridPlan:
     config = Path(args.config)
     if not config.is_file():
         raise ConfigError("--config", f"{config} does not exist")
+    return config
+
+
+def plan_from_args(args: argparse.Namespace) -> GridPlan:
+    config = check_run_args(args)
     for i, s in enumerate(args.sets):
         if "=" not in s:
             raise ConfigError(f"--set[{i}]", f"expected section.field=value, got {s!r}")
