@@ -54,10 +54,18 @@ def test_user_function(user_module):
 
 
 def test_overlong_shaping_formula():
+    import torch
+
+    from megapo.algorithms.length import shape_rewards
+
+    def shape_overlong(r, lens, max_len, buffer, penalty=1.0):  # data.overlong's spelling of dapo_overlong
+        return shape_rewards("dapo_overlong", torch.tensor(r, dtype=torch.float64), torch.tensor(lens),
+                             max_len=max_len, cache_len=buffer, factor=penalty).tolist()
+
     # max 20 tokens, buffer 8: penalty starts after 12 tokens, reaches the full penalty at 20
     lens = [12, 16, 20, 25]
-    assert rewards.shape_overlong([1.0] * 4, lens, 20, 8) == pytest.approx([1.0, 1.0 - 4 / 8, 0.0, 0.0])
-    assert rewards.shape_overlong([0.0, 0.0], [5, 25], 20, 8, penalty=0.5) == pytest.approx([0.0, -0.5])
+    assert shape_overlong([1.0] * 4, lens, 20, 8) == pytest.approx([1.0, 1.0 - 4 / 8, 0.0, 0.0])
+    assert shape_overlong([0.0, 0.0], [5, 25], 20, 8, penalty=0.5) == pytest.approx([0.0, -0.5])
 
 
 # ----------------------------------------------------------------------------- guarded calls

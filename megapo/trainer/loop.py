@@ -141,9 +141,6 @@ def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_sta
     algorithm.advantage_smoothing=cumulative from `prompt_stats`, stages.PromptRewardStats, updated here), then
     algorithm.sample_select (at trainer step `step`) and algorithm.advantage_polarity; `old_logp` is filled in
     by the old-log-prob pass (`old_logprob_pass`), the per-token stages after it (`token_stages`)."""
-    from megapo.algorithms import compute_advantages
-    from megapo.algorithms.stages import apply_polarity, cumulative_advantages, select_samples
-
     adv = [a_g.tolist() for a_g in group_advantages(groups, cfg, step, prompt_stats)]
     sentence_ends = _sentence_end_ids(cfg)
     out = []

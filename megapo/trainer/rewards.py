@@ -8,7 +8,9 @@ it is resolved. The trainer calls it through `GuardedReward`: the result must be
 (a bool counts as 0/1), it must come within data.reward_timeout_s, and a failure stops the run naming
 the reward and the sample (data.reward_errors=fail) or scores 0 and is counted (zero). A response cut at
 the length limit is not scored: it gets data.truncated_reward, whatever the reward function would say of
-its unfinished text (GuardedReward.score_all's `truncated`). `check_reward` calls it once at start-up. Length shaping (DAPO's overlong penalty) is added on top by `shape_overlong`.
+its unfinished text (GuardedReward.score_all's `truncated`). `check_reward` calls it once at start-up.
+Length shaping (DAPO's overlong penalty and the other length rewards) comes after, in
+megapo/trainer/length_stage.py.
 """
 
 from __future__ import annotations
@@ -365,20 +367,3 @@ def check_reward(spec: str, example, timeout_s: float, field: str = "data.reward
 def math_backend() -> str:
     """Which checker reward 'math' uses here: 'math-verify' or 'fallback'."""
     return "math-verify" if _math_verify_fn() is not None else "fallback"
-
-
-# ----------------------------------------------------------------------------- length shaping
-
-
-def shape_overlong(rewards: list[float], response_lens: list[int], max_len: int, buffer: int,
-                   penalty: float = 1.0) -> list[float]:
-    """DAPO's soft overlong punishment (megapo.algorithms.length "dapo_overlong"): no change up to
-    max_len - buffer tokens, then a penalty rising linearly to `penalty` at max_len (and beyond)."""
-    import torch
-
-    from megapo.algorithms.length import shape_rewards
-
-    shaped = shape_rewards("dapo_overlong", torch.tensor(rewards, dtype=torch.float64),
-                           torch.tensor(response_lens, dtype=torch.float64), max_len=max_len, cache_len=buffer,
-                           factor=penalty)
-    return shaped.tolist()
