@@ -189,11 +189,9 @@ def run_bench(plan: Plan, runner=None) -> dict:
     runner = runner or SubprocessRunner()
     with ThreadPoolExecutor(plan.jobs) as pool:
         statuses = list(pool.map(lambda c: run_cell(plan, c, model, runner), plan.cells()))
-    summary = write_report(plan)
-    summary["run"] = {"warm_start_s": warm_s, "total_s": time.perf_counter() - t0, "jobs": plan.jobs,
-                      "threads": plan.threads, "statuses": dict(zip([c.name for c in plan.cells()], statuses))}
-    (plan.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
+    return write_report(plan, run={"warm_start_s": warm_s, "total_s": time.perf_counter() - t0, "jobs": plan.jobs,
+                                   "threads": plan.threads,
+                                   "statuses": dict(zip([c.name for c in plan.cells()], statuses))})
 
 
 # ----------------------------------------------------------------------------- report
@@ -232,7 +230,9 @@ def digit_counts(summary: dict) -> list[int]:
     return sorted({int(k[len("len/d"):]) for k in summary if k.startswith("len/d") and k[5:].isdigit()})
 
 
-def write_report(plan: Plan) -> dict:
+def write_report(plan: Plan, run: dict | None = None) -> dict:
+    """summary.json (with `run`, the timing and statuses of the run that just ended, when given), table.md and
+    the plots, from the finished cells."""
     results = [r for r in (cell_result(plan, c) for c in plan.cells()) if r is not None]
     methods = {m: method_summary([r for r in results if r["method"] == m]) for m in plan.methods
                if any(r["method"] == m for r in results)}
@@ -246,7 +246,7 @@ def write_report(plan: Plan) -> dict:
             s["hardest_over_easiest_tokens"] = s[f"len/d{digits[-1]}"] / s[f"len/d{digits[0]}"]
     warm = results[0]["start"] if results else None
     summary = {"config": _shown(plan.config), "steps": steps_of(plan), "warm_start": warm, "methods": methods,
-               "cells": results, "targets": targets(methods)}
+               "cells": results, "targets": targets(methods), **({"run": run} if run is not None else {})}
     plan.out.mkdir(parents=True, exist_ok=True)
     (plan.out / "summary.json").write_text(json.dumps(summary, indent=1))
     (plan.out / "table.md").write_text(table_markdown(summary))
