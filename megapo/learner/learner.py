@@ -39,10 +39,12 @@ from megapo.weights import gather, hf_load
 # policy_loss metrics that are a micro-batch's share of the batch total (aggregated with the global
 # normaliser), so the batch's value is their sum, not their mean
 SHARE_METRICS = ("pg_loss",)
-# per-token sample fields of a train batch, one value per response token
-TOKEN_FIELDS = ("old_logp", "advantage", "rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end")
+# per-token sample fields of a train batch, one value per response token; loss_mask: 1 at a token the policy
+# sampled, 0 at one the environment inserted (a multi-turn observation), which the loss leaves out entirely
+TOKEN_FIELDS = ("old_logp", "advantage", "rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end",
+                "loss_mask")
 # optional ones: every sample has it or none does
-OPTIONAL_FIELDS = ("rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end")
+OPTIONAL_FIELDS = ("rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end", "loss_mask")
 
 
 @dataclass
@@ -62,16 +64,26 @@ class MicroBatch:
     mask: torch.Tensor | None = None  # [S, T] the view's real entries
     columns: torch.Tensor | None = None  # train: [N] index into the batch's per-token columns
     num_tokens: int = 0  # N
+    loss_mask: torch.Tensor | None = None  # train: [S, T] the entries the loss counts (real, and loss_mask 1)
+    loss_tokens: int = 0  # how many
 
 
 @dataclass
 class TrainInputs:
     """A train batch checked once and its per-token inputs laid end to end (sample order), on the device."""
 
-    columns: dict[str, torch.Tensor]  # TOKEN_FIELDS present -> [N] float32
+    columns: dict[str, torch.Tensor]  # TOKEN_FIELDS present but loss_mask -> [N] float32
     prompt_lens: np.ndarray  # [S]
     lengths: np.ndarray  # [S] tokens per sample
     starts: np.ndarray  # [S] first response token of each sample in the columns
+    policy: np.ndarray | None = None  # [N] bool, on the host: loss_mask == 1 (None: no loss_mask, all are)
+
+    def policy_counts(self) -> np.ndarray:
+        """[S] policy tokens per sample (the response tokens the loss counts)."""
+        response = self.lengths - self.prompt_lens
+        if self.policy is None:
+            return response
+        return np.add.reduceat(self.policy.astype(np.int64), self.starts)  # (every response has a token)
 
 
 class Learner:
@@ -153,10 +165,10 @@ class Learner:
         return optimizer, scheduler
 
     def _micro_batches(self, sequences: list[list[int]], lo: np.ndarray, hi: np.ndarray,
-                       columns_start: np.ndarray | None = None) -> list[MicroBatch]:
+                       columns_start: np.ndarray | None = None, policy: np.ndarray | None = None) -> list[MicroBatch]:
         """This rank's micro-batches of `sequences`, each selecting the positions [lo[i], hi[i]) of
         sequence i whose log-probs are wanted (the logits at t predict token t + 1); `columns_start`:
-        where sample i's per-token inputs start in the train columns."""
+        where sample i's per-token inputs start in the train columns; `policy`: TrainInputs.policy."""
         from megatron.core import parallel_state as ps
 
         lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
@@ -167,9 +179,9 @@ class Learner:
                                row_tokens=self.row_tokens, pad_multiple=self.parallel.tp,
                                equal_shapes=model_lib.needs_equal_rows(self.spec, self.parallel),
                                one_row=self.backend.use_te)
-        return [self._micro_batch(layout, flat, starts, lo, hi, columns_start) for layout in layouts]
+        return [self._micro_batch(layout, flat, starts, lo, hi, columns_start, policy) for layout in layouts]
 
-    def _micro_batch(self, layout, flat, starts, lo, hi, columns_start) -> MicroBatch:
+    def _micro_batch(self, layout, flat, starts, lo, hi, columns_start, policy=None) -> MicroBatch:
         dev = self.device
         tokens, positions, (seq, pos) = packing.batch_tensors(layout, flat, starts, self.pad_id)
         mask, packed = None, None
@@ -193,6 +205,11 @@ class Learner:
             if columns_start is not None:
                 col = columns_start[np.asarray(order)][:, None] + np.arange(index.shape[1])[None, :]
                 mb.columns = torch.from_numpy(col[real]).to(dev)
+                mb.loss_mask, mb.loss_tokens = mb.mask, mb.num_tokens
+                if policy is not None:  # observation tokens (loss_mask 0) leave the mask: nothing of theirs counts
+                    counted = real.copy()
+                    counted[real] = policy[col[real]]
+                    mb.loss_mask, mb.loss_tokens = torch.from_numpy(counted).to(dev), int(counted.sum())
         return mb
 
     def _forward_step(self, loss_func, data_iterator, model):
@@ -317,8 +334,11 @@ class Learner:
         sequences = [s["tokens"] for s in batch]
         if self.route_hook is not None:  # routing replay: each sample's optional "routes"
             self.route_hook.set_routes([s.get("routes") for s in batch], sequences, name="batch")
-        micro_batches = self._micro_batches(sequences, inputs.prompt_lens - 1, inputs.lengths - 1, inputs.starts)
-        global_tokens = int((inputs.lengths - inputs.prompt_lens).sum())
+        micro_batches = self._micro_batches(sequences, inputs.prompt_lens - 1, inputs.lengths - 1, inputs.starts,
+                                            inputs.policy)
+        per_sample = inputs.policy_counts()  # the normalisers count policy tokens only (loss_mask)
+        global_tokens = int(per_sample.sum())
+        global_seqs = int((per_sample > 0).sum())  # a sample of observation tokens only adds nothing
         counts = _batch_counts(inputs, objective, loss_agg)  # batch-global counts an aggregation needs
         scale = len(micro_batches) * ps.get_data_parallel_world_size()  # undo the schedule's /M and DDP's /dp
         cols = inputs.columns
@@ -328,10 +348,18 @@ class Learner:
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             if not mb.order:  # an empty micro-batch (DP balancing): no loss, but keep the graph connected
-                return logits.sum() * 0.0, {"tokens": 0}
+                return logits.sum() * 0.0, {"tokens": 0, "response_tokens": 0}
             # entropy: a metric, and a loss term with entropy_coef
             packed, packed_entropy = self._selected_logprobs(mb, logits, True,
                                                              entropy_grad=bool(options.get("entropy_coef")))
+            # tokens: the policy tokens the loss and the metrics count (the metrics' weights)
+            out = {"tokens": mb.loss_tokens, "response_tokens": mb.num_tokens}
+            if keep_logprobs:
+                out["logp"] = (mb.order, packed.detach(), mb.sizes)
+            if keep_entropy:  # π_old's per-token entropy, as the old-log-prob pass would give it
+                out["entropy"] = (mb.order, packed_entropy.detach(), mb.sizes)
+            if not mb.loss_tokens:  # observation tokens only (loss_mask 0): no loss, the graph kept connected
+                return logits.sum() * 0.0, out
             # the loss gets the [S, T] view (zeros past each sequence's end) that policy_loss would build from
             # packed inputs, without the device reads its packed path takes
             logp, entropy = self._padded(mb, packed), self._padded(mb, packed_entropy)
@@ -350,15 +378,11 @@ class Learner:
                     extra[name] = value
             if extra.get("entropy_coef"):
                 extra["entropy"] = entropy
-            loss, metrics = loss_fn(objective, logp, old, column("advantage"), mb.mask, column("rollout_logp"),
-                                    loss_agg=loss_agg, global_tokens=global_tokens, global_seqs=len(batch), **counts,
+            loss, metrics = loss_fn(objective, logp, old, column("advantage"), mb.loss_mask, column("rollout_logp"),
+                                    loss_agg=loss_agg, global_tokens=global_tokens, global_seqs=global_seqs, **counts,
                                     **extra)
-            out = {"tokens": mb.num_tokens, "metrics": metrics, "loss": loss.detach(),
-                   "entropy_sum": entropy.detach().sum()}
-            if keep_logprobs:
-                out["logp"] = (mb.order, packed.detach(), mb.sizes)
-            if keep_entropy:  # π_old's per-token entropy, as the old-log-prob pass would give it
-                out["entropy"] = (mb.order, packed_entropy.detach(), mb.sizes)
+            out.update(metrics=metrics, loss=loss.detach(),
+                       entropy_sum=torch.where(mb.loss_mask, entropy.detach(), 0.0).sum())
             return loss * scale, out
 
         self.model.train()
@@ -366,6 +390,8 @@ class Learner:
         self.optimizer.zero_grad()
         stored = self._run(micro_batches, loss_func, forward_only=False)
         metrics = self._reduce_metrics(stored)  # collective: every rank sees the same loss
+        if inputs.policy is not None:
+            metrics["policy_tokens"] = global_tokens
         metrics.update(self._optimizer_step(math.isfinite(metrics["loss"])))
         elapsed = time.perf_counter() - start
         metrics.update(step_time_s=elapsed, tokens_per_s=float(inputs.lengths.sum()) / max(elapsed, 1e-9))
@@ -398,7 +424,8 @@ class Learner:
 
     def _reduce_metrics(self, stored: list[dict]) -> dict:
         """Metrics of the whole batch from its micro-batches on every DP rank: the loss and other shares
-        summed, *_min / *_max as minimum / maximum, everything else a token-weighted mean. Each
+        summed, *_min / *_max as minimum / maximum, everything else a token-weighted mean over the policy
+        tokens (loss_mask 1: the tokens the loss counts; entropy too); response_tokens counts them all. Each
         micro-batch's values stay on the device until one copy to the host here."""
         keys, values = [], []
         for d in stored:
@@ -407,7 +434,8 @@ class Learner:
                 keys.append(names)
                 values.extend([d["loss"], d["entropy_sum"], *(d["metrics"][k] for k in names)])
         host = torch.stack([v.reshape(()).to(torch.float64) for v in values]).tolist() if values else []
-        local = {"tokens": 0, "loss": 0.0, "entropy_sum": 0.0, "each": []}
+        local = {"tokens": 0, "loss": 0.0, "entropy_sum": 0.0, "each": [],
+                 "response_tokens": sum(d.get("response_tokens", 0) for d in stored)}
         at = 0
         for d, names in zip([d for d in stored if d["tokens"]], keys):
             loss, entropy_sum, *rest = host[at:at + 2 + len(names)]
@@ -419,7 +447,7 @@ class Learner:
         parts = self._share_results([local])
         tokens = sum(p["tokens"] for p in parts)
         out = {"loss": sum(p["loss"] for p in parts), "entropy": sum(p["entropy_sum"] for p in parts) / max(tokens, 1),
-               "response_tokens": tokens}
+               "response_tokens": sum(p["response_tokens"] for p in parts)}
         each = [(n, m) for p in parts for n, m in p["each"]]  # (tokens, metrics) of every micro-batch
         for k in sorted({k for _, m in each for k in m} - out.keys()):
             values = [(n, m[k]) for n, m in each if k in m]
@@ -542,9 +570,11 @@ def _batch_counts(inputs: TrainInputs, objective: str, loss_agg: str) -> dict:
         return {}
     response = torch.from_numpy(inputs.lengths - inputs.prompt_lens)
     adv = inputs.columns["advantage"]
+    if inputs.policy is not None:  # a sample's sign and its tokens: its policy tokens' (where: not even a NaN)
+        adv = torch.where(torch.from_numpy(inputs.policy).to(adv.device), adv, 0.0)
     owner = torch.repeat_interleave(torch.arange(len(response), device=adv.device), response.to(adv.device))
     sums = torch.zeros(len(response), dtype=torch.float64, device=adv.device).index_add_(0, owner, adv.double())
-    return {"global_polarity": polarity_counts(sums.cpu(), response)}
+    return {"global_polarity": polarity_counts(sums.cpu(), torch.from_numpy(inputs.policy_counts()))}
 
 
 def _train_inputs(batch: list[dict], vocab: int, *, need_old: bool, device) -> TrainInputs:
@@ -568,7 +598,7 @@ def _train_inputs(batch: list[dict], vocab: int, *, need_old: bool, device) -> T
     if out_of_range is not None:
         raise ValueError(f"batch[{out_of_range}].tokens: ids must be in [0, {vocab})")
     response = lengths - prompt
-    columns = {}
+    columns, policy = {}, None
     for name in TOKEN_FIELDS:
         if name == "old_logp" and not need_old:
             continue
@@ -579,8 +609,27 @@ def _train_inputs(batch: list[dict], vocab: int, *, need_old: bool, device) -> T
                 continue
             if not all(given):
                 raise ValueError(f"batch[{given.index(False)}].{name}: missing (other samples have it)")
-        columns[name] = torch.from_numpy(_token_column(values, response, name)).to(device)
-    return TrainInputs(columns, prompt, lengths, np.cumsum(response) - response)
+        column = _token_column(values, response, name)
+        if name == "loss_mask":  # stays on the host: it shapes the micro-batches' masks
+            policy = _policy_mask(column, response)
+        else:
+            columns[name] = torch.from_numpy(column).to(device)
+    return TrainInputs(columns, prompt, lengths, np.cumsum(response) - response, policy)
+
+
+def _policy_mask(loss_mask: np.ndarray, response: np.ndarray) -> np.ndarray:
+    """loss_mask's column -> bool, after checking it holds only 0 / 1 and the batch has a policy token (a sample
+    of observation tokens only is allowed: it adds nothing to the loss or its normalisers)."""
+    bad = np.flatnonzero((loss_mask != 0) & (loss_mask != 1))  # (NaN too)
+    if bad.size:
+        ends = np.cumsum(response)
+        i = int(np.searchsorted(ends, bad[0], side="right"))
+        at = int(bad[0] - (ends[i] - response[i]))
+        raise ValueError(f"batch[{i}].loss_mask: must be 0 (an observation token) or 1 (a policy token), "
+                         f"got {float(loss_mask[bad[0]])!r} at response token {at}")
+    if not loss_mask.any():
+        raise ValueError("batch: loss_mask is 0 at every response token of every sample (no policy token to train on)")
+    return loss_mask == 1
 
 
 def _token_column(values: list, response: np.ndarray, name: str) -> np.ndarray:

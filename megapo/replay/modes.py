@@ -23,7 +23,9 @@ Every step also reports the train-inference metrics of the stability study (`sta
                                           engine routes (sample["engine_routes"]) vs the learner's own routing
                                           (sample["own_routes"]): (token, layer) pairs whose top-k expert set
                                           differs, tokens with any layer differing, per MoE layer
-Under off / r2 the π_old pass routes freely, so it gives all of them; under r3 the free-routing ones need one
+The mismatch metrics count the policy's response tokens only (sample["loss_mask"] 1 where samples carry one:
+a multi-turn trajectory's observation tokens have no engine log-prob). Under off / r2 the π_old pass routes
+freely, so it gives all of them; under r3 the free-routing ones need one
 more forward pass (`free_routing`), which the trainer takes every train.stability_metrics_every steps.
 
 A learner for r2/r3 is built with routing_replay=True (megapo/replay/hook.py plugs into it); the trainer builds
@@ -106,22 +108,44 @@ def keep_old_entropy(samples: list[dict], entropies: list, response: bool = Fals
         s["old_entropy"] = (h[s["prompt_len"] - 1:] if response else h).tolist()
 
 
+def policy_token_mask(samples: list[dict], count: int) -> np.ndarray:
+    """[count] bool over the samples' response tokens end to end: the ones the policy sampled (sample["loss_mask"]
+    1). Observation tokens (0) have no engine log-prob of the policy's (the engine reports 0.0 there), so the
+    train-inference comparisons skip them. All True when no sample has a loss_mask."""
+    given = [s.get("loss_mask") is not None for s in samples]
+    if not any(given):
+        return np.ones(count, dtype=bool)
+    if not all(given):
+        raise ValueError(f"samples[{given.index(False)}].loss_mask: missing (other samples have it)")
+    mask = np.concatenate([np.asarray(s["loss_mask"]).reshape(-1) for s in samples]) == 1
+    if mask.size != count:
+        raise ValueError(f"loss_mask: {mask.size} values for {count} response tokens")
+    if not mask.any():
+        raise ValueError("loss_mask: 0 at every response token (no policy token to compare)")
+    return mask
+
+
 def mismatch_kl(learner, samples: list[dict], replayed_logps: list[torch.Tensor] | None = None,
                 prefix: str = "replay/", free_logps: list[torch.Tensor] | None = None) -> dict:
-    """Train-inference mismatch: mean per-token k3 KL(rollout || learner) over response tokens, with the
-    learner replaying each sample's routes (`replayed_logps` from old_logprobs, or computed here) and
-    with free routing (`free_logps`, or one extra forward pass). Needs sample["rollout_logp"]. Collective."""
+    """Train-inference mismatch: mean per-token k3 KL(rollout || learner) over the policy's response tokens
+    (policy_token_mask), with the learner replaying each sample's routes (`replayed_logps` from old_logprobs, or
+    computed here) and with free routing (`free_logps`, or one extra forward pass). Needs sample["rollout_logp"].
+    Collective."""
     from megapo.algorithms.kl import kl_penalty
 
     sequences = [list(s["tokens"]) for s in samples]
     rollout = torch.cat([torch.as_tensor(s["rollout_logp"], dtype=torch.float32) for s in samples])
+    policy = torch.from_numpy(policy_token_mask(samples, rollout.numel()))
 
     def response(full):
         return torch.cat([lp[s["prompt_len"] - 1:] for lp, s in zip(full, samples)])
 
+    def k3(learner_logps):
+        return float(kl_penalty(rollout[policy], learner_logps[policy], "k3").mean())
+
     if learner.route_hook is None:
         free = response(learner.logprobs(sequences))
-        return {prefix + "kl_k3_free": float(kl_penalty(rollout, free, "k3").mean())}
+        return {prefix + "kl_k3_free": k3(free)}
     if replayed_logps is None:
         replayed = response(learner.logprobs(sequences, routes=[s.get("routes") for s in samples]))
     else:
@@ -131,8 +155,7 @@ def mismatch_kl(learner, samples: list[dict], replayed_logps: list[torch.Tensor]
     else:
         free = torch.cat(list(free_logps))
     learner.route_hook.metrics()  # these extra passes are not part of the step's routing metrics
-    return {prefix + "kl_k3": float(kl_penalty(rollout, replayed, "k3").mean()),
-            prefix + "kl_k3_free": float(kl_penalty(rollout, free, "k3").mean())}
+    return {prefix + "kl_k3": k3(replayed), prefix + "kl_k3_free": k3(free)}
 
 
 def free_routing(learner, samples: list[dict]) -> list[torch.Tensor]:
@@ -207,9 +230,9 @@ def keep_own_routes(samples: list[dict], routes: list[np.ndarray]) -> None:
 
 
 def engine_mismatch(samples: list[dict], logps: list) -> dict[str, float]:
-    """k3 = mean(ρ - 1 - log ρ), ρ = π/μ (an estimate of KL(μ || π)), and max |log π - log μ| over the response
-    tokens, between the engine's log-probs μ (sample["rollout_logp"]) and the learner's `logps` π (one
-    sequence of response log-probs per sample)."""
+    """k3 = mean(ρ - 1 - log ρ), ρ = π/μ (an estimate of KL(μ || π)), and max |log π - log μ| over the policy's
+    response tokens (policy_token_mask: loss_mask 1), between the engine's log-probs μ (sample["rollout_logp"]) and
+    the learner's `logps` π (one sequence of response log-probs per sample)."""
     from megapo.algorithms.corrections import mismatch_metrics
 
     def flat(values) -> torch.Tensor:
@@ -219,7 +242,7 @@ def engine_mismatch(samples: list[dict], logps: list) -> dict[str, float]:
     if pi.shape != mu.shape:
         raise ValueError(f"logps: {pi.numel()} response log-probs for {mu.numel()} engine log-probs")
     # token means and a max: all tokens as one [1, N] row give the same as one row per sequence
-    m = mismatch_metrics(pi[None], mu[None], torch.ones(1, pi.numel(), dtype=torch.bool))
+    m = mismatch_metrics(pi[None], mu[None], torch.from_numpy(policy_token_mask(samples, pi.numel()))[None])
     return {"k3": float(m["mismatch_k3"]), "max_abs_dlogp": float(m["mismatch_max_abs_dlogp"])}
 
 
