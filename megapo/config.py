@@ -15,9 +15,11 @@ import ast
 import dataclasses
 import difflib
 import functools
+import hashlib
 import importlib
 import inspect
 import io
+import json
 import math
 import re
 import textwrap
@@ -254,6 +256,13 @@ def load_config(cls: type, path: str | Path | None = None, overrides: list[str] 
     if validates:
         cfg.validate()
     return cfg
+
+
+def config_digest(path: str | Path) -> str:
+    """sha256 of a YAML config's parsed content: comments, key order and formatting do not change it, so a
+    bench folder made before a comment edit still continues."""
+    content = json.dumps(_parse_yaml(Path(path)), sort_keys=True, default=str)
+    return hashlib.sha256(content.encode()).hexdigest()
 
 
 class _Loader(yaml.SafeLoader):

@@ -160,3 +160,20 @@ def test_adam_step_beyond_float32_is_refused_naming_lr():
         load_config(OptimConfig, None, ["lr=1.0e+38"])  # 1e38 / 0.1 = 1e39
     assert err.value.field == "optim.lr" and "float32" in str(err.value)
     assert load_config(OptimConfig, None, ["lr=3.0e+38", "adam_beta1=0"]).lr == 3.0e38
+
+
+def test_config_digest_reads_content_not_bytes(tmp_path):
+    """A bench folder keys its cells by config_digest: comments, key order and layout leave it; a value changes it."""
+    import hashlib
+    import json
+
+    from megapo.config import config_digest
+
+    a, b, c = tmp_path / "a.yaml", tmp_path / "b.yaml", tmp_path / "c.yaml"
+    a.write_text("train:\n  steps: 60   # short\n  seed: 0\nrollout: {n_samples: 8}\n")
+    b.write_text("# a comment\nrollout:\n  n_samples: 8\ntrain: {seed: 0, steps: 60}\n")
+    c.write_text("train:\n  steps: 61\n  seed: 0\nrollout: {n_samples: 8}\n")
+    content = {"rollout": {"n_samples": 8}, "train": {"seed": 0, "steps": 60}}
+    expected = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+    assert config_digest(a) == config_digest(b) == expected
+    assert config_digest(c) != expected

@@ -22,7 +22,6 @@ Cells run `--jobs` at a time with OMP_NUM_THREADS = cores // jobs; a rerun skips
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from megapo.config import ConfigError, load_config
+from megapo.config import ConfigError, config_digest, load_config
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +138,7 @@ def validate(plan: Plan) -> None:
 
 def check_bench_folder(plan: Plan) -> None:
     """A folder made with another config or step count is refused (its cells would not compare)."""
-    want = {"config_sha256": hashlib.sha256(plan.config.read_bytes()).hexdigest(), "steps": steps_of(plan)}
+    want = {"config_sha256": config_digest(plan.config), "steps": steps_of(plan)}
     path = plan.out / BENCH_FILE
     if path.is_file():
         have = json.loads(path.read_text())

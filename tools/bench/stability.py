@@ -29,7 +29,6 @@ The collapse rule is megapo.trainer.collapse.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import logging
@@ -44,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from megapo.config import ConfigError
+from megapo.config import ConfigError, config_digest
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +249,7 @@ def cores() -> int:
 
 def shared_settings(plan: GridPlan, steps: int) -> dict:
     """What every cell of a grid folder must share (GRID_FILE)."""
-    return {"config_sha256": hashlib.sha256(plan.config.read_bytes()).hexdigest(), "steps": steps,
+    return {"config_sha256": config_digest(plan.config), "steps": steps,
             "sets": list(plan.sets)}
 
 
