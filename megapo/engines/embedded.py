@@ -47,7 +47,7 @@ class EmbeddedEngine(Engine):
                 raise ValueError("named_tensors is required with config")
             self.model = TorchCausalLM(TorchLMSpec.from_config(config), dtype)
             loaded = self.model.load(named_tensors)
-            missing = self.model.required_names() - loaded
+            missing = self.model.missing_names(loaded)
             if missing:
                 raise ValueError(f"named_tensors lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
         self.spec = self.model.spec

@@ -9,6 +9,11 @@ flight. A request that gets no answer (connection refused/reset/timed out) marks
 again to a live one; a result is accepted once per sample id, so the batch returns every sample exactly once.
 Dead engines are health-checked again at the start of every batch.
 
+Sessions (multi-turn rollouts, megapo/envs/rollout.py): `generate(..., sessions=keys)` gives each prompt a key;
+a key's requests go to the engine that served its first one while that engine lives (its prefix cache holds the
+trajectory so far), and to the least busy live one otherwise (then that one keeps it). `end_sessions(keys)`
+forgets them.
+
 Weight updates, pause and resume go to every live engine.
 """
 
@@ -30,6 +35,8 @@ class NoLiveEngine(RuntimeError):
 
 
 class Router(Engine):
+    pins_sessions = True
+
     def __init__(self, engines: list[Engine], *, max_in_flight_per_engine: int = 64, weight_version: int = 0,
                  samples_per_request: int | None = None):
         if not engines:
@@ -44,20 +51,21 @@ class Router(Engine):
         self.alive = [True] * len(engines)
         self.served = [0] * len(engines)  # samples accepted per engine (for tests and logs)
         self.retries = 0
+        self._sessions: dict = {}  # session key -> the engine serving it
         self.weight_version = int(weight_version)
         self._lock = threading.Lock()
         self._capacity = threading.Semaphore(max_in_flight_per_engine * len(engines))
         self._pool = ThreadPoolExecutor(max_in_flight_per_engine * len(engines), thread_name_prefix="megapo-router")
 
     # ------------------------------------------------------------------------------------------ routing
-    def _acquire(self, exclude: set[int]) -> int:
+    def _acquire(self, exclude: set[int], prefer: int | None = None) -> int:
         with self._lock:
             live = [k for k in range(len(self.engines)) if self.alive[k] and k not in exclude]
             if not live:
                 live = [k for k in range(len(self.engines)) if self.alive[k]]
             if not live:
                 raise NoLiveEngine("no live engine left to serve the batch")
-            k = min(live, key=lambda e: self.in_flight[e])
+            k = prefer if prefer in live else min(live, key=lambda e: self.in_flight[e])
             self.in_flight[k] += 1
             return k
 
@@ -69,11 +77,12 @@ class Router(Engine):
         with self._lock:
             self.alive[k] = False
 
-    def _run(self, prompt: list[int], params: SamplingParams) -> tuple[int, list[Sample]]:
-        """One request (params.n samples of one prompt), retried on another engine while engines die under it."""
+    def _run(self, prompt: list[int], params: SamplingParams, prefer: int | None = None) -> tuple[int, list[Sample]]:
+        """One request (params.n samples of one prompt), retried on another engine while engines die under it;
+        `prefer`: the engine to ask first (a session's) while it is alive."""
         tried: set[int] = set()
         while True:
-            k = self._acquire(tried)
+            k = self._acquire(tried, prefer)
             try:
                 [samples] = self.engines[k].generate([prompt], params)
                 if len(samples) != params.n:
@@ -102,8 +111,16 @@ class Router(Engine):
                 with self._lock:
                     self.alive[k] = True
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+    def end_sessions(self, keys) -> None:
+        with self._lock:
+            for key in keys:
+                self._sessions.pop(key, None)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, sessions: list | None = None
+                 ) -> list[list[Sample]]:
         check_prompts(prompts)
+        if sessions is not None and len(sessions) != len(prompts):
+            raise ValueError(f"sessions: {len(sessions)} keys for {len(prompts)} prompts")
         self.revive()
         n = params.n
         results: dict[tuple[int, int], Sample] = {}
@@ -111,10 +128,14 @@ class Router(Engine):
 
         def task(i: int, j0: int, count: int) -> None:
             seed = None if params.seed is None else params.seed + i * n + j0
+            key = None if sessions is None else sessions[i]
             try:
-                k, samples = self._run(list(prompts[i]), replace(params, n=count, seed=seed))
+                k, samples = self._run(list(prompts[i]), replace(params, n=count, seed=seed), self._sessions.get(key))
             finally:
                 self._capacity.release()
+            if key is not None:  # the engine that served it (the preferred one unless that one died)
+                with self._lock:
+                    self._sessions[key] = k
             with accept:
                 for j, sample in zip(range(j0, j0 + count), samples):
                     if (i, j) not in results:  # a result is accepted once per id

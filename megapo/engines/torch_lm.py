@@ -232,6 +232,13 @@ class TorchCausalLM:
         tensors += [t for layer in self.layers for t in layer.values() if t is not None]
         return sum(t.numel() for t in tensors)
 
+    def missing_names(self, loaded: set[str]) -> set[str]:
+        """required_names not in `loaded`; a layer's fused expert tensors (transformers 5's in-memory
+        gate_up_proj / down_proj) stand for its per-expert ones."""
+        fused = {n.removesuffix("gate_up_proj") for n in loaded if n.endswith(".mlp.experts.gate_up_proj")}
+        fused &= {n.removesuffix("down_proj") for n in loaded if n.endswith(".mlp.experts.down_proj")}
+        return {n for n in self.required_names() - loaded if not any(n.startswith(p) for p in fused)}
+
     def required_names(self) -> set[str]:
         """The on-disk HF names a complete checkpoint has (one name per tensor element)."""
         skip = {"lm_head.weight"} if self.spec.tie_embeddings else set()

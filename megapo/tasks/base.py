@@ -42,6 +42,9 @@ class Task:
     demonstrations: Callable[[Sequence[Example], int], list[str]] | None = None
     # the kind of a response (addition_cot: terse | scratchpad | checked): held-out eval logs each kind's share
     response_kind: Callable[[str], str] | None = None
+    # a multi-turn task's environment, a new one per trajectory (megapo.envs.base.Environment; env.name=auto
+    # uses it); its demonstrations are then lists of policy turns, the environment answering between them
+    environment: Callable[[], Any] | None = None
 
     def size(self, split: str) -> int:
         if split not in self.sizes:

@@ -297,6 +297,20 @@ class DataConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn rollouts with an environment (megapo/envs/): tool calls answered between policy turns."""
+
+    # auto: the task's own environment when it has one (data.task=calculator), else single-turn | none |
+    # a built-in (calculator) | "module:Class" of a user's environment (megapo.envs.base.Environment)
+    name: str = "auto"
+    options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the environment's class
+    max_turns: int = bounded(4, ">= 1")  # policy turns per trajectory; one more ends it (finish max_turns)
+    # tokens after the prompt per trajectory, policy turns and observations together (0: rollout.max_new_tokens
+    # times max_turns); each turn is also cut at rollout.max_new_tokens
+    max_total_tokens: int = bounded(0, ">= 0", "0: max_new_tokens x max_turns")
+
+
+@dataclass
 class TrainConfig:
     """The step loop: batches, sync or async, evaluation, checkpoints, logs."""
 
@@ -343,6 +357,22 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+
+    def env_factory(self):
+        """env.name resolved (megapo.envs.registry): a factory of one environment per trajectory, or None for
+        single-turn rollouts."""
+        from megapo.envs.registry import env_factory
+        from megapo.tasks.registry import get_task
+
+        task = get_task(self.data.task, self.data.task_options) if self.data.task else None
+        return env_factory(self.env.name, self.env.options, task)
+
+    def response_tokens(self) -> int:
+        """The most tokens after a prompt: rollout.max_new_tokens, or a multi-turn trajectory's budget."""
+        if self.env_factory() is None:
+            return self.rollout.max_new_tokens
+        return self.env.max_total_tokens or self.rollout.max_new_tokens * self.env.max_turns
 
     def reference(self, hf: dict) -> str:
         """algorithm.reference with auto resolved for the model config.json `hf`: plain where its one full copy
@@ -382,6 +412,7 @@ class RunConfig:
         self._validate_train()
         self._validate_data()
         self._validate_sft()
+        self._validate_env()
         self._validate_model()  # reads config.json / tokenizer file names: last, after the cheap checks
         self._validate_sources()  # reads the data files and the tokenizer, calls the reward once
 
@@ -514,10 +545,10 @@ class RunConfig:
         if self.data.prompts_per_step % t.mini_batches:
             raise ConfigError("train.mini_batches", f"must divide data.prompts_per_step={self.data.prompts_per_step} "
                               "(a mini-batch holds whole groups)")
-        seq_len = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        seq_len = self.data.max_prompt_tokens + self.response_tokens()
         if t.micro_batch_tokens < seq_len:
             raise ConfigError("train.micro_batch_tokens", f"{t.micro_batch_tokens} cannot hold one sequence of up to "
-                              f"max_prompt_tokens + max_new_tokens = {seq_len} tokens")
+                              f"max_prompt_tokens + the response budget = {seq_len} tokens")
         if t.row_tokens > t.micro_batch_tokens:
             raise ConfigError("train.row_tokens", f"{t.row_tokens} is wider than a micro-batch "
                               f"(train.micro_batch_tokens={t.micro_batch_tokens})")
@@ -615,6 +646,23 @@ class RunConfig:
                 read_key_file(r.api_key_file, "rollout.api_key_file")
             except (OSError, ValueError) as err:
                 raise ConfigError("rollout.api_key_file", str(err).removeprefix("rollout.api_key_file: ")) from None
+
+    def _validate_env(self) -> None:
+        """env.*: the environment builds with its options; what multi-turn rollouts do not support yet."""
+        if self.env_factory() is None:
+            return
+        a = self.algorithm
+        per_token = [name for name, on in (("algorithm.token_advantage", a.token_advantage != "none"),
+                                           ("algorithm.token_select", bool(a.token_select)),
+                                           ("algorithm.token_mask", a.token_mask != "none"),
+                                           ("data.length_reward", self.data.length_reward != "none"),
+                                           ("data.group_filter", self.data.group_filter != "none"),
+                                           ("data.overlong.enabled", self.data.overlong.enabled)) if on]
+        if per_token:  # their statistics would count the environment's tokens as the policy's
+            raise ConfigError(per_token[0], "is not supported with multi-turn rollouts (an environment: env.name="
+                              f"{self.env.name}) yet")
+        if self.env.max_total_tokens and self.env.max_total_tokens < 2:
+            raise ConfigError("env.max_total_tokens", "must leave room for a turn and its stop token (>= 2)")
 
     def _validate_sft(self) -> None:
         s = self.sft

@@ -24,7 +24,7 @@ from megapo.trainer.config import RunConfig
 
 def server_max_model_len(cfg: RunConfig) -> int:
     """Context length a started server needs: the longest prompt plus the longest response."""
-    return max(64, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    return max(64, cfg.data.max_prompt_tokens + cfg.response_tokens())
 
 
 def _clients(cfg: RunConfig, model_dir: Path):

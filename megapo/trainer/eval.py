@@ -31,6 +31,7 @@ class EvalResult:
     solved: list[bool] = field(default_factory=list)  # each example's verdict
     difficulties: list[int | None] = field(default_factory=list)  # each example's task difficulty
     kinds: list[str] = field(default_factory=list)  # each response's kind (Task.response_kind), when the task has one
+    extra: dict[str, float] = field(default_factory=dict)  # multi-turn: envs.rollout.trajectory_metrics
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         """accuracy, response_len, and by difficulty bucket k: acc_d{k}; lengths as metrics.length_metrics
@@ -44,6 +45,7 @@ class EvalResult:
         out.update({prefix + key: v for key, v in length_metrics(self.lengths, self.difficulties).items()})
         for kind in sorted(set(self.kinds)):
             out[f"{prefix}kind/{kind}"] = self.kinds.count(kind) / len(self.kinds)
+        out.update({prefix + key: v for key, v in self.extra.items()})
         return out
 
 
@@ -95,6 +97,39 @@ def engine_greedy(engine, eos_token_id: int, max_new_tokens: int, batch_size: in
     return generate
 
 
+def score_trajectories(engine, tokenizer, examples: Sequence[Example], prompt_ids: Sequence[list[int]],
+                       verify: Callable[[Example, str], float], turns, chat_template: bool, max_new_tokens: int,
+                       batch_size: int = 256) -> EvalResult:
+    """Greedy multi-turn accuracy: each example's trajectory with its environment (`turns`: envs.rollout.TurnPlay);
+    the verifier reads the last policy turn (or the environment's reward), a trajectory cut short counts wrong;
+    lengths count every token after the prompt, observations included."""
+    from megapo.engines.base import SamplingParams
+    from megapo.envs.rollout import trajectory_metrics, trajectory_sampler
+
+    eos = tokenizer.eos_token_id
+    params = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, stop_token_ids=(eos,),
+                            seed=0)
+    sample = trajectory_sampler(turns.make_env, tokenizer, chat_template, turns.limits)
+    trajectories = [g[0] for i in range(0, len(prompt_ids), batch_size)
+                    for g in sample(engine, list(prompt_ids[i:i + batch_size]), list(examples[i:i + batch_size]), params)]
+    solved = []
+    for ex, t in zip(examples, trajectories):
+        value = t.env_reward if t.env_reward is not None else verify(
+            ex, tokenizer.decode(t.answer_ids((eos,)), skip_special_tokens=True))
+        solved.append(t.finish_reason == "stop" and value > 0.5)
+    lengths = [len(t.output_ids) for t in trajectories]
+    total = len(examples)
+    return EvalResult(sum(solved) / max(total, 1), sum(solved), total, sum(lengths) / max(total, 1), lengths, solved,
+                      [getattr(ex, "difficulty", None) for ex in examples], extra=trajectory_metrics(trajectories))
+
+
+def engine_from_hf(model):
+    """An embedded engine holding a copy of an HF model's current weights (multi-turn eval of a model)."""
+    from megapo.engines.embedded import EmbeddedEngine
+
+    return EmbeddedEngine(config=model.config.to_dict(), named_tensors=list(model.state_dict().items()))
+
+
 def task_verifier(task) -> Callable[[Example, str], float]:
     """verify(example, response) of a task (a name or a Task): its own reward against the example's answer."""
     from megapo.tasks.registry import get_task
@@ -117,11 +152,13 @@ def score(generate: GenerateFn, tokenizer, examples: Sequence[Example], prompt_i
 
 
 def evaluate(model_or_engine, task: str = "addition", split: str = "test", *, n: int | None = None,
-             tokenizer=None, chat_template: bool = False, max_new_tokens: int = 8, batch_size: int = 256) -> EvalResult:
+             tokenizer=None, chat_template: bool = False, max_new_tokens: int = 8, batch_size: int = 256,
+             turns=None) -> EvalResult:
     """Greedy accuracy on a task's split (`task`: a name of megapo.tasks.registry or a Task).
 
     `model_or_engine`: an HF folder path, an HF model (then pass `tokenizer`), or a megapo Engine
-    (anything with `.generate(prompts, params)`; pass `tokenizer`)."""
+    (anything with `.generate(prompts, params)`; pass `tokenizer`). `turns` (envs.rollout.TurnPlay): multi-turn,
+    each example played with its environment (score_trajectories; `max_new_tokens` per turn)."""
     from megapo.tasks.registry import get_task
     from megapo.trainer.data import encode_prompt
 
@@ -136,6 +173,10 @@ def evaluate(model_or_engine, task: str = "addition", split: str = "test", *, n:
         raise ValueError("tokenizer is required when model_or_engine is not a folder")
     examples = task.examples(split, n)
     prompts = [encode_prompt(tokenizer, ex.prompt, chat_template) for ex in examples]
+    if turns is not None:
+        engine = engine_from_hf(model) if isinstance(model, torch.nn.Module) else model
+        return score_trajectories(engine, tokenizer, examples, prompts, task_verifier(task), turns, chat_template,
+                                  max_new_tokens, batch_size)
     if hasattr(model, "generate") and isinstance(model, torch.nn.Module):
         gen = hf_greedy(model, tokenizer, max_new_tokens, batch_size)
     else:

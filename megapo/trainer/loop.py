@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from megapo.envs.base import Trajectory
 from megapo.trainer import checkpoint as ckpt
 from megapo.trainer.config import RunConfig
 from megapo.trainer.length_stage import LengthStage
@@ -76,7 +77,7 @@ def prepare_model(cfg: RunConfig, out_dir: Path) -> Path:
         from megapo.trainer.sft import train_sft
 
         result = train_sft(path, sft_dir, cfg.sft, get_task(cfg.data.task, cfg.data.task_options),
-                           cfg.data.chat_template, cfg.rollout.max_new_tokens)
+                           cfg.data.chat_template, cfg.rollout.max_new_tokens, turns=turn_play(cfg))
         log.info("sft warm start: validation exact-match %.3f after %d steps (%.1f s)%s", result.val_accuracy,
                  result.steps, result.seconds, "" if result.reached else " -- threshold NOT reached")
     _barrier()
@@ -102,8 +103,9 @@ class Group:
 
 def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[list], list[float]]:
     """[(example, sample), ...] -> rewards: the configured reward of each decoded response (stop token
-    removed), guarded (megapo.trainer.rewards.GuardedReward: data.reward_timeout_s, data.reward_errors)
-    and scored in one call per round; a response without end-of-sequence gets data.truncated_reward.
+    removed; of a multi-turn trajectory, its last policy turn unless its environment gave a reward), guarded
+    (megapo.trainer.rewards.GuardedReward: data.reward_timeout_s, data.reward_errors) and scored in one call
+    per round; a response without end-of-sequence (a trajectory cut short) gets data.truncated_reward.
     `reward.pop_errors()` counts the failures scored 0 since its last call, `reward.pop_truncated()` the
     (truncated, scored) responses."""
     from megapo.tasks.registry import reward_spec
@@ -112,13 +114,19 @@ def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[list], list[float]]:
     fn = GuardedReward(reward_spec(cfg.data), cfg.data.reward_timeout_s, cfg.data.reward_errors,
                        truncated_reward=cfg.data.truncated_reward)
 
+    stop = (tokenizer.eos_token_id,)
+
     def response_text(sample) -> str:
+        if isinstance(sample, Trajectory):  # a multi-turn trajectory: its last policy turn is the answer
+            return tokenizer.decode(sample.answer_ids(stop), skip_special_tokens=True)
         ids = sample.output_ids[:-1] if sample.finish_reason == "stop" else sample.output_ids
         return tokenizer.decode(ids, skip_special_tokens=True)
 
     def reward(pairs: list) -> list[float]:
-        return fn.score_all([(response_text(sample), example.answer) for example, sample in pairs],
-                            truncated=[sample.finish_reason != "stop" for _, sample in pairs])
+        scores = fn.score_all([(response_text(sample), example.answer) for example, sample in pairs],
+                              truncated=[sample.finish_reason != "stop" for _, sample in pairs])
+        # an environment's own reward at the end of a trajectory replaces the verifier's
+        return [s.env_reward if getattr(s, "env_reward", None) is not None else r for r, (_, s) in zip(scores, pairs)]
 
     reward.pop_errors = fn.pop_errors
     reward.pop_truncated = fn.pop_truncated
@@ -126,10 +134,11 @@ def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[list], list[float]]:
 
 
 def rollout_round(engine, params, examples: list, prompt_ids: list[list[int]], reward_fn,
-                  indices: list[int] | None = None) -> list[Group]:
+                  indices: list[int] | None = None, sampler=None) -> list[Group]:
     """One sampling round: every prompt's samples with the verifier's rewards (before length shaping);
-    `indices`: the prompts' places in the prompt pool."""
-    drawn = engine.generate(prompt_ids, params)
+    `indices`: the prompts' places in the prompt pool; `sampler`: multi-turn trajectories in place of
+    engine.generate (megapo.envs.rollout.trajectory_sampler)."""
+    drawn = sampler(engine, prompt_ids, examples, params) if sampler is not None else engine.generate(prompt_ids, params)
     scores = iter(reward_fn([(ex, s) for ex, samples in zip(examples, drawn) for s in samples]))
     indices = indices if indices is not None else [None] * len(examples)
     return [Group(ex, samples, [next(scores) for _ in samples], prompt_index=i)
@@ -148,6 +157,8 @@ def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_sta
         for si, s in enumerate(g.samples):
             sample = {"tokens": list(s.prompt_ids) + list(s.output_ids), "prompt_len": len(s.prompt_ids),
                       "advantage": adv[gi][si], "rollout_logp": list(s.logprobs)}
+            if isinstance(s, Trajectory):  # the environment's tokens are context, not the policy's
+                sample["loss_mask"] = list(s.loss_mask)
             if sentence_ends is not None:  # the objective splits responses into sentences (sspo)
                 from megapo.algorithms.trust_region import sentence_end_flags
 
@@ -389,10 +400,12 @@ def sync_weights(learner, engine, version: int, cfg: RunConfig, transport) -> di
 # ----------------------------------------------------------------------------- one step
 
 
-def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig, length=None) -> tuple[list[Group], dict, int]:
+def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig, length=None,
+                     sampler=None) -> tuple[list[Group], dict, int]:
     """Rank 0: sample groups for one step (with dynamic sampling, refilled up to max_sampling_rounds), each
     round shaped and filtered by `length` (trainer.length_stage.LengthStage) before dynamic sampling judges it;
-    returns the groups to train on (whole groups, a multiple of dp), metrics, generated tokens."""
+    `sampler`: multi-turn trajectories (rollout_round); returns the groups to train on (whole groups, a multiple
+    of dp), metrics, generated tokens."""
     from megapo.trainer import data
     from megapo.trainer.metrics import length_metrics
 
@@ -405,7 +418,7 @@ def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig, le
         chosen = source.next_batch(cfg.data.prompts_per_step)
         items = [pool[i] for i in chosen]
         new = rollout_round(engine, params, [ex for ex, _ in items], [ids for _, ids in items], reward_fn,
-                            [int(i) for i in chosen])
+                            [int(i) for i in chosen], sampler)
         sampled.extend(new)
         new = length.apply(new) if length is not None else new
         shaped.extend(new)
@@ -432,13 +445,22 @@ def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig, le
         "finish_length_frac": sum(s.finish_reason == "length" for s in samples) / len(samples)})
     metrics.update(length_metrics([len(s.output_ids) for s in samples],  # len/mean, len/p90, len/d{k} by difficulty
                                   [getattr(g.example, "difficulty", None) for g in sampled for _ in g.samples]))
+    if sampler is not None:  # turns, tool calls, finish reasons, parse / tool errors
+        from megapo.envs.rollout import trajectory_metrics
+
+        metrics.update(trajectory_metrics(samples))
     if cfg.data.reward_errors == "zero" and hasattr(reward_fn, "pop_errors"):
         metrics["reward/errors"] = reward_fn.pop_errors()  # failed reward calls scored 0 this step
     if hasattr(reward_fn, "pop_truncated"):
         truncated, scored = reward_fn.pop_truncated()  # given data.truncated_reward instead of a score
         metrics["reward/truncated_frac"] = truncated / max(scored, 1)
     keep = len(groups) - len(groups) % cfg.parallel.dp  # every DP rank gets whole groups
-    return groups[:keep], metrics, sum(len(s.output_ids) for s in samples)
+    return groups[:keep], metrics, sum(policy_tokens(s) for s in samples)
+
+
+def policy_tokens(sample) -> int:
+    """Tokens the engine generated for a sample (a trajectory's observations are not)."""
+    return sum(sample.loss_mask) if isinstance(sample, Trajectory) else len(sample.output_ids)
 
 
 def mini_batch_bounds(group_sizes: list[int], mini_batches: int) -> list[tuple[int, int]]:
@@ -503,6 +525,16 @@ def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, optio
 
 
 # ----------------------------------------------------------------------------- the loop
+
+
+def turn_play(cfg: RunConfig):
+    """The run's environment and turn limits (megapo.envs.rollout.TurnPlay), or None for single-turn rollouts."""
+    from megapo.envs.rollout import TurnLimits, TurnPlay
+
+    make_env = cfg.env_factory()
+    if make_env is None:
+        return None
+    return TurnPlay(make_env, TurnLimits(cfg.env.max_turns, cfg.response_tokens()))
 
 
 def build_engine(cfg: RunConfig, model_dir: Path):
@@ -619,13 +651,19 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
                                 max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,),
                                 return_routes=cfg.algorithm.routing_replay == "r3" or compare_routes)
         options = loss_options(cfg)
+        turns = turn_play(cfg)
+        sampler = None
+        if turns is not None:
+            from megapo.envs.rollout import trajectory_sampler
+
+            sampler = trajectory_sampler(turns.make_env, tokenizer, cfg.data.chat_template, turns.limits)
 
         def held_out() -> dict:
             if not cfg.data.task or cfg.train.eval_prompts == 0 or engine is None:
                 return {}
             r = evaluate(engine, get_task(cfg.data.task, cfg.data.task_options), "test", n=cfg.train.eval_prompts,
                          tokenizer=tokenizer, chat_template=cfg.data.chat_template,
-                         max_new_tokens=cfg.rollout.max_new_tokens)
+                         max_new_tokens=cfg.rollout.max_new_tokens, turns=turns)
             return r.metrics("eval/")  # accuracy, response_len, and by difficulty acc_d{k}, len/*
 
         earlier = start_step and _rank() == 0 and (out_dir / "metrics.jsonl").is_file()  # a resumed run's history
@@ -636,7 +674,8 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
         if cfg.train.mode == "async" and _rank() == 0:
             from megapo.trainer.async_rollout import AsyncRollouts
 
-            producer = AsyncRollouts(lambda: collect_rollouts(engine, params, pool, source, reward_fn, cfg, length),
+            producer = AsyncRollouts(lambda: collect_rollouts(engine, params, pool, source, reward_fn, cfg, length,
+                                                              sampler),
                                      staleness=cfg.train.staleness, version_fn=lambda: engine.weight_version,
                                      generate_threads=max(1, torch.get_num_threads() // 2),
                                      cursor_fn=lambda: (source.state_dict(), length.state_dict()))
@@ -654,7 +693,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
             elif _rank() == 0:
                 with timer("generate"):
                     groups, metrics, gen_tokens = collect_rollouts(engine, params, pool, source, reward_fn, cfg,
-                                                                   length)
+                                                                   length, sampler)
                 cursor, length_state = source.state_dict(), length.state_dict()
             if samples_log is not None and groups:
                 samples_log.log(step, groups)

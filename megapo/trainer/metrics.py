@@ -161,7 +161,14 @@ class SampleLogger:
                 "prompt_ids": list(s.prompt_ids), "response_ids": list(s.output_ids),
                 "prompt": g.example.prompt, "response": self.tokenizer.decode(s.output_ids, skip_special_tokens=True),
                 "reward": g.scores[i] if g.scores is not None else g.rewards[i], "shaped_reward": g.rewards[i],
-                "weight_version": s.weight_version, "finish_reason": s.finish_reason}
+                "weight_version": s.weight_version, "finish_reason": s.finish_reason, **self.turns(s)}
+
+    def turns(self, s) -> dict:
+        """A multi-turn trajectory's turns in order (role policy | env, text), why it ended, its tool calls."""
+        if not hasattr(s, "segments"):
+            return {}
+        return {"turns": [{"role": "policy" if policy else "env", "text": self.tokenizer.decode(ids)}
+                          for policy, ids in s.segments()], "finish": s.finish, "tool_calls": s.tool_calls}
 
     def close(self) -> None:
         self._file.close()
