@@ -23,51 +23,24 @@ a seeded draw of digit count min_digits + i mod (number of counts).
 
 from __future__ import annotations
 
-import hashlib
-from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
 
 from megapo.tasks.base import Example, Task
+from megapo.tasks.operand_pairs import OperandPairs, check_digit_range
 
 MIN_DIGITS, MAX_DIGITS = 2, 6
 SPLIT_SEED = 20260415
 TEST_PER_DIGITS = 200
 VALIDATION_PER_DIGITS = 100
 TRAIN_SIZE = 1_000_000  # nominal: the i-th training example is drawn from i, so any size would do
-_SPLIT_CODE = {"train": 0, "validation": 1, "test": 2}
 SEPARATOR = ";"
+PAIRS = OperandPairs(SPLIT_SEED, "+")
 
 
 def split_of(a: int, b: int) -> str:
-    h = int.from_bytes(hashlib.sha256(f"{a}+{b}".encode()).digest()[:8], "big") % 100
-    return "test" if h < 5 else "validation" if h < 10 else "train"
-
-
-def _draw(rng: np.random.Generator, digits: int) -> tuple[int, int]:
-    lo, hi = 10 ** (digits - 1), 10 ** digits
-    return int(rng.integers(lo, hi)), int(rng.integers(lo, hi))
-
-
-@lru_cache(maxsize=32)
-def _held_out(split: str, digits: int, count: int) -> tuple[tuple[int, int], ...]:
-    """`count` distinct problems of `digits` digits in the test or validation split, in a fixed order."""
-    rng = np.random.default_rng([SPLIT_SEED, _SPLIT_CODE[split], digits])
-    seen: dict[tuple[int, int], None] = {}
-    while len(seen) < count:
-        pair = _draw(rng, digits)
-        if split_of(*pair) == split:
-            seen.setdefault(pair, None)
-    return tuple(seen)
-
-
-def _train_problem(digits: int, i: int) -> tuple[int, int]:
-    rng = np.random.default_rng([SPLIT_SEED, _SPLIT_CODE["train"], digits, i])
-    while True:
-        pair = _draw(rng, digits)
-        if split_of(*pair) == "train":
-            return pair
+    return PAIRS.split_of(a, b)
 
 
 def scratchpad(a: int, b: int) -> str:
@@ -115,22 +88,12 @@ def task(min_digits: int = MIN_DIGITS, max_digits: int = MAX_DIGITS, scratchpad_
     """data.task=addition_cot; data.task_options: min_digits, max_digits (in [1, 9]), scratchpad_frac (the
     share of SFT demonstrations that show the columns, in [0, 1]), check_frac (the share of those that do
     the columns twice, in [0, 1])."""
-    for name, value in (("min_digits", min_digits), ("max_digits", max_digits)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 9:
-            raise ValueError(f"{name} must be an integer in [1, 9], got {value!r}")
-    if min_digits > max_digits:
-        raise ValueError(f"min_digits={min_digits} exceeds max_digits={max_digits}")
+    check_digit_range(min_digits, max_digits, 9)
     for name, value in (("scratchpad_frac", scratchpad_frac), ("check_frac", check_frac)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise ValueError(f"{name} must be in [0, 1], got {value!r}")
     counts = max_digits - min_digits + 1
-    per_digits = {"validation": VALIDATION_PER_DIGITS, "test": TEST_PER_DIGITS}
-
-    def get(split: str, i: int) -> Example:
-        digits = min_digits + i % counts
-        if split == "train":
-            return example(*_train_problem(digits, i // counts))
-        return example(*_held_out(split, digits, per_digits[split])[i // counts])
+    get = PAIRS.getter(min_digits, max_digits, {"validation": VALIDATION_PER_DIGITS, "test": TEST_PER_DIGITS}, example)
 
     def demonstrations(examples: Sequence[Example], seed: int) -> list[str]:
         verbose = np.random.default_rng([seed, 1]).random(len(examples)) < scratchpad_frac

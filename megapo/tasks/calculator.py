@@ -18,51 +18,25 @@ seeds a run uses; test and validation hold fixed problems, the same number per d
 
 from __future__ import annotations
 
-import hashlib
 import json
-from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
 
 from megapo.envs.tools import CALL_FORMATS, CalculatorEnvironment
 from megapo.tasks.base import Example, Task
+from megapo.tasks.operand_pairs import OperandPairs, check_digit_range
 
 MIN_DIGITS, MAX_DIGITS = 2, 3
 SPLIT_SEED = 20261203
 TEST_PER_DIGITS = 200
 VALIDATION_PER_DIGITS = 100
 TRAIN_SIZE = 1_000_000  # nominal: the i-th training example is drawn from i
-_SPLIT_CODE = {"train": 0, "validation": 1, "test": 2}
+PAIRS = OperandPairs(SPLIT_SEED, "*")
 
 
 def split_of(a: int, b: int) -> str:
-    h = int.from_bytes(hashlib.sha256(f"{a}*{b}".encode()).digest()[:8], "big") % 100
-    return "test" if h < 5 else "validation" if h < 10 else "train"
-
-
-def _draw(rng: np.random.Generator, digits: int) -> tuple[int, int]:
-    lo, hi = 10 ** (digits - 1), 10 ** digits
-    return int(rng.integers(lo, hi)), int(rng.integers(lo, hi))
-
-
-@lru_cache(maxsize=32)
-def _held_out(split: str, digits: int, count: int) -> tuple[tuple[int, int], ...]:
-    rng = np.random.default_rng([SPLIT_SEED, _SPLIT_CODE[split], digits])
-    seen: dict[tuple[int, int], None] = {}
-    while len(seen) < count:
-        pair = _draw(rng, digits)
-        if split_of(*pair) == split:
-            seen.setdefault(pair, None)
-    return tuple(seen)
-
-
-def _train_problem(digits: int, i: int) -> tuple[int, int]:
-    rng = np.random.default_rng([SPLIT_SEED, _SPLIT_CODE["train"], digits, i])
-    while True:
-        pair = _draw(rng, digits)
-        if split_of(*pair) == "train":
-            return pair
+    return PAIRS.split_of(a, b)
 
 
 def tool_call(expression: str, call_format: str) -> str:
@@ -85,23 +59,13 @@ def task(min_digits: int = MIN_DIGITS, max_digits: int = MAX_DIGITS, tool_frac: 
          call_format: str = "plain") -> Task:
     """data.task=calculator; data.task_options: min_digits, max_digits (in [1, 6]), tool_frac (the share of SFT
     demonstrations that call the tool, in [0, 1]), call_format (plain | chat, megapo.envs.tools)."""
-    for name, value in (("min_digits", min_digits), ("max_digits", max_digits)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 6:
-            raise ValueError(f"{name} must be an integer in [1, 6], got {value!r}")
-    if min_digits > max_digits:
-        raise ValueError(f"min_digits={min_digits} exceeds max_digits={max_digits}")
+    check_digit_range(min_digits, max_digits, 6)
     if isinstance(tool_frac, bool) or not isinstance(tool_frac, (int, float)) or not 0 <= tool_frac <= 1:
         raise ValueError(f"tool_frac must be in [0, 1], got {tool_frac!r}")
     if call_format not in CALL_FORMATS:
         raise ValueError(f"call_format must be one of {', '.join(CALL_FORMATS)}, got {call_format!r}")
     counts = max_digits - min_digits + 1
-    per_digits = {"validation": VALIDATION_PER_DIGITS, "test": TEST_PER_DIGITS}
-
-    def get(split: str, i: int) -> Example:
-        digits = min_digits + i % counts
-        if split == "train":
-            return example(*_train_problem(digits, i // counts))
-        return example(*_held_out(split, digits, per_digits[split])[i // counts])
+    get = PAIRS.getter(min_digits, max_digits, {"validation": VALIDATION_PER_DIGITS, "test": TEST_PER_DIGITS}, example)
 
     def demonstrations(examples: Sequence[Example], seed: int) -> list[list[str]]:
         """The policy turns of each demonstration (the observations between them come from the environment)."""
