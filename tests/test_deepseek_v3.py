@@ -175,13 +175,3 @@ def test_one_step_tp2xep2_equals_tp1_and_keeps_the_expert_bias(tiny_ds, step_run
     assert not torch.equal(one["model.layers.1.mlp.gate.weight"], hf["model.layers.1.mlp.gate.weight"])
     assert torch.equal(one[BIAS], hf[BIAS]) and torch.equal(four[BIAS], hf[BIAS])
 
-
-def test_routing_replay_with_dense_layers_is_refused(tiny_ds, tmp_path, capsys):
-    """Routes cover every layer today; a model with a dense first layer is refused before any process."""
-    from megapo.cli import main
-
-    write_input(tmp_path / "in.jsonl", hf_config(tiny_ds)["vocab_size"])
-    code = main(["logprobs", "--model", str(tiny_ds), "--input", str(tmp_path / "in.jsonl"), "--output",
-                        str(tmp_path / "out.jsonl"), "--routes-out", str(tmp_path / "r.npz")])
-    err = capsys.readouterr().err
-    assert code == 2 and "--routes-out" in err and "dense layers (1 of 2)" in err, err

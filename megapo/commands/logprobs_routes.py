@@ -31,11 +31,8 @@ def check(args, hf: dict, sequences: list[list[int]]) -> None:
         return
     from megapo.models.family import family_for
 
+    shape = RouteShape.from_spec(family_for(hf).spec(hf))
     flag = "--routes-in" if args.routes_in else "--routes-out"
-    try:
-        shape = RouteShape.from_spec(family_for(hf).spec(hf))
-    except ValueError as exc:
-        raise ConfigError(flag, str(exc)) from None
     if shape.num_moe_layers == 0:
         raise ConfigError(flag, "the model has no MoE layers")
     if args.routes_out and Path(args.routes_out).suffix != ".npz":

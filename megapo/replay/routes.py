@@ -1,7 +1,8 @@
 """Route data: what a sample's routes look like, how they are checked, laid onto packed rows and stored.
 
 A sample of n tokens carries routes as an integer array [m, num_moe_layers, topk] with m <= n - 1: row t
-holds, for every MoE layer, the top-k experts chosen at position t (the rollout engine's convention:
+holds, for every MoE layer (column j = the j-th MoE layer in layer order; dense layers have no column),
+the top-k experts chosen at position t (the rollout engine's convention:
 every position fed to the model; the last token is never fed). A row may be partial:
 - m < n - 1: positions m..n-2 have no route;
 - a (position, layer) entry holding any negative id (e.g. -1) has no route.
@@ -34,14 +35,11 @@ class RouteShape:
 
     @classmethod
     def from_spec(cls, spec) -> "RouteShape":
-        """From a megapo.models.family.ModelSpec; ValueError for a model with dense layers between its MoE
-        layers (e.g. deepseek_v3's first_k_dense_replace): routes of mixed layers are not supported yet."""
+        """From a megapo.models.family.ModelSpec: one route column per MoE layer, in layer order; dense
+        layers (e.g. deepseek_v3's first_k_dense_replace) have none."""
         if not spec.num_experts:
             return cls(0, 0, 0)
-        if spec.num_moe_layers != spec.num_layers:
-            raise ValueError(f"routing replay on {spec.family} with dense layers ({spec.num_layers - spec.num_moe_layers} "
-                             f"of {spec.num_layers}) is not supported yet: routes cover every layer")
-        return cls(spec.num_layers, spec.topk, spec.num_experts)
+        return cls(spec.num_moe_layers, spec.topk, spec.num_experts)
 
 
 def check_routes(routes, num_tokens: int, shape: RouteShape, name: str) -> np.ndarray | None:
