@@ -121,10 +121,11 @@ def test_logprobs_command_matches_transformers(tiny_ds, tmp_path, layout):
     (dict(rope_interleave=False), ["rope_interleave"]),
     (dict(num_experts_per_tok=4), ["num_experts_per_tok=4", "topk_group=1", "top-2"]),
     (dict(norm_topk_prob=False), ["norm_topk_prob"]),
+    (dict(num_experts_per_tok=1, n_group=1, topk_group=1), ["num_experts_per_tok=1", "norm_topk_prob=true"]),
     (dict(scoring_func="softmax"), ["scoring_func"]),
     (dict(attention_bias=True), ["attention_bias"]),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0}), ["yarn"]),
-], ids=["rope_interleave", "group_topk", "norm_topk_prob", "scoring_func", "attention_bias", "yarn"])
+], ids=["rope_interleave", "group_topk", "norm_topk_prob", "top1_norm", "scoring_func", "attention_bias", "yarn"])
 def test_configs_it_would_compute_differently_are_refused(tiny_ds, change, words):
     hf = {**copy.deepcopy(hf_config(tiny_ds)), **change}
     with pytest.raises(ConfigError) as err:

@@ -1,12 +1,18 @@
 """A small pure-PyTorch decoder forward with a KV cache, for the embedded engine.
 
-Built from an HF config.json and HF-named tensors; no transformers and no Megatron at run time. Families:
-- qwen3_moe: q/k RMSNorm, top-k softmax router (top-k renormalised when norm_topk_prob), optional dense layers
-  (mlp_only_layers / decoder_sparse_step);
+Built from the learner's `megapo.models.family.ModelSpec` (the family's own reading of config.json; this module
+reads no config field of its own but hidden_act and sliding windows) and HF-named tensors; no transformers and
+no Megatron at run time. Families:
+- qwen3_moe: q/k RMSNorm, top-k softmax router (top-k renormalised when norm_topk_prob);
 - qwen3: dense with q/k RMSNorm;
 - qwen2: dense with q/k/v bias, no q/k norm;
-- mixtral: softmax-then-top-k renormalised router (equal to a softmax over the selected logits), experts w1/w3/w2.
-Every family: RMSNorm pre-norm, rotary embedding (rotate-half), GQA, SiLU-gated MLP.
+- mixtral: softmax-then-top-k renormalised router (equal to a softmax over the selected logits), experts w1/w3/w2;
+- deepseek_v3: multi-latent attention (q through the q_lora_rank bottleneck or not, one kv latent and one shared
+  rotary key per token, interleaved rotary dims), a sigmoid router whose expert bias only chooses the experts,
+  group-limited (a token's best topk_group of n_group groups, a group scored by the sum of its top-2 biased
+  scores), gates = sigmoid scores at the chosen experts renormalised times routed_scaling_factor, shared experts
+  added to every MoE layer, the first first_k_dense_replace layers dense.
+Every family: RMSNorm pre-norm, rotary embedding, SiLU-gated MLP; GQA attention except deepseek_v3's MLA.
 
 Weights live in fused tensors (qkv, gate_up, stacked experts) so a forward is few large ops; every HF name maps to
 a view of one of them, so a weight update copies in place and never reallocates. A layer's expert (or dense MLP)
@@ -23,21 +29,24 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_FAMILIES = ("qwen3_moe", "qwen3", "qwen2", "mixtral")
+from megapo.models.family import MLASpec, ModelSpec
+
+SUPPORTED_FAMILIES = ("qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3")
 
 
 @dataclass(frozen=True)
 class TorchLMSpec:
+    """The engine's view of a ModelSpec (`from_model_spec`): the same architecture, in this module's names."""
+
     family: str
     vocab_size: int
     hidden: int
     layers: int
     heads: int
     kv_heads: int
-    head_dim: int
+    head_dim: int  # GQA: per head; MLA: the query/key head (qk_nope + qk_rope)
     rms_eps: float
     rope_theta: float
-    rope_linear_factor: float  # positions are divided by it (rope_type "linear"); 1.0 otherwise
     max_positions: int
     qk_norm: bool
     qkv_bias: bool
@@ -45,16 +54,60 @@ class TorchLMSpec:
     moe_ffn: int  # expert MLP width
     experts: int
     topk: int
-    norm_topk: bool
+    norm_topk: bool  # the k gates renormalised to sum 1
     moe_layers: tuple[bool, ...]  # per layer: MoE or dense MLP
     tie_embeddings: bool
+    router_score: str = "softmax"  # "softmax" | "sigmoid"
+    expert_bias: bool = False  # a per-expert bias added to the scores to choose the experts (not to the gates)
+    router_groups: int = 0  # group-limited routing: this many equal expert groups (0: off) ...
+    router_group_topk: int = 0  # ... of which a token may use this many
+    router_scaling: float = 1.0  # the k gates are multiplied by it
+    shared_ffn: int = 0  # width of the shared experts' MLP on every MoE layer (0: none)
+    mla: MLASpec | None = None  # multi-latent attention (deepseek_v3); None: GQA
 
     @property
     def num_moe_layers(self) -> int:
         return sum(self.moe_layers)
 
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions the rotary embedding turns: every head dim (GQA) or MLA's rotary part."""
+        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def cache_heads(self) -> int:
+        """Heads of the KV cache: the KV groups (GQA), every head (MLA: keys and values kept expanded)."""
+        return self.heads if self.mla else self.kv_heads
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.mla.v_head_dim if self.mla else self.head_dim
+
+    @classmethod
+    def from_model_spec(cls, spec: ModelSpec) -> "TorchLMSpec":
+        if spec.router_score not in ("softmax", "sigmoid"):
+            raise ValueError(f"{spec.family}: router score function {spec.router_score!r} is not supported")
+        sigmoid = spec.router_score == "sigmoid"
+        return cls(
+            family=spec.family, vocab_size=spec.vocab_size, hidden=spec.hidden_size, layers=spec.num_layers,
+            heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, rms_eps=spec.norm_eps,
+            rope_theta=spec.rope_theta, max_positions=spec.max_positions, qk_norm=spec.qk_norm and spec.mla is None,
+            qkv_bias=spec.qkv_bias, ffn=spec.ffn_hidden_size, moe_ffn=spec.moe_ffn_hidden_size,
+            experts=spec.num_experts, topk=spec.topk,
+            # softmax: Megatron's top-k-then-softmax (not pre-softmax) is a renormalised softmax over all experts;
+            # sigmoid: the family spec admits renormalised gates only (Megatron renormalises when k > 1)
+            norm_topk=spec.topk > 1 if sigmoid else not spec.router_pre_softmax,
+            moe_layers=tuple(spec.is_moe_layer(i) for i in range(spec.num_layers)),
+            tie_embeddings=spec.tied_embeddings, router_score=spec.router_score,
+            expert_bias=spec.router_expert_bias, router_groups=spec.router_groups,
+            router_group_topk=spec.router_group_topk, router_scaling=spec.router_scaling,
+            shared_ffn=spec.shared_expert_ffn, mla=spec.mla)
+
     @classmethod
     def from_config(cls, cfg: dict) -> "TorchLMSpec":
+        """From an HF config.json through its family's ModelSpec (ValueError / KeyError: the reason it cannot run)."""
+        from megapo.models.family import family_for
+
         family = cfg.get("model_type")
         if family not in SUPPORTED_FAMILIES:
             raise ValueError(f"config.json model_type must be one of {SUPPORTED_FAMILIES}, got {family!r}")
@@ -62,48 +115,22 @@ class TorchLMSpec:
             raise ValueError(f"config.json hidden_act must be 'silu', got {cfg.get('hidden_act')!r}")
         if cfg.get("use_sliding_window"):
             raise ValueError("config.json use_sliding_window=true is not supported by the embedded engine")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear"):
-            raise ValueError(f"config.json rope_type must be 'default' or 'linear', got {rope_type!r}")
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        layers = int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
-        if family == "qwen3_moe":
-            # transformers 5 writes num_local_experts; 4.x wrote num_experts.
-            experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)))
-            topk = int(cfg["num_experts_per_tok"])
-            step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or [])
-            moe = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
-            moe_ffn, norm_topk = int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob", True))
-        elif family == "mixtral":
-            experts, topk = int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"])
-            moe, moe_ffn, norm_topk = (True,) * layers, int(cfg["intermediate_size"]), True
-        else:
-            experts, topk, moe, moe_ffn, norm_topk = 0, 0, (False,) * layers, 0, False
-        return cls(
-            family=family, vocab_size=int(cfg["vocab_size"]), hidden=int(cfg["hidden_size"]), layers=layers,
-            heads=heads, kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-            rope_linear_factor=float(rope.get("factor", 1.0)) if rope_type == "linear" else 1.0,
-            max_positions=int(cfg.get("max_position_embeddings", 4096)),
-            qk_norm=family in ("qwen3_moe", "qwen3"),
-            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            ffn=int(cfg.get("intermediate_size", 0)), moe_ffn=moe_ffn, experts=experts, topk=topk,
-            norm_topk=norm_topk, moe_layers=moe, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        return cls.from_model_spec(family_for(cfg).spec(cfg))
 
 
 class KVCache:
-    """Per-layer K/V [batch, kv_heads, max_len, head_dim]: a forward of B rows uses rows 0..B-1. Row moves
-    (n samples per prefilled prompt, finished samples dropping out) copy into a second buffer of the same shape,
-    which then becomes the cache: no allocation per step, and one cache can serve many batches (`fits`)."""
+    """Per-layer K [batch, cache_heads, max_len, head_dim] and V [..., v_head_dim]: a forward of B rows uses rows
+    0..B-1. Row moves (n samples per prefilled prompt, finished samples dropping out) copy into a second buffer of
+    the same shape, which then becomes the cache: no allocation per step, and one cache can serve many batches
+    (`fits`). MLA's keys and values are kept expanded per head, not as the kv latent: a decode step then costs
+    what a GQA one does, at more memory per token, which the small models this engine runs can afford."""
 
     def __init__(self, spec: TorchLMSpec, batch: int, max_len: int, dtype: torch.dtype):
         self.batch, self.max_len = batch, max_len
-        shape = (batch, spec.kv_heads, max_len, spec.head_dim)
-        self.k = [torch.empty(shape, dtype=dtype) for _ in range(spec.layers)]
-        self.v = [torch.empty(shape, dtype=dtype) for _ in range(spec.layers)]
+        k_shape = (batch, spec.cache_heads, max_len, spec.head_dim)
+        v_shape = (batch, spec.cache_heads, max_len, spec.v_head_dim)
+        self.k = [torch.empty(k_shape, dtype=dtype) for _ in range(spec.layers)]
+        self.v = [torch.empty(v_shape, dtype=dtype) for _ in range(spec.layers)]
         self._spare: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # made at the first row move
 
     def fits(self, batch: int, max_len: int) -> bool:
@@ -145,6 +172,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotary embedding; cos/sin are cat(freqs, freqs). interleaved (DeepSeek): the rotary dims are pairs
+    (x0, x1), (x2, x3), ..., rotated pair by pair and written out as [even dims, odd dims], as transformers does."""
+    if not interleaved:
+        return x * cos + _rotate_half(x) * sin
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+
+
 def _mlp_weights(experts: int, ffn: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [E, 2*ffn, hidden] and down [E, hidden, ffn] as views of one buffer holding, per expert, its
     gate, up and down weights back to back: the order of an HF checkpoint and of a Megatron learner's
@@ -153,6 +191,11 @@ def _mlp_weights(experts: int, ffn: int, hidden: int, dtype: torch.dtype) -> tup
     gate_up = block[:, :2 * ffn * hidden].unflatten(1, (2 * ffn, hidden))
     down = block[:, 2 * ffn * hidden:].unflatten(1, (hidden, ffn))
     return gate_up, down
+
+
+def _mlp(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    g, u = F.linear(h, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(g) * u, down)
 
 
 class TorchCausalLM:
@@ -165,48 +208,58 @@ class TorchCausalLM:
         self.embed = z(s.vocab_size, s.hidden)
         self.lm_head = self.embed if s.tie_embeddings else z(s.vocab_size, s.hidden)
         self.final_norm = z(s.hidden)
-        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
         self.layers: list[dict[str, torch.Tensor | None]] = []
         for moe in s.moe_layers:
-            layer = dict(ln1=z(s.hidden), ln2=z(s.hidden), qkv=z(q + 2 * kv, s.hidden), o=z(s.hidden, q),
-                         qkv_bias=z(q + 2 * kv) if s.qkv_bias else None,
-                         q_norm=z(s.head_dim) if s.qk_norm else None, k_norm=z(s.head_dim) if s.qk_norm else None)
+            layer = dict(ln1=z(s.hidden), ln2=z(s.hidden), **(self._mla_weights() if s.mla else self._gqa_weights()))
             if moe:
                 gate_up, down = _mlp_weights(s.experts, s.moe_ffn, s.hidden, dtype)
-                layer.update(router=z(s.experts, s.hidden), gate_up=gate_up, down=down)
+                layer.update(router=z(s.experts, s.hidden), gate_up=gate_up, down=down,
+                             expert_bias=torch.zeros(s.experts, dtype=torch.float32) if s.expert_bias else None)
+                if s.shared_ffn:
+                    shared_gate_up, shared_down = _mlp_weights(1, s.shared_ffn, s.hidden, dtype)
+                    layer.update(shared_gate_up=shared_gate_up[0], shared_down=shared_down[0])
             else:
                 gate_up, down = _mlp_weights(1, s.ffn, s.hidden, dtype)
                 layer.update(gate_up=gate_up[0], down=down[0])
             self.layers.append(layer)
         self.weight_views = self._hf_names()  # HF name -> the view of our tensors it loads into
-        inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64).float() / s.head_dim))
-        pos = torch.arange(s.max_positions, dtype=torch.float32) / s.rope_linear_factor
-        freqs = torch.outer(pos, inv_freq)
+        d = s.rope_dim
+        inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        freqs = torch.outer(torch.arange(s.max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _gqa_weights(self) -> dict[str, torch.Tensor | None]:
+        s, dtype = self.spec, self.dtype
+        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        z = lambda *shape: torch.zeros(shape, dtype=dtype)  # noqa: E731
+        return dict(qkv=z(q + 2 * kv, s.hidden), o=z(s.hidden, q), qkv_bias=z(q + 2 * kv) if s.qkv_bias else None,
+                    q_norm=z(s.head_dim) if s.qk_norm else None, k_norm=z(s.head_dim) if s.qk_norm else None)
+
+    def _mla_weights(self) -> dict[str, torch.Tensor | None]:
+        """MLA: `qkv_a` = [q_a_proj (or q_proj without a q bottleneck); kv_a_proj_with_mqa] fused (both read the
+        hidden state), q_b_proj, kv_b_proj, the two latents' RMSNorms and o_proj."""
+        s, m, dtype = self.spec, self.spec.mla, self.dtype
+        z = lambda *shape: torch.zeros(shape, dtype=dtype)  # noqa: E731
+        q_rows = m.q_lora_rank or s.heads * s.head_dim
+        return dict(qkv_a=z(q_rows + m.kv_lora_rank + m.qk_rope_head_dim, s.hidden),
+                    q_norm=z(m.q_lora_rank) if m.q_lora_rank else None,
+                    q_up=z(s.heads * s.head_dim, m.q_lora_rank) if m.q_lora_rank else None,
+                    kv_norm=z(m.kv_lora_rank), kv_up=z(s.heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+                    o=z(s.hidden, s.heads * m.v_head_dim))
 
     # ----------------------------------------------------------------------------------------------- weights
     def _hf_names(self) -> dict[str, torch.Tensor]:
         """Every accepted HF name -> the view of our fused tensors it fills (on-disk per-expert names and
         transformers-5 in-memory fused expert names both work)."""
         s = self.spec
-        q, kv, names = s.heads * s.head_dim, s.kv_heads * s.head_dim, {}
-        names["model.embed_tokens.weight"] = self.embed
-        names["lm_head.weight"] = self.lm_head
-        names["model.norm.weight"] = self.final_norm
+        names = {"model.embed_tokens.weight": self.embed, "lm_head.weight": self.lm_head,
+                 "model.norm.weight": self.final_norm}
         for i, (layer, moe) in enumerate(zip(self.layers, s.moe_layers)):
             p = f"model.layers.{i}."
             names[p + "input_layernorm.weight"] = layer["ln1"]
             names[p + "post_attention_layernorm.weight"] = layer["ln2"]
-            a = p + "self_attn."
-            for name, lo, hi in (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)):
-                names[a + name + ".weight"] = layer["qkv"][lo:hi]
-                if s.qkv_bias:
-                    names[a + name + ".bias"] = layer["qkv_bias"][lo:hi]
-            names[a + "o_proj.weight"] = layer["o"]
-            if s.qk_norm:
-                names[a + "q_norm.weight"] = layer["q_norm"]
-                names[a + "k_norm.weight"] = layer["k_norm"]
+            names.update(self._mla_names(p + "self_attn.", layer) if s.mla else self._gqa_names(p + "self_attn.", layer))
             gu, down = layer["gate_up"], layer["down"]
             if moe:
                 f = s.moe_ffn
@@ -214,20 +267,52 @@ class TorchCausalLM:
                 gate_n, up_n, down_n = ("w1", "w3", "w2") if s.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
                 names[disk + "gate.weight"] = layer["router"]
                 names[p + "mlp.gate.weight"] = layer["router"]
+                if s.expert_bias:
+                    names[p + "mlp.gate.e_score_correction_bias"] = layer["expert_bias"]
                 for e in range(s.experts):
                     names[f"{disk}experts.{e}.{gate_n}.weight"] = gu[e, :f]
                     names[f"{disk}experts.{e}.{up_n}.weight"] = gu[e, f:]
                     names[f"{disk}experts.{e}.{down_n}.weight"] = down[e]
                 names[p + "mlp.experts.gate_up_proj"] = gu
                 names[p + "mlp.experts.down_proj"] = down
+                if s.shared_ffn:
+                    names.update(self._dense_names(p + "mlp.shared_experts.", layer["shared_gate_up"],
+                                                   layer["shared_down"], s.shared_ffn))
             else:
-                f = s.ffn
-                names[p + "mlp.gate_proj.weight"] = gu[:f]
-                names[p + "mlp.up_proj.weight"] = gu[f:]
-                names[p + "mlp.down_proj.weight"] = down
+                names.update(self._dense_names(p + "mlp.", gu, down, s.ffn))
         return names
 
+    def _gqa_names(self, a: str, layer: dict) -> dict[str, torch.Tensor]:
+        s = self.spec
+        q, kv, names = s.heads * s.head_dim, s.kv_heads * s.head_dim, {}
+        for name, lo, hi in (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)):
+            names[a + name + ".weight"] = layer["qkv"][lo:hi]
+            if s.qkv_bias:
+                names[a + name + ".bias"] = layer["qkv_bias"][lo:hi]
+        names[a + "o_proj.weight"] = layer["o"]
+        if s.qk_norm:
+            names[a + "q_norm.weight"] = layer["q_norm"]
+            names[a + "k_norm.weight"] = layer["k_norm"]
+        return names
+
+    def _mla_names(self, a: str, layer: dict) -> dict[str, torch.Tensor]:
+        m, qkv_a = self.spec.mla, layer["qkv_a"]
+        q_rows = len(qkv_a) - m.kv_lora_rank - m.qk_rope_head_dim
+        names = {a + "kv_a_proj_with_mqa.weight": qkv_a[q_rows:], a + "kv_a_layernorm.weight": layer["kv_norm"],
+                 a + "kv_b_proj.weight": layer["kv_up"], a + "o_proj.weight": layer["o"]}
+        if m.q_lora_rank:
+            names.update({a + "q_a_proj.weight": qkv_a[:q_rows], a + "q_a_layernorm.weight": layer["q_norm"],
+                          a + "q_b_proj.weight": layer["q_up"]})
+        else:
+            names[a + "q_proj.weight"] = qkv_a[:q_rows]
+        return names
+
+    @staticmethod
+    def _dense_names(p: str, gate_up: torch.Tensor, down: torch.Tensor, ffn: int) -> dict[str, torch.Tensor]:
+        return {p + "gate_proj.weight": gate_up[:ffn], p + "up_proj.weight": gate_up[ffn:], p + "down_proj.weight": down}
+
     def num_parameters(self) -> int:
+        """Weights, the router's expert bias (a buffer in transformers and Megatron) included."""
         tensors = [self.embed, self.final_norm] + ([] if self.spec.tie_embeddings else [self.lm_head])
         tensors += [t for layer in self.layers for t in layer.values() if t is not None]
         return sum(t.numel() for t in tensors)
@@ -259,7 +344,7 @@ class TorchCausalLM:
                 raise KeyError(f"weight {name!r} is not a {self.spec.family} weight of this model")
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-            target.copy_(tensor.detach().to(device="cpu", dtype=self.dtype))
+            target.copy_(tensor.detach().to(device="cpu", dtype=target.dtype))
             loaded.add(name)
         return loaded
 
@@ -295,46 +380,95 @@ class TorchCausalLM:
         if mask is None and T > 1 and start > 0:
             raise ValueError("step: mask=None is causal from column 0; give a mask for T > 1 new tokens at start > 0")
         x = self.embed[ids]
-        cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)  # [B, 1, T, D]
-        qn, kvn = s.heads * s.head_dim, s.kv_heads * s.head_dim
-        end = start + T
+        rope = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)  # [B, 1, T, rope_dim]
+        attention = self._mla if s.mla else self._gqa
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer["ln1"], s.rms_eps)
-            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
-            q = qkv[..., :qn].view(B, T, s.heads, s.head_dim)
-            k = qkv[..., qn:qn + kvn].view(B, T, s.kv_heads, s.head_dim)
-            v = qkv[..., qn + kvn:].view(B, T, s.kv_heads, s.head_dim)
-            if s.qk_norm:
-                q, k = _rms_norm(q, layer["q_norm"], s.rms_eps), _rms_norm(k, layer["k_norm"], s.rms_eps)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k, v = attention(_rms_norm(x, layer["ln1"], s.rms_eps), layer, rope)
+            end = start + T
             keys, values = cache.k[i][:B, :, :end], cache.v[i][:B, :, :end]
             keys[:, :, start:], values[:, :, start:] = k, v
             att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1,
-                                                 enable_gqa=s.heads != s.kv_heads)
-            x = x + F.linear(att.transpose(1, 2).reshape(B, T, qn), layer["o"])
+                                                 enable_gqa=s.cache_heads != s.heads)
+            x = x + F.linear(att.transpose(1, 2).reshape(B, T, -1), layer["o"])
             h = _rms_norm(x, layer["ln2"], s.rms_eps).view(B * T, s.hidden)
             if s.moe_layers[i]:
                 y, top = self._moe(h, layer)
                 if routes is not None:
                     routes.append(top.view(B, T, s.topk))
             else:
-                g, u = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-                y = F.linear(F.silu(g) * u, layer["down"])
+                y = _mlp(h, layer["gate_up"], layer["down"])
             x = x + y.view(B, T, s.hidden)
         if last_only:
             x = x[:, -1]
         return F.linear(_rms_norm(x, self.final_norm, s.rms_eps), self.lm_head).float()
 
+    def _gqa(self, h: torch.Tensor, layer: dict, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Grouped-query attention's q [B, heads, T, D], k and v [B, kv_heads, T, D] of normed hidden states h."""
+        s = self.spec
+        B, T, _ = h.shape
+        qn, kvn = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+        q = qkv[..., :qn].view(B, T, s.heads, s.head_dim)
+        k = qkv[..., qn:qn + kvn].view(B, T, s.kv_heads, s.head_dim)
+        v = qkv[..., qn + kvn:].view(B, T, s.kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = _rms_norm(q, layer["q_norm"], s.rms_eps), _rms_norm(k, layer["k_norm"], s.rms_eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return _rotate(q, *rope, False), _rotate(k, *rope, False), v
+
+    def _mla(self, h: torch.Tensor, layer: dict, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Multi-latent attention's q and k [B, heads, T, qk_nope + qk_rope], v [B, heads, T, v_head_dim]: the
+        kv latent (normed) expanded per head by kv_b_proj, the one rotary key per token shared by every head."""
+        s, m = self.spec, self.spec.mla
+        B, T, _ = h.shape
+        qkv_a = F.linear(h, layer["qkv_a"])
+        q_rows = qkv_a.shape[-1] - m.kv_lora_rank - m.qk_rope_head_dim
+        q = qkv_a[..., :q_rows]
+        if m.q_lora_rank:
+            q = F.linear(_rms_norm(q, layer["q_norm"], s.rms_eps), layer["q_up"])
+        q = q.view(B, T, s.heads, s.head_dim).transpose(1, 2)
+        latent, k_rot = qkv_a[..., q_rows:].split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        kv = F.linear(_rms_norm(latent, layer["kv_norm"], s.rms_eps), layer["kv_up"])
+        k_nope, v = kv.view(B, T, s.heads, -1).transpose(1, 2).split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        q_nope, q_rot = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        k_rot = _rotate(k_rot[:, None], *rope, True).expand(B, s.heads, T, m.qk_rope_head_dim)
+        q = torch.cat((q_nope, _rotate(q_rot, *rope, True)), dim=-1)
+        return q, torch.cat((k_nope, k_rot), dim=-1), v
+
+    def _route(self, h: torch.Tensor, layer: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts [N, k] (by score, highest first) and their gates [N, k] float32."""
+        s = self.spec
+        if s.router_score == "softmax":
+            probs = torch.softmax(F.linear(h, layer["router"]).float(), dim=-1)
+            weights, top = torch.topk(probs, s.topk, dim=-1)
+        else:  # sigmoid, in float32 as transformers and Megatron (moe_router_dtype fp32) compute it
+            scores = torch.sigmoid(F.linear(h.float(), layer["router"].float()))
+            choice = scores + layer["expert_bias"] if s.expert_bias else scores
+            if s.router_groups:
+                choice = self._best_groups(choice)
+            top = torch.topk(choice, s.topk, dim=-1).indices
+            weights = scores.gather(1, top)
+        if s.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if s.router_score == "sigmoid" else 0.0))
+        return top, weights * s.router_scaling if s.router_scaling != 1.0 else weights
+
+    def _best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing: `choice` [N, E] with -inf outside each token's best router_group_topk groups,
+        a group scored by the sum of its top (topk // router_group_topk) scores (Megatron's rule; the
+        deepseek_v3 spec admits only configs where that is transformers' top 2)."""
+        s = self.spec
+        grouped = choice.view(len(choice), s.router_groups, -1)
+        group_scores = grouped.topk(s.topk // s.router_group_topk, dim=-1).values.sum(dim=-1)
+        best = group_scores.topk(s.router_group_topk, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+
     def _moe(self, h: torch.Tensor, layer: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routed experts, computing each expert only on the tokens routed to it: the routed copies are
-        gathered once in expert order, each expert runs on its contiguous slice, one index_add combines."""
+        gathered once in expert order, each expert runs on its contiguous slice, one index_add combines; plus
+        the shared experts on every token."""
         s = self.spec
-        probs = torch.softmax(F.linear(h, layer["router"]).float(), dim=-1)
-        weights, top = torch.topk(probs, s.topk, dim=-1)
-        if s.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        top, weights = self._route(h, layer)
         flat = top.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=s.experts).tolist()
@@ -348,7 +482,10 @@ class TorchCausalLM:
                 torch.mm(F.silu(g[:, :f]) * g[:, f:], down[e].t(), out=out[lo:lo + c])
                 lo += c
         out *= weights.reshape(-1)[order].to(h.dtype).unsqueeze(-1)
-        return torch.zeros_like(h).index_add_(0, token, out), top
+        y = torch.zeros_like(h).index_add_(0, token, out)
+        if s.shared_ffn:
+            y = y + _mlp(h, layer["shared_gate_up"], layer["shared_down"])
+        return y, top
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor, with_routes: bool = False):

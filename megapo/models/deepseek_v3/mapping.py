@@ -39,6 +39,9 @@ def _check(hf: dict) -> None:
     if topk > 1 and not hf.get("norm_topk_prob", True):
         raise ConfigError("model", "deepseek_v3 with norm_topk_prob=false is not supported (Megatron renormalises "
                                    "sigmoid gates over the top k)")
+    if topk == 1 and hf.get("norm_topk_prob", True):
+        raise ConfigError("model", "deepseek_v3 with num_experts_per_tok=1 and norm_topk_prob=true is not supported "
+                                   "(transformers' gate is then 1, Megatron's the sigmoid score)")
 
 
 def spec(hf: dict) -> ModelSpec:
