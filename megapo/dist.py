@@ -21,3 +21,23 @@ def any_rank(flag: bool) -> bool:
     box = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(box, op=dist.ReduceOp.MAX)
     return bool(box.item() > 0)
+
+
+def rank() -> int:
+    """This process's rank (0 without torch.distributed)."""
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank (collective; no-op in a single process)."""
+    if not multi_process():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in a single process)."""
+    if multi_process():
+        torch.distributed.barrier()

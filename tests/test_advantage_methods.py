@@ -65,16 +65,16 @@ def make_cfg(**algorithm):
 
 
 def test_kl_mode_future_in_the_loop_moves_the_kl_into_the_advantages():
-    from megapo.trainer import loop
+    from megapo.trainer.update import loss_options, token_stages
 
     cfg = make_cfg(kl_coef=0.1, kl_mode="future")
-    assert "kl_coef" not in loop.loss_options(cfg)  # no loss-side KL
-    assert loop.loss_options(make_cfg(kl_coef=0.1))["kl_coef"] == 0.1
+    assert "kl_coef" not in loss_options(cfg)  # no loss-side KL
+    assert loss_options(make_cfg(kl_coef=0.1))["kl_coef"] == 0.1
     assert cfg.algorithm.needs_old_stats() and cfg.algorithm.needs_reference()
     batch = [{"tokens": [1, 2, 3, 4], "prompt_len": 2, "advantage": 1.0, "old_logp": [-0.5, -1.0],
               "ref_logp": [-0.7, -0.4]},
              {"tokens": [1, 2, 3], "prompt_len": 2, "advantage": -1.0, "old_logp": [-2.0], "ref_logp": [-1.5]}]
-    loop.token_stages(batch, cfg, step=1)
+    token_stages(batch, cfg, step=1)
     assert batch[0]["advantage"] == pytest.approx([1.0 - 0.1 * (0.2 - 0.6), 1.0 - 0.1 * -0.6], rel=1e-13)
     assert batch[1]["advantage"] == pytest.approx([-1.0 - 0.1 * -0.5], rel=1e-13)
 
@@ -203,7 +203,7 @@ def test_nat_prefix_is_reproducible_from_seed_and_step():
 
 
 def test_token_mask_in_the_loop_multiplies_token_select():
-    from megapo.trainer import loop
+    from megapo.trainer.update import token_stages
 
     cfg = make_cfg(token_mask="nat_prefix", token_select={"rho": 0.5})
     assert not make_cfg(token_mask="nat_prefix").algorithm.needs_old_stats()
@@ -211,7 +211,7 @@ def test_token_mask_in_the_loop_multiplies_token_select():
               "old_entropy": [0.9, 0.1, 0.8]},
              {"tokens": [1, 2, 3, 4], "prompt_len": 2, "advantage": -1.0, "old_logp": [-0.4, -0.5],
               "old_entropy": [0.2, 0.7]}]
-    metrics = loop.token_stages(batch, cfg, step=4)
+    metrics = token_stages(batch, cfg, step=4)
     select = [[1.0, 0.0, 1.0], [0.0, 1.0]]  # top ceil(0.5·5) = 3 entropies: 0.9, 0.8, 0.7
     nat = token_mask_weights("nat_prefix", lengths=[3, 2], seed=5, step=4)
     for sample, s, n in zip(batch, select, nat):
@@ -297,23 +297,23 @@ def fake_groups(rewards_per_group, prompts):
     from types import SimpleNamespace
 
     from megapo.tasks.base import Example
-    from megapo.trainer import loop
+    from megapo.trainer.rollout import Group
 
     def sample():
         return SimpleNamespace(prompt_ids=[1, 2], output_ids=[3, 4], logprobs=[-0.1, -0.2], routes=None,
                                finish_reason="stop")
 
-    return [loop.Group(Example(p, "0"), [sample() for _ in r], list(r)) for r, p in zip(rewards_per_group, prompts)]
+    return [Group(Example(p, "0"), [sample() for _ in r], list(r)) for r, p in zip(rewards_per_group, prompts)]
 
 
 def test_sample_select_in_train_samples():
     from megapo.algorithms import compute_advantages
-    from megapo.trainer import loop
+    from megapo.trainer.update import train_samples
 
     cfg = make_cfg(sample_select={"keep": 0.5})
     cfg.rollout.n_samples = 4
     rewards = [[1.0, 0.0, 0.0, 1.0], [0.2, 0.9, 0.4, 0.0]]
-    batch = loop.train_samples(fake_groups(rewards, ["a", "b"]), cfg, step=1)
+    batch = train_samples(fake_groups(rewards, ["a", "b"]), cfg, step=1)
     adv = compute_advantages("grpo", torch.tensor(rewards, dtype=F64), group_size=4).tolist()
     got = [s["advantage"] for s in batch]
     assert [v != 0 for v in got[4:]] == [False, True, False, True]  # 0.9 and 0.0: the widest pair
@@ -369,21 +369,21 @@ def test_cumulative_statistics_survive_a_checkpoint(tmp_path):
     """The loop's running statistics go into TrainerState.extra at a checkpoint and come back from it on
     --resume: the resumed run's next advantages equal the uninterrupted run's."""
     from megapo.trainer import checkpoint as ck
-    from megapo.trainer import loop
+    from megapo.trainer.update import new_prompt_stats, stage_state, train_samples
 
     cfg = make_cfg(advantage_smoothing="cumulative")
     cfg.rollout.n_samples = 3
-    assert loop.new_prompt_stats(make_cfg()) is None and loop.stage_state(None) == {}
-    straight = loop.new_prompt_stats(cfg)
-    straight_adv = [[s["advantage"] for s in loop.train_samples(fake_groups(r, p), cfg, prompt_stats=straight)]
+    assert new_prompt_stats(make_cfg()) is None and stage_state(None) == {}
+    straight = new_prompt_stats(cfg)
+    straight_adv = [[s["advantage"] for s in train_samples(fake_groups(r, p), cfg, prompt_stats=straight)]
                     for p, r in HISTORY]
-    first = loop.new_prompt_stats(cfg)
-    loop.train_samples(fake_groups(HISTORY[0][1], HISTORY[0][0]), cfg, prompt_stats=first)
-    path = ck.save_checkpoint(tmp_path, ck.TrainerState(1, {}, 1, extra=loop.stage_state(first)))
+    first = new_prompt_stats(cfg)
+    train_samples(fake_groups(HISTORY[0][1], HISTORY[0][0]), cfg, prompt_stats=first)
+    path = ck.save_checkpoint(tmp_path, ck.TrainerState(1, {}, 1, extra=stage_state(first)))
     state = ck.load_checkpoint(path, restore_rng=False)
-    resumed = loop.new_prompt_stats(cfg, state.extra)
+    resumed = new_prompt_stats(cfg, state.extra)
     for (prompts, rewards), expect in zip(HISTORY[1:], straight_adv[1:]):
-        got = [s["advantage"] for s in loop.train_samples(fake_groups(rewards, prompts), cfg, prompt_stats=resumed)]
+        got = [s["advantage"] for s in train_samples(fake_groups(rewards, prompts), cfg, prompt_stats=resumed)]
         assert got == expect  # exactly: float64 state through JSON
     want = cumulative_reference(HISTORY)
     assert straight_adv[2] == pytest.approx([v for row in want[2] for v in row], rel=1e-12, abs=1e-15)

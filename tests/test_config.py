@@ -184,13 +184,13 @@ def test_restore_nonfinite_is_an_optim_field_build_learner_passes_on(tmp_path, t
     """optim.restore_nonfinite: true unless set; false reaches the Learner loop.build_learner makes (whose guard then
     keeps no copy: tests/test_learner.py); not a boolean is refused naming the field."""
     from megapo.learner import learner as learner_module
-    from megapo.trainer import loop
+    from megapo.trainer.run import build_learner
 
     assert _load(tmp_path, _base(tiny_moe)).optim.restore_nonfinite is True
     cfg = _load(tmp_path, _set(_base(tiny_moe), "optim.restore_nonfinite", False))
     built = {}
     monkeypatch.setattr(learner_module, "Learner", lambda model_dir, parallel, optim, **kw: built.update(optim=optim))
-    loop.build_learner(cfg, tiny_moe)
+    build_learner(cfg, tiny_moe)
     assert built["optim"].restore_nonfinite is False
     with pytest.raises(ConfigError) as err:
         _load(tmp_path, _set(_base(tiny_moe), "optim.restore_nonfinite", "sometimes"))

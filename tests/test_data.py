@@ -142,14 +142,15 @@ def test_every_prompt_too_long_refused_before_the_learner_is_built(tmp_path, mon
     from transformers import AutoTokenizer
 
     from megapo.config import load_config
-    from megapo.trainer import loop
+    from megapo.trainer import run
     from megapo.trainer.config import RunConfig
+    from megapo.trainer.loop import train
 
     def refuse(*a, **k):
         raise AssertionError("built before the prompts were checked")
 
-    monkeypatch.setattr(loop, "build_learner", refuse)
-    monkeypatch.setattr(loop, "build_engine", refuse)
+    monkeypatch.setattr(run, "build_learner", refuse)
+    monkeypatch.setattr(run, "build_engine", refuse)
     p = tmp_path / "long.jsonl"
     p.write_text(json.dumps({"prompt": "123456789+987654321=", "answer": "x"}) + "\n")
     model = tmp_path / "model"
@@ -157,7 +158,7 @@ def test_every_prompt_too_long_refused_before_the_learner_is_built(tmp_path, mon
                                         "data.prompts_per_step=8", "data.max_prompt_tokens=4",
                                         f"train.output_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError) as err:
-        loop.train(cfg)
+        train(cfg)
     assert err.value.field == "data.max_prompt_tokens"
     shortest = _prompt_len(AutoTokenizer.from_pretrained(model), "123456789+987654321=")
     assert f"longer than 4 tokens (the shortest has {shortest})" in str(err.value)

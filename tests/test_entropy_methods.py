@@ -279,7 +279,7 @@ def test_bad_options_refused_at_config_time(objective, options, words):
 
 def test_config_asks_for_old_entropy_only_when_the_objective_reads_it():
     from megapo.config import from_dict
-    from megapo.trainer import loop
+    from megapo.trainer.update import on_policy
     from megapo.trainer.config import RunConfig
 
     class FusedLearner:
@@ -290,28 +290,29 @@ def test_config_asks_for_old_entropy_only_when_the_objective_reads_it():
         cfg = from_dict(RunConfig, config_data(objective="dhpo", objective_options=options))
         cfg._validate_algorithm()
         assert cfg.algorithm.needs_old_entropy() is needs
-        assert loop.on_policy(cfg, FusedLearner())  # the fused step takes π_old's entropy from its own forward
+        assert on_policy(cfg, FusedLearner())  # the fused step takes π_old's entropy from its own forward
 
 
 def test_train_samples_carry_sentence_end_flags_for_sspo():
     from types import SimpleNamespace
 
     from megapo.config import from_dict
-    from megapo.trainer import loop
+    from megapo.trainer.rollout import Group
+    from megapo.trainer.update import train_samples
     from megapo.trainer.config import RunConfig
 
     def sample(out):
         return SimpleNamespace(prompt_ids=[1, 2], output_ids=out, logprobs=[-0.1] * len(out), routes=None,
                                finish_reason="stop")
 
-    groups = [loop.Group(None, [sample([5, 9, 6]), sample([9, 7])], [1.0, 0.0])]
+    groups = [Group(None, [sample([5, 9, 6]), sample([9, 7])], [1.0, 0.0])]
     cfg = from_dict(RunConfig, config_data(objective="sspo", objective_options={"sentence_end_ids": [9]}))
     cfg.rollout.n_samples = 2
-    batch = loop.train_samples(groups, cfg)
+    batch = train_samples(groups, cfg)
     assert [s["sentence_end"] for s in batch] == [[0.0, 1.0, 0.0], [1.0, 0.0]]
     cfg = from_dict(RunConfig, config_data(objective="sspo"))
     cfg.rollout.n_samples = 2
-    assert all("sentence_end" not in s for s in loop.train_samples(groups, cfg))
+    assert all("sentence_end" not in s for s in train_samples(groups, cfg))
 
 
 LEARNER_SCRIPT = r"""

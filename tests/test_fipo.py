@@ -162,16 +162,16 @@ def test_fipo_against_engine_refused_where_pi_old_is_the_engine():
 
 
 def test_fipo_in_the_loop_reads_the_reference_and_loads_it():
-    from megapo.trainer import loop
+    from megapo.trainer.update import loss_options, token_stages
 
     cfg = make_cfg(token_advantage="fipo", token_advantage_options={"clip": 0.5, "half_life": None})
     a = cfg.algorithm
     assert a.needs_reference() and a.needs_old_stats() and not a.needs_old_entropy()
-    assert "kl_coef" not in loop.loss_options(cfg)  # the reference feeds the advantage only: no loss-side KL
+    assert "kl_coef" not in loss_options(cfg)  # the reference feeds the advantage only: no loss-side KL
     engine = make_cfg(token_advantage="fipo", token_advantage_options={"against": "engine"})
     assert not engine.algorithm.needs_reference()
     batch = [{"advantage": 1.0, "old_logp": [-0.5, -1.0], "ref_logp": [-0.7, -1.1], "rollout_logp": [0.0, 0.0]},
              {"advantage": -1.0, "old_logp": [-2.0], "ref_logp": [-1.5], "rollout_logp": [0.0]}]
-    loop.token_stages(batch, cfg, step=1)
+    token_stages(batch, cfg, step=1)
     assert batch[0]["advantage"] == pytest.approx([min(math.exp(0.3), 1.5), math.exp(0.1)], rel=1e-13)
     assert batch[1]["advantage"] == pytest.approx([-1.0], rel=1e-13)  # Δ < 0, high-only clip: weight 1

@@ -37,7 +37,8 @@ def test_the_loop_logs_length_by_difficulty(tiny_moe):
 
     from megapo.config import load_config
     from megapo.engines.base import Sample
-    from megapo.trainer import data, loop
+    from megapo.trainer import data
+    from megapo.trainer.rollout import collect_rollouts, make_reward_fn
     from megapo.trainer.config import RunConfig
 
     tok = AutoTokenizer.from_pretrained(tiny_moe)
@@ -55,8 +56,8 @@ def test_the_loop_logs_length_by_difficulty(tiny_moe):
             return out
 
     source = data.PromptSource(len(pool), shuffle=False)  # the first 5 train examples: 2, 3, 4, 5, 6 digits
-    _, metrics, _ = loop.collect_rollouts(Engine(), type("P", (), {"n": 2})(), pool, source,
-                                          loop.make_reward_fn(cfg, tok), cfg)
+    _, metrics, _ = collect_rollouts(Engine(), type("P", (), {"n": 2})(), pool, source,
+                                          make_reward_fn(cfg, tok), cfg)
     for k in range(2, 7):
         assert metrics[f"len/d{k}"] == pytest.approx((3 * k + 1 + 2) / 2)
         assert metrics[f"len/d{k}_p90"] == pytest.approx(_p90([3 * k + 1, 2]))

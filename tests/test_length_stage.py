@@ -14,7 +14,8 @@ from megapo.engines.base import Sample
 from megapo.tasks.base import Example
 from megapo.trainer.config import RunConfig
 from megapo.trainer.length_stage import LengthStage
-from megapo.trainer.loop import Group, group_advantages, mini_batch_bounds
+from megapo.trainer.rollout import Group
+from megapo.trainer.update import group_advantages, mini_batch_bounds
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "megapo/configs/length_base.yaml"

@@ -222,7 +222,8 @@ def test_loop_scores_failures_zero_and_counts_them(user_module, tiny_moe):
 
     from megapo.config import load_config
     from megapo.engines.base import Sample
-    from megapo.trainer import data, loop
+    from megapo.trainer import data
+    from megapo.trainer.rollout import collect_rollouts, make_reward_fn
     from megapo.trainer.config import RunConfig
 
     user_module("strict_reward_mod", STRICT_REWARD)
@@ -244,13 +245,13 @@ def test_loop_scores_failures_zero_and_counts_them(user_module, tiny_moe):
     pool = data.prompt_pool(cfg, tok)
     source = data.PromptSource(1, shuffle=False)  # always pool[0]
     params = type("P", (), {"n": 4})()
-    groups, metrics, _ = loop.collect_rollouts(Engine(), params, pool, source, loop.make_reward_fn(cfg, tok), cfg)
+    groups, metrics, _ = collect_rollouts(Engine(), params, pool, source, make_reward_fn(cfg, tok), cfg)
     assert groups[0].rewards == [1.0, 0.0, 0.0, 0.0]
     assert metrics["reward/errors"] == 3 and metrics["reward"] == 0.25
     cfg = cfg_for("fail")
     with pytest.raises(rewards.RewardError, match=r"reward 'strict_reward_mod:strict' raised ValueError: not the "
                                                   r"answer, on response '7'"):
-        loop.collect_rollouts(Engine(), params, pool, source, loop.make_reward_fn(cfg, tok), cfg)
+        collect_rollouts(Engine(), params, pool, source, make_reward_fn(cfg, tok), cfg)
 
 
 FLAKY_REWARD = '''

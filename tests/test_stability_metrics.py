@@ -161,7 +161,7 @@ class RecordingLearner:
 
 def make_groups(num_groups, n=2):
     from megapo.engines.base import Sample
-    from megapo.trainer.loop import Group
+    from megapo.trainer.rollout import Group
 
     rng = np.random.default_rng(1)
     groups = []
@@ -184,7 +184,7 @@ def make_groups(num_groups, n=2):
 @pytest.mark.parametrize("num_groups", [8, 7])  # 7: the groups do not divide into 4 evenly
 def test_mini_batches_keep_pi_old_and_routes_fixed(mode, num_groups):
     from megapo.trainer.config import RunConfig
-    from megapo.trainer.loop import loss_options, update_policy
+    from megapo.trainer.update import loss_options, update_policy
     from megapo.trainer.metrics import StepTimer
 
     m, n = 4, 2

@@ -241,7 +241,7 @@ def test_good_stage_options_accepted():
 
 def test_loop_stages_take_the_old_pass_and_fill_the_samples():
     from megapo.config import from_dict
-    from megapo.trainer import loop
+    from megapo.trainer.update import on_policy, token_stages
     from megapo.trainer.config import RunConfig
 
     class FusedLearner:
@@ -249,15 +249,15 @@ def test_loop_stages_take_the_old_pass_and_fill_the_samples():
             raise AssertionError("not called")
 
     plain = from_dict(RunConfig, config_data())
-    assert loop.on_policy(plain, FusedLearner()) and not plain.algorithm.needs_old_entropy()
-    assert loop.token_stages([{"advantage": 1.0}], plain, 1) == {}  # default: nothing touched
+    assert on_policy(plain, FusedLearner()) and not plain.algorithm.needs_old_entropy()
+    assert token_stages([{"advantage": 1.0}], plain, 1) == {}  # default: nothing touched
     cfg = from_dict(RunConfig, config_data(token_advantage="advantage_reweighting",
                                            token_advantage_options={"alpha": 0.5}, token_select={"rho": 0.5}))
-    assert not loop.on_policy(cfg, FusedLearner())  # the stage needs π_old before the loss
+    assert not on_policy(cfg, FusedLearner())  # the stage needs π_old before the loss
     cfg.rollout.n_samples = 2
     batch = [{"advantage": 1.0, "old_logp": [-0.5, -1.0], "old_entropy": [0.2, 0.9]},
              {"advantage": -1.0, "old_logp": [-2.0], "old_entropy": [0.5]}]
-    metrics = loop.token_stages(batch, cfg, step=1)
+    metrics = token_stages(batch, cfg, step=1)
     assert batch[0]["advantage"] == pytest.approx([0.5 * math.exp(-0.5) + 0.5, 0.5 * math.exp(-1.0) + 0.5])
     assert batch[1]["advantage"] == pytest.approx([-(0.5 * math.exp(-2.0) + 0.5)])
     # |A|·H is not asked: score=entropy; top ceil(0.5·3) = 2 of (0.2, 0.9, 0.5) -> weights 0, 1, 1

@@ -219,7 +219,7 @@ def test_async_stop_and_resume_trains_every_prompt_once(tmp_path, tiny_dense, re
 def test_old_policy_and_correction_defaults(tmp_path, tiny_dense, reward_module):
     """sync: π_old from the learner, no correction; async: π_old = the engine's log-probs, no correction;
     async with old_policy=learner: TIS weights π_old/μ (capped) on the stale samples."""
-    from megapo.trainer.loop import loss_options
+    from megapo.trainer.update import loss_options
 
     sync = _cfg(tiny_dense, tmp_path, reward_module, **{"train.mode": "sync"})
     asyn = _cfg(tiny_dense, tmp_path, reward_module)
@@ -234,7 +234,7 @@ def test_engine_old_policy_metrics_and_batch():
     checked against the formula mean(ρ - 1 - log ρ), ρ = π_learner/μ, written out here."""
     import math
 
-    from megapo.trainer.loop import use_engine_logprobs
+    from megapo.trainer.update import use_engine_logprobs
 
     batch = [{"old_logp": [-1.0, -2.0], "rollout_logp": [-1.5, -1.0]},
              {"old_logp": [-0.1], "rollout_logp": [-0.3]}]

@@ -56,7 +56,8 @@ def _loop_rewards(tiny_moe, user_module, reward: str, *over):
     from transformers import AutoTokenizer
 
     from megapo.engines.base import Sample
-    from megapo.trainer import data, loop
+    from megapo.trainer import data
+    from megapo.trainer.rollout import collect_rollouts, make_reward_fn
 
     tok = AutoTokenizer.from_pretrained(tiny_moe)
     cfg = load_config(RunConfig, None, [f"model.path={tiny_moe}", "data.task=addition", "rollout.n_samples=4",
@@ -77,7 +78,7 @@ def _loop_rewards(tiny_moe, user_module, reward: str, *over):
 
     source = data.PromptSource(4, shuffle=False)
     params = type("P", (), {"n": 4})()
-    groups, metrics, _ = loop.collect_rollouts(Engine(), params, pool, source, loop.make_reward_fn(cfg, tok), cfg)
+    groups, metrics, _ = collect_rollouts(Engine(), params, pool, source, make_reward_fn(cfg, tok), cfg)
     return [g.rewards for g in groups], metrics
 
 

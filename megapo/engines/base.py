@@ -18,11 +18,39 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 FINISH_REASONS = ("stop", "length", "abort")
+ROUTE_SUPPORT = ("yes", "cuda", "no")
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do, declared by its class (`Engine.capabilities`). Config validation and the trainer
+    ask this (megapo.engines.registry), never the engine's name."""
+
+    in_process: bool = False  # runs in the trainer's process on megapo's PyTorch model (megapo.engines.torch_lm)
+    weight_syncs: tuple[str, ...] = ("disk",)  # the rollout.weight_sync values `megapo train` drives for it
+    routes: str = "yes"  # returns each token's experts (R3): yes | cuda (only where CUDA is available) | no
+    routes_note: str = ""  # why not, where `routes` is not yes
+    rng_state: bool = False  # rng_state() / set_rng_state(): a resumed run samples as the unstopped one would
+    starts_server: bool = False  # megapo starts a server of it itself when rollout.servers is empty
+    api_key: bool = False  # its servers answer only requests with their key (rollout.api_key_file)
+    sessions: bool = False  # generate(..., sessions=) keeps a multi-turn trajectory on one server; end_sessions()
+    default_dtype: str = "bfloat16"  # the compute dtype rollout.dtype=auto resolves to
+
+    def __post_init__(self) -> None:
+        if self.routes not in ROUTE_SUPPORT:
+            raise ValueError(f"routes must be one of {ROUTE_SUPPORT}, got {self.routes!r}")
+
+    def returns_routes(self) -> tuple[bool, str]:
+        """Whether this engine returns routes on this machine, and why not."""
+        if self.routes == "cuda":
+            return (True, "") if torch.cuda.is_available() else (False, self.routes_note)
+        return self.routes == "yes", self.routes_note
 
 
 @dataclass
@@ -76,6 +104,7 @@ class Engine(abc.ABC):
     """Generates samples and takes new weights. All methods are blocking."""
 
     weight_version: int = 0
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities()
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:

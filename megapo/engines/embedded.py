@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megapo.engines.base import Engine, Sample, SamplingParams, check_prompts
+from megapo.engines.base import Engine, EngineCapabilities, Sample, SamplingParams, check_prompts
 from megapo.engines.torch_lm import KVCache, TorchLMSpec, TorchCausalLM
 from megapo.weights.safetensors_io import read_folder_into
 
@@ -30,6 +30,9 @@ LOGPROB_MODES = ("scaled", "raw")
 
 
 class EmbeddedEngine(Engine):
+    capabilities = EngineCapabilities(in_process=True, weight_syncs=("tensor", "disk"), rng_state=True,
+                                      default_dtype="float32")  # fp32: its log-probs and routes match the learner's
+
     def __init__(self, model_dir: str | Path | None = None, *, config: dict | None = None,
                  named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None, dtype: torch.dtype = torch.float32,
                  seed: int = 0, weight_version: int = 0, logprobs: str = "scaled"):

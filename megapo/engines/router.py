@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import torch
 
-from megapo.engines.base import Engine, Sample, SamplingParams, check_prompts
+from megapo.engines.base import Engine, EngineCapabilities, Sample, SamplingParams, check_prompts
 from megapo.engines.http import ConnectionLost
 
 
@@ -35,7 +35,6 @@ class NoLiveEngine(RuntimeError):
 
 
 class Router(Engine):
-    pins_sessions = True
 
     def __init__(self, engines: list[Engine], *, max_in_flight_per_engine: int = 64, weight_version: int = 0,
                  samples_per_request: int | None = None):
@@ -56,6 +55,17 @@ class Router(Engine):
         self._lock = threading.Lock()
         self._capacity = threading.Semaphore(max_in_flight_per_engine * len(engines))
         self._pool = ThreadPoolExecutor(max_in_flight_per_engine * len(engines), thread_name_prefix="megapo-router")
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """What every engine behind it can do, and sessions (each trajectory stays on one server)."""
+        caps = [e.capabilities for e in self.engines]
+        routes = "yes" if all(c.routes == "yes" for c in caps) else \
+            "cuda" if all(c.routes in ("yes", "cuda") for c in caps) else "no"
+        return EngineCapabilities(
+            weight_syncs=tuple(s for s in caps[0].weight_syncs if all(s in c.weight_syncs for c in caps)),
+            routes=routes, routes_note="; ".join(sorted({c.routes_note for c in caps if c.routes_note})),
+            api_key=any(c.api_key for c in caps), sessions=True, default_dtype=caps[0].default_dtype)
 
     # ------------------------------------------------------------------------------------------ routing
     def _acquire(self, exclude: set[int], prefer: int | None = None) -> int:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megapo.engines.base import FINISH_REASONS, Engine, Sample, SamplingParams, check_prompts, stage_and_reload
+from megapo.engines.base import FINISH_REASONS, Engine, EngineCapabilities, Sample, SamplingParams, check_prompts, stage_and_reload
 from megapo.engines.http import JSONClient
 
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -54,6 +54,9 @@ def moe_shape_from_config(config_dir: str) -> tuple[int, int]:
 
 
 class SGLangEngine(Engine):
+    # SGLang's own broadcast API (update_weights_from_distributed) is not driven by the train loop yet
+    capabilities = EngineCapabilities(weight_syncs=("tensor", "disk"))
+
     def __init__(self, url: str, *, timeout: float = 600.0, max_concurrency: int = 64, weight_version: int = 0,
                  config_dir: str | None = None, moe_shape: tuple[int, int] | None = None,
                  pause_mode: str = "retract", staging_dir: str | None = None):

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megapo.engines.base import FINISH_REASONS, Engine, Sample, SamplingParams, check_prompts, stage_and_reload
+from megapo.engines.base import FINISH_REASONS, Engine, EngineCapabilities, Sample, SamplingParams, check_prompts, stage_and_reload
 from megapo.engines.auth import IDENTITY_PATH
 from megapo.engines.http import HTTPError, JSONClient
 from megapo.weights.broadcast import GroupAddress
@@ -50,6 +50,10 @@ def vllm_sampling_params(params: SamplingParams, seed: int | None) -> dict:
 
 
 class VLLMEngine(Engine):
+    capabilities = EngineCapabilities(
+        weight_syncs=("disk", "broadcast"), starts_server=True, api_key=True, routes="cuda",
+        routes_note="vLLM returns routed experts only with model runner V2, which needs Triton (a GPU)")
+
     def __init__(self, url: str, *, timeout: float = 600.0, max_concurrency: int = 64, weight_version: int = 0,
                  staging_dir: str | None = None, config_dir: str | None = None, server=None,
                  api_key: str | None = None):

@@ -149,7 +149,7 @@ def generate_trajectories(engine, params, prompts: list[list[int]], examples: li
             turn += 1
             live = _next_turn(engine, params, next_live, limits, turn)
     finally:
-        if hasattr(engine, "end_sessions"):
+        if engine.capabilities.sessions:
             engine.end_sessions(sorted({s.key for s in states}))
     trajectories = [s.trajectory() for s in states]
     return [trajectories[i * n:(i + 1) * n] for i in range(len(prompts))]
@@ -201,7 +201,7 @@ def _next_turn(engine, params, states: list[_State], limits: TurnLimits, turn: i
 
 
 def _generate(engine, contexts: list[list[int]], params, states: list[_State]):
-    if getattr(engine, "pins_sessions", False):  # a Router: each trajectory stays on its server
+    if engine.capabilities.sessions:  # a Router: each trajectory stays on its server
         return engine.generate(contexts, params, sessions=[s.key for s in states])
     return engine.generate(contexts, params)
 

@@ -20,14 +20,8 @@ from megapo.config import ConfigError, OptimConfig, ParallelConfig, bounded, che
 # Objective, advantage, correction, aggregation and KL names come from megapo.algorithms' registry
 # (which also says how many samples per prompt an advantage estimator needs: Entry.min_group).
 ROUTING_REPLAY = ("off", "r2", "r3")
-ENGINES = ("embedded", "vllm", "sglang")
 WEIGHT_SYNC = ("tensor", "disk", "broadcast")
 SERVER_DTYPES = ("bfloat16", "float16", "float32")  # rollout.dtype (or auto): what vLLM's --dtype takes
-# Which weight-sync paths `megapo train` drives for each engine: the embedded engine lives in the trainer's
-# process (tensors are handed over directly); servers load from disk, and vLLM servers also receive over
-# `broadcast` (megapo.weights.broadcast: megapo's worker extension joins the learner's group). SGLang's own
-# broadcast API is driven by SGLangEngine.update_weights_from_distributed, not by the train loop yet.
-ENGINE_SYNC = {"embedded": ("tensor", "disk"), "vllm": ("disk", "broadcast"), "sglang": ("tensor", "disk")}
 # Which log-probs the objective's ratio π_θ/π_old takes as π_old (AlgorithmConfig.old_policy).
 OLD_POLICIES = ("auto", "learner", "engine")
 MODES = ("sync", "async")
@@ -56,19 +50,6 @@ def min_group(estimator: str) -> int:
     from megapo.algorithms.registry import get
 
     return get("advantage", estimator).min_group
-
-
-def engine_returns_routes(engine: str) -> tuple[bool, str]:
-    """Whether `engine` can return the experts each token was routed to (needed by R3), and why not."""
-    if engine in ("embedded", "sglang"):
-        return True, ""
-    if engine == "vllm":
-        import torch
-
-        if torch.cuda.is_available():
-            return True, ""
-        return False, "vLLM returns routed experts only with model runner V2, which needs Triton (a GPU)"
-    return False, f"unknown engine {engine!r}"
 
 
 # ----------------------------------------------------------------------------- sections
@@ -212,7 +193,8 @@ class AlgorithmConfig:
 class RolloutConfig:
     """How responses are generated, and how new weights reach the engine."""
 
-    # embedded (megapo's PyTorch model in the trainer's process) | vllm | sglang (megapo/trainer/engine_setup.py)
+    # embedded (megapo's PyTorch model in the trainer's process) | vllm | sglang (megapo.engines.registry: what
+    # each can do; megapo/trainer/engine_setup.py: how the trainer builds it)
     engine: str = "embedded"
     servers: list[str] = field(default_factory=list)  # host:port of running vLLM/SGLang servers
     host: str = "127.0.0.1"  # the address a vLLM server megapo starts itself listens on (no rollout.servers)
@@ -221,7 +203,7 @@ class RolloutConfig:
     top_p: float = bounded(1.0, "(0, 1]")  # nucleus sampling: the probability mass kept
     max_new_tokens: int = bounded(64, ">= 1")  # most tokens per response; a longer one is cut (truncated)
     # how new weights reach the engine: tensor (handed over in the process) | disk (safetensors the servers
-    # reload) | broadcast (a collective group with vLLM's workers); which engine takes which: ENGINE_SYNC
+    # reload) | broadcast (a collective group with vLLM's workers); which engine takes which: its capabilities
     weight_sync: str = "tensor"
     bucket_mb: int = bounded(512, ">= 1")  # weight sync sends the tensors in buckets of at most this many MB
     # broadcast: where the servers' workers meet the learner's stage roots (host: an address of the learner's
@@ -240,9 +222,9 @@ class RolloutConfig:
 
     def compute_dtype(self) -> str:
         """rollout.dtype with auto resolved for this engine."""
-        if self.dtype != "auto":
-            return self.dtype
-        return "float32" if self.engine == "embedded" else "bfloat16"
+        from megapo.engines.registry import capabilities  # lazy: the engines' module imports torch
+
+        return self.dtype if self.dtype != "auto" else capabilities(self.engine).default_dtype
 
 
 @dataclass
@@ -513,13 +495,16 @@ class RunConfig:
                               f"algorithm.advantage is {a.advantage!r} (set grpo)")
 
     def _validate_rollout(self) -> None:
+        from megapo.engines.registry import capabilities, engine_names, needs_servers
+
         r = self.rollout
-        if r.engine not in ENGINES:
-            raise ConfigError("rollout.engine", f"unknown engine {r.engine!r}; choose from {', '.join(ENGINES)}")
-        if r.engine == "sglang" and not r.servers:
-            raise ConfigError("rollout.servers", "rollout.engine=sglang needs running servers (host:port); megapo "
+        if r.engine not in engine_names():
+            raise ConfigError("rollout.engine", f"unknown engine {r.engine!r}; choose from {', '.join(engine_names())}")
+        caps = capabilities(r.engine)
+        if needs_servers(r.engine) and not r.servers:
+            raise ConfigError("rollout.servers", f"rollout.engine={r.engine} needs running servers (host:port); megapo "
                               "starts only vLLM servers itself")
-        if r.engine != "embedded":
+        if not caps.in_process:
             for i, server in enumerate(r.servers):
                 host, sep, port = server.rpartition(":")
                 if not sep or not host or not port.isdigit():
@@ -530,13 +515,13 @@ class RunConfig:
                               f"group; it needs n_samples >= {min_group(self.algorithm.advantage)}, got {r.n_samples}")
         if r.weight_sync not in WEIGHT_SYNC:
             raise ConfigError("rollout.weight_sync", f"must be one of {', '.join(WEIGHT_SYNC)}, got {r.weight_sync!r}")
-        if r.weight_sync not in ENGINE_SYNC[r.engine]:
-            raise ConfigError("rollout.weight_sync", f"engine {r.engine!r} supports {', '.join(ENGINE_SYNC[r.engine])}, "
+        if r.weight_sync not in caps.weight_syncs:
+            raise ConfigError("rollout.weight_sync", f"engine {r.engine!r} supports {', '.join(caps.weight_syncs)}, "
                               f"not {r.weight_sync!r}")
         if r.dtype not in ("auto",) + SERVER_DTYPES:
             raise ConfigError("rollout.dtype", f"must be auto or one of {', '.join(SERVER_DTYPES)}, got {r.dtype!r}")
         if self.algorithm.routing_replay == "r3":
-            ok, why = engine_returns_routes(r.engine)
+            ok, why = caps.returns_routes()
             if not ok:
                 raise ConfigError("algorithm.routing_replay", f"r3 replays the engine's routes, but {why}; use r2")
 
@@ -637,8 +622,10 @@ class RunConfig:
         file that exists must be private (megapo serve creates a missing one)."""
         from megapo.engines.auth import read_key_file
 
+        from megapo.engines.registry import capabilities
+
         r = self.rollout
-        if r.engine == "vllm" and r.servers and not r.api_key_file:
+        if capabilities(r.engine).api_key and r.servers and not r.api_key_file:
             raise ConfigError("rollout.api_key_file", "is required with vLLM rollout.servers: megapo serve's servers "
                               "refuse requests without their key (the file megapo serve was given or printed)")
         if r.api_key_file and (r.servers or Path(r.api_key_file).exists()):
@@ -694,10 +681,12 @@ class RunConfig:
                 raise ConfigError("model.path", f"{m.path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
             if self.data.chat_template and not _has_chat_template(path):
                 raise ConfigError("data.chat_template", f"the tokenizer in {m.path} has no chat template")
+        from megapo.engines.registry import capabilities
+
         spec = learner_spec(hf, where)
         self._check_torch_model(hf, where)
         check_layout(self.parallel, hf)
-        if self.rollout.engine == "vllm" and not self.rollout.servers:  # megapo starts the server here
+        if capabilities(self.rollout.engine).starts_server and not self.rollout.servers:  # megapo starts one here
             from megapo.engines.server import check_servable_here
 
             try:
@@ -722,8 +711,10 @@ class RunConfig:
     def _check_torch_model(self, hf: dict, where: str) -> None:
         """The embedded engine and the plain KL reference run megapo's in-process PyTorch model, which knows
         fewer families than the learner (no llama): refuse here, not after the learner is built."""
+        from megapo.engines.registry import capabilities
+
         plain_ref = self.algorithm.needs_reference() and self.reference(hf) == "plain"
-        users = {"rollout.engine": self.rollout.engine == "embedded", "algorithm.reference": plain_ref}
+        users = {"rollout.engine": capabilities(self.rollout.engine).in_process, "algorithm.reference": plain_ref}
         field_name = next((name for name, uses in users.items() if uses), None)
         why = plain_model_error(hf) if field_name is not None else None
         if why is not None:

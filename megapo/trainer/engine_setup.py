@@ -11,7 +11,7 @@
 
 Weights reach the servers through megapo.weights with `rollout.weight_sync`: `disk` (the servers must see the
 trainer's output folder, i.e. the same machine or a shared filesystem) or, for vLLM, `broadcast` (the servers'
-workers join the learner's weight-sync group at `rollout.sync_host`, see megapo.trainer.loop.broadcast_transport).
+workers join the learner's weight-sync group at `rollout.sync_host`, see megapo.trainer.run.broadcast_transport).
 """
 
 from __future__ import annotations

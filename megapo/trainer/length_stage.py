@@ -40,10 +40,10 @@ class LengthStage:
         return self.step
 
     def apply(self, groups: list) -> list:
-        """Groups (trainer.loop.Group, `rewards` as the verifier scored them) -> the same prompts with shaped
+        """Groups (trainer.rollout.Group, `rewards` as the verifier scored them) -> the same prompts with shaped
         rewards, the verifier's `scores` and `correct`, and only the kept responses."""
         from megapo.algorithms.stages import prompt_key
-        from megapo.trainer.loop import Group
+        from megapo.trainer.rollout import Group
 
         scored = [self.scored_group(g, prompt_key(g.example.prompt)) for g in groups]
         shaped = [s.rewards for s in scored]

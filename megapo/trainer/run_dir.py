@@ -202,7 +202,7 @@ def _overwritten(out: Path, cfg) -> list[Path]:
 
 
 def _warm_start_inputs(c: dict) -> dict:
-    """What megapo.trainer.sft.train_sft makes sft/ from (loop.prepare_model)."""
+    """What megapo.trainer.sft.train_sft makes sft/ from (run.prepare_model)."""
     data, rollout = c.get("data") or {}, c.get("rollout") or {}
     return {"model": c.get("model"), "sft": c.get("sft"), "task": data.get("task"),
             "task_options": data.get("task_options") or {}, "chat_template": data.get("chat_template"), "max_new_tokens": rollout.get("max_new_tokens")}

@@ -14,7 +14,7 @@ safetensors (the main job's SFT warm start, made under --work-dir on the first r
   advantages and seq-mean-token-mean aggregation, backward, grad-norm clip, AdamW (the config's lr, warmup and
   clip);
 - sync: none (the sampler reads the trained parameters).
-megapo's step is the main job's: EmbeddedEngine (megapo.trainer.engine_setup) and megapo.trainer.loop's
+megapo's step is the main job's: EmbeddedEngine (megapo.trainer.engine_setup) and megapo.trainer's
 collect_rollouts / update_policy / sync_weights with the config's RunConfig, so changes there show up here.
 
 Before timing, step 0 checks that both do the same work: on megapo's first batch (its engine's samples and
@@ -380,31 +380,34 @@ class phase:
 
 
 class Megapo:
-    """The main job's step: megapo's engine and megapo.trainer.loop's functions on the run's config."""
+    """The main job's step: megapo's engine and the trainer's phases (megapo.trainer.rollout, .update, .run) on
+    the run's config."""
 
     def __init__(self, cfg, model_dir: Path, out_dir: Path, tokenizer, pool, reward_fn):
-        from megapo.engines.base import SamplingParams
-        from megapo.trainer import loop
         from megapo.trainer.data import PromptSource
+        from megapo.trainer.rollout import sampling_params
+        from megapo.trainer.run import build_engine, build_learner, make_transport
+        from megapo.trainer.update import loss_options
 
-        self.loop, self.cfg, self.pool, self.reward_fn = loop, cfg, pool, reward_fn
-        self.learner = loop.build_learner(cfg, model_dir)
-        self.engine = loop.build_engine(cfg, model_dir)
-        self.transport = loop.make_transport(cfg, out_dir, model_dir, self.learner, self.engine)
+        self.cfg, self.pool, self.reward_fn = cfg, pool, reward_fn
+        self.learner = build_learner(cfg, model_dir)
+        self.engine = build_engine(cfg, model_dir)
+        self.transport = make_transport(cfg, out_dir, model_dir, self.learner, self.engine)
         self.source = PromptSource(len(pool), seed=cfg.train.seed)
-        r = cfg.rollout
-        # as loop.train builds them
-        self.params = SamplingParams(n=r.n_samples, temperature=r.temperature, top_p=r.top_p,
-                                     max_new_tokens=r.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,),
-                                     return_routes=cfg.algorithm.routing_replay == "r3")
-        self.options = loop.loss_options(cfg)
+        # as megapo.trainer.run.Run builds them
+        self.params = sampling_params(cfg, tokenizer.eos_token_id, routes=cfg.algorithm.routing_replay == "r3")
+        self.options = loss_options(cfg)
         self.version = 0
 
     def collect(self):
-        return self.loop.collect_rollouts(self.engine, self.params, self.pool, self.source, self.reward_fn, self.cfg)
+        from megapo.trainer.rollout import collect_rollouts
+
+        return collect_rollouts(self.engine, self.params, self.pool, self.source, self.reward_fn, self.cfg)
 
     def step(self, timer: dict) -> int:
         from megapo.trainer.metrics import StepTimer
+        from megapo.trainer.run import sync_weights
+        from megapo.trainer.update import update_policy
 
         with phase(timer, "generate"):
             groups, _, tokens = self.collect()
@@ -412,7 +415,7 @@ class Megapo:
             return tokens
         inner = StepTimer()  # update_policy times old_logp and train itself
         c0 = time.process_time()
-        self.loop.update_policy(self.learner, groups, self.cfg, None, self.options, inner)
+        update_policy(self.learner, groups, self.cfg, None, self.options, inner)
         cpu = time.process_time() - c0
         wall = sum(inner.times.values()) or 1.0
         for name, seconds in inner.times.items():  # CPU split in proportion to the phases' wall time
@@ -422,7 +425,7 @@ class Megapo:
         timer.setdefault("old_logp", [0.0, 0.0])  # an on-policy step may fold it into train
         with phase(timer, "sync"):
             self.version += 1
-            self.loop.sync_weights(self.learner, self.engine, self.version, self.cfg, self.transport)
+            sync_weights(self.learner, self.engine, self.version, self.cfg, self.transport)
         return tokens
 
     def close(self):
@@ -436,10 +439,11 @@ class Megapo:
 def step0_logprob_check(floor: Floor, megapo: Megapo) -> dict:
     """On megapo's first batch (its engine's samples and routes), megapo's learner's old log-probs (the loop's
     train_samples + old_logprob_pass) against the floor's, before either trains."""
-    loop = megapo.loop
+    from megapo.trainer.update import old_logprob_pass, train_samples
+
     groups, _, _ = megapo.collect()
-    batch = loop.train_samples(groups, megapo.cfg)
-    loop.old_logprob_pass(megapo.learner, batch, megapo.cfg)
+    batch = train_samples(groups, megapo.cfg)
+    old_logprob_pass(megapo.learner, batch, megapo.cfg)
     samples = [FloorSample(s["tokens"][:s["prompt_len"]], s["tokens"][s["prompt_len"]:], [], False,
                            torch.as_tensor(s["routes"])) for s in batch]
     fb = sequence_batch(samples)
@@ -563,17 +567,18 @@ def plain_reward_fn(cfg, tokenizer):
 def run_bench(args, cfg) -> dict:
     from transformers import AutoTokenizer
 
-    from megapo.trainer import loop
     from megapo.trainer.data import PromptPool, PromptSource
+    from megapo.trainer.rollout import make_reward_fn
+    from megapo.trainer.run import prepare_model
 
     work = Path(args.work_dir)
     load_start = os.getloadavg()
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = loop.prepare_model(cfg, work)  # the main job's starting weights (SFT warm start, cached)
+    model_dir = prepare_model(cfg, work)  # the main job's starting weights (SFT warm start, cached)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pool = PromptPool(tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens, task=cfg.data.task)
     floor = Floor(model_dir, cfg, pool, plain_reward_fn(cfg, tokenizer), tokenizer.eos_token_id)
-    megapo = Megapo(cfg, model_dir, work, tokenizer, pool, loop.make_reward_fn(cfg, tokenizer))
+    megapo = Megapo(cfg, model_dir, work, tokenizer, pool, make_reward_fn(cfg, tokenizer))
     try:
         check = step0_logprob_check(floor, megapo)
         check.update(tolerance=args.tolerance, ok=check["max_abs_diff"] <= args.tolerance)

@@ -38,7 +38,7 @@ BASELINE = ("baseline_two_pass_512", 512, None, False)
 
 def main_job_batch(seed: int = 0, prompts: int = 64, n: int = 8, prompt_len: int = 8, vocab: int = 512,
                    layers: int = 2, topk: int = 2, experts: int = 8) -> list[dict]:
-    """Train samples shaped as loop.train_samples makes them for the main job (R3: the engine's routes)."""
+    """Train samples shaped as megapo.trainer.update.train_samples makes them for the main job (R3: the engine's routes)."""
     import numpy as np
 
     rng = random.Random(seed)

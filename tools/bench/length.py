@@ -150,7 +150,7 @@ def check_bench_folder(plan: Plan) -> None:
 
 
 def make_warm_start(plan: Plan) -> Path:
-    from megapo.trainer.loop import prepare_model
+    from megapo.trainer.run import prepare_model
 
     where = plan.out / "warm_start"
     cfg = load_base(plan, [f"model.path={where / 'base'}", f"train.output_dir={where}"])

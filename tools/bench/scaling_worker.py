@@ -4,7 +4,7 @@ spec (one layout x one model size, all with this world size) and rank 0 appends 
     python -m torch.distributed.run --nproc-per-node 2 -m tools.bench.scaling_worker \
         --spec DIR/spec_world2.json --out DIR/raw_world2.jsonl
 
-One step, as megapo's trainer does it (megapo/trainer/loop.py), each phase timed on every rank:
+One step, as megapo's trainer does it (megapo/trainer/update.py), each phase timed on every rank:
   generate   rank 0's embedded engine samples n responses per prompt; the batch goes to every rank
   old_logp   learner.logprobs over the batch (collective)
   train      learner.train_step, PPO objective (collective)

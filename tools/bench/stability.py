@@ -320,8 +320,8 @@ def validate_cells(plan: GridPlan, cells: list[Cell], steps: int) -> None:
 
 def make_warm_start(plan: GridPlan) -> Path:
     """The one SFT warm start (the config's sft section) under --out/warm_start, made once; its HF folder.
-    Reused when a previous grid run finished it (megapo.trainer.loop.prepare_model)."""
-    from megapo.trainer.loop import prepare_model
+    Reused when a previous grid run finished it (megapo.trainer.run.prepare_model)."""
+    from megapo.trainer.run import prepare_model
 
     where = plan.out / "warm_start"
     cfg = load_base(plan, [f"model.path={base_model_path(plan)}", f"train.output_dir={where}"])

@@ -1,0 +1,153 @@
+"""Rank 0's side of a step: prompts -> samples (one response, or a multi-turn trajectory) -> rewards ->
+the length stage and dynamic sampling -> the groups to train on, with the rollout metrics.
+
+The groups are what the update (megapo.trainer.update) reads: one Group per prompt, its kept samples and
+their rewards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from megapo.engines.base import Sample, SamplingParams
+from megapo.envs.base import Trajectory
+from megapo.tasks.base import Example
+from megapo.trainer.config import RunConfig
+
+
+@dataclass
+class Group:
+    """The samples of one prompt kept for training, with their rewards (shaped by the length stage)."""
+
+    example: Example
+    samples: list[Sample | Trajectory]  # a Trajectory: a multi-turn rollout (megapo.envs)
+    rewards: list[float]  # what the advantages are computed from
+    scores: list[float] | None = None  # the verifier's rewards before length shaping (None: not shaped)
+    correct: list[bool] | None = None  # the verifier's verdict, reward >= data.correct_threshold
+    sampled: int | None = None  # responses drawn for this prompt (more than len(samples) after a group filter)
+    prompt_index: int | None = None  # the prompt's place in the run's prompt pool
+    sample_ids: list[int] | None = None  # each kept sample's index among those drawn (None: all, in order)
+
+
+def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[list], list[float]]:
+    """[(example, sample), ...] -> rewards: the configured reward of each decoded response (stop token
+    removed; of a multi-turn trajectory, its last policy turn unless its environment gave a reward), guarded
+    (megapo.trainer.rewards.GuardedReward: data.reward_timeout_s, data.reward_errors) and scored in one call
+    per round; a response without end-of-sequence (a trajectory cut short) gets data.truncated_reward.
+    `reward.pop_errors()` counts the failures scored 0 since its last call, `reward.pop_truncated()` the
+    (truncated, scored) responses."""
+    from megapo.tasks.registry import reward_spec
+    from megapo.trainer.rewards import GuardedReward
+
+    fn = GuardedReward(reward_spec(cfg.data), cfg.data.reward_timeout_s, cfg.data.reward_errors,
+                       truncated_reward=cfg.data.truncated_reward)
+
+    stop = (tokenizer.eos_token_id,)
+
+    def response_text(sample) -> str:
+        if isinstance(sample, Trajectory):  # a multi-turn trajectory: its last policy turn is the answer
+            return tokenizer.decode(sample.answer_ids(stop), skip_special_tokens=True)
+        ids = sample.output_ids[:-1] if sample.finish_reason == "stop" else sample.output_ids
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    def reward(pairs: list) -> list[float]:
+        scores = fn.score_all([(response_text(sample), example.answer) for example, sample in pairs],
+                              truncated=[sample.finish_reason != "stop" for _, sample in pairs])
+        # an environment's own reward at the end of a trajectory replaces the verifier's
+        return [s.env_reward if getattr(s, "env_reward", None) is not None else r for r, (_, s) in zip(scores, pairs)]
+
+    reward.pop_errors = fn.pop_errors
+    reward.pop_truncated = fn.pop_truncated
+    return reward
+
+
+def rollout_round(engine, params, examples: list, prompt_ids: list[list[int]], reward_fn,
+                  indices: list[int] | None = None, sampler=None) -> list[Group]:
+    """One sampling round: every prompt's samples with the verifier's rewards (before length shaping);
+    `indices`: the prompts' places in the prompt pool; `sampler`: multi-turn trajectories in place of
+    engine.generate (megapo.envs.rollout.trajectory_sampler)."""
+    drawn = sampler(engine, prompt_ids, examples, params) if sampler is not None else engine.generate(prompt_ids, params)
+    scores = iter(reward_fn([(ex, s) for ex, samples in zip(examples, drawn) for s in samples]))
+    indices = indices if indices is not None else [None] * len(examples)
+    return [Group(ex, samples, [next(scores) for _ in samples], prompt_index=i)
+            for ex, samples, i in zip(examples, drawn, indices)]
+
+
+def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig, length=None,
+                     sampler=None) -> tuple[list[Group], dict, int]:
+    """Rank 0: sample groups for one step (with dynamic sampling, refilled up to max_sampling_rounds), each
+    round shaped and filtered by `length` (trainer.length_stage.LengthStage) before dynamic sampling judges it;
+    `sampler`: multi-turn trajectories (rollout_round); returns the groups to train on (whole groups, a multiple
+    of dp), metrics, generated tokens."""
+    from megapo.trainer import data
+    from megapo.trainer.metrics import length_metrics
+
+    sampled: list[Group] = []  # every group generated this step, as the verifier scored it, for the metrics
+    shaped: list[Group] = []  # the same after the length stage (kept responses only)
+    if length is not None:
+        length.begin_batch()
+
+    def one_round() -> list[Group]:
+        chosen = source.next_batch(cfg.data.prompts_per_step)
+        items = [pool[i] for i in chosen]
+        new = rollout_round(engine, params, [ex for ex, _ in items], [ids for _, ids in items], reward_fn,
+                            [int(i) for i in chosen], sampler)
+        sampled.extend(new)
+        new = length.apply(new) if length is not None else new
+        shaped.extend(new)
+        return new
+
+    metrics: dict[str, float] = {}
+    if cfg.data.dynamic_sampling:
+        groups, ds = data.fill_informative(one_round, lambda g: g.rewards, cfg.data.prompts_per_step,
+                                           cfg.data.max_sampling_rounds)
+        metrics.update({"dynamic/rounds": ds.rounds, "dynamic/groups_sampled": ds.groups_sampled,
+                        "dynamic/groups_kept": ds.groups_kept})
+    else:
+        groups = one_round()
+    samples = [s for g in sampled for s in g.samples]
+    rewards = [r for g in sampled for r in g.rewards]
+    if length is not None:
+        kept = [r for g in shaped for r in g.rewards]
+        metrics.update({"reward/shaped": sum(kept) / len(kept), "length/kept_frac": len(kept) / len(rewards),
+                        "correct_frac": sum(r >= cfg.data.correct_threshold for r in rewards) / len(rewards),
+                        **length.metrics()})
+    metrics.update({
+        "reward": sum(rewards) / len(rewards),  # the verifier's, before length shaping
+        "response_len": sum(len(s.output_ids) for s in samples) / len(samples),
+        "finish_length_frac": sum(s.finish_reason == "length" for s in samples) / len(samples)})
+    metrics.update(length_metrics([len(s.output_ids) for s in samples],  # len/mean, len/p90, len/d{k} by difficulty
+                                  [getattr(g.example, "difficulty", None) for g in sampled for _ in g.samples]))
+    if sampler is not None:  # turns, tool calls, finish reasons, parse / tool errors
+        from megapo.envs.rollout import trajectory_metrics
+
+        metrics.update(trajectory_metrics(samples))
+    if cfg.data.reward_errors == "zero" and hasattr(reward_fn, "pop_errors"):
+        metrics["reward/errors"] = reward_fn.pop_errors()  # failed reward calls scored 0 this step
+    if hasattr(reward_fn, "pop_truncated"):
+        truncated, scored = reward_fn.pop_truncated()  # given data.truncated_reward instead of a score
+        metrics["reward/truncated_frac"] = truncated / max(scored, 1)
+    keep = len(groups) - len(groups) % cfg.parallel.dp  # every DP rank gets whole groups
+    return groups[:keep], metrics, sum(policy_tokens(s) for s in samples)
+
+
+def policy_tokens(sample) -> int:
+    """Tokens the engine generated for a sample (a trajectory's observations are not)."""
+    return sum(sample.loss_mask) if isinstance(sample, Trajectory) else len(sample.output_ids)
+
+
+def turn_play(cfg: RunConfig):
+    """The run's environment and turn limits (megapo.envs.rollout.TurnPlay), or None for single-turn rollouts."""
+    from megapo.envs.rollout import TurnLimits, TurnPlay
+
+    make_env = cfg.env_factory()
+    if make_env is None:
+        return None
+    return TurnPlay(make_env, TurnLimits(cfg.env.max_turns, cfg.response_tokens()))
+
+
+def sampling_params(cfg: RunConfig, stop_token_id: int, routes: bool) -> SamplingParams:
+    """The engine's sampling parameters of every rollout; `routes`: return each token's experts."""
+    r = cfg.rollout
+    return SamplingParams(n=r.n_samples, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                          stop_token_ids=(stop_token_id,), return_routes=routes)

@@ -1,0 +1,373 @@
+"""One RL run as an object: its parts (learner, engine, reference policy, weight transport, prompt source,
+stages, loggers), how they are built and resumed, and what each phase of a step does with them.
+`megapo.trainer.loop.train` is the order of the phases.
+
+Every rank builds a Run (the learner's methods are collective); only rank 0 owns the engine, computes
+rewards and writes files, and broadcasts each step's train batch to the other ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from megapo.dist import barrier, broadcast_object, rank
+from megapo.engines.registry import capabilities
+from megapo.trainer import checkpoint as ckpt
+from megapo.trainer.config import RunConfig
+from megapo.trainer.length_stage import LengthStage
+from megapo.trainer.metrics import MetricsLogger, SampleLogger, StepTimer
+from megapo.trainer.run_dir import CHECKPOINTS
+from megapo.trainer.rollout import Group, collect_rollouts, make_reward_fn, sampling_params, turn_play
+from megapo.trainer.update import loss_options, new_prompt_stats, stability_step, stage_state, update_policy
+
+log = logging.getLogger(__name__)
+
+
+class Run:
+    """The parts of one run on this rank and the phases of a step. Build it with Run.open; close it (a `with`
+    block) to end the rollout thread and any server megapo started, also when the run stops or fails."""
+
+    @classmethod
+    def open(cls, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, learner=None, engine=None,
+             print_fn=print) -> "Run | None":
+        """The run of `cfg`, resumed from its last checkpoint with `resume`; None when it is finished already.
+        `resume` / `overwrite`: what to do with a previous run in train.output_dir (megapo.trainer.run_dir; a
+        ConfigError before anything is written when neither fits). `learner`/`engine` may be passed in (tests)."""
+        from megapo.trainer import run_dir
+
+        start = run_dir.plan_start(cfg, resume=resume, overwrite=overwrite)  # reads only: refusals before any write
+        if start.step == cfg.train.steps:
+            log.warning("--resume: %s is at train.steps=%d already; nothing to do", start.checkpoint, start.step)
+            return None
+        return cls(cfg, start, learner=learner, engine=engine, print_fn=print_fn)
+
+    def __init__(self, cfg: RunConfig, start, *, learner=None, engine=None, print_fn=print):
+        from transformers import AutoTokenizer
+
+        from megapo.trainer import data, run_dir
+
+        self.cfg, self.start, self.out_dir = cfg, start, start.out_dir
+        if run_dir.is_launch_rank0():  # torch.distributed is not initialised yet
+            run_dir.begin(start)
+        self.model_dir = prepare_model(cfg, self.out_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        # prompts and reward before the learner and engine exist: a prompt set of which none fits is refused
+        # without building them (rank 0 only needs the prompts; the others get the train batch broadcast)
+        self.pool = data.prompt_pool(cfg, self.tokenizer)
+        self.source = data.PromptSource(len(self.pool), seed=cfg.train.seed)
+        self.reward_fn = make_reward_fn(cfg, self.tokenizer)
+        self.learner = learner if learner is not None else build_learner(cfg, self.model_dir)
+        self.own_engine = engine is None and rank() == 0  # closed by close() (stops a server megapo started)
+        self.engine = build_engine(cfg, self.model_dir) if self.own_engine else engine
+        self.producer = self.logger = self.samples_log = None
+        try:
+            self._build_parts(print_fn)
+            self._resume()
+            self._begin_logs(print_fn)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build_parts(self, print_fn) -> None:
+        """The reference policy, the weight transport, the stages and what each rollout is drawn with."""
+        cfg = self.cfg
+        self.reference = build_reference(cfg, self.model_dir)
+        self.transport = make_transport(cfg, self.out_dir, self.model_dir, self.learner, self.engine)
+        self.step, self.version = 0, 0  # the last step trained (and logged), the engine's weight version
+        self.prompt_stats = new_prompt_stats(cfg)
+        self.length = LengthStage(cfg) if rank() == 0 else None
+        # the engine's routes: replayed under r3; otherwise compared with the learner's (router/disagree) when the
+        # learner records its own and the embedded engine hands them over in-process
+        compare_routes = capabilities(cfg.rollout.engine).in_process and getattr(self.learner, "route_hook", None) is not None
+        self.params = sampling_params(cfg, self.tokenizer.eos_token_id,
+                                      routes=cfg.algorithm.routing_replay == "r3" or compare_routes)
+        self.options = loss_options(cfg)
+        self.turns = turn_play(cfg)
+        self.sampler = None
+        if self.turns is not None:
+            from megapo.envs.rollout import trajectory_sampler
+
+            self.sampler = trajectory_sampler(self.turns.make_env, self.tokenizer, cfg.data.chat_template,
+                                              self.turns.limits)
+
+    def _resume(self) -> None:
+        """Load the last checkpoint when the run resumes: learner, prompt cursor, stage state, engine RNG, weights."""
+        latest = self.start.checkpoint
+        if latest is None:
+            return
+        state = ckpt.load_checkpoint(latest, self.learner.load, rank=rank(), model_dir=self.model_dir)  # verified
+        if self.engine is not None and "engine" in ckpt.rng_extra(latest):  # sample as the unstopped run would
+            self.engine.set_rng_state(ckpt.rng_extra(latest)["engine"])
+        self.source.load_state_dict(state.data_cursor)
+        self.step, self.version = state.step, state.weight_version
+        self.prompt_stats = new_prompt_stats(self.cfg, state.extra)
+        if self.length is not None:
+            self.length.load_state_dict(state.extra.get("length", {}))
+        if self.version > 0:
+            sync_weights(self.learner, self.engine, self.version, self.cfg, self.transport)
+        log.info("resumed from %s (step %d)", latest, self.step)
+
+    def _begin_logs(self, print_fn) -> None:
+        """Rank 0 (the run has started, a resume has loaded its checkpoint): config.json, metrics rows, samples,
+        the collapse watch over a resumed run's history, and the held-out score before the first step."""
+        from megapo.trainer import run_dir
+        from megapo.trainer.collapse import CollapseWatch
+        from megapo.trainer.metrics import read_metrics
+
+        cfg, first = self.cfg, rank() == 0
+        if first:
+            run_dir.started(self.start, cfg)
+            self.logger = MetricsLogger(self.out_dir, cfg.train.log, asdict(cfg), cfg.train.steps, print_fn)
+            if cfg.train.log_samples:
+                self.samples_log = SampleLogger(self.out_dir, self.tokenizer)
+        earlier = self.step and first and (self.out_dir / "metrics.jsonl").is_file()  # a resumed run's history
+        self.collapse = CollapseWatch(read_metrics(self.out_dir) if earlier else (), upto=self.step)
+        if self.step == 0 and self.logger is not None and cfg.train.eval_every:
+            self.logger.log(0, self.collapse.add(0, self.evaluate()))
+        # after the prompts of the last trained batch (what a checkpoint keeps), and the length stage then
+        self.cursor = self.source.state_dict()
+        self.length_state = self.length.state_dict() if self.length is not None else {}
+
+    # ------------------------------------------------------------------------- the phases of a step
+
+    def steps(self) -> range:
+        """The steps still to run."""
+        return range(self.step + 1, self.cfg.train.steps + 1)
+
+    def start_rollouts(self) -> None:
+        """Async mode, rank 0: start the producer thread that generates ahead of the learner."""
+        if self.cfg.train.mode != "async" or rank() != 0:
+            return
+        from megapo.trainer.async_rollout import AsyncRollouts
+
+        self.producer = AsyncRollouts(self._collect, staleness=self.cfg.train.staleness,
+                                      version_fn=lambda: self.engine.weight_version,
+                                      generate_threads=max(1, torch.get_num_threads() // 2),
+                                      cursor_fn=lambda: (self.source.state_dict(), self.length.state_dict()))
+        self.producer.start(self.cfg.train.steps - self.step)
+
+    def _collect(self) -> tuple[list[Group], dict, int]:
+        return collect_rollouts(self.engine, self.params, self.pool, self.source, self.reward_fn, self.cfg,
+                                self.length, self.sampler)
+
+    def generate(self, step: int, timer: StepTimer) -> tuple[list[Group], dict, int]:
+        """This step's groups on every rank (drawn on rank 0, or taken from the async producer), the rollout
+        metrics and the generated tokens; remembers the prompt cursor after them for the checkpoint."""
+        groups, metrics, tokens = [], {}, 0
+        if self.producer is not None:
+            from megapo.trainer.async_rollout import next_batch
+
+            groups, metrics, tokens, (self.cursor, self.length_state) = next_batch(
+                self.producer, self.version, self.cfg.train.staleness, timer)
+        elif rank() == 0:
+            with timer("generate"):
+                groups, metrics, tokens = self._collect()
+            self.cursor, self.length_state = self.source.state_dict(), self.length.state_dict()
+        if self.samples_log is not None and groups:
+            self.samples_log.log(step, groups)
+        return broadcast_object(groups), metrics, tokens
+
+    def update(self, step: int, groups: list[Group], timer: StepTimer) -> dict:
+        """Advantages, π_old, π_ref, token stages and the optimizer steps (megapo.trainer.update)."""
+        cfg = self.cfg
+        return update_policy(self.learner, groups, cfg, self.reference, self.options, timer,
+                             measure_free_kl=self.eval_due(step, last=False),
+                             measure_free_routing=stability_step(cfg, step), step=step,
+                             prompt_stats=self.prompt_stats)
+
+    def sync_weights(self) -> dict:
+        """The learner's new weights to the engine, as the next version."""
+        self.version += 1
+        return sync_weights(self.learner, self.engine, self.version, self.cfg, self.transport)
+
+    def rollouts_done(self) -> None:
+        """The step has used its rollouts: the async producer may start one more batch."""
+        if self.producer is not None:
+            self.producer.mark_synced()
+
+    def eval_due(self, step: int, last: bool = True) -> bool:
+        """Whether `step` is a held-out eval step (train.eval_every; the last step too unless `last` is False)."""
+        every = self.cfg.train.eval_every
+        return bool(every) and (step % every == 0 or (last and step == self.cfg.train.steps))
+
+    def evaluate(self) -> dict:
+        """Held-out accuracy and lengths of the task's test split (rank 0; {} elsewhere or without a task)."""
+        from megapo.tasks.registry import get_task
+        from megapo.trainer.eval import evaluate
+
+        cfg = self.cfg
+        if not cfg.data.task or cfg.train.eval_prompts == 0 or self.engine is None:
+            return {}
+        r = evaluate(self.engine, get_task(cfg.data.task, cfg.data.task_options), "test", n=cfg.train.eval_prompts,
+                     tokenizer=self.tokenizer, chat_template=cfg.data.chat_template,
+                     max_new_tokens=cfg.rollout.max_new_tokens, turns=self.turns)
+        return r.metrics("eval/")  # accuracy, response_len, and by difficulty acc_d{k}, len/*
+
+    def checkpoint_due(self, step: int) -> bool:
+        every = self.cfg.train.ckpt_every
+        return step == self.cfg.train.steps or bool(every and step % every == 0)
+
+    def checkpoint(self, step: int) -> None:
+        """Save the learner, the prompt cursor, the stages' state and the engine's RNG after `step` (collective)."""
+        state = ckpt.TrainerState(step, self.cursor, self.version,
+                                  extra={**stage_state(self.prompt_stats), "length": self.length_state})
+        engine_rng = {"engine": self.engine.rng_state()} if self.engine is not None and self.engine.capabilities.rng_state else {}
+        ckpt.save_checkpoint(self.out_dir / CHECKPOINTS, state, self.learner.save, self.cfg.train.keep_last,
+                             rank() == 0, barrier, rank=rank(), rng_extra=engine_rng)
+
+    def log(self, step: int, metrics: dict, timer: StepTimer, tokens: int) -> dict:
+        """Write the step's metrics row (rank 0) with the collapse watch and the phase times; returns the row."""
+        self.step = step
+        if self.logger is None:
+            return {}
+        return self.logger.log(step, {**self.collapse.add(step, metrics), **timer.pop()}, tokens=tokens)
+
+    # ------------------------------------------------------------------------- end
+
+    def finish(self) -> None:
+        """Close the metrics and sample files (rank 0)."""
+        for f in (self.logger, self.samples_log):
+            if f is not None:
+                f.close()
+        self.logger = self.samples_log = None
+
+    def close(self) -> None:
+        """End the rollout thread and any engine megapo started."""
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
+        if self.own_engine and self.engine is not None:
+            self.engine.close()
+            self.own_engine = False
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- building the parts
+
+
+def prepare_model(cfg: RunConfig, out_dir: Path) -> Path:
+    """The HF folder RL starts from: model.path (written first from model.tiny if absent), then, with
+    sft.enabled, the warm-started copy under out_dir/sft (reused when a previous run made it)."""
+    path = Path(cfg.model.path)
+    if rank() == 0 and not (path / "config.json").is_file():
+        from megapo.models.tiny import write_tiny_model
+
+        t = cfg.model.tiny
+        write_tiny_model(path, t.family, layers=t.layers, experts=t.experts, topk=t.topk, hidden=t.hidden,
+                         heads=t.heads, kv_heads=t.kv_heads, head_dim=t.head_dim, ffn=t.ffn, moe_ffn=t.moe_ffn,
+                         vocab=t.vocab, seed=t.seed)
+        log.info("wrote tiny %s model to %s", t.family, path)
+    if not cfg.sft.enabled:
+        barrier()
+        return path
+    sft_dir = out_dir / "sft"
+    if rank() == 0 and not (sft_dir / "sft_result.json").is_file():
+        from megapo.tasks.registry import get_task
+        from megapo.trainer.sft import train_sft
+
+        result = train_sft(path, sft_dir, cfg.sft, get_task(cfg.data.task, cfg.data.task_options),
+                           cfg.data.chat_template, cfg.rollout.max_new_tokens, turns=turn_play(cfg))
+        log.info("sft warm start: validation exact-match %.3f after %d steps (%.1f s)%s", result.val_accuracy,
+                 result.steps, result.seconds, "" if result.reached else " -- threshold NOT reached")
+    barrier()
+    return sft_dir
+
+
+def build_learner(cfg: RunConfig, model_dir: Path):
+    from megapo.learner.learner import Learner
+
+    return Learner(model_dir, cfg.parallel, cfg.optim, seed=cfg.train.seed,
+                   micro_batch_tokens=cfg.train.micro_batch_tokens, row_tokens=cfg.train.row_tokens,
+                   total_steps=cfg.train.steps * cfg.train.updates_per_rollout * cfg.train.mini_batches,
+                   routing_replay=records_routes(cfg, model_dir))
+
+
+def records_routes(cfg: RunConfig, model_dir: Path) -> bool:
+    """Whether the learner gets a route hook: for replay (r2/r3), and with the embedded engine on an MoE model to
+    compare its own routing with the engine's every step (router/disagree; without replay the hook only records)."""
+    from megapo.layout import num_experts, read_hf_config
+
+    if cfg.algorithm.routing_replay != "off":
+        return True
+    return capabilities(cfg.rollout.engine).in_process and bool(num_experts(read_hf_config(model_dir)))
+
+
+def build_engine(cfg: RunConfig, model_dir: Path):
+    from megapo.trainer.engine_setup import engine_from_config
+
+    return engine_from_config(cfg, model_dir, Path(cfg.train.output_dir))
+
+
+def build_reference(cfg: RunConfig, model_dir: Path):
+    """π_ref for the KL terms, or None when no term uses one (algorithm.reference, resolved by
+    RunConfig.reference): megatron, a frozen Megatron copy of `model_dir` under the learner's layout on every
+    rank (collective); plain, megapo's PyTorch model on rank 0 only (megapo/learner/reference.py)."""
+    from megapo.layout import read_hf_config
+    from megapo.learner.reference import MegatronReference, PlainReference
+
+    if not cfg.algorithm.needs_reference():
+        return None
+    kind = cfg.reference(read_hf_config(model_dir))
+    log.info("KL reference: %s (algorithm.reference=%s)", kind, cfg.algorithm.reference)
+    if kind == "megatron":
+        return MegatronReference(model_dir, cfg.parallel, micro_batch_tokens=cfg.train.micro_batch_tokens,
+                                 row_tokens=cfg.train.row_tokens, routing_replay=cfg.algorithm.routing_replay != "off",
+                                 seed=cfg.train.seed)
+    return PlainReference(model_dir) if rank() == 0 else None
+
+
+def make_transport(cfg: RunConfig, out_dir: Path, model_dir: Path, learner, engine):
+    from megapo.weights import DiskTransport, TensorTransport
+
+    if cfg.rollout.weight_sync == "tensor":
+        return TensorTransport()
+    if cfg.rollout.weight_sync == "disk":
+        return DiskTransport(out_dir / "weights_sync", config_dir=model_dir)
+    return broadcast_transport(cfg, learner, engine)
+
+
+def broadcast_transport(cfg: RunConfig, learner, engine):
+    """Form the weight-sync groups once (collective): every stage root of the learner joins its stage's
+    group as rank 0 while rank 0 has the engine's workers join as ranks 1.. (megapo.weights.broadcast).
+    Rank 0 serves every stage's rendezvous at rollout.sync_host (an address of its node), so stage roots
+    on other nodes meet there too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megapo.net import free_port
+    from megapo.weights.broadcast import BroadcastSender, BroadcastTransport, GroupAddress, host_stores, join_group
+
+    r = cfg.rollout
+    stage, stages, root = learner.sync_stage()
+    port, workers = broadcast_object((r.sync_port or free_port(r.sync_host), engine.workers) if rank() == 0 else None)
+    address = GroupAddress(r.sync_host, port, workers)
+    stores = host_stores(address, stages) if rank() == 0 else []
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(engine.join_weight_groups, address, 1, stages) if engine is not None else None
+        group = join_group(address, stage, 0, host_store=False) if root else None
+        if joined is not None:
+            joined.result()
+    log.info("weight sync: broadcast groups formed on %s:%d (%d stage(s), %d engine worker(s))", r.sync_host, port,
+             stages, workers)
+    return BroadcastTransport(BroadcastSender(group) if root else None, stores)
+
+
+def sync_weights(learner, engine, version: int, cfg: RunConfig, transport) -> dict:
+    """Hand the learner's weights to the engine through megapo.weights (collective on the learner side:
+    every rank streams the gathered tensors; only rank 0 has an engine). A per-stage transport (broadcast)
+    takes each stage's tensors on its own ranks, as views: nothing is copied on the learner."""
+    from megapo.weights import bucket_bytes, sync_named
+
+    named = learner.stage_tensors() if transport.per_stage else learner.hf_state_dict()
+    stats = sync_named(named, [engine] if engine is not None else [], transport,
+                       bucket_bytes(cfg.rollout.bucket_mb, "rollout.bucket_mb"), version)
+    return {"sync/bytes": stats.bytes, "sync/buckets": stats.buckets}
+

@@ -1,0 +1,284 @@
+"""Every rank's side of a step: the groups' advantages, π_old (the old-log-prob pass, with R2 recording and
+R3 replaying routes), π_ref, the per-token stages, then the optimizer steps on mini-batches.
+
+    advantages (megapo.algorithms) ─► learner old log-probs (none when on-policy: then the train forward
+    gives π_old and the routing metrics) ─► reference log-probs when a KL term needs them
+    ─► token stages (per-token advantages, weights, masks) ─► learner.train_step per mini-batch
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megapo.dist import broadcast_object
+from megapo.envs.base import Trajectory
+from megapo.trainer.config import RunConfig
+from megapo.trainer.metrics import StepTimer
+from megapo.trainer.rollout import Group
+
+
+def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_stats=None) -> list[dict]:
+    """Learner train samples (CONTRACTS.md) with per-sequence advantages from the configured estimator (or
+    algorithm.advantage_smoothing=cumulative from `prompt_stats`, stages.PromptRewardStats, updated here), then
+    algorithm.sample_select (at trainer step `step`) and algorithm.advantage_polarity; `old_logp` is filled in
+    by the old-log-prob pass (`old_logprob_pass`), the per-token stages after it (`token_stages`)."""
+    adv = [a_g.tolist() for a_g in group_advantages(groups, cfg, step, prompt_stats)]
+    sentence_ends = _sentence_end_ids(cfg)
+    out = []
+    for gi, g in enumerate(groups):
+        for si, s in enumerate(g.samples):
+            sample = {"tokens": list(s.prompt_ids) + list(s.output_ids), "prompt_len": len(s.prompt_ids),
+                      "advantage": adv[gi][si], "rollout_logp": list(s.logprobs)}
+            if isinstance(s, Trajectory):  # the environment's tokens are context, not the policy's
+                sample["loss_mask"] = list(s.loss_mask)
+            if sentence_ends is not None:  # the objective splits responses into sentences (sspo)
+                from megapo.algorithms.trust_region import sentence_end_flags
+
+                sample["sentence_end"] = sentence_end_flags(s.output_ids, sentence_ends)
+            if cfg.algorithm.routing_replay == "r3":
+                sample["routes"] = s.routes
+            if getattr(s, "routes", None) is not None:  # for router/disagree (megapo.replay.modes.stability_metrics)
+                sample["engine_routes"] = s.routes
+            out.append(sample)
+    return out
+
+
+def group_advantages(groups: list[Group], cfg: RunConfig, step: int, prompt_stats=None) -> list[torch.Tensor]:
+    """One advantage per sample, per group: the configured estimator (or algorithm.advantage_smoothing), then
+    algorithm.sample_select, algorithm.advantage_polarity and algorithm.clamp_correct_adv. Groups of different
+    sizes (a group filter kept k_i of each) get a group estimator one group at a time (RunConfig refuses the
+    batch-level ones and the [P, n] stages with ragged groups)."""
+    from megapo.algorithms import compute_advantages
+    from megapo.algorithms.length import clamp_correct_advantages
+    from megapo.algorithms.stages import apply_polarity, cumulative_advantages, select_samples
+
+    a = cfg.algorithm
+    sizes = [len(g.samples) for g in groups]
+    if len(set(sizes)) > 1:
+        per_group = [compute_advantages(a.advantage, torch.tensor([g.rewards], dtype=torch.float64),
+                                        lengths=torch.tensor([[len(s.output_ids) for s in g.samples]]),
+                                        **a.advantage_options)[0] for g in groups]
+        adv = [apply_polarity(x, a.advantage_polarity, a.pos_scale, a.neg_scale) for x in per_group]
+    else:
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
+        lengths = torch.tensor([[len(s.output_ids) for s in g.samples] for g in groups])  # token-weighted estimators
+        if a.advantage_smoothing == "cumulative":
+            if prompt_stats is None:
+                raise ValueError("prompt_stats: algorithm.advantage_smoothing=cumulative needs the running statistics")
+            full = cumulative_advantages(rewards, [g.example.prompt for g in groups], prompt_stats)
+        else:
+            full = compute_advantages(a.advantage, rewards, lengths=lengths, **a.advantage_options)
+        if a.sample_select:
+            full = select_samples(full, step=step, **a.sample_select)
+        adv = list(apply_polarity(full, a.advantage_polarity, a.pos_scale, a.neg_scale))
+    if a.clamp_correct_adv:
+        if any(g.correct is None for g in groups):
+            raise ValueError("algorithm.clamp_correct_adv: needs the verifier's verdicts (the length stage)")
+        adv = [clamp_correct_advantages(x, torch.tensor(g.correct)) for x, g in zip(adv, groups)]
+    return adv
+
+
+def _sentence_end_ids(cfg: RunConfig) -> list[int] | None:
+    """The objective's sentence-ending token ids when its loss reads sample["sentence_end"], else None."""
+    from megapo.algorithms.loss import token_inputs
+
+    a = cfg.algorithm
+    return list(a.objective_options["sentence_end_ids"]) if "sentence_end" in token_inputs(
+        a.objective, a.objective_options) else None
+
+
+def old_logprob_pass(learner, batch: list[dict], cfg: RunConfig, measure_free_kl: bool = False,
+                     free_logps: list | None = None) -> dict:
+    """Set each sample's `old_logp` from the learner (collective). Under r2 the pass records the
+    learner's routes and under r3 replays the engine's; either way sample["routes"] then holds the
+    routes every train_step on this batch replays (megapo.replay.modes). Returns the pass's metrics and
+    the stability metrics (modes.stability_metrics; under r3 the free-routing ones from `free_logps`, the
+    samples' "own_routes" then set by modes.free_routing). `measure_free_kl` adds the engine-vs-learner
+    k3 KL with and without replay (under r3 without `free_logps`, one extra forward pass)."""
+    from megapo.replay.modes import mismatch_kl, old_logprobs, stability_metrics
+
+    mode = cfg.algorithm.routing_replay
+    logps, metrics = old_logprobs(learner, batch, mode, with_entropy=cfg.algorithm.needs_old_entropy())
+    for sample, lp in zip(batch, logps):
+        sample["old_logp"] = lp.tolist()
+    free = logps if mode != "r3" else free_logps  # off / r2: this pass routed freely
+    metrics.update(stability_metrics(batch, logps, free))
+    if measure_free_kl and mode != "off" and all("rollout_logp" in s for s in batch):
+        metrics.update(mismatch_kl(learner, batch, logps, free_logps=free))
+    return metrics
+
+
+def on_policy(cfg: RunConfig, learner) -> bool:
+    """Whether π_old is the policy being trained (one update on one mini-batch, π_old from the learner): the
+    train forward then is the old-log-prob pass too (megapo.replay.modes.on_policy_step). A learner without
+    train_step_on_policy gets the separate pass, and so does a stage that needs π_old's per-token statistics
+    before the loss (algorithm.token_advantage, algorithm.token_select)."""
+    return (cfg.train.updates_per_rollout == 1 and cfg.train.mini_batches == 1 and cfg.old_policy() == "learner"
+            and not cfg.algorithm.needs_old_stats() and hasattr(learner, "train_step_on_policy"))
+
+
+def token_stages(batch: list[dict], cfg: RunConfig, step: int) -> dict:
+    """The per-token stages after the old-log-prob pass, on the whole train batch at once (so their
+    batch-global statistics do not depend on mini-, micro-batches or DP ranks): algorithm.token_advantage
+    turns each sample's advantage into a per-token list, algorithm.token_select sets sample["token_weight"]
+    (the learner multiplies the per-token loss by it). π_old = sample["old_logp"], its entropy
+    sample["old_entropy"]. In order: token_advantage, kl_mode=future (FRPO's future-KL advantage from
+    sample["ref_logp"]), token_select, token_mask (its weights multiply token_select's; nat_prefix draws from
+    (train.seed, `step`), so a resumed run cuts as the unstopped one)."""
+    from megapo.algorithms.stages import future_kl_advantages, token_advantages, token_mask_weights, \
+        token_select_weights
+
+    a, metrics = cfg.algorithm, {}
+    if a.token_advantage != "none":
+        adv = torch.tensor([s["advantage"] for s in batch], dtype=torch.float64)
+        per_token = token_advantages(a.token_advantage, adv, [s["old_logp"] for s in batch],
+                                     [s.get("old_entropy") for s in batch], group_size=cfg.rollout.n_samples,
+                                     rollout_logp=[s.get("rollout_logp") for s in batch],  # fipo's other policy
+                                     ref_logp=[s.get("ref_logp") for s in batch], **a.token_advantage_options)
+        for sample, values in zip(batch, per_token):
+            sample["advantage"] = values.tolist()
+    if a.kl_mode == "future":
+        per_token = future_kl_advantages([s["advantage"] for s in batch], [s["old_logp"] for s in batch],
+                                         [s.get("ref_logp") for s in batch], beta=a.kl_coef)
+        for sample, values in zip(batch, per_token):
+            sample["advantage"] = values.tolist()
+    if a.token_select:
+        weights = token_select_weights([s["advantage"] for s in batch], [s["old_entropy"] for s in batch],
+                                       step=step, **a.token_select)
+        for sample, w in zip(batch, weights):
+            sample["token_weight"] = w.tolist()
+        metrics["token_select/kept_frac"] = float(torch.cat(weights).eq(1).double().mean())
+    if a.token_mask != "none":
+        masks = token_mask_weights(a.token_mask, lengths=[len(s["tokens"]) - s["prompt_len"] for s in batch],
+                                   advantages=[s["advantage"] for s in batch],
+                                   old_logp=[s.get("old_logp") for s in batch] if a.token_mask == "stapo" else None,
+                                   entropy=[s.get("old_entropy") for s in batch], seed=cfg.train.seed, step=step,
+                                   **a.token_mask_options)
+        for sample, w in zip(batch, masks):
+            before = sample.get("token_weight")
+            sample["token_weight"] = (w if before is None else w * torch.tensor(before, dtype=w.dtype)).tolist()
+        metrics[f"{a.token_mask}/kept_frac"] = float(torch.cat(masks).gt(0).double().mean())
+    return metrics
+
+
+def use_engine_logprobs(batch: list[dict]) -> dict:
+    """algorithm.old_policy=engine: the objective's π_old becomes the engine's log-probs μ of the weights
+    that drew each sample. Its clip then bounds the move from the sampling policy: a sample k versions
+    old whose probability the last k updates already moved past the clip range stops pushing (the
+    objective's ratio π_θ/μ is a clipped importance weight). Returns how far the learner now is from
+    the engine on these samples: k3 = mean(ρ - 1 - log ρ), ρ = π_learner/μ (the staleness, plus numerics)."""
+    from megapo.replay.modes import engine_mismatch
+
+    m = engine_mismatch(batch, [s["old_logp"] for s in batch])
+    for sample in batch:
+        sample["old_logp"] = list(sample["rollout_logp"])
+    return {"old_policy/learner_vs_engine_k3": m["k3"],
+            "old_policy/learner_vs_engine_max_abs_dlogp": m["max_abs_dlogp"]}
+
+
+def reference_logprobs(reference, batch: list[dict]) -> list[list[float]]:
+    """π_ref's response log-probs of every sample, on every rank: computed by every rank (a Megatron reference)
+    or on rank 0 and broadcast (a plain one)."""
+    if getattr(reference, "collective", False):
+        return reference.response_logprobs(batch)
+    return broadcast_object(reference.response_logprobs(batch) if reference is not None else None)
+
+
+def loss_options(cfg: RunConfig) -> dict:
+    """Keyword options of learner.train_step / policy_loss from the algorithm section."""
+    a = cfg.algorithm
+    opts = dict(a.objective_options)
+    if a.mismatch != "none":
+        opts["correction"] = a.mismatch
+        if a.mismatch_options:
+            opts["correction_options"] = dict(a.mismatch_options)
+    elif cfg.async_correction() != "none":
+        opts["correction"] = cfg.async_correction()  # stale rollouts are off-policy
+    if a.kl_coef and a.kl_mode == "loss":  # kl_mode=future puts the KL into the advantages (token_stages)
+        opts.update(kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
+    if a.entropy_coef:
+        opts["entropy_coef"] = a.entropy_coef
+    return opts
+
+
+def mini_batch_bounds(group_sizes: list[int], mini_batches: int) -> list[tuple[int, int]]:
+    """[lo, hi) sample ranges of the optimizer steps on one rollout batch: `mini_batches` of whole groups (fewer
+    when dynamic sampling kept fewer groups than that), as even in groups as whole groups allow, in batch
+    order; `group_sizes`: the samples of each group (they differ after a group filter)."""
+    num_groups = len(group_sizes)
+    parts = min(mini_batches, num_groups)
+    counts = [num_groups // parts + (i < num_groups % parts) for i in range(parts)]
+    ends = [sum(group_sizes[:sum(counts[:i + 1])]) for i in range(parts)]
+    return list(zip([0] + ends[:-1], ends))
+
+
+def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, options: dict, timer: StepTimer,
+                  measure_free_kl: bool = False, measure_free_routing: bool = False, step: int = 1,
+                  prompt_stats=None) -> dict:
+    """All ranks: advantages, old (and reference) log-probs, then the optimizer steps on mini-batches.
+    π_old (sample["old_logp"]) and the replayed routes (sample["routes"]) are set once, before the first
+    update, and stay fixed over all of them. Under r3, `measure_free_kl` / `measure_free_routing` take one more
+    forward pass with the learner's own routing first (timed as "stability"): mismatch/k3_free, router/*."""
+    from megapo.replay.modes import free_routing, on_policy_step
+
+    metrics: dict[str, float] = {}
+    mode = cfg.algorithm.routing_replay
+    batch = train_samples(groups, cfg, step, prompt_stats)
+    fused, free = on_policy(cfg, learner), None
+    if mode == "r3" and (measure_free_kl or measure_free_routing):
+        with timer("stability"):  # before any update: the weights π_old comes from
+            free = free_routing(learner, batch)
+    with timer("old_logp"):
+        if not fused:
+            metrics.update(old_logprob_pass(learner, batch, cfg, measure_free_kl, free_logps=free))
+    if cfg.old_policy() == "engine":
+        metrics.update(use_engine_logprobs(batch))
+    if cfg.algorithm.needs_reference():  # before the stages: kl_mode=future's advantages read it
+        with timer("ref_logp"):
+            ref = reference_logprobs(reference, batch)
+        for sample, lp in zip(batch, ref):
+            sample["ref_logp"] = lp
+    metrics.update(token_stages(batch, cfg, step))  # trainer step `step` (token_select's schedule, nat_prefix's cut)
+    with timer("train"):
+        last: dict = {}
+        if fused:  # one update on the whole batch, π_old from its own forward
+            last, old_pass = on_policy_step(learner, batch, mode, cfg.algorithm.objective,
+                                            cfg.algorithm.loss_agg, measure_kl=measure_free_kl, free_logps=free,
+                                            **options)
+            metrics.update(old_pass)
+        bounds = mini_batch_bounds([len(g.samples) for g in groups], cfg.train.mini_batches)
+        for _ in range(0 if fused else cfg.train.updates_per_rollout):
+            for lo, hi in bounds:
+                last = learner.train_step(batch[lo:hi], cfg.algorithm.objective, cfg.algorithm.loss_agg, **options)
+    metrics.update({f"train/{k}": v for k, v in last.items()  # off: a recording hook's replay/* mean nothing
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and not (mode == "off" and k.startswith("replay/"))})
+    # "kl": to the reference when there is a KL penalty, else the engine-vs-learner mismatch (measured
+    # before the update; with old_policy=engine the train step sees π_old = μ and measures nothing)
+    kl_key = next((k for k in ("train/kl", "old_policy/learner_vs_engine_k3", "train/mismatch_k3") if k in metrics),
+                  None)
+    if kl_key is not None:
+        metrics["kl"] = metrics[kl_key]
+    return metrics
+
+
+def stability_step(cfg: RunConfig, step: int) -> bool:
+    """Whether `step` measures the stability metrics that cost a forward pass under r3
+    (train.stability_metrics_every; 0: the eval steps)."""
+    every = cfg.train.stability_metrics_every or cfg.train.eval_every
+    return bool(every) and step % every == 0
+
+
+def new_prompt_stats(cfg: RunConfig, saved: dict | None = None):
+    """algorithm.advantage_smoothing=cumulative's running per-prompt reward statistics (stages.PromptRewardStats),
+    restored from a checkpoint's TrainerState.extra when `saved` is given; None when not configured."""
+    from megapo.algorithms.stages import PromptRewardStats
+
+    if cfg.algorithm.advantage_smoothing != "cumulative":
+        return None
+    return PromptRewardStats((saved or {}).get("prompt_stats"))
+
+
+def stage_state(prompt_stats) -> dict:
+    """What the stages keep across steps, for TrainerState.extra (JSON)."""
+    return {} if prompt_stats is None else {"prompt_stats": prompt_stats.state_dict()}
