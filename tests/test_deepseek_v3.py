@@ -176,3 +176,15 @@ def test_one_step_tp2xep2_equals_tp1_and_keeps_the_expert_bias(tiny_ds, step_run
     assert not torch.equal(one["model.layers.1.mlp.gate.weight"], hf["model.layers.1.mlp.gate.weight"])
     assert torch.equal(one[BIAS], hf[BIAS]) and torch.equal(four[BIAS], hf[BIAS])
 
+
+
+def test_expected_hf_tensors_are_the_files(tiny_ds, tiny_model_factory):
+    """The tensor names and shapes `megapo train` checks model.path against (convert.support.expected_hf_tensors:
+    MLA, a dense first layer, router, expert bias, shared and routed experts) are what transformers wrote."""
+    from megapo.convert.support import expected_hf_tensors
+
+    for folder in (tiny_ds, tiny_model_factory("deepseek_v3", layers=3, moe_ffn=32)):
+        hf = hf_config(folder)
+        family = family_for(hf)
+        written = {name: tuple(t.shape) for name, t in read_tensors(Path(folder) / "model.safetensors").items()}
+        assert expected_hf_tensors(family, family.spec(hf)) == written

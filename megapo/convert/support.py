@@ -11,6 +11,7 @@ before any process starts.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -159,12 +160,29 @@ MEGATRON_SHAPES: dict[str, Callable[[ModelSpec], list[tuple[int, ...]] | None]] 
     "pre_mlp_layernorm.weight": lambda s: [(s.hidden_size,)],
     "self_attention.linear_qkv.weight": lambda s: _qkv_shapes(s, s.hidden_size),
     "self_attention.linear_qkv.bias": lambda s: _qkv_shapes(s) if s.qkv_bias else None,
-    "self_attention.q_layernorm.weight": lambda s: [(s.head_dim,)] if s.qk_norm else None,
+    "self_attention.q_layernorm.weight": lambda s: (([(s.mla.q_lora_rank,)] if s.mla.q_lora_rank else None) if s.mla
+                                                    else [(s.head_dim,)] if s.qk_norm else None),
     "self_attention.k_layernorm.weight": lambda s: [(s.head_dim,)] if s.qk_norm else None,
-    "self_attention.linear_proj.weight": lambda s: [(s.hidden_size, s.num_heads * s.head_dim)],
+    "self_attention.linear_proj.weight": lambda s: [(s.hidden_size, s.num_heads * (s.mla.v_head_dim if s.mla
+                                                                                   else s.head_dim))],
+    # multi-latent attention (q through a q_lora_rank bottleneck, or q_proj without one)
+    "self_attention.linear_q_proj.weight": lambda s: None if s.mla.q_lora_rank else [(s.num_heads * s.head_dim,
+                                                                                      s.hidden_size)],
+    "self_attention.linear_q_down_proj.weight": lambda s: [(s.mla.q_lora_rank, s.hidden_size)] if s.mla.q_lora_rank else None,
+    "self_attention.linear_q_up_proj.weight": lambda s: ([(s.num_heads * s.head_dim, s.mla.q_lora_rank)]
+                                                         if s.mla.q_lora_rank else None),
+    "self_attention.linear_kv_down_proj.weight": lambda s: [(s.mla.kv_lora_rank + s.mla.qk_rope_head_dim, s.hidden_size)],
+    "self_attention.kv_layernorm.weight": lambda s: [(s.mla.kv_lora_rank,)],
+    "self_attention.linear_kv_up_proj.weight": lambda s: [(s.num_heads * (s.mla.qk_nope_head_dim + s.mla.v_head_dim),
+                                                           s.mla.kv_lora_rank)],
     "mlp.linear_fc1.weight": lambda s: None if s.num_experts else [(s.ffn_hidden_size, s.hidden_size)] * 2,
     "mlp.linear_fc2.weight": lambda s: None if s.num_experts else [(s.hidden_size, s.ffn_hidden_size)],
     "mlp.router.weight": lambda s: [(s.num_experts, s.hidden_size)] if s.num_experts else None,
+    "mlp.router.expert_bias": lambda s: [(s.num_experts,)] if s.num_experts and s.router_expert_bias else None,
+    "mlp.shared_experts.linear_fc1.weight": lambda s: ([(s.shared_expert_ffn, s.hidden_size)] * 2
+                                                       if s.num_experts and s.shared_expert_ffn else None),
+    "mlp.shared_experts.linear_fc2.weight": lambda s: ([(s.hidden_size, s.shared_expert_ffn)]
+                                                       if s.num_experts and s.shared_expert_ffn else None),
 }
 EXPERT_SHAPES: dict[str, Callable[[ModelSpec], list[tuple[int, ...]]]] = {
     "linear_fc1.weight": lambda s: [(s.moe_ffn_hidden_size, s.hidden_size)] * 2,
@@ -184,10 +202,12 @@ def expected_hf_tensors(family: Family, spec: ModelSpec) -> dict[str, tuple[int,
 
     for suffix, rule in family.global_rules.items():
         add(rule, MEGATRON_SHAPES[suffix](spec))
+    dense = dataclasses.replace(spec, num_experts=0)  # a dense layer of a model with MoE layers
     for layer in range(spec.num_layers):
+        layer_spec = spec if spec.is_moe_layer(layer) else dense
         for suffix, rule in family.layer_rules.items():
-            add(rule, MEGATRON_SHAPES[suffix](spec), L=layer)
-        for expert in range(spec.num_experts):
+            add(rule, MEGATRON_SHAPES[suffix](layer_spec), L=layer)
+        for expert in range(layer_spec.num_experts):
             for suffix, rule in family.expert_rules.items():
                 add(rule, EXPERT_SHAPES[suffix](spec), L=layer, E=expert)
     return out
