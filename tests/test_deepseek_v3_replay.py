@@ -1,8 +1,9 @@
 """Routing replay on deepseek_v3's mixed layers (dense first layer, then MoE layers; sigmoid router with an
 expert bias, 2 routing groups of which a token may use 1, routed scaling), through `megapo logprobs
---routes-in / --routes-out` (the learner's RouteReplayHook) at TP=1 and TP=2xEP=2.
+--routes-in / --routes-out` (the learner's RouteReplayHook) at TP=1, PP=2 (stage 0: the dense layer and the
+first MoE layer, stage 1: the other two) and TP=2xEP=2.
 
-Routes have one column per MoE layer (the tiny model here has 3 layers: dense, MoE, MoE -> 2 columns).
+Routes have one column per MoE layer (the tiny model here has 4 layers: dense, MoE, MoE, MoE -> 3 columns).
 - free: the learner's own routes (recorded, as R2 does) equal transformers' router choice;
 - replay: the recorded routes come back exactly when replayed; forced routes (random experts, also outside
   the token's allowed group; partial rows fall back to the router's own choice) come back exactly;
@@ -28,6 +29,8 @@ from megapo.replay.routes import load_routes, save_routes
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (5, 17, 2, 11, 9)
 TOL = 1e-4
+MOE_LAYERS = 3
+LAYOUTS = {"tp1": [], "pp2": ["--pp", "2"], "tp2xep2": ["--tp", "2", "--ep", "2", "--dispatcher", "allgather"]}
 
 
 def load_hf(model_dir):
@@ -94,7 +97,7 @@ def logprobs_cmd(model_dir, tmp: Path, name: str, layout: list[str], routes_in: 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_factory, tmp_path_factory):
-    model_dir = tiny_model_factory("deepseek_v3", layers=3, moe_ffn=32)
+    model_dir = tiny_model_factory("deepseek_v3", layers=MOE_LAYERS + 1, moe_ffn=32)
     tmp = tmp_path_factory.mktemp("ds_replay")
     rng = random.Random(3)
     sequences = [[rng.randrange(512) for _ in range(n)] for n in LENGTHS]
@@ -102,22 +105,22 @@ def runs(tiny_model_factory, tmp_path_factory):
     free = logprobs_cmd(model_dir, tmp, "free", [], None)
     # what to replay: 0 its recorded routes; 1, 4 random experts; 2 none (missing key); 3 partial
     draw = np.random.default_rng(0)
-    forced = {0: free["routes"][0], 1: random_routes(len(sequences[1]) - 1, 2, 8, 2, draw),
-              3: random_routes(len(sequences[3]) - 1, 2, 8, 2, draw)[:7], 4: random_routes(len(sequences[4]) - 1, 2, 8, 2, draw)}
+    forced = {0: free["routes"][0], 1: random_routes(len(sequences[1]) - 1, MOE_LAYERS, 8, 2, draw),
+              3: random_routes(len(sequences[3]) - 1, MOE_LAYERS, 8, 2, draw)[:7],
+              4: random_routes(len(sequences[4]) - 1, MOE_LAYERS, 8, 2, draw)}
     forced[3][::2, 1] = -1  # every other position of the second MoE layer: the router's own choice
     np.savez(tmp / "forced_in.npz", **{str(i): r for i, r in forced.items()})
     out = dict(free=free, model_dir=model_dir, sequences=sequences, forced=load_routes(tmp / "forced_in.npz", len(sequences)))
-    out["tp1"] = logprobs_cmd(model_dir, tmp, "tp1", [], tmp / "forced_in.npz")
-    out["tp2xep2"] = logprobs_cmd(model_dir, tmp, "tp2xep2", ["--tp", "2", "--ep", "2", "--dispatcher", "allgather"],
-                                  tmp / "forced_in.npz")
+    for name, layout in LAYOUTS.items():
+        out[name] = logprobs_cmd(model_dir, tmp, name, layout, tmp / "forced_in.npz")
     out["hf"] = load_hf(model_dir)
     return out
 
 
 def test_routes_have_one_column_per_moe_layer(runs):
-    assert [len(layer.mlp.gate.weight) for layer in moe_layers(runs["hf"])] == [8, 8]  # layers 1, 2 of 3
+    assert [type(layer.mlp).__name__ for layer in runs["hf"].model.layers] == ["DeepseekV3MLP"] + ["DeepseekV3MoE"] * 3
     for seq, routes in zip(runs["sequences"], runs["free"]["routes"]):
-        assert routes.shape == (len(seq) - 1, 2, 2)
+        assert routes.shape == (len(seq) - 1, MOE_LAYERS, 2)
 
 
 def test_free_routes_are_transformers_choice_and_log_probs_match(runs):
@@ -127,11 +130,11 @@ def test_free_routes_are_transformers_choice_and_log_probs_match(runs):
         assert (runs["free"]["logprobs"][i] - logp).abs().max().item() < TOL, f"sequence {i}"
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2xep2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_replayed_routes_come_back_exactly(runs, layout):
     """Given positions: the routes given, in their order; elsewhere: transformers' own choice (as a set)."""
     for i, (seq, given, used) in enumerate(zip(runs["sequences"], runs["forced"], runs[layout]["routes"])):
-        assert used.shape == (len(seq) - 1, 2, 2), i
+        assert used.shape == (len(seq) - 1, MOE_LAYERS, 2), i
         own = hf_forced(runs["hf"], seq)[1][:-1].numpy()
         known = np.zeros(used.shape[:2], dtype=bool)
         if given is not None:
@@ -142,7 +145,7 @@ def test_replayed_routes_come_back_exactly(runs, layout):
     np.testing.assert_array_equal(runs[layout]["routes"][0], runs["free"]["routes"][0])  # recorded -> replayed
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2xep2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_log_probs_with_routes_forced_equal_transformers_forced(runs, layout):
     moved = 0.0
     for i, (seq, given) in enumerate(zip(runs["sequences"], runs["forced"])):
