@@ -244,3 +244,61 @@ def test_engine_old_policy_metrics_and_batch():
     assert m["old_policy/learner_vs_engine_k3"] == pytest.approx(want, rel=1e-9)
     assert m["old_policy/learner_vs_engine_max_abs_dlogp"] == pytest.approx(1.0)
     assert [s["old_logp"] for s in batch] == [[-1.5, -1.0], [-0.3]]
+
+
+def _samples(out):
+    return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+
+
+def _same_metrics(a: dict, b: dict) -> list[str]:
+    """Keys whose values differ by more than 1e-6 (timings excluded: wall clock)."""
+    timing = lambda k: k == "time" or k.startswith("time/") or k == "async/generate_s" or "per_s" in k  # noqa: E731
+    keys = {k for k in a.keys() | b.keys() if not timing(k)}
+    return sorted(k for k in keys if k not in a or k not in b
+                  or (a[k] != b[k] and not (isinstance(a[k], float) and abs(a[k] - b[k]) <= 1e-6)))
+
+
+def test_async_checkpoint_keeps_the_batches_made_ahead(tmp_path, tiny_dense, reward_module):
+    """A run with train.staleness 2 stopped (SIGTERM's path: the StopFlag) after step 3 and resumed trains the
+    very samples an uninterrupted run trains: samples.jsonl equal row for row (step, prompt id, sample index,
+    tokens, rewards, weight version), metrics within 1e-6. The batches made ahead are in the checkpoint, not
+    drawn again; a resume with another staleness is refused naming the field."""
+    from megapo.config import ConfigError
+    from megapo.trainer.loop import train
+    from megapo.trainer.rollout_store import load_batches
+    from megapo.trainer.stop import StopFlag, TrainingStopped
+
+    over = {"train.log_samples": True, "train.ckpt_every": 0}
+    train(_cfg(tiny_dense, tmp_path / "ref", reward_module, **over), learner=SnapshotLearner(tiny_dense),
+          print_fn=lambda *_: None)
+
+    class StopAfter(SnapshotLearner):
+        def train_step(self, *a, **kw):
+            out = super().train_step(*a, **kw)
+            if len(self.batches) == 3:
+                flag.requested = True
+            return out
+
+    flag = StopFlag()
+    cfg = _cfg(tiny_dense, tmp_path / "run", reward_module, **over)
+    with pytest.raises(TrainingStopped):
+        train(cfg, learner=StopAfter(tiny_dense), print_fn=lambda *_: None, stop=flag)
+    saved = load_batches(tmp_path / "run" / "checkpoints" / "step_00000003")
+    assert len(saved) == 3  # batches of steps 4, 5, 6: what the weights after step 3 allow with k = 2
+    assert [s.weight_version for b in saved for g in b.groups for s in g.samples[:1]] == [1] * 4 + [2] * 4 + [3] * 4
+
+    with pytest.raises(ConfigError) as err:
+        train(_cfg(tiny_dense, tmp_path / "run", reward_module, **over, **{"train.staleness": 1}), resume=True,
+              learner=SnapshotLearner(tiny_dense), print_fn=lambda *_: None)
+    assert err.value.field == "train.staleness"
+    resumed = SnapshotLearner(tiny_dense)
+    train(cfg, resume=True, learner=resumed, print_fn=lambda *_: None)
+    assert len(resumed.batches) == 3
+
+    ref, got = _samples(tmp_path / "ref"), _samples(tmp_path / "run")
+    assert len(ref) == 6 * 4 * 4 and [r["step"] for r in got] == [r["step"] for r in ref]
+    assert got == ref
+    ref_rows, got_rows = _rows(tmp_path / "ref"), _rows(tmp_path / "run")
+    assert [r["step"] for r in got_rows] == list(range(1, 7))
+    for a, b in zip(ref_rows, got_rows):
+        assert _same_metrics(a, b) == [], (a["step"], _same_metrics(a, b))

@@ -1,12 +1,19 @@
 """Asynchronous rollouts (`train.mode=async`): a background thread generates the batches of upcoming
 steps while the learner trains on the current one.
 
-Staleness bound k (`train.staleness`): the batch of step j (counting from the first step of this run,
-b = 0, 1, ...) may start generating only once the updates of the first b - k batches are synced to the
-engine. So while the learner trains on batch b, the engine may be generating batch b + k, and every
-sample is at most k weight versions older than the learner that trains on it (k = 0 is sync mode with a
-thread in between). A sample records the version that produced it (Sample.weight_version); the loop
-measures staleness = learner version - sample version and drops groups beyond the bound.
+Staleness k (`train.staleness`), a fixed schedule: batch b (the batch of step b + 1, counted over the whole
+run, resumed or not) is generated entirely on the weights after step b - k (the first k batches on the
+initial weights). The producer starts batch b once step b - k has synced (`mark_synced`), and the learner
+syncs step s only once the last batch that needs the weights before it, batch s - 1 + k, is made
+(`wait_made`). So while the learner trains on batch b, the engine generates batch b + k; every sample is
+at most k weight versions older than the learner that trains on it (k = 0 is sync mode with a thread in
+between); and which weights made which batch never depends on timing, so an async run is as reproducible
+as a sync one. A sample records the version that produced it (Sample.weight_version); the loop measures
+staleness = learner version - sample version and drops groups beyond the bound.
+
+Checkpoints lose nothing: `made_ahead` waits until the producer has made every batch the synced weights
+allow, and returns them; the checkpoint stores them (megapo.trainer.rollout_store) with the prompt cursor
+and the engine's RNG state after them, and a resumed run's producer starts with them (`start(ready=)`).
 
 Weight sync stays in the learner's thread (megapo.weights.sync_learner): it pauses the engine, which
 waits for the generate call in flight to finish on the old weights, so no batch sees half-updated
@@ -36,7 +43,6 @@ class Batch:
     tokens: int
     generate_s: float  # producer wall time spent making this batch
     start_version: int  # engine weight version when generation started
-    cursor: dict | None = None  # the data cursor right after this batch's prompts were drawn
 
 
 class AsyncRollouts:
@@ -46,14 +52,15 @@ class AsyncRollouts:
         producer.start(batches=steps)
         for step ...:
             batch, waited = producer.get()
-            ... train, sync weights ...
+            ... train ...
+            producer.wait_made(step + k)   # the batches that need the weights before this update
+            ... sync weights ...
             producer.mark_synced()     # lets the producer start one more batch
         producer.close()
     """
 
     def __init__(self, produce: Callable[[], tuple[list, dict, int]], *, staleness: int,
-                 version_fn: Callable[[], int], generate_threads: int | None = None,
-                 cursor_fn: Callable[[], dict] | None = None):
+                 version_fn: Callable[[], int], generate_threads: int | None = None):
         if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
             raise ValueError(f"staleness: must be an int >= 0, got {staleness!r}")
         if generate_threads is not None and generate_threads < 1:
@@ -62,22 +69,23 @@ class AsyncRollouts:
         self.staleness = staleness
         self._version_fn = version_fn
         self._threads = generate_threads
-        # the prompts of batches made ahead are drawn but not trained: a checkpoint must record the
-        # cursor after the last *trained* batch, so each batch carries the cursor as it left it
-        self._cursor_fn = cursor_fn
         self._cond = threading.Condition()
         self._ready: list[Batch] = []
-        self._synced = 0  # batches whose update has reached the engine (or were skipped)
-        self._made = 0
-        self._total = 0
+        self._synced = 0  # batches of the run whose update has reached the engine (or were skipped)
+        self._made = 0  # batches of the run made (trained ones included)
+        self._total = 0  # batches of the whole run
         self._error: BaseException | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
 
-    def start(self, batches: int) -> "AsyncRollouts":
+    def start(self, batches: int, done: int = 0, ready: list[Batch] = ()) -> "AsyncRollouts":
+        """Make the run's batches up to `batches` in all; `done`: steps already trained (a resumed run),
+        `ready`: the batches after them that a checkpoint kept (made_ahead), handed out first."""
         if self._thread is not None:
             raise RuntimeError("already started")
-        self._total = int(batches)
+        self._total, self._synced = int(batches), int(done)
+        self._ready = list(ready)
+        self._made = self._synced + len(self._ready)
         self._thread = threading.Thread(target=self._run, name="megapo-rollouts", daemon=True)
         self._thread.start()
         return self
@@ -96,8 +104,7 @@ class AsyncRollouts:
                 version = int(self._version_fn())
                 t0 = time.perf_counter()
                 groups, metrics, tokens = self._produce()
-                cursor = self._cursor_fn() if self._cursor_fn is not None else None
-                batch = Batch(groups, metrics, tokens, time.perf_counter() - t0, version, cursor)
+                batch = Batch(groups, metrics, tokens, time.perf_counter() - t0, version)
                 with self._cond:
                     self._ready.append(batch)
                     self._made += 1
@@ -117,6 +124,29 @@ class AsyncRollouts:
                 raise self._error  # as the rollout thread raised it: megapo train reports a RewardError in one line
             batch = self._ready.pop(0)
         return batch, time.perf_counter() - t0
+
+    def _wait(self, made: int, timeout: float | None, what: str) -> None:
+        """Until `made` batches of the run exist (or all of them); raises the producer's error."""
+        target = min(made, self._total)
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._made >= target or self._error is not None, timeout):
+                raise TimeoutError(f"{what}: batch {target} not made after {timeout} s")
+            if self._error is not None and self._made < target:
+                raise self._error
+
+    def wait_made(self, made: int, timeout: float | None = None) -> None:
+        """The learner, before the sync of step s: wait until batch s - 1 + k, the last one generated on the
+        weights before that update, is made (`made` = s + k)."""
+        self._wait(made, timeout, "weight sync")
+
+    def made_ahead(self, timeout: float | None = None) -> list[Batch]:
+        """For a checkpoint after the synced steps: wait until every batch the synced weights allow is made
+        (the producer then waits for the next sync), and return the batches not yet handed out, in order."""
+        with self._cond:
+            allowed = self._synced + self.staleness + 1
+        self._wait(allowed, timeout, "checkpoint")
+        with self._cond:
+            return list(self._ready)
 
     def mark_synced(self) -> None:
         """The update of one more batch is on the engine (or the batch was skipped)."""
@@ -156,14 +186,13 @@ def drop_stale(groups: list, learner_version: int, bound: int) -> tuple[list, di
     return kept, metrics
 
 
-def next_batch(producer: AsyncRollouts, learner_version: int, bound: int, timer) -> tuple[list, dict, int, dict | None]:
-    """Rank 0, async mode: the next batch for the learner at `learner_version`, stale groups dropped,
-    and the data cursor after it; timer gets `generate_wait` (the learner's wait: small when generation
-    overlaps training)."""
+def next_batch(producer: AsyncRollouts, learner_version: int, bound: int, timer) -> tuple[list, dict, int]:
+    """Rank 0, async mode: the next batch for the learner at `learner_version`, stale groups dropped;
+    timer gets `generate_wait` (the learner's wait: small when generation overlaps training)."""
     with timer("generate_wait"):
         batch, _ = producer.get()
     groups, metrics = drop_stale(batch.groups, learner_version, bound)
     metrics.update(batch.metrics)
     metrics["async/generate_s"] = batch.generate_s  # producer time, overlapped with the previous steps
     metrics["async/start_version"] = float(batch.start_version)
-    return groups, metrics, batch.tokens, batch.cursor
+    return groups, metrics, batch.tokens

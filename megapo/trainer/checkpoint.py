@@ -6,6 +6,7 @@
                                   engine's sampling generator): tensors, plus JSON in the header
         rng_rank<r>.safetensors   the same per other rank (each rank restores its own)
         trainer_state.json        step, data cursor, engine weight version, anything else the loop adds
+        rollouts.json/.safetensors  async mode: the batches made ahead of the learner (megapo.trainer.rollout_store)
         manifest.json             written last: every other file with its size and sha256
 
 Everything is written into `step_00000100.tmp/` first, then the folder is renamed into place, so a crash
@@ -132,13 +133,15 @@ def _load_rng(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 def save_checkpoint(root: str | Path, state: TrainerState, save_learner: Callable[[Path], None] | None = None,
                     keep_last: int = 2, is_main: bool = True, barrier: Callable[[], None] = lambda: None,
-                    rank: int = 0, rng_extra: dict | None = None) -> Path:
+                    rank: int = 0, rng_extra: dict | None = None,
+                    write_files: Callable[[Path], None] | None = None) -> Path:
     """Write checkpoint `state.step` under `root` atomically; keep the newest `keep_last`; return its folder.
 
     `save_learner(dir)` is called on every rank (Megatron saves collectively; Learner.save refuses
     non-finite weights); only the main rank writes the trainer files, renames and prunes. `barrier`
     separates the phases across ranks. Each rank writes its own RNG states; `rng_extra` (tensors, e.g.
-    the engine's generator) goes with them."""
+    the engine's generator) goes with them. `write_files(dir)` (main rank) adds the trainer's own files
+    (they are in the manifest like the rest)."""
     final = step_dir(root, state.step)
     tmp = final.with_name(final.name + ".tmp")
     if is_main:
@@ -149,6 +152,8 @@ def save_checkpoint(root: str | Path, state: TrainerState, save_learner: Callabl
     if save_learner is not None:
         save_learner(tmp / "learner")
     _save_rng(tmp / rng_file(rank), rng_extra or {})
+    if is_main and write_files is not None:
+        write_files(tmp)
     barrier()
     if multi_process():  # each rank hashes its share; the main rank merges the parts into the manifest
         _write_json(tmp / f"{_PART}{torch.distributed.get_rank()}.json", _hash_files(tmp, _my_share(_files(tmp))))

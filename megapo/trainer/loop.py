@@ -41,7 +41,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, lear
             if groups:
                 metrics.update(run.update(step, groups, timer))
                 with timer("sync"):
-                    metrics.update(run.sync_weights())
+                    metrics.update(run.sync_weights(step))
             else:
                 log.warning("step %d: no informative group after %d sampling rounds; skipping the update", step,
                             cfg.data.max_sampling_rounds)

@@ -78,6 +78,7 @@ class Run:
         self.reference = build_reference(cfg, self.model_dir)
         self.transport = make_transport(cfg, self.out_dir, self.model_dir, self.learner, self.engine)
         self.step, self.version = 0, 0  # the last step trained (and logged), the engine's weight version
+        self.made_ahead: list = []  # async batches a checkpoint kept, handed to the producer (start_rollouts)
         self.prompt_stats = new_prompt_stats(cfg)
         self.length = LengthStage(cfg) if rank() == 0 else None
         # the engine's routes: replayed under r3; otherwise compared with the learner's (router/disagree) when the
@@ -103,6 +104,7 @@ class Run:
         if self.engine is not None and "engine" in ckpt.rng_extra(latest):  # sample as the unstopped run would
             self.engine.set_rng_state(ckpt.rng_extra(latest)["engine"])
         self.source.load_state_dict(state.data_cursor)
+        self.made_ahead = self._made_ahead(latest, state.extra.get("async"))
         self.step, self.version = state.step, state.weight_version
         self.prompt_stats = new_prompt_stats(self.cfg, state.extra)
         if self.length is not None:
@@ -110,6 +112,21 @@ class Run:
         if self.version > 0:
             sync_weights(self.learner, self.engine, self.version, self.cfg, self.transport)
         log.info("resumed from %s (step %d)", latest, self.step)
+
+    def _made_ahead(self, checkpoint: Path, saved: dict | None) -> list:
+        """The async batches a checkpoint kept (rank 0), for the producer to hand out first; refused when this
+        run would generate on another schedule (train.mode, train.staleness) than the one that made them."""
+        from megapo.config import ConfigError
+        from megapo.trainer.rollout_store import load_batches
+
+        if not saved:
+            return []
+        t = self.cfg.train
+        if t.mode != "async" or t.staleness != saved["staleness"]:
+            raise ConfigError("train.staleness" if t.mode == "async" else "train.mode",
+                              f"{checkpoint} holds {saved['made_ahead']} rollout batch(es) made ahead with "
+                              f"train.mode=async, train.staleness={saved['staleness']}: resume with the same")
+        return load_batches(checkpoint) if rank() == 0 else []
 
     def _begin_logs(self, print_fn) -> None:
         """Rank 0 (the run has started, a resume has loaded its checkpoint): config.json, metrics rows, samples,
@@ -128,9 +145,6 @@ class Run:
         self.collapse = CollapseWatch(read_metrics(self.out_dir) if earlier else (), upto=self.step)
         if self.step == 0 and self.logger is not None and cfg.train.eval_every:
             self.logger.log(0, self.collapse.add(0, self.evaluate()))
-        # after the prompts of the last trained batch (what a checkpoint keeps), and the length stage then
-        self.cursor = self.source.state_dict()
-        self.length_state = self.length.state_dict() if self.length is not None else {}
 
     # ------------------------------------------------------------------------- the phases of a step
 
@@ -146,9 +160,9 @@ class Run:
 
         self.producer = AsyncRollouts(self._collect, staleness=self.cfg.train.staleness,
                                       version_fn=lambda: self.engine.weight_version,
-                                      generate_threads=max(1, torch.get_num_threads() // 2),
-                                      cursor_fn=lambda: (self.source.state_dict(), self.length.state_dict()))
-        self.producer.start(self.cfg.train.steps - self.step)
+                                      generate_threads=max(1, torch.get_num_threads() // 2))
+        self.producer.start(self.cfg.train.steps, done=self.step, ready=self.made_ahead)
+        self.made_ahead = []
 
     def _collect(self) -> tuple[list[Group], dict, int]:
         return collect_rollouts(self.engine, self.params, self.pool, self.source, self.reward_fn, self.cfg,
@@ -156,17 +170,15 @@ class Run:
 
     def generate(self, step: int, timer: StepTimer) -> tuple[list[Group], dict, int]:
         """This step's groups on every rank (drawn on rank 0, or taken from the async producer), the rollout
-        metrics and the generated tokens; remembers the prompt cursor after them for the checkpoint."""
+        metrics and the generated tokens."""
         groups, metrics, tokens = [], {}, 0
         if self.producer is not None:
             from megapo.trainer.async_rollout import next_batch
 
-            groups, metrics, tokens, (self.cursor, self.length_state) = next_batch(
-                self.producer, self.version, self.cfg.train.staleness, timer)
+            groups, metrics, tokens = next_batch(self.producer, self.version, self.cfg.train.staleness, timer)
         elif rank() == 0:
             with timer("generate"):
                 groups, metrics, tokens = self._collect()
-            self.cursor, self.length_state = self.source.state_dict(), self.length.state_dict()
         if self.samples_log is not None and groups:
             self.samples_log.log(step, groups)
         return broadcast_object(groups), metrics, tokens
@@ -179,8 +191,11 @@ class Run:
                              measure_free_routing=stability_step(cfg, step), step=step,
                              prompt_stats=self.prompt_stats)
 
-    def sync_weights(self) -> dict:
-        """The learner's new weights to the engine, as the next version."""
+    def sync_weights(self, step: int) -> dict:
+        """The learner's new weights (after `step`) to the engine, as the next version; async mode waits first
+        for the batches generated on the weights before this update (AsyncRollouts.wait_made)."""
+        if self.producer is not None:
+            self.producer.wait_made(step + self.cfg.train.staleness)
         self.version += 1
         return sync_weights(self.learner, self.engine, self.version, self.cfg, self.transport)
 
@@ -212,12 +227,20 @@ class Run:
         return step == self.cfg.train.steps or bool(every and step % every == 0)
 
     def checkpoint(self, step: int) -> None:
-        """Save the learner, the prompt cursor, the stages' state and the engine's RNG after `step` (collective)."""
-        state = ckpt.TrainerState(step, self.cursor, self.version,
-                                  extra={**stage_state(self.prompt_stats), "length": self.length_state})
-        engine_rng = {"engine": self.engine.rng_state()} if self.engine is not None and self.engine.capabilities.rng_state else {}
+        """Save the learner, the prompt cursor, the stages' state and the engine's RNG after `step` (collective);
+        in async mode also the batches made ahead, the cursor and the RNG then after them (nothing redrawn)."""
+        from megapo.trainer.rollout_store import save_batches
+
+        ahead = self.producer.made_ahead() if self.producer is not None else []  # the producer waits now
+        extra = {**stage_state(self.prompt_stats), "length": self.length.state_dict() if self.length is not None else {}}
+        if self.producer is not None:
+            extra["async"] = {"made_ahead": len(ahead), "staleness": self.cfg.train.staleness}
+        state = ckpt.TrainerState(step, self.source.state_dict(), self.version, extra=extra)
+        engine = self.engine
+        engine_rng = {"engine": engine.rng_state()} if engine is not None and engine.capabilities.rng_state else {}
         ckpt.save_checkpoint(self.out_dir / CHECKPOINTS, state, self.learner.save, self.cfg.train.keep_last,
-                             rank() == 0, barrier, rank=rank(), rng_extra=engine_rng)
+                             rank() == 0, barrier, rank=rank(), rng_extra=engine_rng,
+                             write_files=(lambda folder: save_batches(folder, ahead)) if ahead else None)
 
     def log(self, step: int, metrics: dict, timer: StepTimer, tokens: int) -> dict:
         """Write the step's metrics row (rank 0) with the collapse watch and the phase times; returns the row."""
