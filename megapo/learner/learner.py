@@ -33,18 +33,13 @@ from megapo.learner import packing
 from megapo.learner.guard import UpdateGuard
 from megapo.learner.logprobs import vocab_parallel_logprobs
 from megapo.learner.rope import set_positions
+from megapo.learner.sample import OPTIONAL_FIELDS, TOKEN_FIELDS
 from megapo.models.family import family_for
 from megapo.weights import gather, hf_load
 
 # policy_loss metrics that are a micro-batch's share of the batch total (aggregated with the global
 # normaliser), so the batch's value is their sum, not their mean
 SHARE_METRICS = ("pg_loss",)
-# per-token sample fields of a train batch, one value per response token; loss_mask: 1 at a token the policy
-# sampled, 0 at one the environment inserted (a multi-turn observation), which the loss leaves out entirely
-TOKEN_FIELDS = ("old_logp", "advantage", "rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end",
-                "loss_mask")
-# optional ones: every sample has it or none does
-OPTIONAL_FIELDS = ("rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end", "loss_mask")
 
 
 @dataclass

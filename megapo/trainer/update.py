@@ -12,35 +12,30 @@ import torch
 
 from megapo.dist import broadcast_object
 from megapo.envs.base import Trajectory
+from megapo.learner.sample import TrainSample
 from megapo.trainer.config import RunConfig
 from megapo.trainer.metrics import StepTimer
 from megapo.trainer.rollout import Group
 
 
-def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_stats=None) -> list[dict]:
-    """Learner train samples (CONTRACTS.md) with per-sequence advantages from the configured estimator (or
-    algorithm.advantage_smoothing=cumulative from `prompt_stats`, stages.PromptRewardStats, updated here), then
-    algorithm.sample_select (at trainer step `step`) and algorithm.advantage_polarity; `old_logp` is filled in
-    by the old-log-prob pass (`old_logprob_pass`), the per-token stages after it (`token_stages`)."""
-    adv = [a_g.tolist() for a_g in group_advantages(groups, cfg, step, prompt_stats)]
-    sentence_ends = _sentence_end_ids(cfg)
-    out = []
-    for gi, g in enumerate(groups):
-        for si, s in enumerate(g.samples):
-            sample = {"tokens": list(s.prompt_ids) + list(s.output_ids), "prompt_len": len(s.prompt_ids),
-                      "advantage": adv[gi][si], "rollout_logp": list(s.logprobs)}
-            if isinstance(s, Trajectory):  # the environment's tokens are context, not the policy's
-                sample["loss_mask"] = list(s.loss_mask)
-            if sentence_ends is not None:  # the objective splits responses into sentences (sspo)
-                from megapo.algorithms.trust_region import sentence_end_flags
+def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_stats=None) -> list[TrainSample]:
+    """Learner train samples (megapo.learner.sample) with per-sequence advantages from the configured estimator
+    (or algorithm.advantage_smoothing=cumulative from `prompt_stats`, stages.PromptRewardStats, updated here),
+    then algorithm.sample_select (at trainer step `step`) and algorithm.advantage_polarity; `old_logp` is filled
+    in by the old-log-prob pass (`old_logprob_pass`), the per-token stages after it (`token_stages`)."""
+    from megapo.algorithms.trust_region import sentence_end_flags
 
-                sample["sentence_end"] = sentence_end_flags(s.output_ids, sentence_ends)
-            if cfg.algorithm.routing_replay == "r3":
-                sample["routes"] = s.routes
-            if getattr(s, "routes", None) is not None:  # for router/disagree (megapo.replay.modes.stability_metrics)
-                sample["engine_routes"] = s.routes
-            out.append(sample)
-    return out
+    adv = [a_g.tolist() for a_g in group_advantages(groups, cfg, step, prompt_stats)]
+    sentence_ends = _sentence_end_ids(cfg)  # the objective splits responses into sentences (sspo)
+    replay = cfg.algorithm.routing_replay == "r3"
+    return [TrainSample(
+        tokens=list(s.prompt_ids) + list(s.output_ids), prompt_len=len(s.prompt_ids), advantage=adv[gi][si],
+        rollout_logp=list(s.logprobs),
+        loss_mask=list(s.loss_mask) if isinstance(s, Trajectory) else None,  # observations are context only
+        sentence_end=sentence_end_flags(s.output_ids, sentence_ends) if sentence_ends is not None else None,
+        routes=s.routes if replay else None,
+        engine_routes=s.routes)  # for router/disagree (megapo.replay.modes.stability_metrics)
+        for gi, g in enumerate(groups) for si, s in enumerate(g.samples)]
 
 
 def group_advantages(groups: list[Group], cfg: RunConfig, step: int, prompt_stats=None) -> list[torch.Tensor]:

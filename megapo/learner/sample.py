@@ -1,0 +1,68 @@
+"""A train sample: one sequence of a train batch, what the trainer hands the learner (docs/CONTRACTS.md).
+
+The trainer builds TrainSample records (megapo.trainer.update.train_samples) and the stages after the
+estimator fill their fields; the learner reads them by field name (`sample["old_logp"]`, `sample.get(...)`),
+so a plain dict with the same keys is a train sample too (tests and tools write them that way). A field
+left None is absent: `"ref_logp" in sample` is False and `sample.get("ref_logp")` is None. Setting a name
+that is not a field raises, naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Iterator
+
+
+@dataclass
+class TrainSample:
+    tokens: list[int]  # prompt + response token ids
+    prompt_len: int  # tokens[:prompt_len] is the prompt
+    advantage: float | list[float]  # one per sample, or one per response token (algorithm.token_advantage)
+    rollout_logp: list[float] | None = None  # μ: the engine's log-prob of each response token
+    old_logp: list[float] | None = None  # π_old per response token: the old-log-prob pass (or μ, old_policy=engine)
+    old_entropy: list[float] | None = None  # π_old's entropy at each response token (stages that read it)
+    ref_logp: list[float] | None = None  # π_ref per response token (KL terms)
+    token_weight: list[float] | None = None  # >= 0 per response token, multiplies the loss (token_select / mask)
+    loss_mask: list[int] | None = None  # per response token: 1 the policy sampled it, 0 an observation (multi-turn)
+    sentence_end: list[int] | None = None  # per response token: 1 where a sentence ends (sspo)
+    routes: Any = None  # [m, moe_layers, topk] the routes every train step replays (r3: the engine's; r2: recorded)
+    engine_routes: Any = None  # the engine's routes, compared with the learner's own (router/disagree)
+    own_routes: Any = None  # the learner's free routes (the stability metrics' other side)
+
+    # ------------------------------------------------------------------------- read and set by field name
+
+    def __getitem__(self, name: str) -> Any:
+        value = getattr(self, _field(name))
+        if value is None:
+            raise KeyError(name)
+        return value
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        setattr(self, _field(name), value)
+
+    def __contains__(self, name: object) -> bool:
+        return name in FIELDS and getattr(self, name) is not None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = getattr(self, _field(name))
+        return default if value is None else value
+
+    def keys(self) -> Iterator[str]:
+        return (name for name in FIELDS if getattr(self, name) is not None)
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        return ((name, getattr(self, name)) for name in self.keys())
+
+
+FIELDS = tuple(f.name for f in fields(TrainSample))
+# per-token fields: one value per response token (advantage: or one per sample), laid end to end by the learner
+TOKEN_FIELDS = ("old_logp", "advantage", "rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end",
+                "loss_mask")
+# optional ones: every sample of a batch has it or none does
+OPTIONAL_FIELDS = ("rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end", "loss_mask")
+
+
+def _field(name: str) -> str:
+    if name not in FIELDS:
+        raise KeyError(f"TrainSample has no field {name!r} (fields: {', '.join(FIELDS)})")
+    return name
