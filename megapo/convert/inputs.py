@@ -115,35 +115,66 @@ def check_hf_tensors(folder: Path, family, spec, arg: str) -> tuple[dict[str, tu
 
 
 def checkpoint_shapes(spec: ModelSpec, vocab_rows: int) -> dict[str, tuple[int, ...]]:
-    """Global shapes of the model tensors in a Megatron-core torch_dist checkpoint (layers stacked on
-    dim 0, experts on dim 1; names as Megatron writes them for both the local and the TE layer spec)."""
-    h, L, d = spec.hidden_size, spec.num_layers, spec.head_dim
-    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * d
-    layers = "decoder.layers."
-    shapes = {
-        "embedding.word_embeddings.weight": (vocab_rows, h),
-        "decoder.final_layernorm.weight": (h,),
-        layers + "self_attention.linear_qkv.layer_norm_weight": (L, h),
-        layers + "self_attention.linear_qkv.weight": (L, qkv, h),
-        layers + "self_attention.linear_proj.weight": (L, h, spec.num_heads * d),
-        layers + "mlp.linear_fc1.layer_norm_weight": (L, h),
-    }
+    """Global shapes of the model tensors in a Megatron-core torch_dist checkpoint, names as Megatron writes them
+    (GQA: for both the local and the TE layer spec; MLA: the local spec's). Layers stacked on dim 0 (experts on
+    dim 1), except in a model mixing dense and MoE layers, where every layer is written under its own number."""
+    h, L = spec.hidden_size, spec.num_layers
+    shapes = {"embedding.word_embeddings.weight": (vocab_rows, h), "decoder.final_layernorm.weight": (h,)}
     if not spec.tied_embeddings:
         shapes["output_layer.weight"] = (vocab_rows, h)
-    if spec.qkv_bias:
-        shapes[layers + "self_attention.linear_qkv.bias"] = (L, qkv)
-    if spec.qk_norm:
-        shapes[layers + "self_attention.q_layernorm.weight"] = (L, d)
-        shapes[layers + "self_attention.k_layernorm.weight"] = (L, d)
-    if spec.num_experts:
-        e, f = spec.num_experts, spec.moe_ffn_hidden_size
-        shapes[layers + "mlp.router.weight"] = (L, e, h)
-        shapes[layers + "mlp.experts.experts.linear_fc1.weight"] = (L, e, 2 * f, h)
-        shapes[layers + "mlp.experts.experts.linear_fc2.weight"] = (L, e, h, f)
+    if spec.num_moe_layers in (0, L):
+        layer = {**_attention_shapes(spec), **_mlp_shapes(spec, moe=bool(spec.num_experts))}
+        shapes.update({f"decoder.layers.{k}": (L, *v) for k, v in layer.items()})
+        return shapes
+    for i in range(L):
+        layer = {**_attention_shapes(spec), **_mlp_shapes(spec, moe=spec.is_moe_layer(i))}
+        shapes.update({f"decoder.layers.{i}.{k}": v for k, v in layer.items()})
+    return shapes
+
+
+def _attention_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """One layer's attention and input norm (GQA: the norm under TE's fused name, which the local spec maps to)."""
+    h, d, m = spec.hidden_size, spec.head_dim, spec.mla
+    if m is None:
+        qkv = (spec.num_heads + 2 * spec.num_kv_heads) * d
+        shapes = {"self_attention.linear_qkv.layer_norm_weight": (h,), "self_attention.linear_qkv.weight": (qkv, h),
+                  "self_attention.linear_proj.weight": (h, spec.num_heads * d)}
+        if spec.qkv_bias:
+            shapes["self_attention.linear_qkv.bias"] = (qkv,)
+        if spec.qk_norm:
+            shapes.update({"self_attention.q_layernorm.weight": (d,), "self_attention.k_layernorm.weight": (d,)})
+        return shapes
+    shapes = {"input_layernorm.weight": (h,),
+              "self_attention.linear_kv_down_proj.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
+              "self_attention.kv_layernorm.weight": (m.kv_lora_rank,),
+              "self_attention.linear_kv_up_proj.weight": (spec.num_heads * (m.qk_nope_head_dim + m.v_head_dim),
+                                                          m.kv_lora_rank),
+              "self_attention.linear_proj.weight": (h, spec.num_heads * m.v_head_dim)}
+    if m.q_lora_rank:
+        shapes.update({"self_attention.linear_q_down_proj.weight": (m.q_lora_rank, h),
+                       "self_attention.q_layernorm.weight": (m.q_lora_rank,),
+                       "self_attention.linear_q_up_proj.weight": (spec.num_heads * d, m.q_lora_rank)})
     else:
+        shapes["self_attention.linear_q_proj.weight"] = (spec.num_heads * d, h)
+    return shapes
+
+
+def _mlp_shapes(spec: ModelSpec, *, moe: bool) -> dict[str, tuple[int, ...]]:
+    """One layer's pre-MLP norm and dense MLP or MoE (router, its expert bias, experts, shared experts)."""
+    h = spec.hidden_size
+    norm = "mlp.linear_fc1.layer_norm_weight" if spec.mla is None else "pre_mlp_layernorm.weight"
+    shapes = {norm: (h,)}
+    if not moe:
         f = spec.ffn_hidden_size
-        shapes[layers + "mlp.linear_fc1.weight"] = (L, 2 * f, h)
-        shapes[layers + "mlp.linear_fc2.weight"] = (L, h, f)
+        return {**shapes, "mlp.linear_fc1.weight": (2 * f, h), "mlp.linear_fc2.weight": (h, f)}
+    e, f, shared = spec.num_experts, spec.moe_ffn_hidden_size, spec.shared_expert_ffn
+    shapes.update({"mlp.router.weight": (e, h), "mlp.experts.experts.linear_fc1.weight": (e, 2 * f, h),
+                   "mlp.experts.experts.linear_fc2.weight": (e, h, f)})
+    if spec.router_expert_bias:
+        shapes["mlp.router.expert_bias"] = (e,)
+    if shared:
+        shapes.update({"mlp.shared_experts.linear_fc1.weight": (2 * shared, h),
+                       "mlp.shared_experts.linear_fc2.weight": (h, shared)})
     return shapes
 
 

@@ -2,9 +2,9 @@
 
 The converter never guesses. Every key of config.json must be either read by the family mapping,
 known to be harmless metadata, or hold a value the Megatron model reproduces exactly (e.g.
-`use_sliding_window: false`); anything else (a rope scaling, sliding window, shared experts,
-dense layers inside an MoE model, tied embeddings, quantisation, an unknown key) is refused with
-an error that names the key. The expected HF tensor names and shapes are derived from the family's
+`use_sliding_window: false`); anything else (a rope scaling, sliding window, shared experts or
+dense layers in a family whose mapping lacks them, tied embeddings, quantisation, an unknown key) is
+refused with an error that names the key. The expected HF tensor names and shapes are derived from the family's
 rename table and the config, so a weights/config mismatch is found from the safetensors headers,
 before any process starts.
 """
@@ -100,6 +100,20 @@ FAMILY_KEYS: dict[str, dict[str, Allowed]] = {
         "num_local_experts": Allowed(_any, ""),
         "num_experts_per_tok": Allowed(_any, ""),
         "sliding_window": Allowed(lambda v: v is None, "sliding-window attention"),
+    },
+    "deepseek_v3": {  # (the mapping's spec refuses the values its Megatron model would compute differently)
+        **{key: Allowed(_any, "") for key in (
+            "intermediate_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group",
+            "topk_group", "routed_scaling_factor", "norm_topk_prob", "first_k_dense_replace", "n_shared_experts",
+            "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
+            "topk_method", "scoring_func",
+            "qk_head_dim",  # qk_nope_head_dim + qk_rope_head_dim, written by transformers
+            "ep_size", "aux_loss_alpha", "seq_aux")},  # (DeepSeek's own config: parallel / training-only)
+        "attention_bias": Allowed(_false, "attention biases"),
+        "pretraining_tp": Allowed(lambda v: v in (None, 1), "pretraining_tp slicing"),
+        "moe_layer_freq": Allowed(lambda v: v in (None, 1), "MoE layers at a frequency other than 1"),
+        "num_nextn_predict_layers": Allowed(lambda v: v in (None, 0), "multi-token-prediction layers (dropped by "
+                                                                        "transformers' DeepseekV3 model)"),
     },
 }
 
