@@ -18,6 +18,7 @@ MEMBERS = {
     "rng_state": ("rng_state", "set_rng_state"),
     "api_key": ("check_access",),
     "sessions": ("end_sessions",),
+    "partial": ("preempt", "max_versions"),
 }
 BROADCAST_MEMBERS = ("join_weight_groups", "receive_weights", "workers")
 

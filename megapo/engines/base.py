@@ -10,7 +10,8 @@ Conventions every engine keeps:
 - `routes` (when `return_routes`) holds, for every position fed to the model (prompt and every output token but
   the last, which is never fed), the top-k expert ids each MoE layer chose: int [len(prompt)+len(output)-1,
   num_moe_layers, topk], in layer order and the router's top-k order.
-- `weight_version` of a Sample is the version of the weights that produced all of its tokens.
+- `weight_version` of a Sample is the version of the weights that produced all of its tokens (a partial
+  rollout, continued across a weight update: the oldest; `token_versions` holds each token's).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class EngineCapabilities:
     starts_server: bool = False  # megapo starts a server of it itself when rollout.servers is empty
     api_key: bool = False  # its servers answer only requests with their key (rollout.api_key_file)
     sessions: bool = False  # generate(..., sessions=) keeps a multi-turn trajectory on one server; end_sessions()
+    partial: bool = False  # preempt(): a batch in flight stops and continues its samples on the new weights
     default_dtype: str = "bfloat16"  # the compute dtype rollout.dtype=auto resolves to
 
     def __post_init__(self) -> None:
@@ -85,6 +87,9 @@ class Sample:
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: int
     routes: np.ndarray | None = field(default=None, repr=False)  # int [len(prompt)+len(output)-1, layers, topk]
+    # partial rollouts: the weight version of each output token (None: all are weight_version); weight_version is
+    # then the oldest of them
+    token_versions: list[int] | None = None
 
 
 def check_prompts(prompts: list[list[int]], vocab_size: int | None = None) -> None:

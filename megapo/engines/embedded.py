@@ -16,6 +16,8 @@ log-probs (vLLM's `logprobs_mode="raw_logprobs"`).
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import replace
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -31,7 +33,8 @@ LOGPROB_MODES = ("scaled", "raw")
 
 class EmbeddedEngine(Engine):
     capabilities = EngineCapabilities(in_process=True, weight_syncs=("tensor", "disk"), rng_state=True,
-                                      default_dtype="float32")  # fp32: its log-probs and routes match the learner's
+                                      partial=True, default_dtype="float32")
+    max_versions = 0  # partial rollouts: most weight versions one sample may span (0: no limit)  # fp32: its log-probs and routes match the learner's
 
     def __init__(self, model_dir: str | Path | None = None, *, config: dict | None = None,
                  named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None, dtype: torch.dtype = torch.float32,
@@ -61,6 +64,7 @@ class EmbeddedEngine(Engine):
         self._lock = threading.Lock()  # one batch or one weight update at a time
         self._running = threading.Event()  # set = not paused
         self._running.set()
+        self._preempted = threading.Event()  # set by preempt(): batches stop; their samples continue after resume()
         self._closed = False
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -71,7 +75,13 @@ class EmbeddedEngine(Engine):
             pass
 
     def resume(self) -> None:
+        self._preempted.clear()
         self._running.set()
+
+    def preempt(self) -> None:
+        """Partial rollouts: the batch in flight stops after its current token (every sample keeps its tokens)
+        and, once the engine is resumed with new weights, continues on them; call before pause()."""
+        self._preempted.set()
 
     def health(self) -> bool:
         return not self._closed
@@ -148,17 +158,44 @@ class EmbeddedEngine(Engine):
                              f"max_position_embeddings={self.spec.max_positions}")
         if params.return_routes and self.spec.num_moe_layers == 0:
             raise ValueError(f"return_routes=True but this {self.spec.family} model has no MoE layers")
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
+        groups = self._run_batch([list(map(int, p)) for p in prompts], params, gen)
+        while any(s.finish_reason == "abort" for g in groups for s in g):  # preempted: continue on the new weights
+            groups = self._continue(groups, params, gen)
+        return groups
+
+    def _run_batch(self, prompts: list[list[int]], params: SamplingParams, gen) -> list[list[Sample]]:
         while True:
             self._running.wait()
+            if self._preempted.is_set() and not self._closed:
+                time.sleep(0.002)  # preempted: the new weights are on their way (pause, load, resume)
+                continue
             with self._lock:
-                if self._running.is_set() or self._closed:
+                if (self._running.is_set() and not self._preempted.is_set()) or self._closed:
                     self._check_open()
-                    return self._generate_locked([list(map(int, p)) for p in prompts], params)
+                    return self._generate_locked(prompts, params, gen)
+
+    def _continue(self, groups: list[list[Sample]], params: SamplingParams, gen) -> list[list[Sample]]:
+        """The preempted samples (finish_reason abort), each continued from its tokens on the current weights
+        (one row each); a sample that would span more than max_versions versions starts again instead."""
+        cut = [(g, i) for g, group in enumerate(groups) for i, s in enumerate(group) if s.finish_reason == "abort"]
+        restart = [self.max_versions and len(set(versions_of(groups[g][i]))) >= self.max_versions for g, i in cut]
+        contexts = [groups[g][i].prompt_ids + ([] if again else groups[g][i].output_ids)
+                    for (g, i), again in zip(cut, restart)]
+        budgets = [params.max_new_tokens - (0 if again else len(groups[g][i].output_ids))
+                   for (g, i), again in zip(cut, restart)]
+        out = [list(group) for group in groups]
+        for budget in sorted(set(budgets)):
+            rows = [j for j, b in enumerate(budgets) if b == budget]
+            more = self._run_batch([contexts[j] for j in rows], replace(params, n=1, max_new_tokens=budget), gen)
+            for j, [tail] in zip(rows, more):
+                g, i = cut[j]
+                out[g][i] = tail if restart[j] else joined(groups[g][i], tail)
+        return out
 
     @torch.inference_mode()
-    def _generate_locked(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+    def _generate_locked(self, prompts: list[list[int]], params: SamplingParams, gen) -> list[list[Sample]]:
         model, n = self.model, params.n
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
         U, P, max_new = len(prompts), max(len(p) for p in prompts), params.max_new_tokens
         pads = torch.tensor([P - len(p) for p in prompts])
         ids = torch.zeros(U, P, dtype=torch.long)
@@ -192,6 +229,7 @@ class EmbeddedEngine(Engine):
         stopped = torch.zeros(B, dtype=torch.bool)
         stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long)
         active = torch.arange(B)  # original row id of each live row; live rows are the cache's first rows
+        preempted = False
         for t in range(max_new):
             uniform = torch.rand(B, generator=gen, dtype=torch.float64).float()[active]
             token, logp = self._sample(logits, params, uniform)
@@ -202,6 +240,9 @@ class EmbeddedEngine(Engine):
             if any_done:
                 stopped[active[done]] = True
             if t == max_new - 1 or (any_done and bool(done.all())):
+                break
+            if self._preempted.is_set():  # partial rollouts: the unfinished rows continue on the new weights
+                preempted = True
                 break
             if any_done:  # finished rows leave the batch: the live ones move to the cache's front
                 keep = (~done).nonzero()[:, 0]
@@ -214,7 +255,8 @@ class EmbeddedEngine(Engine):
             logits = model.step(token[:, None], (col - pads_b)[:, None], cache, col, step_mask, routes_t)
             if want_routes:
                 routes[active, col] = torch.stack(routes_t, dim=2)[:, 0].to(torch.int32)
-        return self._collect(prompts, n, P, pads, out_tokens, out_logps, lengths, stopped, routes)
+        cut = (~stopped) & (lengths < max_new) if preempted else None
+        return self._collect(prompts, n, P, pads, out_tokens, out_logps, lengths, stopped, routes, cut)
 
     def _cache_for(self, batch: int, columns: int) -> KVCache:
         """The engine's KV cache, kept between batches (fresh pages cost more than the copies that fill them);
@@ -227,10 +269,12 @@ class EmbeddedEngine(Engine):
             self._cache = self.model.new_cache(batch, columns)
         return self._cache
 
-    def _collect(self, prompts, n, P, pads, out_tokens, out_logps, lengths, stopped, routes) -> list[list[Sample]]:
+    def _collect(self, prompts, n, P, pads, out_tokens, out_logps, lengths, stopped, routes,
+                 cut=None) -> list[list[Sample]]:
         result: list[list[Sample]] = []
         tokens_l, logps_l, lengths_l = out_tokens.tolist(), out_logps.tolist(), lengths.tolist()
         stopped_l, pads_l = stopped.tolist(), pads.tolist()
+        cut_l = cut.tolist() if cut is not None else [False] * len(lengths_l)
         routes_np = routes.numpy() if routes is not None else None
         for u, prompt in enumerate(prompts):
             group = []
@@ -239,7 +283,28 @@ class EmbeddedEngine(Engine):
                 # a sample's fed positions: its prompt (after the left padding) and all its tokens but the last
                 sample_routes = routes_np[r, pads_l[u]:P + L - 1] if routes_np is not None else None
                 group.append(Sample(prompt_ids=list(prompt), output_ids=tokens_l[r][:L], logprobs=logps_l[r][:L],
-                                    finish_reason="stop" if stopped_l[r] else "length",
+                                    finish_reason="stop" if stopped_l[r] else "abort" if cut_l[r] else "length",
                                     weight_version=self.weight_version, routes=sample_routes))
             result.append(group)
         return result
+
+
+def versions_of(sample: Sample) -> list[int]:
+    """The weight version of each of a sample's output tokens."""
+    return list(sample.token_versions) if sample.token_versions is not None else \
+        [sample.weight_version] * len(sample.output_ids)
+
+
+def joined(head: Sample, tail: Sample) -> Sample:
+    """A preempted sample `head` and its continuation `tail` (drawn from head's prompt + output) as one sample:
+    tokens and log-probs end to end, each token's version, the oldest as weight_version, and the routes of every
+    fed position as the weights that fed it chose (head's up to its last fed token, then tail's)."""
+    routes = None
+    if head.routes is not None and tail.routes is not None:
+        fed = len(head.prompt_ids) + len(head.output_ids) - 1  # head's positions fed before the preemption
+        routes = np.concatenate([np.asarray(head.routes)[:fed], np.asarray(tail.routes)[fed:]])
+    versions = versions_of(head) + [tail.weight_version] * len(tail.output_ids)
+    return Sample(prompt_ids=list(head.prompt_ids), output_ids=head.output_ids + tail.output_ids,
+                  logprobs=head.logprobs + tail.logprobs, finish_reason=tail.finish_reason,
+                  weight_version=min(versions), routes=routes, token_versions=versions)
+

@@ -11,6 +11,10 @@ between); and which weights made which batch never depends on timing, so an asyn
 as a sync one. A sample records the version that produced it (Sample.weight_version); the loop measures
 staleness = learner version - sample version and drops groups beyond the bound.
 
+With partial rollouts (`rollout.partial`) the learner does not wait: its sync preempts the batch in flight,
+whose samples continue on the new weights (the engine records each token's version), so a batch may span
+versions and the schedule depends on timing again.
+
 Checkpoints lose nothing: `made_ahead` waits until the producer has made every batch the synced weights
 allow, and returns them; the checkpoint stores them (megapo.trainer.rollout_store) with the prompt cursor
 and the engine's RNG state after them, and a resumed run's producer starts with them (`start(ready=)`).

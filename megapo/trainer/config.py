@@ -202,6 +202,13 @@ class RolloutConfig:
     temperature: float = bounded(1.0, "> 0")  # sampling temperature
     top_p: float = bounded(1.0, "(0, 1]")  # nucleus sampling: the probability mass kept
     max_new_tokens: int = bounded(64, ">= 1")  # most tokens per response; a longer one is cut (truncated)
+    # partial rollouts (train.mode=async): a weight update preempts the batch in flight, whose samples keep their
+    # tokens and continue on the new weights (each token records its version: Sample.token_versions), instead of
+    # the learner waiting for the batch (the fixed schedule of megapo.trainer.async_rollout)
+    partial: bool = False
+    # partial rollouts: the most weight versions one response may span; one that would span more starts again on
+    # the newest weights
+    partial_max_versions: int = bounded(2, ">= 2")
     # how new weights reach the engine: tensor (handed over in the process) | disk (safetensors the servers
     # reload) | broadcast (a collective group with vLLM's workers); which engine takes which: its capabilities
     weight_sync: str = "tensor"
@@ -520,6 +527,12 @@ class RunConfig:
                               f"not {r.weight_sync!r}")
         if r.dtype not in ("auto",) + SERVER_DTYPES:
             raise ConfigError("rollout.dtype", f"must be auto or one of {', '.join(SERVER_DTYPES)}, got {r.dtype!r}")
+        if r.partial and self.train.mode != "async":
+            raise ConfigError("rollout.partial", "partial rollouts continue generations across weight updates, which "
+                              "happen during generation only with train.mode=async")
+        if r.partial and not caps.partial:
+            raise ConfigError("rollout.partial", f"engine {r.engine!r} cannot preempt and continue a batch yet "
+                              "(the embedded engine can)")
         if self.algorithm.routing_replay == "r3":
             ok, why = caps.returns_routes()
             if not ok:

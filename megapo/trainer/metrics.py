@@ -161,7 +161,8 @@ class SampleLogger:
                 "prompt_ids": list(s.prompt_ids), "response_ids": list(s.output_ids),
                 "prompt": g.example.prompt, "response": self.tokenizer.decode(s.output_ids, skip_special_tokens=True),
                 "reward": g.scores[i] if g.scores is not None else g.rewards[i], "shaped_reward": g.rewards[i],
-                "weight_version": s.weight_version, "finish_reason": s.finish_reason, **self.turns(s)}
+                "weight_version": s.weight_version, "finish_reason": s.finish_reason, **self.turns(s),
+                **({"token_versions": list(s.token_versions)} if getattr(s, "token_versions", None) else {})}
 
     def turns(self, s) -> dict:
         """A multi-turn trajectory's turns in order (role policy | env, text), why it ended, its tool calls."""

@@ -63,6 +63,8 @@ class Run:
         self.learner = learner if learner is not None else build_learner(cfg, self.model_dir)
         self.own_engine = engine is None and rank() == 0  # closed by close() (stops a server megapo started)
         self.engine = build_engine(cfg, self.model_dir) if self.own_engine else engine
+        if self.engine is not None and cfg.rollout.partial:
+            self.engine.max_versions = cfg.rollout.partial_max_versions
         self.producer = self.logger = self.samples_log = None
         try:
             self._build_parts(print_fn)
@@ -194,7 +196,9 @@ class Run:
     def sync_weights(self, step: int) -> dict:
         """The learner's new weights (after `step`) to the engine, as the next version; async mode waits first
         for the batches generated on the weights before this update (AsyncRollouts.wait_made)."""
-        if self.producer is not None:
+        if self.producer is not None and self.cfg.rollout.partial:
+            self.engine.preempt()  # the batch in flight continues on the new weights (pause .. resume below)
+        elif self.producer is not None:
             self.producer.wait_made(step + self.cfg.train.staleness)
         self.version += 1
         return sync_weights(self.learner, self.engine, self.version, self.cfg, self.transport)
