@@ -45,7 +45,8 @@ def test_partial_and_unknown_entries_accepted():
     r = routes(3)
     r[1, 0] = -1
     out = check_routes(torch.tensor(r), 10, SHAPE, "x")
-    assert out.dtype == np.int64 and out.shape == (3, 2, 2)
+    assert out.dtype == np.int8 and out.shape == (3, 2, 2)  # compact: the fewest bytes holding 8 experts and -1
+    assert (out == r).all()
     assert check_routes(None, 10, SHAPE, "x") is None
 
 
@@ -245,4 +246,19 @@ def test_batch_routes_checked_at_once_name_the_sample_and_position(bad, words):
     for w in words:
         assert w in str(err.value), str(err.value)
     out = check_batch_routes([routes(3, 1), None, routes(2, 2)], [5, 4, 3], SHAPE, "batch")
-    assert out[1] is None and out[0].dtype == np.int64 and (out[2] == routes(2, 2)).all()
+    assert out[1] is None and out[0].dtype == np.int8 and (out[2] == routes(2, 2)).all()
+
+
+def test_route_dtype_is_the_smallest_holding_the_ids():
+    from megapo.replay.routes import compact_routes, route_dtype
+
+    # (experts, the type): ids 0..E-1 and -1 must fit, written out
+    for experts, want in [(8, np.int8), (127, np.int8), (128, np.int16), (256, np.int16), (32767, np.int16),
+                          (32768, np.int32)]:
+        assert route_dtype(experts) == want, experts
+    r = np.array([[[3, -7]], [[255, 0]]], dtype=np.int64)
+    out = compact_routes(r, 256)
+    assert out.dtype == np.int16 and out.tolist() == [[[3, -1]], [[255, 0]]]  # every "no route" is -1
+    assert compact_routes(np.array([[[0, 5]]], dtype=np.uint8)).dtype == np.int8  # by the largest id given
+    with pytest.raises(ValueError, match="out of range"):  # checked before narrowing: 300 must not wrap to 44
+        check_routes(np.full((2, 2, 2), 300), 10, SHAPE, "x")

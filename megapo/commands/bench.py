@@ -5,6 +5,7 @@
     megapo bench stability [--grid small|full] [--out DIR] [--seeds N] [--jobs J] [--steps S] [--report-only]
     megapo bench length [--out DIR] [--methods all|a,b] [--seeds 2] [--jobs J] [--report-only]
     megapo bench tools --out DIR [--seeds 1] [--report-only]       (the multi-turn calculator task learns)
+    megapo bench routes --out FILE.json [--prompts 64] [--samples 8] [--max-new 64]   (routes' host memory)
     megapo bench floor --out FILE.json [--steps 8] [section.field=value ...]   (tools/bench/floor.py)
     megapo bench train-step --out FILE.json [...]     (tools/bench/train_step.py, its own arguments)
     megapo bench rollout --engine embedded [...]      (tools/bench/rollout.py)
@@ -12,7 +13,7 @@
     megapo bench learner-passes --baseline REV --out benchmarks/results/learner_passes.json [...]
                                                       (tools/bench/learner_passes.py)
 
-scaling, projection, stability, length, tools and floor parse their arguments here; the other four get the rest of the
+scaling, projection, stability, length, tools, routes and floor parse their arguments here; the other four get the rest of the
 command line unchanged, as if their module had been run with `python -m tools.bench.<name>`.
 """
 
@@ -31,7 +32,9 @@ OWN = {"scaling": ("tools.bench.scaling", "RL step over layouts x model sizes: J
        "length": ("tools.bench.length", "every length method x seeds from one warm start: accuracy vs tokens "
                                        "(summary, table, Pareto plot)"),
        "tools": ("tools.bench.tools", "the multi-turn calculator task: held-out accuracy and tool use, warm start "
-                                     "-> RL, per seed (summary, table, curves)")}
+                                     "-> RL, per seed (summary, table, curves)"),
+       "routes": ("tools.bench.routes", "host memory of routing-replay routes: one tiny batch measured, a "
+                                       "DeepSeek-V3-sized batch projected")}
 PASSTHROUGH = {"train-step": ("tools.bench.train_step", "megapo train step vs raw Megatron forward_backward"),
                "rollout": ("tools.bench.rollout", "rollout throughput (embedded engine, vLLM)"),
                "weight-sync": ("tools.bench.weight_sync", "weight sync transports"),

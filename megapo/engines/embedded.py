@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from megapo.engines.base import Engine, EngineCapabilities, Sample, SamplingParams, check_prompts
+from megapo.replay.routes import route_dtype
 from megapo.engines.torch_lm import KVCache, TorchLMSpec, TorchCausalLM
 from megapo.weights.safetensors_io import read_folder_into
 
@@ -57,6 +58,8 @@ class EmbeddedEngine(Engine):
             if missing:
                 raise ValueError(f"named_tensors lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
         self.spec = self.model.spec
+        # routes in the smallest type that holds the expert ids (megapo.replay.routes.route_dtype)
+        self._route_dtype = getattr(torch, str(route_dtype(self.spec.experts or 1)))
         self.weight_version = int(weight_version)
         self.logprob_mode = logprobs
         self._generator = torch.Generator().manual_seed(int(seed))
@@ -221,7 +224,7 @@ class EmbeddedEngine(Engine):
         pads_b, key_ok_b = pads.repeat_interleave(n), key_ok.repeat_interleave(n, 0)
         routes = None
         if want_routes:  # per row, every fed position's top-k experts: [B, P + max_new - 1, L, k]
-            routes = torch.zeros(B, P + max_new - 1, self.spec.num_moe_layers, self.spec.topk, dtype=torch.int32)
+            routes = torch.zeros(B, P + max_new - 1, self.spec.num_moe_layers, self.spec.topk, dtype=self._route_dtype)
             routes[:, :P].view(U, n, P, *routes.shape[2:]).copy_(torch.stack(prompt_routes, dim=2)[:, None])
         out_tokens = torch.zeros(B, max_new, dtype=torch.long)
         out_logps = torch.zeros(B, max_new, dtype=torch.float32)
@@ -254,7 +257,7 @@ class EmbeddedEngine(Engine):
             step_mask = key_ok_b[:, None, None, :col + 1] if padded else None
             logits = model.step(token[:, None], (col - pads_b)[:, None], cache, col, step_mask, routes_t)
             if want_routes:
-                routes[active, col] = torch.stack(routes_t, dim=2)[:, 0].to(torch.int32)
+                routes[active, col] = torch.stack(routes_t, dim=2)[:, 0].to(self._route_dtype)
         cut = (~stopped) & (lengths < max_new) if preempted else None
         return self._collect(prompts, n, P, pads, out_tokens, out_logps, lengths, stopped, routes, cut)
 

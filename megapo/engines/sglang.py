@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megapo.replay.routes import compact_routes
 from megapo.engines.base import FINISH_REASONS, Engine, EngineCapabilities, Sample, SamplingParams, check_prompts, stage_and_reload
 from megapo.engines.http import JSONClient
 
@@ -43,7 +44,7 @@ def decode_routed_experts(meta_info: dict, num_moe_layers: int, topk: int) -> np
     flat = np.frombuffer(base64.b64decode(meta_info["routed_experts"]), dtype=_WIRE_DTYPES[dtype_name])
     if flat.size % (num_moe_layers * topk):
         raise ValueError(f"routed_experts has {flat.size} ids, not a multiple of layers*topk={num_moe_layers * topk}")
-    return flat.astype(np.int32).reshape(-1, num_moe_layers, topk)
+    return compact_routes(flat).reshape(-1, num_moe_layers, topk)
 
 
 def moe_shape_from_config(config_dir: str) -> tuple[int, int]:

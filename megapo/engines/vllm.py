@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megapo.replay.routes import compact_routes
 from megapo.engines.base import FINISH_REASONS, Engine, EngineCapabilities, Sample, SamplingParams, check_prompts, stage_and_reload
 from megapo.engines.auth import IDENTITY_PATH
 from megapo.engines.http import HTTPError, JSONClient
@@ -37,7 +38,7 @@ from megapo.weights.broadcast import GroupAddress
 
 def decode_routed_experts(payload: str) -> np.ndarray:
     """vLLM's routed_experts: base64 of `.npy` bytes, shape [num_tokens - 1, layers, topk]."""
-    return np.load(io.BytesIO(base64.b64decode(payload)), allow_pickle=False).astype(np.int32)
+    return compact_routes(np.load(io.BytesIO(base64.b64decode(payload)), allow_pickle=False))
 
 
 def vllm_sampling_params(params: SamplingParams, seed: int | None) -> dict:

@@ -191,7 +191,7 @@ class RouteReplayHook:
     # ----------------------------------------------------------------------------- results
 
     def routes_used(self, num_sequences: int) -> list[np.ndarray]:
-        """Routes every sequence of the last pass was routed with, int32 [n-1, L, k], on every rank
+        """Routes every sequence of the last pass was routed with, [n-1, L, k] of RouteShape.dtype, on every rank
         (collective: gathers the pieces of all TP slices, pipeline stages and DP ranks)."""
         used_all = torch.cat([rec.used for rec in self._records]).cpu().numpy() if self._records else None
         pieces, at = [], 0  # (MoE layer, sequences, positions, [T, k] experts)
@@ -200,13 +200,13 @@ class RouteReplayHook:
             seq, pos = (a[rec.start:rec.start + size] for a in self._maps[rec.micro_batch])
             fed = seq >= 0
             fed[fed] = pos[fed] < self._lengths[seq[fed]] - 1  # a sequence's last token is not fed
-            pieces.append((rec.layer, seq[fed], pos[fed], used_all[at:at + size][fed].astype(np.int32)))
+            pieces.append((rec.layer, seq[fed], pos[fed], used_all[at:at + size][fed].astype(self.shape.dtype)))
             at += size
         gathered = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, pieces)
         fed_lengths = self._lengths[:num_sequences] - 1
         starts = np.cumsum(fed_lengths) - fed_lengths
-        out = np.full((int(fed_lengths.sum()), self.shape.num_moe_layers, self.shape.topk), -1, dtype=np.int32)
+        out = np.full((int(fed_lengths.sum()), self.shape.num_moe_layers, self.shape.topk), -1, dtype=self.shape.dtype)
         for part in gathered:
             for layer, seq, pos, used in part:
                 out[starts[seq] + pos, layer] = used

@@ -41,14 +41,43 @@ class RouteShape:
             return cls(0, 0, 0)
         return cls(spec.num_moe_layers, spec.topk, spec.num_experts)
 
+    @property
+    def dtype(self) -> np.dtype:
+        """The type routes are kept in (route_dtype)."""
+        return route_dtype(self.num_experts)
+
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """The smallest signed integer type holding every expert id and -1 (no route): int8 up to 127 experts, int16
+    up to 32767; routes are the largest per-token payload of an MoE rollout, so they are kept in it from the
+    engine to the learner (a micro-batch's replay targets are widened only when they are used)."""
+    for dtype in (np.int8, np.int16, np.int32):
+        if num_experts <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.int64)
+
+
+def compact_routes(routes, num_experts: int | None = None) -> np.ndarray:
+    """Routes as route_dtype(num_experts) (without num_experts: of the largest id in them), every negative id
+    (no route) as -1."""
+    arr = np.asarray(routes.cpu().numpy() if isinstance(routes, torch.Tensor) else routes)
+    if num_experts is None:
+        num_experts = int(arr.max()) + 1 if arr.size else 1
+    dtype = route_dtype(num_experts)
+    if arr.dtype == dtype:
+        return arr
+    if np.issubdtype(arr.dtype, np.signedinteger) and arr.size and arr.min() < -1:
+        arr = np.maximum(arr, -1)
+    return arr.astype(dtype)
+
 
 def check_routes(routes, num_tokens: int, shape: RouteShape, name: str) -> np.ndarray | None:
-    """Validate one sample's routes (None = no routes); return them as int64 [m, L, k]."""
+    """Validate one sample's routes (None = no routes); return them as [m, L, k] of shape.dtype."""
     if routes is None:
         return None
     arr = _route_array(routes, num_tokens, shape, name)
     _check_values(arr, shape, lambda row: (name, row))
-    return arr
+    return compact_routes(arr, shape.num_experts)
 
 
 def check_batch_routes(routes: list, lengths: list[int], shape: RouteShape, name: str) -> list[np.ndarray | None]:
@@ -66,11 +95,11 @@ def check_batch_routes(routes: list, lengths: list[int], shape: RouteShape, name
             return f"{name}[{given[j]}]", row - int(ends[j] - counts[j])
 
         _check_values(np.concatenate([arrays[i] for i in given]), shape, name_at)
-    return arrays
+    return [None if a is None else compact_routes(a, shape.num_experts) for a in arrays]
 
 
 def _route_array(routes, num_tokens: int, shape: RouteShape, name: str) -> np.ndarray:
-    """One sample's routes as int64 [m, L, k], their type and shape checked."""
+    """One sample's routes [m, L, k] as given (any integer type), their type and shape checked."""
     if isinstance(routes, torch.Tensor):
         routes = routes.cpu().numpy()
     arr = np.asarray(routes)
@@ -82,7 +111,7 @@ def _route_array(routes, num_tokens: int, shape: RouteShape, name: str) -> np.nd
     if arr.shape[0] > num_tokens - 1:
         raise ValueError(f"{name}: {arr.shape[0]} route positions for {num_tokens} tokens "
                          f"(at most {num_tokens - 1}: one per position fed to the model)")
-    return arr.astype(np.int64)
+    return arr
 
 
 def _check_values(arr: np.ndarray, shape: RouteShape, name_at) -> None:
@@ -117,7 +146,7 @@ class RouteTable:
     """A batch's routes laid end to end: position t of sequence i is row starts[i] + t."""
 
     starts: np.ndarray  # [S]
-    targets: np.ndarray  # [P, L, k] int64 (P = total tokens; rows without a route hold -1)
+    targets: np.ndarray  # [P, L, k] compact ids (P = total tokens; rows without a route hold -1)
     given: np.ndarray  # [P, L] bool: a route to replay
 
 
@@ -127,7 +156,8 @@ def route_table(routes: list[np.ndarray | None], lengths: np.ndarray, layers: li
     starts = np.cumsum(lengths) - lengths
     have = [i for i, r in enumerate(routes) if r is not None and len(r)]
     k = next((routes[i].shape[-1] for i in have), 1)
-    targets = np.full((int(lengths.sum()), len(layers), k), -1, dtype=np.int64)
+    dtype = next((routes[i].dtype for i in have), np.dtype(np.int8))  # compact (check_routes); plans widen it
+    targets = np.full((int(lengths.sum()), len(layers), k), -1, dtype=dtype)
     given = np.zeros(targets.shape[:2], dtype=bool)
     if have:
         counts = np.asarray([len(routes[i]) for i in have], dtype=np.int64)
