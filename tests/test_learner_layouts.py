@@ -184,7 +184,9 @@ def test_rows_x_width_packing_matches_one_sequence_per_row(runs, model):
             err = (a - b).abs().max().item()
             assert err < 1e-6, f"{key}: max |logp rows - logp one per row| = {err:.2e}"
         assert abs(rows["grad_norm"] - one["grad_norm"]) <= 1e-6 * one["grad_norm"], key
-        assert abs(rows["loss"] - one["loss"]) <= 1e-6 * abs(one["loss"]), key
+        # the loss is a sum of per-micro-batch shares, and the two packings cut the batch into different
+        # micro-batches: float32 summation order alone moves it by a few ulp (measured 1.0e-6 relative)
+        assert abs(rows["loss"] - one["loss"]) <= 4e-6 * abs(one["loss"]), key
         compared = "grads" if "grads" in one else "weights"
         for name, tensor in one[compared].items():
             r = rel(rows[compared][name], tensor)
