@@ -268,6 +268,7 @@ def build_model(spec: ModelSpec, parallel: ParallelConfig, backend: Backend, con
         share_embeddings_and_output_weights=spec.tied_embeddings,
         position_embedding_type="rope",
         rotary_base=spec.rope_theta,
+        rotary_percent=spec.rotary_percent,  # (glm4_moe: rotate-half within the first dims of each head)
     )
     if not backend.use_te:
         # The local spec has no packed-sequence (THD) attention: rotary positions follow the

@@ -39,6 +39,10 @@ class ModelSpec:
     tied_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
+    # Partial rotary: the rotary embedding turns the first rotary_percent of each head's dims (not
+    # interleaved: rotate-half within them) and leaves the rest (Megatron's rotary_percent, HF's
+    # partial_rotary_factor).
+    rotary_percent: float = 1.0
     num_experts: int = 0  # 0: dense
     moe_ffn_hidden_size: int = 0
     topk: int = 0
@@ -110,6 +114,7 @@ FAMILIES: dict[str, str] = {
     "llama": "megapo.models.qwen2.mapping",  # same layout as qwen2 without QKV bias (spec reads it)
     "mixtral": "megapo.models.mixtral.mapping",
     "deepseek_v3": "megapo.models.deepseek_v3.mapping",  # also Kimi-K2 / Moonlight configs
+    "glm4_moe": "megapo.models.glm4_moe.mapping",  # GLM-4.5 / 4.6
 }
 
 

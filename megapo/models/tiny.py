@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-FAMILIES = ("qwen3_moe", "qwen2", "mixtral", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "qwen2", "mixtral", "deepseek_v3", "glm4_moe")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -92,6 +92,11 @@ def build_config(family: str, *, vocab_size: int, hidden: int, layers: int, expe
 
         return tiny.config(common, layers=layers, experts=experts, topk=topk, hidden=hidden, head_dim=head_dim,
                            ffn=ffn, moe_ffn=moe_ffn)
+    if family == "glm4_moe":
+        from megapo.models.glm4_moe import tiny
+
+        return tiny.config(common, layers=layers, experts=experts, topk=topk, hidden=hidden, head_dim=head_dim,
+                           ffn=ffn, moe_ffn=moe_ffn)
     raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
 
 
@@ -120,6 +125,10 @@ def write_tiny_model(out: str | Path, family: str = "qwen3_moe", *, layers: int 
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if family == "deepseek_v3":  # a non-zero router expert bias
         from megapo.models.deepseek_v3 import tiny
+
+        tiny.finish(model, torch.Generator().manual_seed(seed))
+    if family == "glm4_moe":  # non-zero router expert bias and q/k/v biases, q/k norms not one
+        from megapo.models.glm4_moe import tiny
 
         tiny.finish(model, torch.Generator().manual_seed(seed))
     model.generation_config.do_sample = True

@@ -10,6 +10,7 @@ SPEC.json: {"models": {"moe": DIR, "dense": DIR}, "layouts": [{"tp": 2, "pp": 1,
                         then a fresh learner of that layout loads the checkpoint and takes the second step),
             "load_dir": DIR (a MoE learner of the first layout loads only the weights of that checkpoint),
             "agg_variants": [{"loss_agg": ..., "micro_batch_tokens": N}, ...] (one MoE step each, first layout),
+            "dispatchers": ["alltoall", ...] (the MoE token dispatchers each layout runs with; default both),
             "sequences": [[...], ...], "batch": [sample, ...], "optim": {...}, "micro_batch_tokens": N,
             "row_tokens": N (1: one sequence per row), "objective": "reinforce", "loss_agg": "token-mean",
             "rows_variant": {"row_tokens": N, "micro_batch_tokens": N} (every layout/model/dispatcher runs
@@ -34,7 +35,7 @@ def main() -> None:
     for layout in spec["layouts"]:
         for model_name, model_dir in spec["models"].items():
             moe = num_experts(read_hf_config(model_dir)) > 0
-            dispatchers = ["alltoall", "allgather"] if moe else ["alltoall"]
+            dispatchers = spec.get("dispatchers", ["alltoall", "allgather"]) if moe else ["alltoall"]
             for dispatcher in dispatchers:
                 parallel = ParallelConfig(tp=layout["tp"], pp=layout["pp"], ep=layout["ep"] if moe else 1,
                                           dp=layout["dp"], dispatcher=dispatcher,

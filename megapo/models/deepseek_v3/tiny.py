@@ -4,6 +4,8 @@ expert, and a random (non-zero) router expert bias so that tests see whether it 
 
 from __future__ import annotations
 
+from megapo.models.deepseek_moe import random_expert_bias as finish  # noqa: F401 (the DeepSeekMoE block's)
+
 
 def config(common: dict, *, layers: int, experts: int, topk: int, hidden: int, head_dim: int, ffn: int,
            moe_ffn: int):
@@ -19,11 +21,3 @@ def config(common: dict, *, layers: int, experts: int, topk: int, hidden: int, h
         qk_rope_head_dim=head_dim // 2, v_head_dim=head_dim, rope_interleave=True, attention_bias=False,
         num_mtp_layers=0, **{**common, "num_key_value_heads": common["num_attention_heads"]})
 
-
-def finish(model, generator) -> None:
-    """Give every router a random expert bias (transformers initialises it to zero)."""
-    import torch
-
-    for name, buf in model.named_buffers():
-        if name.endswith("gate.e_score_correction_bias"):
-            buf.copy_(torch.randn(buf.shape, generator=generator) * 0.05)
