@@ -12,6 +12,8 @@ no Megatron at run time. Families:
   group-limited (a token's best topk_group of n_group groups, a group scored by the sum of its top-2 biased
   scores), gates = sigmoid scores at the chosen experts renormalised times routed_scaling_factor, shared experts
   added to every MoE layer, the first first_k_dense_replace layers dense.
+- glm4_moe: GQA with q/k/v bias and optional q/k RMSNorm, partial rotary (rotate-half within the first
+  head_dim * rotary_percent dims of each head), and deepseek_v3's router, shared experts and dense first layers.
 Every family: RMSNorm pre-norm, rotary embedding, SiLU-gated MLP; GQA attention except deepseek_v3's MLA.
 
 Weights live in fused tensors (qkv, gate_up, stacked experts) so a forward is few large ops; every HF name maps to
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 
 from megapo.models.family import MLASpec, ModelSpec
 
-SUPPORTED_FAMILIES = ("qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3")
+SUPPORTED_FAMILIES = ("qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class TorchLMSpec:
     router_scaling: float = 1.0  # the k gates are multiplied by it
     shared_ffn: int = 0  # width of the shared experts' MLP on every MoE layer (0: none)
     mla: MLASpec | None = None  # multi-latent attention (deepseek_v3); None: GQA
+    rotary_percent: float = 1.0  # GQA: the rotary turns the first head_dim * rotary_percent dims (glm4_moe: 0.5)
 
     @property
     def num_moe_layers(self) -> int:
@@ -72,7 +75,7 @@ class TorchLMSpec:
     @property
     def rope_dim(self) -> int:
         """Dimensions the rotary embedding turns: every head dim (GQA) or MLA's rotary part."""
-        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
+        return self.mla.qk_rope_head_dim if self.mla else int(self.head_dim * self.rotary_percent)
 
     @property
     def cache_heads(self) -> int:
@@ -101,7 +104,7 @@ class TorchLMSpec:
             tie_embeddings=spec.tied_embeddings, router_score=spec.router_score,
             expert_bias=spec.router_expert_bias, router_groups=spec.router_groups,
             router_group_topk=spec.router_group_topk, router_scaling=spec.router_scaling,
-            shared_ffn=spec.shared_expert_ffn, mla=spec.mla)
+            shared_ffn=spec.shared_expert_ffn, mla=spec.mla, rotary_percent=spec.rotary_percent)
 
     @classmethod
     def from_config(cls, cfg: dict) -> "TorchLMSpec":
@@ -181,6 +184,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     cos, sin = cos[..., :half], sin[..., :half]
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+
+
+def _rotate_first(x: torch.Tensor, rope, dims: int) -> torch.Tensor:
+    """Partial rotary (glm4_moe): the first `dims` dims of each head turned (rotate-half), the others passed."""
+    return torch.cat((_rotate(x[..., :dims], *rope, False), x[..., dims:]), dim=-1)
 
 
 def _mlp_weights(experts: int, ffn: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -414,6 +422,8 @@ class TorchCausalLM:
         if s.qk_norm:
             q, k = _rms_norm(q, layer["q_norm"], s.rms_eps), _rms_norm(k, layer["k_norm"], s.rms_eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if s.rope_dim < s.head_dim:  # partial rotary: rotate-half within the first rope_dim dims, the rest as is
+            return _rotate_first(q, rope, s.rope_dim), _rotate_first(k, rope, s.rope_dim), v
         return _rotate(q, *rope, False), _rotate(k, *rope, False), v
 
     def _mla(self, h: torch.Tensor, layer: dict, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
