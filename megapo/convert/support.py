@@ -115,7 +115,18 @@ FAMILY_KEYS: dict[str, dict[str, Allowed]] = {
         "num_nextn_predict_layers": Allowed(lambda v: v in (None, 0), "multi-token-prediction layers (dropped by "
                                                                         "transformers' DeepseekV3 model)"),
     },
+    "glm4_moe": {  # (the mapping's spec refuses the values its Megatron model would compute differently)
+        **{key: Allowed(_any, "") for key in (
+            "intermediate_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group",
+            "topk_group", "routed_scaling_factor", "norm_topk_prob", "first_k_dense_replace", "n_shared_experts",
+            "attention_bias", "use_qk_norm", "partial_rotary_factor")},
+        "num_nextn_predict_layers": Allowed(lambda v: v in (None, 0), "multi-token-prediction layers (dropped by "
+                                                                        "transformers' Glm4Moe model)"),
+    },
 }
+
+# Rope parameters besides rope_theta / rope_type that a family's spec reads.
+FAMILY_ROPE_KEYS: dict[str, set[str]] = {"glm4_moe": {"partial_rotary_factor"}}
 
 SUPPORTED_ACTIVATIONS = ("silu",)
 
@@ -141,7 +152,7 @@ def check_config(hf: dict, arg: str) -> tuple[Family, ModelSpec]:
     if hf.get("hidden_act", "silu") not in SUPPORTED_ACTIVATIONS:
         raise ConfigError(arg, f"config.json hidden_act={hf['hidden_act']!r}: only {SUPPORTED_ACTIVATIONS} supported")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    extra_rope = set(rope) - {"rope_theta", "rope_type"}
+    extra_rope = set(rope) - {"rope_theta", "rope_type"} - FAMILY_ROPE_KEYS.get(hf["model_type"], set())
     if extra_rope:
         raise ConfigError(arg, f"config.json rope parameters {sorted(extra_rope)} are not supported "
                                f"(only plain RoPE with rope_theta)")
