@@ -309,3 +309,74 @@ def latent_core_attention():
             super().__init__(*args, **kwargs)
 
     return LatentDotProductAttention
+
+
+# ----------------------------------------------------------------------------- local-spec sliding window
+
+
+def use_local_window_attention(attention) -> None:
+    """Make the local layer spec's sliding-window attention respect the learner's packing mask (`attention`:
+    its SelfAttentionSubmodules). megatron-core 0.16.1's local softmax replaces the given mask with a plain
+    sliding-window causal mask (fused_softmax.forward_torch_softmax), so packed sequences would see each
+    other; Transformer Engine windows within its packed (THD) sequences itself. Edits megapo's own spec."""
+    attention.core_attention = window_core_attention()
+
+
+@functools.cache
+def window_core_attention():
+    """Megatron's local DotProductAttention with its window added to the given mask instead of replacing
+    it: key j is masked for query i when i - j > left (+ the caller's mask; causal when none is given)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class WindowDotProductAttention(DotProductAttention):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.window = self.scale_mask_softmax.window_size  # None on a full-attention layer
+            self.scale_mask_softmax.window_size = None
+
+        def forward(self, query, key, value, attention_mask, *args, **kwargs):
+            if self.window is not None:
+                sq, sk = query.shape[0], key.shape[0]
+                i = torch.arange(sq, device=query.device)[:, None] + (sk - sq)
+                j = torch.arange(sk, device=query.device)[None, :]
+                outside = (i - j > self.window[0]) | (j - i > self.window[1])
+                attention_mask = outside if attention_mask is None else attention_mask | outside
+            return super().forward(query, key, value, attention_mask, *args, **kwargs)
+
+    return WindowDotProductAttention
+
+
+# ----------------------------------------------------------------------------- local-spec expert biases
+
+
+def use_local_expert_bias(experts) -> None:
+    """Let the local spec's experts (`experts`: SequentialMLP's MLPSubmodules) carry a linear_fc2 bias.
+    megatron-core 0.16.1's MLP adds it in place to linear_fc2's output (`output += bias * probs`), which
+    autograd forbids: that output is the view a custom Function (the TP reduce, an identity at size 1)
+    returned. Edits megapo's own spec: the experts' linear_fc2 returns a copy instead. Its bias is also
+    marked not sequence-parallel: Megatron marks it so under TP, and finalize_model_grads then sums its grad
+    over TP on top of the expert-data-parallel reduce that already holds the TP ranks (TP=2 gave twice
+    TP=1's bias gradient). And it is marked tensor-parallel (over the expert-TP group, of size 1 here): the
+    grad norm counts an unmarked parameter only on dense-TP rank 0, which under TP=2xEP=2 left out the other
+    EP rank's expert biases."""
+    experts.linear_fc2 = expert_fc2_with_bias()
+
+
+@functools.cache
+def expert_fc2_with_bias():
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    class CopiedOutputRowParallelLinear(RowParallelLinear):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.bias is not None:
+                from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+                self.bias.sequence_parallel = False
+                set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
+
+        def forward(self, *args, **kwargs):
+            output, bias = super().forward(*args, **kwargs)
+            return output.clone(), bias
+
+    return CopiedOutputRowParallelLinear

@@ -70,7 +70,7 @@ def _build(config_dir: str, parallel: ParallelConfig):
     spec = family.spec(hf)
     backend = model_lib.detect_backend()
     tensor_parallel.get_cuda_rng_tracker().reset()
-    model_lib.init_distributed(parallel, backend, seed=0)
+    model_lib.init_distributed(parallel, backend, seed=0, spec=spec)
     config = model_lib.transformer_config(spec, parallel, backend)
     module = model_lib.build_model(spec, parallel, backend, config, ddp=False)
     return module, family, spec

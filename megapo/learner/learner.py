@@ -116,7 +116,7 @@ class Learner:
 
         if not (frozen and model_lib.layout_initialized(parallel)):  # else keep the learner's groups and RNG
             tensor_parallel.get_cuda_rng_tracker().reset()
-            model_lib.init_distributed(parallel, self.backend, seed)
+            model_lib.init_distributed(parallel, self.backend, seed, spec=self.spec)
         self.config = model_lib.transformer_config(self.spec, parallel, self.backend, routing_replay=routing_replay)
         self.model = model_lib.build_model(self.spec, parallel, self.backend, self.config, ddp=not frozen)
         if routing_replay:  # megapo/replay: routes through the micro-batches into Megatron's RouterReplay

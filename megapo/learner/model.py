@@ -44,11 +44,16 @@ def detect_backend() -> Backend:
     return Backend("cuda", "nccl", use_te)
 
 
-def expert_tp(parallel: ParallelConfig) -> int:
-    return 1 if parallel.ep > 1 else parallel.tp
+def expert_tp(parallel: ParallelConfig, spec: ModelSpec | None = None) -> int:
+    """Experts split over EP, else over TP; never with expert biases (Megatron supports those only at
+    expert-TP 1: the experts are then whole on every TP rank)."""
+    if parallel.ep > 1 or (spec is not None and spec.linear_bias and spec.num_experts):
+        return 1
+    return parallel.tp
 
 
-def init_distributed(parallel: ParallelConfig, backend: Backend, seed: int, timeout_s: int = 600) -> None:
+def init_distributed(parallel: ParallelConfig, backend: Backend, seed: int, timeout_s: int = 600,
+                     spec: ModelSpec | None = None) -> None:
     """Start torch.distributed (from torchrun's env, or as a single process) and Megatron's groups."""
     from megatron.core import parallel_state, tensor_parallel
 
@@ -74,7 +79,7 @@ def init_distributed(parallel: ParallelConfig, backend: Backend, seed: int, time
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=expert_tp(parallel),
+        expert_tensor_parallel_size=expert_tp(parallel, spec),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -135,7 +140,7 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig, backend: Backe
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=expert_tp(parallel),
+        expert_tensor_parallel_size=expert_tp(parallel, spec),
         sequence_parallel=parallel.tp > 1,
         pipeline_dtype=dtype,
         params_dtype=dtype,
@@ -152,6 +157,7 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig, backend: Backe
         perform_initialization=True,
         deterministic_mode=backend.device == "cpu",
     )
+    kwargs.update(gpt_oss_fields(spec))
     if parallel.recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if parallel.fp8:
@@ -198,6 +204,29 @@ def router_fields(spec: ModelSpec) -> dict:
     return fields
 
 
+def gpt_oss_fields(spec: ModelSpec) -> dict:
+    """Linear biases, attention sinks, sliding-window layers and the clamped GLU (empty for other models)."""
+    from megatron.core.activations import quick_gelu
+
+    fields: dict = {}
+    if spec.linear_bias:
+        fields["add_bias_linear"] = True
+    if spec.attention_sinks:
+        fields["softmax_type"] = "learnable"
+    if spec.sliding_window:
+        # transformers keeps keys i - window < j <= i; Megatron's (left, right) counts the keys besides i
+        fields.update(window_size=(spec.sliding_window - 1, 0), window_attn_skip_freq=[int(w) for w in spec.window_layers])
+    if spec.activation == "quick_gelu":
+        fields["activation_func"] = quick_gelu
+    elif spec.activation != "silu":
+        raise ValueError(f"activation {spec.activation!r} is not built")
+    if spec.glu_clamp:
+        fields["activation_func_clamp_value"] = spec.glu_clamp
+    if spec.glu_linear_offset:
+        fields["glu_linear_offset"] = spec.glu_linear_offset
+    return fields
+
+
 def mla_config(spec: ModelSpec, kwargs: dict, backend: Backend):
     """MLATransformerConfig: plain RoPE on the rotary dims (no YaRN: scaling factor 1, so the softmax
     scale is 1/sqrt(qk_nope + qk_rope) as in HF). Runs with Transformer Engine (GPU) or on CPU, where
@@ -238,9 +267,14 @@ def layer_spec(spec: ModelSpec, config, backend: Backend):
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm,
             multi_latent_attention=mla)
-    return _local_mla_attention(
+    layer = _local_mla_attention(
         get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
                                  multi_latent_attention=mla, normalization="RMSNorm"), spec, backend)
+    if spec.sliding_window:
+        compat.use_local_window_attention(layer.submodules.self_attention.submodules)
+    if spec.linear_bias and experts:
+        compat.use_local_expert_bias(layer.submodules.mlp.submodules.experts.submodules)
+    return layer
 
 
 def _local_mla_attention(layer, spec: ModelSpec, backend: Backend):
@@ -274,6 +308,10 @@ def build_model(spec: ModelSpec, parallel: ParallelConfig, backend: Backend, con
         # The local spec has no packed-sequence (THD) attention: rotary positions follow the
         # per-sequence position ids instead (see rope.py).
         use_position_ids(model)
+    if spec.attention_sinks:
+        mark_sinks(model)
+    if parallel.ep == 1 and expert_tp(parallel, spec) < parallel.tp:
+        mark_experts_whole(model)
     if backend.device == "cuda":
         model = model.cuda()
     if not parallel.distributed_optimizer:  # (the distributed optimizer lays them out in its own buffer)
@@ -286,6 +324,27 @@ def build_model(spec: ModelSpec, parallel: ParallelConfig, backend: Backend, con
         use_distributed_optimizer=parallel.distributed_optimizer,
     )
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def mark_sinks(model) -> None:
+    """Megatron creates the learnable softmax offset (attention sinks) per TP rank's heads but leaves it
+    unmarked: mark it split over TP on dim 0, so the loader and export shard it and the grad norm counts
+    every rank's heads (unmarked, only TP rank 0's would count)."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    for name, param in model.named_parameters():
+        if name.endswith("core_attention.softmax_offset"):
+            set_tensor_model_parallel_attributes(param, True, 0, 1)
+
+
+def mark_experts_whole(model) -> None:
+    """Experts whole on every TP rank (expert-TP 1) without EP: each TP rank runs them on its own
+    sequence-parallel tokens, so their grads must be summed over the TP ranks, which Megatron does for
+    expert parameters (allreduce=False: reduced over the expert-data-parallel group, which holds the TP
+    ranks) but marks them so only with EP > 1. Also makes the loader shard them over expert-TP (1)."""
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
 
 
 def contiguous_parameters(model: torch.nn.Module, align_bytes: int = 16) -> None:

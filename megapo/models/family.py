@@ -59,6 +59,17 @@ class ModelSpec:
     shared_expert_ffn: int = 0  # width of the shared experts' MLP, always applied (0: none)
     moe_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or dense MLP; (): every layer MoE if num_experts
     mla: "MLASpec | None" = None  # multi-latent attention (DeepSeek); None: grouped-query attention
+    # gpt-oss: a bias on every linear layer (q/k/v/o, router, experts: Megatron's add_bias_linear), a
+    # learnable per-head attention sink (a logit added to each softmax row, then dropped), sliding-window
+    # layers (a token sees itself and the sliding_window - 1 tokens before it), and the experts' clamped
+    # GLU: activation(min(gate, glu_clamp)) * (clamp(up, -glu_clamp, glu_clamp) + glu_linear_offset).
+    linear_bias: bool = False
+    attention_sinks: bool = False
+    sliding_window: int = 0  # 0: none
+    window_layers: tuple[bool, ...] = ()  # per layer: sliding window (True) or full attention
+    activation: str = "silu"  # "silu" | "quick_gelu" (x * sigmoid(1.702 x))
+    glu_clamp: float = 0.0  # 0: no clamp
+    glu_linear_offset: float = 0.0
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.num_experts) and (not self.moe_layers or self.moe_layers[layer])
@@ -104,6 +115,11 @@ class Family:
     # Megatron buffers (suffixes after "decoder.layers.{i}.") that hold weights: loaded and exported with
     # the parameters (e.g. the router's expert bias); every other buffer is Megatron's own state.
     buffers: tuple[str, ...] = ()
+    # Checkpoints that store tensors fused across experts (gpt-oss): `read_view(reader)` serves the rules'
+    # per-expert names from the files' fused tensors, `pack(spec, named)` turns an exported stream of
+    # per-expert tensors back into the files' fused ones. None: the rules' names are the files' names.
+    read_view: Callable | None = None
+    pack: Callable | None = None
 
 
 # model_type in config.json -> module holding the family's mapping
@@ -115,6 +131,7 @@ FAMILIES: dict[str, str] = {
     "mixtral": "megapo.models.mixtral.mapping",
     "deepseek_v3": "megapo.models.deepseek_v3.mapping",  # also Kimi-K2 / Moonlight configs
     "glm4_moe": "megapo.models.glm4_moe.mapping",  # GLM-4.5 / 4.6
+    "gpt_oss": "megapo.models.gpt_oss.mapping",  # gpt-oss-20b / 120b
 }
 
 

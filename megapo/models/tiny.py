@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-FAMILIES = ("qwen3_moe", "qwen2", "mixtral", "deepseek_v3", "glm4_moe")
+FAMILIES = ("qwen3_moe", "qwen2", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -97,6 +97,10 @@ def build_config(family: str, *, vocab_size: int, hidden: int, layers: int, expe
 
         return tiny.config(common, layers=layers, experts=experts, topk=topk, hidden=hidden, head_dim=head_dim,
                            ffn=ffn, moe_ffn=moe_ffn)
+    if family == "gpt_oss":
+        from megapo.models.gpt_oss import tiny as gpt_oss_tiny
+
+        return gpt_oss_tiny.config(common, experts=experts, topk=topk, head_dim=head_dim, moe_ffn=moe_ffn)
     raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
 
 
@@ -131,6 +135,10 @@ def write_tiny_model(out: str | Path, family: str = "qwen3_moe", *, layers: int 
         from megapo.models.glm4_moe import tiny
 
         tiny.finish(model, torch.Generator().manual_seed(seed))
+    if family == "gpt_oss":  # non-zero sinks and biases
+        from megapo.models.gpt_oss import tiny as gpt_oss_tiny
+
+        gpt_oss_tiny.finish(model, torch.Generator().manual_seed(seed))
     model.generation_config.do_sample = True
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

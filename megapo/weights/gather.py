@@ -131,7 +131,14 @@ def iter_stage_tensors(module, family: Family, spec: ModelSpec, *, meta: bool = 
     """This stage's full HF tensors, gathered over TP and EP (all ranks of the stage call it).
     meta=True: the same names and shapes on the meta device, without communication.
     dtype: convert each parameter to it first (None: keep the parameter's dtype).
-    owned: no tensor is a view of a parameter (see the module docstring)."""
+    owned: no tensor is a view of a parameter (see the module docstring).
+    A family storing tensors fused across experts (Family.pack) gets them fused, as its files hold them."""
+    named = _stage_tensors(module, family, spec, meta=meta, dtype=dtype, owned=owned)
+    return named if family.pack is None else family.pack(spec, named)
+
+
+def _stage_tensors(module, family: Family, spec: ModelSpec, *, meta: bool, dtype: torch.dtype | None,
+                   owned: bool) -> Iterator[tuple[str, torch.Tensor]]:
     ep_group = _groups().get_expert_model_parallel_group()
     ep_size = ep_group.size()
     with torch.no_grad():

@@ -132,6 +132,8 @@ class SafetensorsReader:
 def load_hf_weights(model, family: Family, spec: ModelSpec, model_dir: str | Path) -> int:
     """Copy HF weights into this rank's shards of `model` (unwrapped GPTModel); return tensors loaded."""
     reader = SafetensorsReader(model_dir)
+    if family.read_view is not None:  # the rules' per-expert names, read out of fused file tensors
+        reader = family.read_view(reader)
     tp = _tp_size()
     loaded = 0
     with torch.no_grad():
