@@ -141,6 +141,10 @@ def _attention_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
                   "self_attention.linear_proj.weight": (h, spec.num_heads * d)}
         if spec.qkv_bias:
             shapes["self_attention.linear_qkv.bias"] = (qkv,)
+        if spec.linear_bias:
+            shapes["self_attention.linear_proj.bias"] = (h,)
+        if spec.attention_sinks:
+            shapes["self_attention.core_attention.softmax_offset"] = (spec.num_heads,)
         if spec.qk_norm:
             shapes.update({"self_attention.q_layernorm.weight": (d,), "self_attention.k_layernorm.weight": (d,)})
         return shapes
@@ -172,6 +176,9 @@ def _mlp_shapes(spec: ModelSpec, *, moe: bool) -> dict[str, tuple[int, ...]]:
                    "mlp.experts.experts.linear_fc2.weight": (e, h, f)})
     if spec.router_expert_bias:
         shapes["mlp.router.expert_bias"] = (e,)
+    if spec.linear_bias:
+        shapes.update({"mlp.router.bias": (e,), "mlp.experts.experts.linear_fc1.bias": (e, 2 * f),
+                       "mlp.experts.experts.linear_fc2.bias": (e, h)})
     if shared:
         shapes.update({"mlp.shared_experts.linear_fc1.weight": (2 * shared, h),
                        "mlp.shared_experts.linear_fc2.weight": (h, shared)})

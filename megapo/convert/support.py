@@ -125,6 +125,14 @@ FAMILY_KEYS: dict[str, dict[str, Allowed]] = {
     },
 }
 
+FAMILY_KEYS["gpt_oss"] = {  # (the mapping's spec refuses the values its Megatron model would compute differently)
+    **{key: Allowed(_any, "") for key in (
+        "intermediate_size", "num_local_experts", "num_experts_per_tok", "attention_bias", "sliding_window",
+        "layer_types", "swiglu_alpha", "swiglu_limit",
+        "experts_per_token",  # openai's own name for num_experts_per_tok (the spec checks they agree)
+        "initial_context_length")},  # YaRN's original context (rope scaling itself is refused)
+}
+
 # Rope parameters besides rope_theta / rope_type that a family's spec reads.
 FAMILY_ROPE_KEYS: dict[str, set[str]] = {"glm4_moe": {"partial_rotary_factor"}}
 
@@ -204,6 +212,10 @@ MEGATRON_SHAPES: dict[str, Callable[[ModelSpec], list[tuple[int, ...]] | None]] 
     "mlp.linear_fc2.weight": lambda s: None if s.num_experts else [(s.hidden_size, s.ffn_hidden_size)],
     "mlp.router.weight": lambda s: [(s.num_experts, s.hidden_size)] if s.num_experts else None,
     "mlp.router.expert_bias": lambda s: [(s.num_experts,)] if s.num_experts and s.router_expert_bias else None,
+    # gpt-oss: o_proj and router biases, attention sinks (one logit per head)
+    "self_attention.linear_proj.bias": lambda s: [(s.hidden_size,)] if s.linear_bias else None,
+    "self_attention.core_attention.softmax_offset": lambda s: [(s.num_heads,)] if s.attention_sinks else None,
+    "mlp.router.bias": lambda s: [(s.num_experts,)] if s.num_experts and s.linear_bias else None,
     "mlp.shared_experts.linear_fc1.weight": lambda s: ([(s.shared_expert_ffn, s.hidden_size)] * 2
                                                        if s.num_experts and s.shared_expert_ffn else None),
     "mlp.shared_experts.linear_fc2.weight": lambda s: ([(s.hidden_size, s.shared_expert_ffn)]
@@ -212,6 +224,8 @@ MEGATRON_SHAPES: dict[str, Callable[[ModelSpec], list[tuple[int, ...]] | None]] 
 EXPERT_SHAPES: dict[str, Callable[[ModelSpec], list[tuple[int, ...]]]] = {
     "linear_fc1.weight": lambda s: [(s.moe_ffn_hidden_size, s.hidden_size)] * 2,
     "linear_fc2.weight": lambda s: [(s.hidden_size, s.moe_ffn_hidden_size)],
+    "linear_fc1.bias": lambda s: [(s.moe_ffn_hidden_size,)] * 2,
+    "linear_fc2.bias": lambda s: [(s.hidden_size,)],
 }
 
 
@@ -235,4 +249,9 @@ def expected_hf_tensors(family: Family, spec: ModelSpec) -> dict[str, tuple[int,
         for expert in range(layer_spec.num_experts):
             for suffix, rule in family.expert_rules.items():
                 add(rule, EXPERT_SHAPES[suffix](spec), L=layer, E=expert)
+    if family.pack is not None:  # the files' fused tensors, as the export writes them
+        import torch
+
+        named = ((n, torch.empty(shape, device="meta")) for n, shape in out.items())
+        return {n: tuple(t.shape) for n, t in family.pack(spec, named)}
     return out

@@ -50,6 +50,9 @@ def _check(hf: dict) -> None:
     limit = hf.get("swiglu_limit", 7.0)
     if not isinstance(limit, (int, float)) or limit <= 0:
         raise ConfigError("model", f"gpt_oss swiglu_limit={limit!r} must be a positive number")
+    if hf.get("experts_per_token", hf["num_experts_per_tok"]) != hf["num_experts_per_tok"]:
+        raise ConfigError("model", f"gpt_oss experts_per_token={hf['experts_per_token']} and num_experts_per_tok="
+                                   f"{hf['num_experts_per_tok']} disagree")
     types = _layer_types(hf)
     if any(t == "sliding_attention" for t in types):
         window = hf.get("sliding_window")
