@@ -14,6 +14,11 @@ no Megatron at run time. Families:
   added to every MoE layer, the first first_k_dense_replace layers dense.
 - glm4_moe: GQA with q/k/v bias and optional q/k RMSNorm, partial rotary (rotate-half within the first
   head_dim * rotary_percent dims of each head), and deepseek_v3's router, shared experts and dense first layers.
+- gpt_oss: GQA with q/k/v/o biases and a learnable sink logit per head (in every softmax row, then dropped),
+  sliding-window layers (a query sees itself and the sliding_window - 1 keys before it), a router with bias
+  (top-k of the logits, softmax over the k), experts with biases kept in transformers' fused layout
+  (gate_up_proj [E, H, 2F] with gate/up interleaved, down_proj [E, F, H]) and its clamped GLU:
+  min(gate, limit) * sigmoid(1.702 min(gate, limit)) * (clamp(up, -limit, limit) + 1).
 Every family: RMSNorm pre-norm, rotary embedding, SiLU-gated MLP; GQA attention except deepseek_v3's MLA.
 
 Weights live in fused tensors (qkv, gate_up, stacked experts) so a forward is few large ops; every HF name maps to
@@ -33,7 +38,7 @@ import torch.nn.functional as F
 
 from megapo.models.family import MLASpec, ModelSpec
 
-SUPPORTED_FAMILIES = ("qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe")
+SUPPORTED_FAMILIES = ("qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,19 @@ class TorchLMSpec:
     shared_ffn: int = 0  # width of the shared experts' MLP on every MoE layer (0: none)
     mla: MLASpec | None = None  # multi-latent attention (deepseek_v3); None: GQA
     rotary_percent: float = 1.0  # GQA: the rotary turns the first head_dim * rotary_percent dims (glm4_moe: 0.5)
+    # gpt_oss (see ModelSpec): biases on o_proj, router and experts; attention sinks; sliding-window layers;
+    # experts in transformers' fused interleaved layout with the clamped quick-GELU GLU
+    linear_bias: bool = False
+    sinks: bool = False
+    sliding_window: int = 0
+    window_layers: tuple[bool, ...] = ()
+    glu_clamp: float = 0.0
+    glu_linear_offset: float = 0.0
+
+    @property
+    def fused_experts(self) -> bool:
+        """Experts kept as transformers' gpt-oss holds them (gate_up [E, H, 2F] interleaved, down [E, F, H])."""
+        return self.family == "gpt_oss"
 
     @property
     def num_moe_layers(self) -> int:
@@ -90,6 +108,8 @@ class TorchLMSpec:
     def from_model_spec(cls, spec: ModelSpec) -> "TorchLMSpec":
         if spec.router_score not in ("softmax", "sigmoid"):
             raise ValueError(f"{spec.family}: router score function {spec.router_score!r} is not supported")
+        if spec.activation != ("quick_gelu" if spec.family == "gpt_oss" else "silu"):
+            raise ValueError(f"{spec.family}: expert activation {spec.activation!r} is not supported")
         sigmoid = spec.router_score == "sigmoid"
         return cls(
             family=spec.family, vocab_size=spec.vocab_size, hidden=spec.hidden_size, layers=spec.num_layers,
@@ -104,7 +124,9 @@ class TorchLMSpec:
             tie_embeddings=spec.tied_embeddings, router_score=spec.router_score,
             expert_bias=spec.router_expert_bias, router_groups=spec.router_groups,
             router_group_topk=spec.router_group_topk, router_scaling=spec.router_scaling,
-            shared_ffn=spec.shared_expert_ffn, mla=spec.mla, rotary_percent=spec.rotary_percent)
+            shared_ffn=spec.shared_expert_ffn, mla=spec.mla, rotary_percent=spec.rotary_percent,
+            linear_bias=spec.linear_bias, sinks=spec.attention_sinks, sliding_window=spec.sliding_window,
+            window_layers=spec.window_layers, glu_clamp=spec.glu_clamp, glu_linear_offset=spec.glu_linear_offset)
 
     @classmethod
     def from_config(cls, cfg: dict) -> "TorchLMSpec":
@@ -219,7 +241,11 @@ class TorchCausalLM:
         self.layers: list[dict[str, torch.Tensor | None]] = []
         for moe in s.moe_layers:
             layer = dict(ln1=z(s.hidden), ln2=z(s.hidden), **(self._mla_weights() if s.mla else self._gqa_weights()))
-            if moe:
+            if moe and s.fused_experts:
+                layer.update(router=z(s.experts, s.hidden), router_bias=z(s.experts),
+                             gate_up=z(s.experts, s.hidden, 2 * s.moe_ffn), gate_up_bias=z(s.experts, 2 * s.moe_ffn),
+                             down=z(s.experts, s.moe_ffn, s.hidden), down_bias=z(s.experts, s.hidden))
+            elif moe:
                 gate_up, down = _mlp_weights(s.experts, s.moe_ffn, s.hidden, dtype)
                 layer.update(router=z(s.experts, s.hidden), gate_up=gate_up, down=down,
                              expert_bias=torch.zeros(s.experts, dtype=torch.float32) if s.expert_bias else None)
@@ -242,7 +268,8 @@ class TorchCausalLM:
         q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
         z = lambda *shape: torch.zeros(shape, dtype=dtype)  # noqa: E731
         return dict(qkv=z(q + 2 * kv, s.hidden), o=z(s.hidden, q), qkv_bias=z(q + 2 * kv) if s.qkv_bias else None,
-                    q_norm=z(s.head_dim) if s.qk_norm else None, k_norm=z(s.head_dim) if s.qk_norm else None)
+                    q_norm=z(s.head_dim) if s.qk_norm else None, k_norm=z(s.head_dim) if s.qk_norm else None,
+                    o_bias=z(s.hidden) if s.linear_bias else None, sinks=z(s.heads) if s.sinks else None)
 
     def _mla_weights(self) -> dict[str, torch.Tensor | None]:
         """MLA: `qkv_a` = [q_a_proj (or q_proj without a q bottleneck); kv_a_proj_with_mqa] fused (both read the
@@ -269,7 +296,11 @@ class TorchCausalLM:
             names[p + "post_attention_layernorm.weight"] = layer["ln2"]
             names.update(self._mla_names(p + "self_attn.", layer) if s.mla else self._gqa_names(p + "self_attn.", layer))
             gu, down = layer["gate_up"], layer["down"]
-            if moe:
+            if moe and s.fused_experts:  # transformers' own (fused) names, tensors in its layout
+                names.update({p + "mlp.router.weight": layer["router"], p + "mlp.router.bias": layer["router_bias"],
+                              p + "mlp.experts.gate_up_proj": gu, p + "mlp.experts.gate_up_proj_bias": layer["gate_up_bias"],
+                              p + "mlp.experts.down_proj": down, p + "mlp.experts.down_proj_bias": layer["down_bias"]})
+            elif moe:
                 f = s.moe_ffn
                 disk = p + ("block_sparse_moe." if s.family == "mixtral" else "mlp.")
                 gate_n, up_n, down_n = ("w1", "w3", "w2") if s.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
@@ -298,6 +329,10 @@ class TorchCausalLM:
             if s.qkv_bias:
                 names[a + name + ".bias"] = layer["qkv_bias"][lo:hi]
         names[a + "o_proj.weight"] = layer["o"]
+        if s.linear_bias:
+            names[a + "o_proj.bias"] = layer["o_bias"]
+        if s.sinks:
+            names[a + "sinks"] = layer["sinks"]
         if s.qk_norm:
             names[a + "q_norm.weight"] = layer["q_norm"]
             names[a + "k_norm.weight"] = layer["k_norm"]
@@ -335,7 +370,8 @@ class TorchCausalLM:
     def required_names(self) -> set[str]:
         """The on-disk HF names a complete checkpoint has (one name per tensor element)."""
         skip = {"lm_head.weight"} if self.spec.tie_embeddings else set()
-        fused = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+        # (gpt_oss: the fused names are the on-disk ones)
+        fused = () if self.spec.fused_experts else (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
         if self.spec.family == "mixtral":
             fused += (".mlp.gate.weight",)
         return {n for n in self.weight_views if n not in skip and not n.endswith(fused)}
@@ -395,9 +431,13 @@ class TorchCausalLM:
             end = start + T
             keys, values = cache.k[i][:B, :, :end], cache.v[i][:B, :, :end]
             keys[:, :, start:], values[:, :, start:] = k, v
-            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1,
-                                                 enable_gqa=s.cache_heads != s.heads)
-            x = x + F.linear(att.transpose(1, 2).reshape(B, T, -1), layer["o"])
+            window = s.sliding_window if s.window_layers and s.window_layers[i] else 0
+            if layer.get("sinks") is not None or window:
+                att = self._attend(q, keys, values, mask, start, window, layer.get("sinks"))
+            else:
+                att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1,
+                                                     enable_gqa=s.cache_heads != s.heads)
+            x = x + F.linear(att.transpose(1, 2).reshape(B, T, -1), layer["o"], layer.get("o_bias"))
             h = _rms_norm(x, layer["ln2"], s.rms_eps).view(B * T, s.hidden)
             if s.moe_layers[i]:
                 y, top = self._moe(h, layer)
@@ -409,6 +449,33 @@ class TorchCausalLM:
         if last_only:
             x = x[:, -1]
         return F.linear(_rms_norm(x, self.final_norm, s.rms_eps), self.lm_head).float()
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                start: int, window: int, sinks: torch.Tensor | None) -> torch.Tensor:
+        """Attention with a sliding window and/or a sink logit per head (gpt_oss), which SDPA has not: query
+        column start + t sees key column j <= start + t (and `mask`), within start + t - j < window when
+        window; the sink joins every softmax row (float32) and its probability is dropped. Left padding
+        keeps column distances equal to position distances."""
+        s = self.spec
+        T, end = q.shape[2], keys.shape[2]
+        cols = torch.arange(end)
+        query_cols = torch.arange(start, start + T)[:, None]
+        allowed = cols[None, :] <= query_cols
+        if window:
+            allowed = allowed & (query_cols - cols[None, :] < window)
+        if mask is not None:
+            allowed = allowed & mask
+        if s.cache_heads != s.heads:
+            keys = keys.repeat_interleave(s.heads // s.cache_heads, dim=1)
+            values = values.repeat_interleave(s.heads // s.cache_heads, dim=1)
+        scores = (q @ keys.transpose(-1, -2)).float() * s.head_dim ** -0.5
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        return probs.to(values.dtype) @ values
 
     def _gqa(self, h: torch.Tensor, layer: dict, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Grouped-query attention's q [B, heads, T, D], k and v [B, kv_heads, T, D] of normed hidden states h."""
@@ -449,7 +516,7 @@ class TorchCausalLM:
         """Each token's top-k experts [N, k] (by score, highest first) and their gates [N, k] float32."""
         s = self.spec
         if s.router_score == "softmax":
-            probs = torch.softmax(F.linear(h, layer["router"]).float(), dim=-1)
+            probs = torch.softmax(F.linear(h, layer["router"], layer.get("router_bias")).float(), dim=-1)
             weights, top = torch.topk(probs, s.topk, dim=-1)
         else:  # sigmoid, in float32 as transformers and Megatron (moe_router_dtype fp32) compute it
             scores = torch.sigmoid(F.linear(h.float(), layer["router"].float()))
@@ -487,7 +554,10 @@ class TorchCausalLM:
         out = torch.empty_like(routed)
         gate_up, down, f, lo = layer["gate_up"], layer["down"], s.moe_ffn, 0
         for e, c in enumerate(counts):
-            if c:
+            if c and s.fused_experts:
+                out[lo:lo + c] = self._fused_expert(routed[lo:lo + c], layer, e)
+                lo += c
+            elif c:
                 g = F.linear(routed[lo:lo + c], gate_up[e])
                 torch.mm(F.silu(g[:, :f]) * g[:, f:], down[e].t(), out=out[lo:lo + c])
                 lo += c
@@ -496,6 +566,17 @@ class TorchCausalLM:
         if s.shared_ffn:
             y = y + _mlp(h, layer["shared_gate_up"], layer["shared_down"])
         return y, top
+
+    def _fused_expert(self, x: torch.Tensor, layer: dict, e: int) -> torch.Tensor:
+        """gpt_oss expert e on tokens x: gate/up interleaved in gate_up's last dim, both clamped, quick-GELU
+        gate times (up + offset), then down with its bias (the gate is applied by the caller)."""
+        s = self.spec
+        gate_up = x @ layer["gate_up"][e] + layer["gate_up_bias"][e]
+        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+        if s.glu_clamp:
+            gate, up = gate.clamp(max=s.glu_clamp), up.clamp(-s.glu_clamp, s.glu_clamp)
+        glu = gate * torch.sigmoid(1.702 * gate)
+        return ((up + s.glu_linear_offset) * glu) @ layer["down"][e] + layer["down_bias"][e]
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor, with_routes: bool = False):
