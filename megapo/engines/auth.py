@@ -38,7 +38,7 @@ ROUTES = {("POST", "/inference/v1/generate"), ("POST", "/pause"), ("POST", "/res
 RPC_KWARGS = {
     "megapo_reload_weights": {"weights_path"},
     "megapo_join_weight_groups": {"host", "base_port", "workers", "rank_offset", "stages", "timeout_s", "threads",
-                                  "backend"},
+                                  "backend", "generation"},
     "megapo_receive_weights": set(),
 }
 MAX_RPC_BODY = 1 << 20  # bytes: an RPC body is a method name and a few arguments

@@ -147,7 +147,8 @@ class VLLMEngine(Engine):
         self.client.post("/collective_rpc", {"method": "megapo_join_weight_groups", "kwargs": {
             "host": address.host, "base_port": address.base_port, "workers": address.workers,
             "rank_offset": rank_offset, "stages": stages, "timeout_s": address.timeout_s,
-            "threads": address.threads, "backend": address.backend}})
+            "threads": address.threads, "backend": address.backend, "generation": address.generation}},
+            timeout=address.timeout_s + 30)
 
     def receive_weights(self, version: int) -> None:
         """The server's side of one broadcast sync: returns once the workers have loaded and acknowledged it

@@ -45,15 +45,32 @@ class MegapoWorkerExtension:
         return self._megapo_reload(weights_path=weights_path)
 
     def megapo_join_weight_groups(self, host: str, base_port: int, workers: int, rank_offset: int, stages: int,
-                                  timeout_s: float, threads: int, backend: str = "gloo") -> int:
+                                  timeout_s: float, threads: int, backend: str = "gloo", generation: int = 0) -> int:
         """Join the weight-sync group of every learner pipeline stage as rank rank_offset + this worker's rank
-        (blocks until the learner's stage roots and every other worker have joined). Returns the rank."""
+        (blocks until the learner's stage roots and every other worker have joined). Returns the rank. Groups of
+        an earlier generation (the fleet changed since) are torn down first."""
         from megapo.weights.broadcast import GroupAddress, join_group
 
-        address = GroupAddress(host, base_port, workers, backend=backend, timeout_s=timeout_s, threads=threads)
+        self._megapo_drop_groups()
+        address = GroupAddress(host, base_port, workers, backend=backend, timeout_s=timeout_s, threads=threads,
+                               generation=generation)
         rank = rank_offset + int(getattr(self, "rank", 0))
         self._megapo_groups = [join_group(address, stage, rank) for stage in range(stages)]
         return rank
+
+    def _megapo_drop_groups(self) -> None:
+        """Abort and release the weight-sync groups: their connections close, so the learner and the other workers
+        still waiting in them fail at once (not at the group's timeout)."""
+        import gc
+
+        groups, self._megapo_groups = getattr(self, "_megapo_groups", None) or [], []
+        for group in groups:
+            try:
+                group.abort()
+            except Exception:  # noqa: BLE001 - a broken group may refuse; releasing it below still closes it
+                pass
+        del groups
+        gc.collect()
 
     def megapo_receive_weights(self) -> int:
         """Receive one broadcast sync into the model (streamed through reload_weights, CPU MoE re-prepacked),
@@ -83,17 +100,28 @@ class MegapoWorkerExtension:
 
         thread = threading.Thread(target=receive, name="megapo-weights", daemon=True)
         thread.start()
+        failure = None
         try:
-            self._megapo_reload(weights_iterator=weights())
-        finally:
-            while thread.is_alive():  # a failed load must not leave the receiver blocked on a full queue
-                try:
-                    messages.get(timeout=0.1)
-                except queue.Empty:
-                    pass
-        if "error" in result:
-            raise result["error"]
-        return receiver.finish(result["version"])
+            try:
+                self._megapo_reload(weights_iterator=weights())
+            finally:
+                while thread.is_alive():  # a failed load must not leave the receiver blocked on a full queue
+                    try:
+                        messages.get(timeout=0.1)
+                    except queue.Empty:
+                        pass
+            if "error" in result:
+                raise result["error"]
+            return receiver.finish(result["version"])
+        except BaseException as err:  # noqa: BLE001 - re-raised below without the frames that hold the groups
+            failure = f"{type(err).__name__}: {err}"
+        # a peer died or the learner tore the group down: this generation's groups are unusable. Release them (no
+        # traceback may keep them alive) so the others fail at once too; the next megapo_join_weight_groups forms
+        # the next generation's
+        result.clear()
+        del receiver, thread
+        self._megapo_drop_groups()
+        raise RuntimeError(f"megapo_receive_weights: {failure}")
 
     def _megapo_reload(self, **reload_kwargs) -> int:
         import torch

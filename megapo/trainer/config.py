@@ -197,6 +197,14 @@ class RolloutConfig:
     # each can do; megapo/trainer/engine_setup.py: how the trainer builds it)
     engine: str = "embedded"
     servers: list[str] = field(default_factory=list)  # host:port of running vLLM/SGLang servers
+    # the elastic fleet: a file of host:port lines (# comments), read at the start and again at every weight sync;
+    # servers added to it join the run (they serve once they hold the current weights), servers removed from it
+    # leave (megapo/trainer/fleet.py); the run's servers are rollout.servers plus the file's
+    servers_file: str = ""
+    # the longest a weight sync waits: a server that does not finish it in time (dead, stuck) is dropped and the
+    # sync completes for the others (a broadcast group is formed again without it); a sync that cannot finish by
+    # then is an error. Broadcast groups time out each operation after a third of it.
+    sync_timeout_s: float = bounded(600.0, "> 0")
     host: str = "127.0.0.1"  # the address a vLLM server megapo starts itself listens on (no rollout.servers)
     n_samples: int = bounded(8, ">= 1")  # responses per prompt (the group size)
     temperature: float = bounded(1.0, "> 0")  # sampling temperature
@@ -508,7 +516,16 @@ class RunConfig:
         if r.engine not in engine_names():
             raise ConfigError("rollout.engine", f"unknown engine {r.engine!r}; choose from {', '.join(engine_names())}")
         caps = capabilities(r.engine)
-        if needs_servers(r.engine) and not r.servers:
+        if r.servers_file:
+            from megapo.trainer.fleet import read_servers_file
+
+            if caps.in_process:
+                raise ConfigError("rollout.servers_file", f"rollout.engine={r.engine} runs in the trainer's process; "
+                                  "a fleet of servers needs a server engine (vllm, sglang)")
+            if not (r.servers or read_servers_file(r.servers_file)):
+                raise ConfigError("rollout.servers_file", f"{r.servers_file} lists no server and rollout.servers is "
+                                  "empty: the run needs one to start")
+        if needs_servers(r.engine) and not r.servers and not r.servers_file:
             raise ConfigError("rollout.servers", f"rollout.engine={r.engine} needs running servers (host:port); megapo "
                               "starts only vLLM servers itself")
         if not caps.in_process:
@@ -638,10 +655,10 @@ class RunConfig:
         from megapo.engines.registry import capabilities
 
         r = self.rollout
-        if capabilities(r.engine).api_key and r.servers and not r.api_key_file:
+        if capabilities(r.engine).api_key and (r.servers or r.servers_file) and not r.api_key_file:
             raise ConfigError("rollout.api_key_file", "is required with vLLM rollout.servers: megapo serve's servers "
                               "refuse requests without their key (the file megapo serve was given or printed)")
-        if r.api_key_file and (r.servers or Path(r.api_key_file).exists()):
+        if r.api_key_file and (r.servers or r.servers_file or Path(r.api_key_file).exists()):
             try:
                 read_key_file(r.api_key_file, "rollout.api_key_file")
             except (OSError, ValueError) as err:
@@ -670,7 +687,7 @@ class RunConfig:
             return
         if not self.data.task:
             raise ConfigError("sft.enabled", "the warm start trains on a task's demonstrations; set data.task")
-        if self.rollout.servers:  # the servers loaded model.path, not the warm-started copy the learner starts from
+        if self.rollout.servers or self.rollout.servers_file:  # the servers loaded model.path, not the warm start
             raise ConfigError("sft.enabled", "rollout.servers serve model.path; run the warm start first and point "
                               "model.path at its output (or leave rollout.servers empty)")
 
@@ -699,7 +716,7 @@ class RunConfig:
         spec = learner_spec(hf, where)
         self._check_torch_model(hf, where)
         check_layout(self.parallel, hf)
-        if capabilities(self.rollout.engine).starts_server and not self.rollout.servers:  # megapo starts one here
+        if capabilities(self.rollout.engine).starts_server and not (self.rollout.servers or self.rollout.servers_file):
             from megapo.engines.server import check_servable_here
 
             try:

@@ -2,8 +2,9 @@
 
 - embedded: megapo's in-process engine (megapo.engines.embedded) on the trainer's rank 0, computing in
             rollout.dtype (auto: float32).
-- vllm:     with `rollout.servers` (host:port, e.g. from the Slurm template), one VLLMEngine client per
-            server, behind a Router when there are several; with no servers, megapo starts its own vLLM
+- vllm:     with `rollout.servers` (host:port, e.g. from the Slurm template) and/or `rollout.servers_file` (the
+            elastic fleet, megapo.trainer.fleet), one VLLMEngine client per server, behind a Router when there are
+            several or a servers file; with no servers, megapo starts its own vLLM
             server from <repo>/.venv-vllm on `rollout.host` (megapo.engines.server), and the engine stops it
             on close().
 - sglang:   clients of running SGLang servers (`rollout.servers` is required: the SGLang wheel is
@@ -27,16 +28,38 @@ def server_max_model_len(cfg: RunConfig) -> int:
     return max(64, cfg.data.max_prompt_tokens + cfg.response_tokens())
 
 
-def _clients(cfg: RunConfig, model_dir: Path):
+def _client(cfg: RunConfig, model_dir: Path, server: str):
     if cfg.rollout.engine == "vllm":
         from megapo.engines.auth import read_key_file
         from megapo.engines.vllm import VLLMEngine
 
         key = read_key_file(cfg.rollout.api_key_file, "rollout.api_key_file")
-        return [VLLMEngine(f"http://{s}", config_dir=str(model_dir), api_key=key) for s in cfg.rollout.servers]
+        return VLLMEngine(f"http://{server}", config_dir=str(model_dir), api_key=key)
     from megapo.engines.sglang import SGLangEngine
 
-    return [SGLangEngine(f"http://{s}", config_dir=str(model_dir)) for s in cfg.rollout.servers]
+    return SGLangEngine(f"http://{server}", config_dir=str(model_dir))
+
+
+def checked_client(cfg: RunConfig, model_dir: Path, server: str):
+    """A client of the server at host:port that answers its health check (and, for vLLM, takes the run's key)."""
+    client = _client(cfg, model_dir, server)
+    try:
+        if not client.health():
+            raise ConnectionError(f"{server} does not answer its health check")
+        if cfg.rollout.engine == "vllm":
+            client.check_access("rollout.api_key_file")
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def run_servers(cfg: RunConfig) -> list[str]:
+    """rollout.servers, then the lines of rollout.servers_file (the fleet at the start)."""
+    from megapo.trainer.fleet import read_servers_file
+
+    listed = read_servers_file(cfg.rollout.servers_file) if cfg.rollout.servers_file else []
+    return list(dict.fromkeys(cfg.rollout.servers + listed))
 
 
 def engine_from_config(cfg: RunConfig, model_dir: Path, out_dir: Path):
@@ -48,20 +71,29 @@ def engine_from_config(cfg: RunConfig, model_dir: Path, out_dir: Path):
         from megapo.engines.embedded import EmbeddedEngine
 
         return EmbeddedEngine(model_dir, seed=cfg.train.seed, dtype=getattr(torch, cfg.rollout.compute_dtype()))
-    if cfg.rollout.servers:
+    if cfg.rollout.servers or cfg.rollout.servers_file:
         from megapo.engines.router import Router
 
         if cfg.sft.enabled:  # the servers loaded model.path, not the warm-started copy the learner starts from
             raise ConfigError("sft.enabled", "rollout.servers serve model.path; run the warm start first and point "
                               "model.path at its output (or leave rollout.servers empty)")
 
-        clients = _clients(cfg, model_dir)
-        for server, client in zip(cfg.rollout.servers, clients):
-            if not client.health():
-                raise ConnectionError(f"rollout.servers: {server} does not answer its health check")
-            if kind == "vllm":
-                client.check_access("rollout.api_key_file")
-        return clients[0] if len(clients) == 1 else Router(clients)
+        servers = run_servers(cfg)
+        clients = []
+        try:
+            for server in servers:
+                try:
+                    clients.append(checked_client(cfg, model_dir, server))
+                except ConnectionError as err:
+                    raise ConnectionError(f"rollout.servers: {err}") from None
+        except BaseException:
+            for client in clients:
+                client.close()
+            raise
+        if len(clients) == 1 and not cfg.rollout.servers_file:
+            return clients[0]
+        # a fleet (rollout.servers_file) is always a Router: servers join and leave it (megapo.trainer.fleet)
+        return Router(clients, names=servers, sync_timeout_s=cfg.rollout.sync_timeout_s)
     if kind == "sglang":
         raise ConfigError("rollout.servers", "rollout.engine=sglang needs running servers (host:port); "
                           "megapo starts only vLLM servers itself")

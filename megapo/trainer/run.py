@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from megapo.dist import barrier, broadcast_object, rank
+from megapo.dist import any_rank, barrier, broadcast_object, rank
 from megapo.engines.registry import capabilities
 from megapo.trainer import checkpoint as ckpt
 from megapo.trainer.config import RunConfig
+from megapo.trainer.fleet import make_fleet
 from megapo.trainer.length_stage import LengthStage
 from megapo.trainer.metrics import MetricsLogger, SampleLogger, StepTimer
 from megapo.trainer.run_dir import CHECKPOINTS
@@ -63,6 +64,8 @@ class Run:
         self.learner = learner if learner is not None else build_learner(cfg, self.model_dir)
         self.own_engine = engine is None and rank() == 0  # closed by close() (stops a server megapo started)
         self.engine = build_engine(cfg, self.model_dir) if self.own_engine else engine
+        # rank 0 with a Router: servers join (rollout.servers_file) and are dropped at each sync (megapo.trainer.fleet)
+        self.fleet = make_fleet(cfg, self.model_dir, self.engine)
         if self.engine is not None and cfg.rollout.partial:
             self.engine.max_versions = cfg.rollout.partial_max_versions
         self.producer = self.logger = self.samples_log = None
@@ -112,7 +115,7 @@ class Run:
         if self.length is not None:
             self.length.load_state_dict(state.extra.get("length", {}))
         if self.version > 0:
-            sync_weights(self.learner, self.engine, self.version, self.cfg, self.transport)
+            sync_weights(self.learner, self.engine, self.version, self.cfg, self.transport, self.fleet)
         log.info("resumed from %s (step %d)", latest, self.step)
 
     def _made_ahead(self, checkpoint: Path, saved: dict | None) -> list:
@@ -201,7 +204,7 @@ class Run:
         elif self.producer is not None:
             self.producer.wait_made(step + self.cfg.train.staleness)
         self.version += 1
-        return sync_weights(self.learner, self.engine, self.version, self.cfg, self.transport)
+        return sync_weights(self.learner, self.engine, self.version, self.cfg, self.transport, self.fleet)
 
     def rollouts_done(self) -> None:
         """The step has used its rollouts: the async producer may start one more batch."""
@@ -363,38 +366,34 @@ def make_transport(cfg: RunConfig, out_dir: Path, model_dir: Path, learner, engi
 
 
 def broadcast_transport(cfg: RunConfig, learner, engine):
-    """Form the weight-sync groups once (collective): every stage root of the learner joins its stage's
-    group as rank 0 while rank 0 has the engine's workers join as ranks 1.. (megapo.weights.broadcast).
-    Rank 0 serves every stage's rendezvous at rollout.sync_host (an address of its node), so stage roots
-    on other nodes meet there too."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """Form the weight-sync groups (collective): every stage root of the learner joins its stage's group as
+    rank 0 while rank 0 has the engine's workers join as ranks 1.. (megapo.weights.broadcast). Rank 0 serves
+    every stage's rendezvous at rollout.sync_host (an address of its node), so stage roots on other nodes meet
+    there too; a changed fleet forms the next generation there (megapo.trainer.fleet.form_groups)."""
     from megapo.net import free_port
-    from megapo.weights.broadcast import BroadcastSender, BroadcastTransport, GroupAddress, host_stores, join_group
+    from megapo.trainer.fleet import form_groups, group_timeout_s
+    from megapo.weights.broadcast import BroadcastTransport, GroupAddress, host_stores
 
     r = cfg.rollout
-    stage, stages, root = learner.sync_stage()
-    port, workers = broadcast_object((r.sync_port or free_port(r.sync_host), engine.workers) if rank() == 0 else None)
-    address = GroupAddress(r.sync_host, port, workers)
-    stores = host_stores(address, stages) if rank() == 0 else []
-    with ThreadPoolExecutor(1) as pool:
-        joined = pool.submit(engine.join_weight_groups, address, 1, stages) if engine is not None else None
-        group = join_group(address, stage, 0, host_store=False) if root else None
-        if joined is not None:
-            joined.result()
-    log.info("weight sync: broadcast groups formed on %s:%d (%d stage(s), %d engine worker(s))", r.sync_host, port,
-             stages, workers)
-    return BroadcastTransport(BroadcastSender(group) if root else None, stores)
+    _, stages, _ = learner.sync_stage()
+    port = broadcast_object((r.sync_port or free_port(r.sync_host)) if rank() == 0 else None)
+    stores = host_stores(GroupAddress(r.sync_host, port, 1, timeout_s=group_timeout_s(cfg)), stages) \
+        if rank() == 0 else []
+    transport = BroadcastTransport(None, stores, timeout_s=group_timeout_s(cfg))
+    transport.port = port
+    if not any_rank(not form_groups(cfg, learner, engine, transport)):
+        return transport
+    raise RuntimeError(f"weight sync: the broadcast groups could not be formed on {r.sync_host}:{port} (the log "
+                       "says why)")
 
 
-def sync_weights(learner, engine, version: int, cfg: RunConfig, transport) -> dict:
+def sync_weights(learner, engine, version: int, cfg: RunConfig, transport, fleet=None) -> dict:
     """Hand the learner's weights to the engine through megapo.weights (collective on the learner side:
-    every rank streams the gathered tensors; only rank 0 has an engine). A per-stage transport (broadcast)
-    takes each stage's tensors on its own ranks, as views: nothing is copied on the learner."""
-    from megapo.weights import bucket_bytes, sync_named
+    every rank streams the gathered tensors; only rank 0 has an engine), within rollout.sync_timeout_s: a
+    fleet's dead servers are dropped and the sync completes for the others (megapo.trainer.fleet). A per-stage
+    transport (broadcast) takes each stage's tensors on its own ranks, as views: nothing is copied on the
+    learner."""
+    from megapo.trainer.fleet import sync_weights as fleet_sync
 
-    named = learner.stage_tensors() if transport.per_stage else learner.hf_state_dict()
-    stats = sync_named(named, [engine] if engine is not None else [], transport,
-                       bucket_bytes(cfg.rollout.bucket_mb, "rollout.bucket_mb"), version)
-    return {"sync/bytes": stats.bytes, "sync/buckets": stats.buckets}
+    return fleet_sync(learner, engine, version, cfg, transport, fleet)
 

@@ -73,6 +73,9 @@ class GroupAddress:
     # default of 2, every tensor sent on its own costs a round trip. More threads post the receives
     # ahead, so the sender streams tensor after tensor (idle threads wait on a condition variable).
     threads: int = GLOO_THREADS
+    # the membership this group is formed for: an elastic fleet (servers joining or dropped) forms a new group
+    # under the next generation on the same rendezvous store, and the old one is aborted
+    generation: int = 0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -85,6 +88,8 @@ class GroupAddress:
             raise ValueError(f"workers: must be >= 1 (engine workers receiving weights), got {self.workers}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+        if self.generation < 0:
+            raise ValueError(f"generation: must be >= 0, got {self.generation}")
 
 
 def host_stores(address: GroupAddress, stages: int) -> list:
@@ -92,7 +97,8 @@ def host_stores(address: GroupAddress, stages: int) -> list:
     this node): every stage's group then meets there, whichever node its stage root runs on, and the stage
     roots join with host_store=False. Keep the stores alive while the groups are in use."""
     timeout = datetime.timedelta(seconds=address.timeout_s)
-    return [dist.TCPStore(address.host, address.base_port + stage, address.workers + 1, True, timeout=timeout,
+    # no world size: the groups formed through a store change size as servers join or leave
+    return [dist.TCPStore(address.host, address.base_port + stage, None, True, timeout=timeout,
                           wait_for_workers=False) for stage in range(stages)]
 
 
@@ -106,7 +112,7 @@ def join_group(address: GroupAddress, stage: int, rank: int, host_store: bool | 
     size = address.workers + 1
     master = rank == 0 if host_store is None else host_store
     store = dist.TCPStore(address.host, address.base_port + stage, size, master, timeout=timeout)
-    store = dist.PrefixStore(f"megapo-weights-{stage}", store)
+    store = dist.PrefixStore(f"megapo-weights-{stage}-g{address.generation}", store)
     if address.backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
@@ -207,6 +213,19 @@ class BroadcastSender:
 
     def release(self) -> None:
         self._messages = []
+
+    def abort(self) -> None:
+        """Tear the group down (after a failed send, or before the next generation's): aborted and released, which
+        closes its connections, so every rank still waiting in it (the surviving workers) gets an error at once
+        instead of waiting out the group's timeout (seen: 0.16 s instead of the 20 s timeout; aborting alone
+        leaves the connections open). The sender is unusable afterwards."""
+        import gc
+
+        self._messages = []  # their pending works hold the group
+        if self.group is not None:
+            self.group.abort()
+            self.group = None
+            gc.collect()  # the group's destructor closes the connections
 
     def _slots(self, bucket_bytes: int) -> list[_Message]:
         size = max(1, bucket_bytes // (2 * self.slots))
@@ -480,32 +499,99 @@ def _split(span: torch.Tensor, run: list[BucketSlot]) -> list[tuple[str, torch.T
     return out
 
 
+class SyncFailed(RuntimeError):
+    """A broadcast sync that did not reach every worker (a peer died or stalled past the group's timeout, or a
+    server's receive call failed). The group is torn down; the caller forms a new one (the next generation) with
+    the workers left and sends again (megapo.trainer.fleet.sync_broadcast)."""
+
+
 class BroadcastTransport(Transport):
     """Learner side. `sender` only on a stage root (None on the other learner ranks, which drain). The engines
     passed to a sync, if any, are servers whose workers joined the groups (`join_weight_groups`): the sync
     calls their `receive_weights(version)`. Engine workers in other processes (tests, benchmarks) receive on
-    their own and are not passed."""
+    their own and are not passed. `timeout_s`: how long a sync waits for the engines' receive calls (after the
+    sender is done, or once a failed group is torn down).
+
+    A failed send raises SyncFailed after tearing the group down (aborted and released, which closes its
+    connections, so the surviving workers fail at once instead of at the group's timeout); `broken` is then
+    True until `replace_sender` installs the next generation's group."""
 
     name = "broadcast"
     per_stage = True
 
-    def __init__(self, sender: BroadcastSender | None, stores: list | None = None):
+    def __init__(self, sender: BroadcastSender | None, stores: list | None = None, timeout_s: float = 600.0,
+                 address: GroupAddress | None = None):
         self.sender = sender
         self.stores = stores or []  # rendezvous stores this rank serves (host_stores), kept alive with it
+        self.timeout_s = timeout_s
+        self.address = address  # the groups' address and generation (None: not known to this transport)
+        self.broken = False
+        # set by megapo.trainer.fleet.form_groups: the rendezvous port, the last generation formed (or tried) and
+        # rank 0's Router members the groups were formed for
+        self.port = address.base_port if address is not None else 0
+        self.generation = address.generation if address is not None else -1
+        self.formed_for: tuple | None = None
+
+    def replace_sender(self, sender: BroadcastSender | None, address: GroupAddress) -> None:
+        """Use a new generation's group (the old one, if any, is torn down first)."""
+        self.teardown()
+        self.sender, self.address, self.broken = sender, address, False
+
+    def teardown(self) -> None:
+        if self.sender is not None:
+            self.sender.abort()
+            self.sender = None
+        self.broken = True
 
     def send(self, named, engines, bucket_bytes, version, dtype) -> Moved:
         # engines given on this rank are servers whose workers receive (VLLMEngine, Router): each is told to
         # receive first, from its own thread (the call returns once its workers have loaded the weights)
-        with ThreadPoolExecutor(max(1, len(engines)), thread_name_prefix="megapo-receive") as pool:
-            receiving = [pool.submit(engine.receive_weights, version) for engine in engines]
-            if self.sender is None:
-                moved = drain(named)
-            else:
-                moved = self.sender.send(named, bucket_bytes, version, dtype)
-                acked = self.sender.finish(version)
-                if acked != version:
-                    raise RuntimeError(f"broadcast: an engine worker acknowledged weight version {acked}, "
-                                       f"expected {version}")
-            for future in receiving:
-                future.result()
+        if self.broken:
+            raise SyncFailed("broadcast: the weight-sync group was torn down by a failed sync; form the next one")
+        pool = ThreadPoolExecutor(max(1, len(engines)), thread_name_prefix="megapo-receive")
+        receiving = [pool.submit(engine.receive_weights, version) for engine in engines]
+        failed = None
+        try:
+            moved = self._send(named, bucket_bytes, version, dtype)
+        except SyncFailed as err:
+            failed = err
+        if failed is not None:  # outside the except block: no traceback frame keeps the group alive
+            self.teardown()  # the workers still in the group fail now, not at its timeout
+            _settle(receiving, self.timeout_s)
+            pool.shutdown(wait=False)
+            raise failed
+        _settle(receiving, self.timeout_s)
+        pool.shutdown(wait=False)
+        for future in receiving:
+            err = None if future.done() else TimeoutError(f"no answer within {self.timeout_s:g} s")
+            err = err or future.exception()
+            if err is not None:
+                self.teardown()
+                raise SyncFailed(f"broadcast of weight version {version}: a server's receive failed: "
+                                 f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}") from err
         return moved
+
+    def _send(self, named, bucket_bytes, version, dtype) -> Moved:
+        if self.sender is None:
+            return drain(named)
+        failure = None
+        try:
+            moved = self.sender.send(named, bucket_bytes, version, dtype)
+            acked = self.sender.finish(version)
+        except RuntimeError as err:  # gloo/NCCL (DistBackendError): a peer closed, reset or timed out
+            failure = str(err).splitlines()[0][:300]
+        if failure is not None:
+            # raised outside the except block: the gloo error's traceback (frames holding the group) is gone, so
+            # tearing the group down closes its connections (else the survivors wait out the group's timeout)
+            raise SyncFailed(f"broadcast of weight version {version} failed: {failure}")
+        if acked != version:
+            raise RuntimeError(f"broadcast: an engine worker acknowledged weight version {acked}, expected {version}")
+        return moved
+
+
+def _settle(futures: list, timeout_s: float) -> None:
+    """Wait at most timeout_s in all for `futures` to finish (their errors are read by the caller)."""
+    import concurrent.futures
+
+    if futures:
+        concurrent.futures.wait(futures, timeout=timeout_s)
