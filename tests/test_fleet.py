@@ -247,3 +247,40 @@ def test_config_names_the_fleet_fields(tmp_path, tiny_moe):
     assert e.value.field == "rollout.api_key_file"
     cfg = run_config({**base, "rollout.servers_file": str(good), "rollout.sync_timeout_s": 30})
     assert cfg.rollout.sync_timeout_s == 30 and cfg.rollout.servers == []
+
+
+def test_a_broadcast_sync_that_keeps_failing_ends_within_the_timeout_naming_it(monkeypatch):
+    from megapo.trainer import fleet as fleet_mod
+    from megapo.weights.broadcast import BroadcastTransport, SyncFailed
+
+    a, b = FakeServer("a"), FakeServer("b")
+    router = Router([a, b], names=["a:1", "b:1"])
+    fleet = Fleet(router, ["a:1", "b:1"], "", lambda address: None)
+    formed = []
+
+    def form_groups(cfg, learner, engine, transport):
+        formed.append(tuple(router.members()))
+        transport.formed_for, transport.broken = tuple(router.members()), False
+        return True
+
+    class FailingTransport(BroadcastTransport):
+        def send(self, named, engines, bucket_bytes, version, dtype):
+            for _ in named:
+                pass
+            time.sleep(0.3)
+            b.dead = True  # b dies in the first attempt: dropped, the next attempt goes to a alone
+            raise SyncFailed(f"broadcast of weight version {version} failed: a peer stalled")
+
+    class Learner:
+        def stage_tensors(self):
+            yield "w", torch.zeros(2)
+
+    monkeypatch.setattr(fleet_mod, "form_groups", form_groups)
+    cfg = SimpleNamespace(rollout=SimpleNamespace(sync_timeout_s=3.5, bucket_mb=1))  # group timeout 1.17 s
+    start = time.monotonic()
+    with pytest.raises(fleet_mod.SyncTimeout, match=r"rollout.sync_timeout_s=3.5 s .*a peer stalled"):
+        sync_weights(Learner(), router, 1, cfg, FailingTransport(None), fleet)
+    took = time.monotonic() - start
+    assert took < 3.5, took
+    assert formed[0] == (0, 1) and formed[1] == (0,)  # b dropped after the first failure, the group formed again
+    assert len(formed) >= 2 and router.state == [SERVING, DROPPED] and router.deadline is None

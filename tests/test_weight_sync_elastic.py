@@ -25,8 +25,8 @@ def tensors():
     return small + large
 
 
-def receiver(port, rank, workers, generation, results):
-    address = GroupAddress("127.0.0.1", port, workers, timeout_s=GROUP_TIMEOUT_S, generation=generation)
+def receiver(port, rank, workers, generation, results, timeout_s=GROUP_TIMEOUT_S):
+    address = GroupAddress("127.0.0.1", port, workers, timeout_s=timeout_s, generation=generation)
     group = join_group(address, 0, rank, host_store=False)
     results.put((rank, generation, "joined", None, time.monotonic()))
     got = {}
@@ -93,5 +93,35 @@ def test_a_receiver_killed_mid_sync_fails_the_sync_at_once_and_the_next_generati
     finally:
         for p in procs:
             if p.is_alive():
+                p.kill()
+            p.join(10)
+
+
+def test_a_stalled_receiver_fails_the_sync_after_the_group_timeout_not_later(monkeypatch):
+    """A receiver that stops answering (SIGSTOP: alive, silent) costs the sender one group operation timeout."""
+    ctx = mp.get_context("spawn")
+    port = free_port("127.0.0.1")
+    timeout_s = 3.0
+    stores = host_stores(GroupAddress("127.0.0.1", port, 1, timeout_s=timeout_s), 1)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=receiver, args=(port, r, 2, 0, results, timeout_s)) for r in (1, 2)]
+    for p in procs:
+        p.start()
+    try:
+        address = GroupAddress("127.0.0.1", port, 2, timeout_s=timeout_s)
+        transport = BroadcastTransport(BroadcastSender(join_group(address, 0, 0, host_store=False)), stores,
+                                       timeout_s=timeout_s, address=address)
+        assert {results.get(timeout=60)[2] for _ in procs} == {"joined"}
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(SyncFailed, match="weight version 1"):
+            transport.send(iter(tensors()), [], 1 << 20, 1, None)
+        took = time.monotonic() - start
+        print(f"the sync failed {took:.2f} s after it started (group timeout {timeout_s} s)")
+        assert timeout_s * 0.9 < took < timeout_s + 3
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
                 p.kill()
             p.join(10)
