@@ -15,7 +15,7 @@ import torch
 from megapo.engines.base import Sample, SamplingParams
 from megapo.engines.http import ConnectionLost, HTTPError
 from megapo.engines.router import DROPPED, JOINING, SERVING, NoLiveEngine, Router
-from megapo.trainer.fleet import Fleet, read_servers_file, sync_weights
+from megapo.trainer.fleet import Fleet, read_servers_file, sync_in_time
 
 
 class FakeServer:
@@ -197,11 +197,11 @@ def test_sync_reports_the_fleet_and_drops_a_dead_server(tmp_path):
     cfg = SimpleNamespace(rollout=SimpleNamespace(sync_timeout_s=5.0, bucket_mb=1))
     transport = DiskTransport(tmp_path / "sync")
     path.write_text("a:1\nb:1\n")
-    m = sync_weights(StubLearner(), router, 1, cfg, transport, fleet)
+    m = sync_in_time(StubLearner(), router, 1, cfg, transport, fleet)
     assert m["fleet/servers"] == 2 and m["fleet/joined"] == 1 and m["fleet/dropped"] == 0
     assert b.loads == [(str(tmp_path / "sync" / "v1"), 1)] and a.version == b.version == 1
     a.dead = True
-    m = sync_weights(StubLearner(), router, 2, cfg, transport, fleet)
+    m = sync_in_time(StubLearner(), router, 2, cfg, transport, fleet)
     assert m["fleet/servers"] == 1 and m["fleet/joined"] == 0 and m["fleet/dropped"] == 1
     assert b.version == 2 and router.deadline is None
     assert versions_served(router.generate(PROMPTS, PARAMS)) == [2]
@@ -279,7 +279,7 @@ def test_a_broadcast_sync_that_keeps_failing_ends_within_the_timeout_naming_it(m
     cfg = SimpleNamespace(rollout=SimpleNamespace(sync_timeout_s=3.5, bucket_mb=1))  # group timeout 1.17 s
     start = time.monotonic()
     with pytest.raises(fleet_mod.SyncTimeout, match=r"rollout.sync_timeout_s=3.5 s .*a peer stalled"):
-        sync_weights(Learner(), router, 1, cfg, FailingTransport(None), fleet)
+        sync_in_time(Learner(), router, 1, cfg, FailingTransport(None), fleet)
     took = time.monotonic() - start
     assert took < 3.5, took
     assert formed[0] == (0, 1) and formed[1] == (0,)  # b dropped after the first failure, the group formed again

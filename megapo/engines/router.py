@@ -48,6 +48,21 @@ class NoLiveEngine(RuntimeError):
     pass
 
 
+def daemon_call(fn, *args) -> concurrent.futures.Future:
+    """fn(*args) in a daemon thread: a call to a stalled server that is left behind (its own HTTP timeout ends it)
+    neither holds a pool's worker nor keeps the trainer's process from exiting."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="megapo-router-sync", daemon=True).start()
+    return future
+
+
 class ServersLost(RuntimeError):
     """A weight update that did not reach some servers: they are dropped (`dropped`: their indices) and the update
     stands for the others; for a broadcast the group has to be formed again without them."""
@@ -291,10 +306,8 @@ class Router(Engine):
         refuse=False it only counts as not done)."""
         if not ks:
             return [], []
-        pool = ThreadPoolExecutor(len(ks), thread_name_prefix="megapo-router-sync")
-        futures = {k: pool.submit(call, self.engines[k], k) for k in ks}
-        concurrent.futures.wait(futures.values(), timeout=self._wait_s())
-        pool.shutdown(wait=False)  # a call still running is left behind (its own HTTP timeout ends it)
+        futures = {k: daemon_call(call, self.engines[k], k) for k in ks}
+        concurrent.futures.wait(futures.values(), timeout=self._wait_s())  # a call still running is left behind
         done, lost, refused = [], [], None
         for k, future in futures.items():
             if not future.done():

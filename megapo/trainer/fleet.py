@@ -9,7 +9,7 @@ This module is the trainer's side of it:
   vLLM the API key of `rollout.api_key_file`) and added as joining; an address gone from both is dropped. The
   sync that follows brings the joiners to the new version before their first request: joining costs no extra
   transfer, and no request ever reaches a server holding other weights than the Router's.
-- `sync_weights` (every learner rank, collective): one weight sync, bounded by `rollout.sync_timeout_s`. The
+- `sync_in_time` (every learner rank, collective): one weight sync, bounded by `rollout.sync_timeout_s`. The
   Router drops a server whose reload (disk) or receive (broadcast) loses its connection, fails while the server
   no longer answers its health check, or gives no answer in time. For a broadcast the weight-sync groups are
   formed for the fleet's members; a membership change forms the next generation first (every member's workers
@@ -136,7 +136,7 @@ def group_timeout_s(cfg) -> float:
     return max(1.0, cfg.rollout.sync_timeout_s / 3)
 
 
-def sync_weights(learner, engine, version: int, cfg, transport, fleet: Fleet | None = None) -> dict:
+def sync_in_time(learner, engine, version: int, cfg, transport, fleet: Fleet | None = None) -> dict:
     """One weight sync (collective on the learner ranks; rank 0 owns the engine and the fleet), bounded by
     rollout.sync_timeout_s. Returns the sync and fleet metrics."""
     from megapo.weights import bucket_bytes, sync_named

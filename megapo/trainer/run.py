@@ -393,7 +393,7 @@ def sync_weights(learner, engine, version: int, cfg: RunConfig, transport, fleet
     fleet's dead servers are dropped and the sync completes for the others (megapo.trainer.fleet). A per-stage
     transport (broadcast) takes each stage's tensors on its own ranks, as views: nothing is copied on the
     learner."""
-    from megapo.trainer.fleet import sync_weights as fleet_sync
+    from megapo.trainer.fleet import sync_in_time
 
-    return fleet_sync(learner, engine, version, cfg, transport, fleet)
+    return sync_in_time(learner, engine, version, cfg, transport, fleet)
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import datetime
 import struct
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -548,8 +547,7 @@ class BroadcastTransport(Transport):
         # receive first, from its own thread (the call returns once its workers have loaded the weights)
         if self.broken:
             raise SyncFailed("broadcast: the weight-sync group was torn down by a failed sync; form the next one")
-        pool = ThreadPoolExecutor(max(1, len(engines)), thread_name_prefix="megapo-receive")
-        receiving = [pool.submit(engine.receive_weights, version) for engine in engines]
+        receiving = [_daemon_call(engine.receive_weights, version) for engine in engines]
         failed = None
         try:
             moved = self._send(named, bucket_bytes, version, dtype)
@@ -558,10 +556,8 @@ class BroadcastTransport(Transport):
         if failed is not None:  # outside the except block: no traceback frame keeps the group alive
             self.teardown()  # the workers still in the group fail now, not at its timeout
             _settle(receiving, self.timeout_s)
-            pool.shutdown(wait=False)
             raise failed
         _settle(receiving, self.timeout_s)
-        pool.shutdown(wait=False)
         for future in receiving:
             err = None if future.done() else TimeoutError(f"no answer within {self.timeout_s:g} s")
             err = err or future.exception()
@@ -587,6 +583,24 @@ class BroadcastTransport(Transport):
         if acked != version:
             raise RuntimeError(f"broadcast: an engine worker acknowledged weight version {acked}, expected {version}")
         return moved
+
+
+def _daemon_call(fn, *args):
+    """fn(*args) in a daemon thread, as a Future: a receive call left behind on a stalled server neither blocks a
+    pool nor keeps the process from exiting."""
+    import concurrent.futures
+    import threading
+
+    future = concurrent.futures.Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="megapo-receive", daemon=True).start()
+    return future
 
 
 def _settle(futures: list, timeout_s: float) -> None:
