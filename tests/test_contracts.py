@@ -1,7 +1,7 @@
 """docs/CONTRACTS.md declares every method and attribute the trainer uses on an engine, a learner or a KL reference.
 
-The trainer's side is read statically (ast) from megapo/trainer/*.py, megapo/replay/modes.py and
-megapo/weights/*.py: every `x.name` and every `hasattr(x, "name")` / `getattr(x, "name", ...)` whose receiver is
+The trainer's side is read statically (ast) from megapo/trainer/*.py, megapo/replay/modes.py,
+megapo/weights/*.py and megapo/envs/*.py (multi-turn rollouts drive the engine too): every `x.name` and every `hasattr(x, "name")` / `getattr(x, "name", ...)` whose receiver is
 a variable called `engine` or `client` (engines), `learner` or `reference` (self.engine etc. too). The doc's side:
 the names declared in the ```python blocks of its "## Engines" and "## Learner" sections (`def name(` or
 `name: type`, several per line separated by `;`).
@@ -20,7 +20,8 @@ SECTION = {"engine": "Engines", "client": "Engines", "learner": "Learner", "refe
 
 def trainer_sources() -> list[Path]:
     megapo = ROOT / "megapo"
-    return sorted([*(megapo / "trainer").glob("*.py"), megapo / "replay" / "modes.py", *(megapo / "weights").glob("*.py")])
+    return sorted([*(megapo / "trainer").glob("*.py"), megapo / "replay" / "modes.py", *(megapo / "weights").glob("*.py"),
+                   *(megapo / "envs").glob("*.py")])
 
 
 def _receiver(node: ast.AST) -> str | None:
@@ -81,3 +82,34 @@ def test_check_names_what_the_doc_lacks():
     assert undeclared(used, declared_names(doc)) == [
         "engine.teleport (x.py:4) is not declared in docs/CONTRACTS.md ## Engines",
         "learner.warp (x.py:3) is not declared in docs/CONTRACTS.md ## Learner"]
+
+
+def _class_block_names(doc: str, class_name: str) -> set[str]:
+    """The names declared in the ```python block lines under `class <class_name>` (up to the next class / block end)."""
+    block = re.search(rf"^class {class_name}\b.*?\n(.*?)(?=^class |^```)", doc, flags=re.S | re.M)
+    assert block, f"docs/CONTRACTS.md declares no class {class_name}"
+    names = set()
+    for line in block.group(1).splitlines():
+        for piece in line.split("#")[0].split(";"):
+            m = re.match(r"\s*(?:def\s+(\w+)\s*\(|(\w+)\s*:)", piece)
+            if m:
+                names.add(m.group(1) or m.group(2))
+    return names
+
+
+def test_reference_protocol_matches_the_contract_and_both_references():
+    """The Reference protocol the trainer types its π_ref with declares exactly the members CONTRACTS lists under
+    `class Reference`, and MegatronReference and PlainReference each have every one of them."""
+    from megapo.learner.reference import MegatronReference, PlainReference, Reference
+
+    protocol = set(Reference.__annotations__) | {n for n, v in vars(Reference).items()
+                                                 if callable(v) and not n.startswith("_")}
+    assert protocol == {"collective", "response_logprobs", "close"}
+    assert _class_block_names(CONTRACTS.read_text(), "Reference") == protocol
+    for impl in (MegatronReference, PlainReference):
+        assert all(hasattr(impl, name) for name in protocol), impl.__name__
+    # what the trainer reads off a reference is the protocol's and nothing else
+    used = {}
+    for path in trainer_sources():
+        used.update(used_names(path.read_text(), str(path.relative_to(ROOT))))
+    assert {name for receiver, name in used if receiver == "reference"} <= protocol

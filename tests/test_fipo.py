@@ -162,12 +162,12 @@ def test_fipo_against_engine_refused_where_pi_old_is_the_engine():
 
 
 def test_fipo_in_the_loop_reads_the_reference_and_loads_it():
-    from megapo.trainer.update import loss_options, token_stages
+    from megapo.trainer.update import token_stages
 
     cfg = make_cfg(token_advantage="fipo", token_advantage_options={"clip": 0.5, "half_life": None})
     a = cfg.algorithm
     assert a.needs_reference() and a.needs_old_stats() and not a.needs_old_entropy()
-    assert "kl_coef" not in loss_options(cfg)  # the reference feeds the advantage only: no loss-side KL
+    assert cfg.loss_spec().kl_coef == 0.0  # the reference feeds the advantage only: no loss-side KL
     engine = make_cfg(token_advantage="fipo", token_advantage_options={"against": "engine"})
     assert not engine.algorithm.needs_reference()
     batch = [{"advantage": 1.0, "old_logp": [-0.5, -1.0], "ref_logp": [-0.7, -1.1], "rollout_logp": [0.0, 0.0]},

@@ -340,13 +340,13 @@ def test_kl_and_entropy_terms():
 
 def _args():
     p = padded(make_seqs(seed=7), garbage=False)
-    return dict(name="ppo", logp=p["lp"], old_logp=p["old"], advantages=p["adv"], mask=p["mask"])
+    return dict(loss="ppo", logp=p["lp"], old_logp=p["old"], advantages=p["adv"], mask=p["mask"])
 
 
 @pytest.mark.parametrize(
     "change, argument",
     [
-        (lambda a: a.update(name="nope"), "name"),
+        (lambda a: a.update(loss="nope"), "objective"),
         (lambda a: a.update(old_logp=a["old_logp"][:, :-1]), "old_logp"),
         (lambda a: a.update(advantages=a["advantages"][:-1]), "advantages"),
         (lambda a: a.update(mask=torch.zeros_like(a["mask"])), "mask"),

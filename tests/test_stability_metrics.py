@@ -143,18 +143,17 @@ class RecordingLearner:
                                     for s, r in zip(sequences, routes or [None] * len(sequences))]
         return [logp_at(s, self.version) for s in sequences]
 
-    def train_step(self, batch, objective, loss_agg, **options):
+    def train_step(self, batch, loss):
         from megapo.algorithms import policy_loss
 
-        self.calls.append(("train_step", self.version, [dict(s) for s in batch], dict(options)))
+        self.calls.append(("train_step", self.version, [dict(s) for s in batch], loss))
         # the loss the real learner would take on this mini-batch: its TIS weights from old_logp and rollout_logp
         logp = torch.cat([logp_at(s["tokens"], self.version)[s["prompt_len"] - 1:] for s in batch])
         old = torch.cat([torch.tensor(s["old_logp"]) for s in batch])
         mu = torch.cat([torch.tensor(s["rollout_logp"], dtype=torch.float32) for s in batch])
         lens = torch.tensor([0] + [len(s["old_logp"]) for s in batch])
         adv = torch.cat([torch.full((len(s["old_logp"]),), s["advantage"]) for s in batch])
-        _, metrics = policy_loss(objective, logp, old, adv, torch.ones_like(logp), mu, cu_seqlens=lens.cumsum(0),
-                                 loss_agg=loss_agg, **options)
+        _, metrics = policy_loss(loss, logp, old, adv, torch.ones_like(logp), mu, cu_seqlens=lens.cumsum(0))
         self.version += 1
         return {k: float(v) for k, v in metrics.items()}
 
@@ -184,7 +183,7 @@ def make_groups(num_groups, n=2):
 @pytest.mark.parametrize("num_groups", [8, 7])  # 7: the groups do not divide into 4 evenly
 def test_mini_batches_keep_pi_old_and_routes_fixed(mode, num_groups):
     from megapo.trainer.config import RunConfig
-    from megapo.trainer.update import loss_options, update_policy
+    from megapo.trainer.update import update_policy
     from megapo.trainer.metrics import StepTimer
 
     m, n = 4, 2
@@ -196,7 +195,7 @@ def test_mini_batches_keep_pi_old_and_routes_fixed(mode, num_groups):
     cfg.train.mini_batches = m
     groups = make_groups(num_groups, n)
     learner = RecordingLearner(hook=mode != "off")
-    metrics = update_policy(learner, groups, cfg, None, loss_options(cfg), StepTimer())
+    metrics = update_policy(learner, groups, cfg, None, cfg.loss_spec(), StepTimer())
 
     kinds = [c[0] for c in learner.calls]
     assert kinds == ["logprobs"] + ["train_step"] * m  # one old pass, before any update; exactly m updates
@@ -208,9 +207,9 @@ def test_mini_batches_keep_pi_old_and_routes_fixed(mode, num_groups):
     else:
         assert old_call[2] is None  # off / r2: the old pass routes freely
     trained = []
-    for version, (_, at, batch, options) in enumerate(learner.calls[1:]):
+    for version, (_, at, batch, loss) in enumerate(learner.calls[1:]):
         assert at == version  # the m updates follow one another on changing weights
-        assert options["correction"] == "tis"
+        assert loss.correction == "tis"
         assert len(batch) % n == 0 and len({tuple(s["tokens"][:s["prompt_len"]]) for s in batch}) == len(batch) // n
         for s in batch:
             engine = samples[len(trained)]

@@ -34,7 +34,7 @@ class SnapshotLearner(HFLearner):
         self.snapshots = {0: copy.deepcopy(self.model.state_dict())}
         self.train_intervals: list[tuple[float, float]] = []
         self.updates_at_train: list[int] = []
-        self.options: list[dict] = []
+        self.losses: list = []  # the LossSpec of each train_step
         self.train_sleep = train_sleep
         self._busy_since: float | None = None
 
@@ -45,12 +45,12 @@ class SnapshotLearner(HFLearner):
         time.sleep(self.train_sleep)  # a slower learner, so that generation has time to overlap
         return out
 
-    def train_step(self, batch, objective, loss_agg, **options):
+    def train_step(self, batch, loss):
         t0 = self._busy_since if self._busy_since is not None else time.perf_counter()
         self._busy_since = None
         self.updates_at_train.append(len(self.snapshots) - 1)
-        self.options.append(options)
-        out = super().train_step(batch, objective, loss_agg, **options)
+        self.losses.append(loss)
+        out = super().train_step(batch, loss)
         time.sleep(self.train_sleep)  # a slower learner, so that generation has time to overlap
         self.snapshots[len(self.snapshots)] = copy.deepcopy(self.model.state_dict())
         self.train_intervals.append((t0, time.perf_counter()))
@@ -123,7 +123,7 @@ def test_async_k2_versions_staleness_overlap(tmp_path, tiny_dense, reward_module
     assert engine.threads == {"megapo-rollouts"}  # generation ran in the background thread
     # the async default: the objective's π_old is the engine's log-probs of the sampling weights (its clip is
     # the staleness correction), so no extra correction weights
-    assert all("correction" not in o for o in learner.options)
+    assert all(spec.correction is None for spec in learner.losses)
     assert all(s["old_logp"] == s["rollout_logp"] for b in learner.batches for s in b)
 
     # every trained sample: its version is <= k behind the learner, and its rollout log-probs are those of
@@ -219,14 +219,13 @@ def test_async_stop_and_resume_trains_every_prompt_once(tmp_path, tiny_dense, re
 def test_old_policy_and_correction_defaults(tmp_path, tiny_dense, reward_module):
     """sync: π_old from the learner, no correction; async: π_old = the engine's log-probs, no correction;
     async with old_policy=learner: TIS weights π_old/μ (capped) on the stale samples."""
-    from megapo.trainer.update import loss_options
 
     sync = _cfg(tiny_dense, tmp_path, reward_module, **{"train.mode": "sync"})
     asyn = _cfg(tiny_dense, tmp_path, reward_module)
     learner_ratio = _cfg(tiny_dense, tmp_path, reward_module, **{"algorithm.old_policy": "learner"})
     assert (sync.old_policy(), asyn.old_policy(), learner_ratio.old_policy()) == ("learner", "engine", "learner")
-    assert "correction" not in loss_options(sync) and "correction" not in loss_options(asyn)
-    assert loss_options(learner_ratio)["correction"] == "tis"
+    assert sync.loss_spec().correction is None and asyn.loss_spec().correction is None
+    assert learner_ratio.loss_spec().correction == "tis"
 
 
 def test_engine_old_policy_metrics_and_batch():

@@ -47,7 +47,7 @@ class HFLearner:
         with torch.no_grad():
             return self._logp_rows([list(s) for s in sequences])
 
-    def train_step(self, batch, objective, loss_agg, **options):
+    def train_step(self, batch, loss):
         from megapo.algorithms import policy_loss
 
         self.calls.append(("train_step", len(batch)))
@@ -64,11 +64,11 @@ class HFLearner:
 
         adv = torch.cat([torch.full((n,), s["advantage"]) for n, s in zip(lens, batch)])
         extra = {"ref_logp": cat("ref_logp")} if "ref_logp" in batch[0] else {}
-        loss, metrics = policy_loss(objective, logp, cat("old_logp"), adv, torch.ones_like(logp), cat("rollout_logp"),
-                                    cu_seqlens=cu, loss_agg=loss_agg, **options, **extra)
-        loss.backward()
+        value, metrics = policy_loss(loss, logp, cat("old_logp"), adv, torch.ones_like(logp), cat("rollout_logp"),
+                                     cu_seqlens=cu, **extra)
+        value.backward()
         self.opt.step()
-        return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+        return {"loss": float(value.detach()), **{k: float(v) for k, v in metrics.items()}}
 
     def hf_state_dict(self):
         return iter([(k, v.detach().clone()) for k, v in self.model.state_dict().items()])

@@ -27,8 +27,8 @@ class SnapshotLearner(HFLearner):
         super().__init__(model_dir, lr=2e-2)  # a visible update, so a lost sync shows
         self.snapshots = {0: copy.deepcopy(self.model.state_dict())}
 
-    def train_step(self, batch, objective, loss_agg, **options):
-        out = super().train_step(batch, objective, loss_agg, **options)
+    def train_step(self, batch, loss):
+        out = super().train_step(batch, loss)
         self.snapshots[len(self.snapshots)] = copy.deepcopy(self.model.state_dict())
         return out
 

@@ -1,7 +1,8 @@
 """`policy_loss`: the one entry point the learner calls (docs/CONTRACTS.md).
 
-    loss, metrics = policy_loss("gspo", logp, old_logp, adv, mask, global_seqs=n_seqs_all_ranks)
+    loss, metrics = policy_loss(LossSpec("gspo"), logp, old_logp, adv, mask, global_seqs=n_seqs_all_ranks)
     # loss_agg "auto" (default): the objective's own, here GSPO's "seq-mean-token-mean"
+    loss, metrics = policy_loss("ppo", logp, old_logp, adv, mask, eps_high=0.28)   # LossSpec.of("ppo", eps_high=0.28)
 
 Steps: check and bring the inputs to the padded view (batch.py) → the objective's per-token loss
 (objectives.py) → × the mismatch correction weights (corrections.py) → aggregate (aggregation.py)
@@ -21,11 +22,7 @@ from megapo.algorithms import corrections
 from megapo.algorithms.aggregation import AUTO, Norm, PolarityCounts, aggregate, resolve
 from megapo.algorithms.kl import kl_penalty
 from megapo.algorithms.registry import get
-
-# options policy_loss itself understands; everything else goes to the objective's options
-_COMMON = ("correction", "correction_options", "max_len", "ref_logp", "kl_coef", "kl_estimator",
-           "entropy", "entropy_coef", "token_weight", "old_entropy", "sentence_end")
-
+from megapo.algorithms.spec import FLAT_OPTIONS, LossSpec, as_loss_spec
 
 def _positive(name: str, value) -> float | Tensor | None:
     if value is None:
@@ -56,7 +53,8 @@ def _token_weight(b: batch_mod.TokenBatch) -> Tensor:
 
 
 def token_inputs(name: str, options: dict) -> tuple[str, ...]:
-    """The per-token inputs objective `name` with these options (policy_loss's keywords, common ones included)
+    """The per-token inputs objective `name` with these options (its objective options; LossSpec's own names are
+    ignored)
     reads beyond logp / old_logp / advantages: "old_entropy" (π_old's per-token entropy), "sentence_end"
     (1.0 at a sentence's last token). () for an unregistered name (a custom loss_fn's objective)."""
     from megapo.algorithms.registry import entries
@@ -64,22 +62,12 @@ def token_inputs(name: str, options: dict) -> tuple[str, ...]:
     entry = next((e for e in entries("objective") if e.name == name), None)
     if entry is None:
         return ()
-    opts = entry.make_options({k: v for k, v in options.items() if k not in _COMMON})
+    opts = entry.make_options({k: v for k, v in options.items() if k not in FLAT_OPTIONS})
     return tuple(getattr(opts, "token_inputs", ()))
 
 
-def _coef(name: str, value) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: expected a number, got {value!r}") from None
-    if not math.isfinite(v):
-        raise ValueError(f"{name}: must be finite, got {value!r}")
-    return v
-
-
 def policy_loss(
-    name: str,
+    loss: LossSpec | str,
     logp: Tensor,
     old_logp: Tensor,
     advantages: Tensor,
@@ -87,89 +75,87 @@ def policy_loss(
     rollout_logp: Tensor | None = None,
     *,
     cu_seqlens: Tensor | None = None,
-    loss_agg: str = AUTO,
     global_tokens: int | float | None = None,
     global_seqs: int | float | None = None,
     global_polarity: PolarityCounts | None = None,
+    ref_logp: Tensor | None = None,
+    entropy: Tensor | None = None,
+    token_weight: Tensor | None = None,
+    old_entropy: Tensor | None = None,
+    sentence_end: Tensor | None = None,
+    loss_agg: str | None = None,
     **options: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Loss of objective `name` and its metrics (detached 0-d tensors, local to this shard).
+    """Loss of `loss` (a LossSpec, megapo/algorithms/spec.py) and its metrics (detached 0-d tensors, local to
+    this shard). `loss` may also be an objective name: the spec is then LossSpec.of(name, loss_agg or "auto",
+    **options) (options: the spec's field names, the rest the objective's; see `megapo objectives`); with a
+    LossSpec, `loss_agg` and options are refused.
 
-    loss_agg: an aggregation name, or "auto" for the objective's registered (paper) default.
-    Common options: correction (a correction name) and correction_options (dict); max_len (for
-    loss_agg="seq-mean-token-sum-norm"); ref_logp + kl_coef (+ kl_estimator, default "k3") for a
-    KL loss term; entropy (per-token entropies, differentiable) + entropy_coef for an entropy
-    bonus; token_weight (per-token, detached, >= 0: a token_weight stage's output, megapo/algorithms/stages.py)
+    Per-token inputs (same shape as logp): ref_logp for the KL term and metric (required when the spec's
+    kl_coef is non-zero); entropy (differentiable) for the entropy metric and bonus (required with
+    entropy_coef); token_weight (detached, >= 0: a token_weight stage's output, megapo/algorithms/stages.py)
     multiplies the objective's per-token loss as a correction does, the normaliser unchanged; old_entropy
     (π_old's per-token entropy) and sentence_end (1.0 at each sentence's last token) reach the objective only
-    when its options ask for them (`token_inputs`), and are refused missing then. Any other
-    keyword is an option of the objective (see `megapo objectives`).
+    when its options ask for them (`token_inputs`), and are refused missing then.
     global_polarity: loss_agg="balanced"'s sequence and token counts by advantage sign over the whole
     batch (aggregation.polarity_counts), so its shards, too, sum to the full-batch loss.
     """
-    entry = get("objective", name)
-    loss_agg = resolve(loss_agg, name)
-    common = {k: options.pop(k) for k in _COMMON if k in options}
-    obj_opts = entry.make_options(options)
+    spec = as_loss_spec(loss, loss_agg, options)
+    entry = get("objective", spec.objective, argument="objective")
+    agg = resolve(spec.loss_agg, spec.objective)
+    obj_opts = spec.objective_config()
     norm = Norm(
         global_tokens=_positive("global_tokens", global_tokens),
         global_seqs=_positive("global_seqs", global_seqs),
-        max_len=_positive("max_len", common.get("max_len")),
+        max_len=spec.max_len,
         polarity=_polarity(global_polarity),
     )
-    kl_coef = _coef("kl_coef", common.get("kl_coef", 0.0))
-    entropy_coef = _coef("entropy_coef", common.get("entropy_coef", 0.0))
-    ref_logp = common.get("ref_logp")
-    entropy = common.get("entropy")
-    if kl_coef and ref_logp is None:
+    if spec.kl_coef and ref_logp is None:
         raise ValueError("ref_logp: required when kl_coef is non-zero")
-    if entropy_coef and entropy is None:
+    if spec.entropy_coef and entropy is None:
         raise ValueError("entropy: required when entropy_coef is non-zero")
-    correction = common.get("correction")
-    if correction is not None and rollout_logp is None:
-        raise ValueError(f"rollout_logp: required by correction={correction!r}")
-    if correction is None and common.get("correction_options"):
-        raise ValueError("correction_options: given without a correction")
+    if spec.correction is not None and rollout_logp is None:
+        raise ValueError(f"rollout_logp: required by correction={spec.correction!r}")
 
     extra = {}
     if ref_logp is not None:
         extra["ref_logp"] = ref_logp.detach() if isinstance(ref_logp, Tensor) else ref_logp
     if entropy is not None:
         extra["entropy"] = entropy
-    token_weight = common.get("token_weight")
     if token_weight is not None:
         extra["token_weight"] = token_weight.detach() if isinstance(token_weight, Tensor) else token_weight
+    asked = {"old_entropy": old_entropy, "sentence_end": sentence_end}
     for key in getattr(obj_opts, "token_inputs", ()):  # only what the objective reads; the rest is ignored
-        value = common.get(key)
+        value = asked.get(key)
         if value is None:
-            raise ValueError(f"{key}: required by objective {name!r} with these options")
+            raise ValueError(f"{key}: required by objective {spec.objective!r} with these options")
         extra[key] = value.detach() if isinstance(value, Tensor) else value
     b, _ = batch_mod.build(logp, old_logp, advantages, mask, rollout_logp, cu_seqlens, extra)
 
     out = entry.fn(b, obj_opts)
     token_loss = out.loss
     metrics: dict[str, Tensor] = {}
-    if correction is not None:
-        weights, corr_metrics = corrections.batch_correction_weights(correction, b, common.get("correction_options"))
+    if spec.correction is not None:
+        weights, corr_metrics = corrections.batch_correction_weights(spec.correction, b, spec.correction_options)
         token_loss = token_loss * weights
         metrics.update(corr_metrics)
     if token_weight is not None:
         token_loss = token_loss * _token_weight(b)
         metrics["token_weight_mean"] = b.token_mean(b.extra["token_weight"]).detach()
 
-    pg_loss = aggregate(token_loss, b, loss_agg, norm)
+    pg_loss = aggregate(token_loss, b, agg, norm)
     loss = pg_loss
     metrics["pg_loss"] = pg_loss.detach()
     if ref_logp is not None:
-        kl = kl_penalty(b.logp, b.extra["ref_logp"], common.get("kl_estimator", "k3"))
-        kl_loss = aggregate(kl, b, loss_agg, norm)
+        kl = kl_penalty(b.logp, b.extra["ref_logp"], spec.kl_estimator)
+        kl_loss = aggregate(kl, b, agg, norm)
         metrics["kl"] = b.token_mean(kl).detach()
-        if kl_coef:
-            loss = loss + kl_coef * kl_loss
+        if spec.kl_coef:
+            loss = loss + spec.kl_coef * kl_loss
     if entropy is not None:
         metrics["entropy"] = b.token_mean(b.extra["entropy"]).detach()
-        if entropy_coef:
-            loss = loss - entropy_coef * aggregate(b.extra["entropy"], b, loss_agg, norm)
+        if spec.entropy_coef:
+            loss = loss - spec.entropy_coef * aggregate(b.extra["entropy"], b, agg, norm)
 
     metrics.update(_ratio_metrics(b, out))
     if b.rollout_logp is not None:

@@ -4,8 +4,9 @@ and dist_checkpointing save/load. One instance per process; every rank calls eve
 
     learner = Learner("tiny_moe/", ParallelConfig(tp=2), OptimConfig(lr=1e-5))
     logps = learner.logprobs([[1, 2, 3], [4, 5]])            # [tensor(2), tensor(1)] on every rank
-    metrics = learner.train_step(samples, "ppo", "token-mean", clip_eps=0.2)
-    metrics, old = learner.train_step_on_policy(samples, "gspo")  # π_old = this forward's log-probs
+    metrics = learner.train_step(samples, LossSpec("ppo", "token-mean", {"eps_high": 0.28}))
+    metrics = learner.train_step(samples, "ppo", "token-mean", eps_high=0.28)   # the same (LossSpec.of)
+    metrics, old = learner.train_step_on_policy(samples, LossSpec("gspo"))  # π_old = this forward's log-probs
 
 Micro-batches are [rows x width] packed rows (megapo/learner/packing.py). Host reads happen once per
 step: the batch is validated and its per-token inputs built once, each micro-batch's metrics stay on
@@ -33,14 +34,10 @@ from megapo.learner import packing
 from megapo.learner.guard import UpdateGuard
 from megapo.learner.logprobs import vocab_parallel_logprobs
 from megapo.learner.rope import set_positions
+from megapo.algorithms.spec import LossSpec, as_loss_spec
 from megapo.learner.sample import OPTIONAL_FIELDS, TOKEN_FIELDS
 from megapo.models.family import family_for
 from megapo.weights import gather, hf_load
-
-# policy_loss metrics that are a micro-batch's share of the batch total (aggregated with the global
-# normaliser), so the batch's value is their sum, not their mean
-SHARE_METRICS = ("pg_loss",)
-
 
 @dataclass
 class MicroBatch:
@@ -297,14 +294,16 @@ class Learner:
             return logps, entropies
         return logps
 
-    def train_step(self, batch: list[dict], objective: str, loss_agg: str = "token-mean", **options) -> dict:
+    def train_step(self, batch: list[dict], loss: LossSpec | str, loss_agg: str | None = None, **options) -> dict:
         """One optimizer step on `batch` (the full batch, identical on every rank; each DP rank takes
-        its share). Returns metrics: loss, grad_norm, lr, entropy, tokens_per_s, objective metrics."""
-        metrics, _ = self._train(batch, objective, loss_agg, on_policy=False, keep_logprobs=False, keep_entropy=False,
-                                 options=options)
+        its share) under `loss` (a LossSpec; an objective name builds one from `loss_agg`, default token-mean,
+        and the options: as_loss_spec). Returns metrics: loss, grad_norm, lr, entropy, tokens_per_s, objective
+        metrics."""
+        metrics, _ = self._train(batch, as_loss_spec(loss, loss_agg, options, default_agg="token-mean"),
+                                 on_policy=False, keep_logprobs=False, keep_entropy=False)
         return metrics
 
-    def train_step_on_policy(self, batch: list[dict], objective: str, loss_agg: str = "token-mean", *,
+    def train_step_on_policy(self, batch: list[dict], loss: LossSpec | str, loss_agg: str | None = None, *,
                              keep_logprobs: bool = False, keep_entropy: bool = False, **options) -> tuple[dict, dict]:
         """train_step on a batch whose π_old is the policy being trained (one update on one mini-batch,
         π_old from the learner): π_old is this forward's own detached log-probs, so no separate
@@ -312,11 +311,11 @@ class Learner:
         old-log-prob pass would have given: "metrics", its routing metrics under "replay/...", and with
         keep_logprobs "logprobs", each sample's response log-probs before the update, on every rank; with
         keep_entropy "entropies", π_old's per-token entropy at them)."""
-        return self._train(batch, objective, loss_agg, on_policy=True, keep_logprobs=keep_logprobs,
-                           keep_entropy=keep_entropy, options=options)
+        return self._train(batch, as_loss_spec(loss, loss_agg, options, default_agg="token-mean"), on_policy=True,
+                           keep_logprobs=keep_logprobs, keep_entropy=keep_entropy)
 
-    def _train(self, batch: list[dict], objective: str, loss_agg: str, *, on_policy: bool, keep_logprobs: bool,
-               keep_entropy: bool, options: dict) -> tuple[dict, dict]:
+    def _train(self, batch: list[dict], spec: LossSpec, *, on_policy: bool, keep_logprobs: bool,
+               keep_entropy: bool) -> tuple[dict, dict]:
         from megatron.core import parallel_state as ps
 
         if self.frozen:
@@ -334,19 +333,20 @@ class Learner:
         per_sample = inputs.policy_counts()  # the normalisers count policy tokens only (loss_mask)
         global_tokens = int(per_sample.sum())
         global_seqs = int((per_sample > 0).sum())  # a sample of observation tokens only adds nothing
-        counts = _batch_counts(inputs, objective, loss_agg)  # batch-global counts an aggregation needs
+        counts = _batch_counts(inputs, spec.objective, spec.loss_agg)  # batch-global counts an aggregation needs
         scale = len(micro_batches) * ps.get_data_parallel_world_size()  # undo the schedule's /M and DDP's /dp
         cols = inputs.columns
         from megapo.algorithms.loss import token_inputs
 
-        wanted = token_inputs(objective, options)  # per-token inputs the objective reads (old_entropy, sentence_end)
+        # per-token inputs the objective reads (old_entropy, sentence_end)
+        wanted = token_inputs(spec.objective, spec.objective_options)
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             if not mb.order:  # an empty micro-batch (DP balancing): no loss, but keep the graph connected
                 return logits.sum() * 0.0, {"tokens": 0, "response_tokens": 0}
             # entropy: a metric, and a loss term with entropy_coef
             packed, packed_entropy = self._selected_logprobs(mb, logits, True,
-                                                             entropy_grad=bool(options.get("entropy_coef")))
+                                                             entropy_grad=bool(spec.entropy_coef))
             # tokens: the policy tokens the loss and the metrics count (the metrics' weights)
             out = {"tokens": mb.loss_tokens, "response_tokens": mb.num_tokens}
             if keep_logprobs:
@@ -363,7 +363,7 @@ class Learner:
                 return self._padded(mb, cols[name][mb.columns]) if name in cols else None
 
             old = logp.detach() if on_policy else column("old_logp")
-            extra = dict(options)
+            extra = {}
             for name in ("ref_logp", "token_weight"):  # a token_weight stage's weights (algorithms/stages.py)
                 if name in cols:
                     extra[name] = column(name)
@@ -371,11 +371,10 @@ class Learner:
                 value = entropy.detach() if name == "old_entropy" and on_policy else column(name)
                 if value is not None:
                     extra[name] = value
-            if extra.get("entropy_coef"):
+            if spec.entropy_coef:
                 extra["entropy"] = entropy
-            loss, metrics = loss_fn(objective, logp, old, column("advantage"), mb.loss_mask, column("rollout_logp"),
-                                    loss_agg=loss_agg, global_tokens=global_tokens, global_seqs=global_seqs, **counts,
-                                    **extra)
+            loss, metrics = loss_fn(spec, logp, old, column("advantage"), mb.loss_mask, column("rollout_logp"),
+                                    global_tokens=global_tokens, global_seqs=global_seqs, **counts, **extra)
             out.update(metrics=metrics, loss=loss.detach(),
                        entropy_sum=torch.where(mb.loss_mask, entropy.detach(), 0.0).sum())
             return loss * scale, out
@@ -418,43 +417,14 @@ class Learner:
         return {"grad_norm": grad_norm, "lr": lr, "update_ok": ok, "skipped_nonfinite": 0 if ok else 1}
 
     def _reduce_metrics(self, stored: list[dict]) -> dict:
-        """Metrics of the whole batch from its micro-batches on every DP rank: the loss and other shares
-        summed, *_min / *_max as minimum / maximum, everything else a token-weighted mean over the policy
-        tokens (loss_mask 1: the tokens the loss counts; entropy too); response_tokens counts them all. Each
-        micro-batch's values stay on the device until one copy to the host here."""
-        keys, values = [], []
-        for d in stored:
-            if d["tokens"]:
-                names = sorted(d["metrics"])
-                keys.append(names)
-                values.extend([d["loss"], d["entropy_sum"], *(d["metrics"][k] for k in names)])
-        host = torch.stack([v.reshape(()).to(torch.float64) for v in values]).tolist() if values else []
-        local = {"tokens": 0, "loss": 0.0, "entropy_sum": 0.0, "each": [],
-                 "response_tokens": sum(d.get("response_tokens", 0) for d in stored)}
-        at = 0
-        for d, names in zip([d for d in stored if d["tokens"]], keys):
-            loss, entropy_sum, *rest = host[at:at + 2 + len(names)]
-            at += 2 + len(names)
-            local["tokens"] += d["tokens"]
-            local["loss"] += loss
-            local["entropy_sum"] += entropy_sum
-            local["each"].append((d["tokens"], dict(zip(names, rest))))
-        parts = self._share_results([local])
-        tokens = sum(p["tokens"] for p in parts)
-        out = {"loss": sum(p["loss"] for p in parts), "entropy": sum(p["entropy_sum"] for p in parts) / max(tokens, 1),
-               "response_tokens": sum(p["response_tokens"] for p in parts)}
-        each = [(n, m) for p in parts for n, m in p["each"]]  # (tokens, metrics) of every micro-batch
-        for k in sorted({k for _, m in each for k in m} - out.keys()):
-            values = [(n, m[k]) for n, m in each if k in m]
-            if k in SHARE_METRICS:  # each micro-batch's value is its share of the batch's total
-                out[k] = sum(v for _, v in values)
-            elif k.endswith("_min"):
-                out[k] = min(v for _, v in values)
-            elif k.endswith("_max") or "max_abs" in k:
-                out[k] = max(v for _, v in values)
-            else:
-                out[k] = sum(n * v for n, v in values) / max(tokens, 1)
-        return out
+        """Metrics of the whole batch from its micro-batches on every DP rank, each by its declared reduction
+        (megapo/learner/metrics.py): the loss and other shares summed, extremes as such, means token-weighted
+        over the policy tokens (loss_mask 1: the tokens the loss counts); response_tokens counts them all. Each
+        micro-batch's values stay on the device until one copy to the host here (collective)."""
+        from megapo.learner.metrics import reduce_metrics
+
+        parts = self._share_results(_host_metrics(stored))
+        return reduce_metrics(parts)
 
     def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named fp32 tensors, gathered over TP/EP/PP, on every rank (collective), one at a
@@ -528,6 +498,27 @@ class Learner:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
 
+
+
+def _host_metrics(stored: list[dict]) -> list:
+    """This rank's micro-batches' metrics (loss_func's outputs) as metrics.MicroBatchMetrics, in one device-to-host
+    copy: for each, the learner's own (loss, entropy as its sum over the policy tokens, response_tokens) and
+    policy_loss's (its entropy, if any, is replaced by the learner's). A micro-batch without policy tokens gives
+    its response_tokens only."""
+    from megapo.learner.metrics import MicroBatchMetrics
+
+    trained = [d for d in stored if d["tokens"]]
+    values = [v for d in trained for v in (d["loss"], d["entropy_sum"], *(d["metrics"][k] for k in sorted(d["metrics"])))]
+    host = iter(torch.stack([v.reshape(()).to(torch.float64) for v in values]).tolist() if values else [])
+    parts = []
+    for d in stored:
+        if not d["tokens"]:
+            parts.append(MicroBatchMetrics(0, {"response_tokens": d.get("response_tokens", 0)}))
+            continue
+        own = {"loss": next(host), "entropy": next(host), "response_tokens": d["response_tokens"]}
+        objective = {k: next(host) for k in sorted(d["metrics"])}
+        parts.append(MicroBatchMetrics(d["tokens"], {**own, **{k: v for k, v in objective.items() if k not in own}}))
+    return parts
 
 
 def _check_sequences(sequences: list[list[int]], vocab: int) -> np.ndarray:

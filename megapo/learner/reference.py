@@ -18,12 +18,30 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from megapo.config import ParallelConfig
 
 REFERENCES = ("auto", "megatron", "plain")
+
+
+@runtime_checkable
+class Reference(Protocol):
+    """What the trainer calls on π_ref (megapo.trainer.update.reference_logprobs, Run.close); MegatronReference
+    and PlainReference both are one, and so is any other policy with these members (docs/CONTRACTS.md)."""
+
+    # True: every rank calls response_logprobs (collective); False: rank 0 only, the trainer broadcasts the result
+    collective: bool
+
+    def response_logprobs(self, batch: list[dict]) -> list[list[float]]:
+        """π_ref's log-prob of every response token of each sample (sample["tokens"][sample["prompt_len"]:])."""
+        ...
+
+    def close(self) -> None:
+        """Free what it holds (hooks, models); the run calls it once, at its end."""
+        ...
 
 
 @contextmanager

@@ -177,7 +177,7 @@ def free_logprobs(learner, samples: list[dict], mode) -> list[torch.Tensor] | No
     return free_routing(learner, samples)
 
 
-def on_policy_step(learner, samples: list[dict], mode, objective: str, loss_agg: str = "token-mean", *,
+def on_policy_step(learner, samples: list[dict], mode, loss, loss_agg: str | None = None, *,
                    measure_kl: bool = False, free_logps: list[torch.Tensor] | None = None,
                    keep_entropy: bool = False, **options) -> tuple[dict, dict]:
     """One optimizer step on a fresh rollout batch whose π_old is the policy being trained, without the
@@ -186,7 +186,8 @@ def on_policy_step(learner, samples: list[dict], mode, objective: str, loss_agg:
     freely. Returns (train metrics, the metrics the old-log-prob pass would have reported: replay/*,
     stability_metrics' (every step; under r3 the free-routing ones need `free_logps` and the samples'
     "own_routes" from free_routing) and with measure_kl mismatch_kl's). keep_entropy: each sample's
-    "old_entropy" from this forward (π_old's per-token entropy, as old_logprobs(with_entropy=True)). Collective."""
+    "old_entropy" from this forward (π_old's per-token entropy, as old_logprobs(with_entropy=True)). `loss`,
+    `loss_agg` and options as learner.train_step_on_policy takes them (a LossSpec, or an objective name). Collective."""
     mode = parse_mode(mode)
     given = samples
     if mode is ReplayMode.R3 and all(s.get("routes") is None for s in samples):
@@ -201,8 +202,9 @@ def on_policy_step(learner, samples: list[dict], mode, objective: str, loss_agg:
         raise ValueError("free_logps: needed under r3 to measure the KL without replay "
                          "(free_logprobs, before the step)")
     extra = {"keep_entropy": True} if keep_entropy else {}  # learners without the keyword still work
-    train, old = learner.train_step_on_policy(samples, objective, loss_agg, keep_logprobs=engine_logps, **extra,
-                                              **options)
+    if loss_agg is not None:
+        extra["loss_agg"] = loss_agg
+    train, old = learner.train_step_on_policy(samples, loss, keep_logprobs=engine_logps, **extra, **options)
     if keep_entropy:
         keep_old_entropy(given, old["entropies"])
     metrics = dict(old.get("metrics", {}))

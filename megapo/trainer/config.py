@@ -13,9 +13,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megapo.config import ConfigError, OptimConfig, ParallelConfig, bounded, check_fields
+
+if TYPE_CHECKING:
+    from megapo.algorithms.spec import LossSpec
 
 # Objective, advantage, correction, aggregation and KL names come from megapo.algorithms' registry
 # (which also says how many samples per prompt an advantage estimator needs: Entry.min_group).
@@ -43,6 +46,13 @@ def _check_options(kind: str, name: str, options: dict, field_name: str) -> None
         get(kind, name).make_options(dict(options))
     except (ValueError, TypeError) as exc:
         raise ConfigError(field_name, str(exc).removeprefix("options: ")) from None
+
+
+# LossSpec field -> the config field it is built from (RunConfig.loss_spec; "correction" depends on the run)
+LOSS_SPEC_FIELDS = {"objective": "algorithm.objective", "loss_agg": "algorithm.loss_agg",
+                    "objective_options": "algorithm.objective_options", "correction_options": "algorithm.mismatch_options",
+                    "kl_coef": "algorithm.kl_coef", "kl_estimator": "algorithm.kl_estimator",
+                    "entropy_coef": "algorithm.entropy_coef"}
 
 
 def min_group(estimator: str) -> int:
@@ -399,6 +409,27 @@ class RunConfig:
             return self.train.async_correction
         return "tis" if self.old_policy() == "learner" else "none"
 
+    def loss_spec(self) -> LossSpec:
+        """The run's LossSpec (megapo/algorithms/spec.py), what the learner's every train step takes: the objective,
+        its options and aggregation; the correction algorithm.mismatch, else for stale async samples the resolved
+        train.async_correction; the KL term with kl_mode=loss only (future puts the KL into the advantages; the
+        `kl` metric then uses k3); the entropy bonus. A spec the library refuses: ConfigError naming the field."""
+        from megapo.algorithms.spec import LossSpec, LossSpecError
+
+        a = self.algorithm
+        correction = a.mismatch if a.mismatch != "none" else self.async_correction()
+        kl_term = bool(a.kl_coef) and a.kl_mode == "loss"
+        try:
+            return LossSpec(a.objective, a.loss_agg, a.objective_options,
+                            correction=None if correction == "none" else correction,
+                            correction_options=a.mismatch_options if a.mismatch != "none" else {},
+                            kl_coef=a.kl_coef if kl_term else 0.0, kl_estimator=a.kl_estimator if kl_term else "k3",
+                            entropy_coef=a.entropy_coef)
+        except LossSpecError as exc:
+            where = "algorithm.mismatch" if a.mismatch != "none" else "train.async_correction"
+            field_name = {**LOSS_SPEC_FIELDS, "correction": where}[exc.field]
+            raise ConfigError(field_name, str(exc).removeprefix("options: ")) from None
+
     def validate(self) -> None:
         """All cross-field rules; the first violated one raises ConfigError naming its field."""
         check_fields(self)  # finite numbers in their declared ranges (the loader checked them already)
@@ -424,15 +455,13 @@ class RunConfig:
             known = _registry_names(kind) + (["auto"] if kind == "aggregation" else [])
             if name not in known:
                 raise ConfigError(field_name, f"unknown {kind} {name!r}; known: {', '.join(known)}")
-        _check_options("objective", a.objective, a.objective_options, "algorithm.objective_options")
+        if a.mismatch != "none" and a.mismatch not in _registry_names("correction"):
+            raise ConfigError("algorithm.mismatch", f"unknown correction {a.mismatch!r}; known: none, "
+                              f"{', '.join(_registry_names('correction'))}")
+        self.loss_spec()  # the loss's own checks (objective and correction options, ...), naming the config field
         _check_options("advantage", a.advantage, a.advantage_options, "algorithm.advantage_options")
         self._validate_stages()
-        if a.mismatch != "none":
-            known = _registry_names("correction")
-            if a.mismatch not in known:
-                raise ConfigError("algorithm.mismatch", f"unknown correction {a.mismatch!r}; known: none, {', '.join(known)}")
-            _check_options("correction", a.mismatch, a.mismatch_options, "algorithm.mismatch_options")
-        elif a.mismatch_options:
+        if a.mismatch == "none" and a.mismatch_options:
             raise ConfigError("algorithm.mismatch_options", "given but algorithm.mismatch is 'none'")
         if a.old_policy not in OLD_POLICIES:
             raise ConfigError("algorithm.old_policy", f"must be one of {', '.join(OLD_POLICIES)}, got {a.old_policy!r}")

@@ -16,6 +16,7 @@ import torch
 
 from megapo.dist import any_rank, barrier, broadcast_object, rank
 from megapo.engines.registry import capabilities
+from megapo.learner.reference import Reference
 from megapo.trainer import checkpoint as ckpt
 from megapo.trainer.config import RunConfig
 from megapo.trainer.fleet import make_fleet
@@ -23,7 +24,7 @@ from megapo.trainer.length_stage import LengthStage
 from megapo.trainer.metrics import MetricsLogger, SampleLogger, StepTimer
 from megapo.trainer.run_dir import CHECKPOINTS
 from megapo.trainer.rollout import Group, collect_rollouts, make_reward_fn, sampling_params, turn_play
-from megapo.trainer.update import loss_options, new_prompt_stats, stability_step, stage_state, update_policy
+from megapo.trainer.update import new_prompt_stats, stability_step, stage_state, update_policy
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class Run:
     def _build_parts(self, print_fn) -> None:
         """The reference policy, the weight transport, the stages and what each rollout is drawn with."""
         cfg = self.cfg
-        self.reference = build_reference(cfg, self.model_dir)
+        self.reference: Reference | None = build_reference(cfg, self.model_dir)
         self.transport = make_transport(cfg, self.out_dir, self.model_dir, self.learner, self.engine)
         self.step, self.version = 0, 0  # the last step trained (and logged), the engine's weight version
         self.made_ahead: list = []  # async batches a checkpoint kept, handed to the producer (start_rollouts)
@@ -91,7 +92,7 @@ class Run:
         compare_routes = capabilities(cfg.rollout.engine).in_process and getattr(self.learner, "route_hook", None) is not None
         self.params = sampling_params(cfg, self.tokenizer.eos_token_id,
                                       routes=cfg.algorithm.routing_replay == "r3" or compare_routes)
-        self.options = loss_options(cfg)
+        self.loss = cfg.loss_spec()  # every train step's LossSpec (validate() has checked it)
         self.turns = turn_play(cfg)
         self.sampler = None
         if self.turns is not None:
@@ -191,7 +192,7 @@ class Run:
     def update(self, step: int, groups: list[Group], timer: StepTimer) -> dict:
         """Advantages, π_old, π_ref, token stages and the optimizer steps (megapo.trainer.update)."""
         cfg = self.cfg
-        return update_policy(self.learner, groups, cfg, self.reference, self.options, timer,
+        return update_policy(self.learner, groups, cfg, self.reference, self.loss, timer,
                              measure_free_kl=self.eval_due(step, last=False),
                              measure_free_routing=stability_step(cfg, step), step=step,
                              prompt_stats=self.prompt_stats)
@@ -337,7 +338,7 @@ def build_engine(cfg: RunConfig, model_dir: Path):
     return engine_from_config(cfg, model_dir, Path(cfg.train.output_dir))
 
 
-def build_reference(cfg: RunConfig, model_dir: Path):
+def build_reference(cfg: RunConfig, model_dir: Path) -> Reference | None:
     """π_ref for the KL terms, or None when no term uses one (algorithm.reference, resolved by
     RunConfig.reference): megatron, a frozen Megatron copy of `model_dir` under the learner's layout on every
     rank (collective); plain, megapo's PyTorch model on rank 0 only (megapo/learner/reference.py)."""

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from megapo.algorithms.spec import LossSpec
 from megapo.dist import broadcast_object
 from megapo.envs.base import Trajectory
+from megapo.learner.reference import Reference
 from megapo.learner.sample import TrainSample
 from megapo.trainer.config import RunConfig
 from megapo.trainer.metrics import StepTimer
@@ -171,29 +173,12 @@ def use_engine_logprobs(batch: list[dict]) -> dict:
             "old_policy/learner_vs_engine_max_abs_dlogp": m["max_abs_dlogp"]}
 
 
-def reference_logprobs(reference, batch: list[dict]) -> list[list[float]]:
+def reference_logprobs(reference: Reference | None, batch: list[dict]) -> list[list[float]]:
     """π_ref's response log-probs of every sample, on every rank: computed by every rank (a Megatron reference)
     or on rank 0 and broadcast (a plain one)."""
-    if getattr(reference, "collective", False):
+    if reference is not None and reference.collective:
         return reference.response_logprobs(batch)
     return broadcast_object(reference.response_logprobs(batch) if reference is not None else None)
-
-
-def loss_options(cfg: RunConfig) -> dict:
-    """Keyword options of learner.train_step / policy_loss from the algorithm section."""
-    a = cfg.algorithm
-    opts = dict(a.objective_options)
-    if a.mismatch != "none":
-        opts["correction"] = a.mismatch
-        if a.mismatch_options:
-            opts["correction_options"] = dict(a.mismatch_options)
-    elif cfg.async_correction() != "none":
-        opts["correction"] = cfg.async_correction()  # stale rollouts are off-policy
-    if a.kl_coef and a.kl_mode == "loss":  # kl_mode=future puts the KL into the advantages (token_stages)
-        opts.update(kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
-    if a.entropy_coef:
-        opts["entropy_coef"] = a.entropy_coef
-    return opts
 
 
 def mini_batch_bounds(group_sizes: list[int], mini_batches: int) -> list[tuple[int, int]]:
@@ -207,10 +192,12 @@ def mini_batch_bounds(group_sizes: list[int], mini_batches: int) -> list[tuple[i
     return list(zip([0] + ends[:-1], ends))
 
 
-def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, options: dict, timer: StepTimer,
+def update_policy(learner, groups: list[Group], cfg: RunConfig, reference: Reference | None, loss: LossSpec,
+                  timer: StepTimer,
                   measure_free_kl: bool = False, measure_free_routing: bool = False, step: int = 1,
                   prompt_stats=None) -> dict:
-    """All ranks: advantages, old (and reference) log-probs, then the optimizer steps on mini-batches.
+    """All ranks: advantages, old (and reference) log-probs, then the optimizer steps on mini-batches under `loss`
+    (the run's LossSpec, RunConfig.loss_spec).
     π_old (sample["old_logp"]) and the replayed routes (sample["routes"]) are set once, before the first
     update, and stay fixed over all of them. Under r3, `measure_free_kl` / `measure_free_routing` take one more
     forward pass with the learner's own routing first (timed as "stability"): mismatch/k3_free, router/*."""
@@ -237,14 +224,12 @@ def update_policy(learner, groups: list[Group], cfg: RunConfig, reference, optio
     with timer("train"):
         last: dict = {}
         if fused:  # one update on the whole batch, π_old from its own forward
-            last, old_pass = on_policy_step(learner, batch, mode, cfg.algorithm.objective,
-                                            cfg.algorithm.loss_agg, measure_kl=measure_free_kl, free_logps=free,
-                                            **options)
+            last, old_pass = on_policy_step(learner, batch, mode, loss, measure_kl=measure_free_kl, free_logps=free)
             metrics.update(old_pass)
         bounds = mini_batch_bounds([len(g.samples) for g in groups], cfg.train.mini_batches)
         for _ in range(0 if fused else cfg.train.updates_per_rollout):
             for lo, hi in bounds:
-                last = learner.train_step(batch[lo:hi], cfg.algorithm.objective, cfg.algorithm.loss_agg, **options)
+                last = learner.train_step(batch[lo:hi], loss)
     metrics.update({f"train/{k}": v for k, v in last.items()  # off: a recording hook's replay/* mean nothing
                     if isinstance(v, (int, float)) and not isinstance(v, bool)
                     and not (mode == "off" and k.startswith("replay/"))})

@@ -36,8 +36,8 @@ from on_policy_step import run_modes  # this script's folder is on sys.path
 from spec_io import finish, read_spec
 
 
-def linear_loss(objective, logp, old_logp, advantages, mask, rollout_logp=None, *, cu_seqlens=None,
-                loss_agg="token-mean", global_tokens=None, global_seqs=None, **options):
+def linear_loss(loss, logp, old_logp, advantages, mask, rollout_logp=None, *, cu_seqlens=None,
+                global_tokens=None, global_seqs=None, **inputs):  # the learner's loss_fn; `loss` (a LossSpec) unread
     return -(advantages * logp).sum() / global_tokens, {}
 
 
@@ -62,7 +62,7 @@ def rows_variant(spec: dict, parallel: ParallelConfig, seqs, batch) -> dict:
                       loss_fn=linear_loss, **spec["rows_variant"])
     logps, used, _ = logprobs_with_routes(learner, seqs, load_routes(spec["full_npz"], len(seqs)))
     train_batch = [dict(s, routes=r) for s, r in zip(batch, load_routes(spec["batch_npz"], len(batch)))]
-    metrics = learner.train_step(train_batch, "custom", "token-mean")
+    metrics = learner.train_step(train_batch, "reinforce", "token-mean")
     out = {"logprobs": logps, "routes_out": used, "train": {"metrics": metrics, "grads": router_grads(learner),
                                                              "routes": learner.route_hook.routes_used(len(batch))}}
     learner.close()
@@ -107,7 +107,7 @@ def main() -> None:
                          "old_metrics": m_old, "kl": kl, "old_logp": old}
 
         train_batch = [dict(s, routes=r) for s, r in zip(batch, load_routes(spec["batch_npz"], len(batch)))]
-        metrics = learner.train_step(train_batch, "custom", "token-mean")
+        metrics = learner.train_step(train_batch, "reinforce", "token-mean")
         res["train"] = {"metrics": metrics, "grads": router_grads(learner),
                         "routes": learner.route_hook.routes_used(len(batch))}
 
@@ -116,13 +116,13 @@ def main() -> None:
             old, m_old = old_logprobs(learner, samples, "r2")
             steps = []
             for _ in range(2):
-                m = learner.train_step(samples, "custom", "token-mean")
+                m = learner.train_step(samples, "reinforce", "token-mean")
                 steps.append({"metrics": m, "routes": learner.route_hook.routes_used(len(samples))})
             _, free_after, _ = logprobs_with_routes(learner, [s["tokens"] for s in samples], None)
             res["r2"] = {"old_routes": [s["routes"] for s in samples], "old_metrics": m_old, "steps": steps,
                          "free_after": free_after}
         if layout.get("r3"):  # the train step (weights changed by then) only checks the routes replayed
-            m = learner.train_step(r3_samples, "custom", "token-mean")
+            m = learner.train_step(r3_samples, "reinforce", "token-mean")
             res["r3"].update(train_metrics=m, train_routes=learner.route_hook.routes_used(len(r3_samples)))
         learner.close()
         res["rows"] = rows_variant(spec, parallel, seqs, batch)

@@ -387,7 +387,6 @@ class Megapo:
         from megapo.trainer.data import PromptSource
         from megapo.trainer.rollout import sampling_params
         from megapo.trainer.run import build_engine, build_learner, make_transport
-        from megapo.trainer.update import loss_options
 
         self.cfg, self.pool, self.reward_fn = cfg, pool, reward_fn
         self.learner = build_learner(cfg, model_dir)
@@ -396,7 +395,7 @@ class Megapo:
         self.source = PromptSource(len(pool), seed=cfg.train.seed)
         # as megapo.trainer.run.Run builds them
         self.params = sampling_params(cfg, tokenizer.eos_token_id, routes=cfg.algorithm.routing_replay == "r3")
-        self.options = loss_options(cfg)
+        self.loss = cfg.loss_spec()
         self.version = 0
 
     def collect(self):
@@ -415,7 +414,7 @@ class Megapo:
             return tokens
         inner = StepTimer()  # update_policy times old_logp and train itself
         c0 = time.process_time()
-        update_policy(self.learner, groups, self.cfg, None, self.options, inner)
+        update_policy(self.learner, groups, self.cfg, None, self.loss, inner)
         cpu = time.process_time() - c0
         wall = sum(inner.times.values()) or 1.0
         for name, seconds in inner.times.items():  # CPU split in proportion to the phases' wall time
