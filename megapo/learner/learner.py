@@ -103,7 +103,8 @@ class Learner:
         self.pad_id = int(hf.get("pad_token_id") or 0)
         self.backend = model_lib.detect_backend()
         self.device = self.backend.device
-        # `loss_fn` replaces megapo.algorithms.policy_loss (same signature); for tests and experiments.
+        # `loss_fn` replaces megapo.algorithms.policy_loss (same signature, called with the step's LossSpec and the
+        # per-token inputs as keywords); for tests and experiments.
         self._loss_fn = loss_fn
         self.route_hook = None  # routing replay plugs in here (see megapo/replay)
         self.step = 0
