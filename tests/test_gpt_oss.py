@@ -34,6 +34,9 @@ LAYOUTS = {1: [dict(tp=1, pp=1, ep=1, dp=1)],
            2: [dict(tp=2, pp=1, ep=1, dp=1), dict(tp=1, pp=2, ep=1, dp=1), dict(tp=1, pp=1, ep=2, dp=2),
                dict(tp=2, pp=1, ep=2, dp=1)]}
 TP1 = "moe/tp1_pp1_ep1_dp1/alltoall"
+# gpt-oss's own YaRN, with the original context shortened so that the test sequences span its ramp
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 16}
 
 
 @pytest.fixture(scope="module")
@@ -214,16 +217,44 @@ def test_every_layout_steps_like_tp1(runs):
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                           "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0}),
-     ["rope_parameters.rope_type", "yarn"]),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 150000.0}), ["rope_parameters.rope_type", "longrope"]),
+    (dict(rope_parameters={**YARN, "attention_factor": 1.0}), ["YaRN", "attention_factor"]),
     (dict(attention_bias=False), ["attention_bias=false"]),
     (dict(swiglu_alpha=1.5), ["swiglu_alpha=1.5"]),
     (dict(layer_types=["sliding_attention", "chunked_attention"]), ["layer_types", "chunked_attention"]),
     (dict(sliding_window=None), ["sliding_window=None"]),
-], ids=["yarn", "attention_bias", "swiglu_alpha", "layer_types", "sliding_window"])
+], ids=["longrope", "yarn_attention_factor", "attention_bias", "swiglu_alpha", "layer_types", "sliding_window"])
 def test_configs_it_would_compute_differently_are_refused(tiny_oss, change, words):
     hf = {**copy.deepcopy(hf_config(tiny_oss)), **change}
     with pytest.raises(ConfigError) as err:
         family_for(hf).spec(hf)
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def write_yarn_variant(model_dir: Path, out: Path) -> Path:
+    """The tiny model's weights under gpt-oss's YaRN rope."""
+    import shutil
+
+    shutil.copytree(model_dir, out)
+    config = {**hf_config(model_dir), "rope_parameters": YARN}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_yarn_logprobs_match_transformers_at_tp2(tiny_oss, tmp_path):
+    """YaRN through Megatron's YarnRotaryEmbedding (cos/sin x 0.1 ln(factor) + 1 in attention), per-sequence
+    positions of packed rows, TP=2: == transformers' fp32 forward, which YaRN visibly moves."""
+    yarn = write_yarn_variant(Path(tiny_oss), tmp_path / "yarn")
+    spec = family_for(hf_config(yarn)).spec(hf_config(yarn))
+    assert (spec.yarn.factor, spec.yarn.original_max_positions, spec.yarn.truncate) == (32.0, 16, False)
+    sequences, _ = make_data(512)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"tokens": s}) + "\n" for s in sequences))
+    cmd = [sys.executable, "-m", "megapo.cli", "logprobs", "--model", str(yarn), "--input", str(tmp_path / "in.jsonl"),
+           "--output", str(tmp_path / "out.jsonl"), "--micro-batch-tokens", "20", "--timeout", "300", "--tp", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [torch.tensor(json.loads(line)["logprobs"]) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    ref = reference_logprobs(load_hf(yarn), sequences)
+    plain = reference_logprobs(load_hf(tiny_oss), sequences)
+    assert max((r - p).abs().max().item() for r, p in zip(ref, plain)) > 5e-4  # YaRN changes the reference
+    assert max((g - r).abs().max().item() for g, r in zip(got, ref)) < 1e-4

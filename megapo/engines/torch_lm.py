@@ -29,6 +29,7 @@ weights share one buffer in HF order (gate, up, down per expert).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megapo.models.family import MLASpec, ModelSpec
+from megapo.models.family import MLASpec, ModelSpec, YarnSpec
 
 SUPPORTED_FAMILIES = ("qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
 
@@ -80,6 +81,7 @@ class TorchLMSpec:
     window_layers: tuple[bool, ...] = ()
     glu_clamp: float = 0.0
     glu_linear_offset: float = 0.0
+    yarn: YarnSpec | None = None  # YaRN rope scaling (gpt_oss); None: plain RoPE
 
     @property
     def fused_experts(self) -> bool:
@@ -126,7 +128,8 @@ class TorchLMSpec:
             router_group_topk=spec.router_group_topk, router_scaling=spec.router_scaling,
             shared_ffn=spec.shared_expert_ffn, mla=spec.mla, rotary_percent=spec.rotary_percent,
             linear_bias=spec.linear_bias, sinks=spec.attention_sinks, sliding_window=spec.sliding_window,
-            window_layers=spec.window_layers, glu_clamp=spec.glu_clamp, glu_linear_offset=spec.glu_linear_offset)
+            window_layers=spec.window_layers, glu_clamp=spec.glu_clamp, glu_linear_offset=spec.glu_linear_offset,
+            yarn=spec.yarn)
 
     @classmethod
     def from_config(cls, cfg: dict) -> "TorchLMSpec":
@@ -213,6 +216,23 @@ def _rotate_first(x: torch.Tensor, rope, dims: int) -> torch.Tensor:
     return torch.cat((_rotate(x[..., :dims], *rope, False), x[..., dims:]), dim=-1)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, yarn: YarnSpec, dim: int, base: float) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): dims that turn more than beta_fast times over original_max_positions keep their
+    frequency, those turning fewer than beta_slow times are divided by factor, linear in between (bounds rounded
+    outward when truncate); cos/sin scaled by 0.1 ln(factor) + 1."""
+    def dim_of(rotations: float) -> float:
+        return dim * math.log(yarn.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(yarn.beta_fast), dim_of(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency, 0: interpolated
+    scale = 0.1 * math.log(yarn.factor) + 1.0 if yarn.factor > 1 else 1.0
+    return inv_freq / yarn.factor * (1 - keep) + inv_freq * keep, scale
+
+
 def _mlp_weights(experts: int, ffn: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [E, 2*ffn, hidden] and down [E, hidden, ffn] as views of one buffer holding, per expert, its
     gate, up and down weights back to back: the order of an HF checkpoint and of a Megatron learner's
@@ -259,9 +279,12 @@ class TorchCausalLM:
         self.weight_views = self._hf_names()  # HF name -> the view of our tensors it loads into
         d = s.rope_dim
         inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        scale = 1.0
+        if s.yarn is not None:
+            inv_freq, scale = _yarn_inv_freq(inv_freq, s.yarn, d, s.rope_theta)
         freqs = torch.outer(torch.arange(s.max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self._cos, self._sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
     def _gqa_weights(self) -> dict[str, torch.Tensor | None]:
         s, dtype = self.spec, self.dtype

@@ -181,7 +181,23 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig, backend: Backe
         )
     if spec.mla is not None:
         return mla_config(spec, kwargs, backend)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    if spec.yarn is not None:
+        set_yarn(config, spec.yarn)
+    return config
+
+
+def set_yarn(config, yarn) -> None:
+    """YaRN on a plain TransformerConfig (only MLA's config declares these fields): GPTModel's
+    YarnRotaryEmbedding reads them, and attention multiplies cos/sin by 0.1 ln(factor) + 1 (yarn_mscale and
+    yarn_mscale_all_dim None: transformers' attention_factor without mscale keys)."""
+    config.yarn_rotary_scaling_factor = yarn.factor
+    config.yarn_original_max_position_embeddings = yarn.original_max_positions
+    config.yarn_beta_fast = yarn.beta_fast
+    config.yarn_beta_slow = yarn.beta_slow
+    config.yarn_mscale = None
+    config.yarn_mscale_all_dim = None
+    config.yarn_correction_range_round_to_int = yarn.truncate
 
 
 def router_fields(spec: ModelSpec) -> dict:
@@ -300,7 +316,7 @@ def build_model(spec: ModelSpec, parallel: ParallelConfig, backend: Backend, con
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if spec.yarn is not None else "rope",
         rotary_base=spec.rope_theta,
         rotary_percent=spec.rotary_percent,  # (glm4_moe: rotate-half within the first dims of each head)
     )

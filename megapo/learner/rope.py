@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
 
 class PositionIdsRotaryEmbedding(RotaryEmbedding):
@@ -26,13 +27,30 @@ class PositionIdsRotaryEmbedding(RotaryEmbedding):
         return emb[self.positions.t()]  # [seq, rows, 1, dim]: broadcasts over the heads of [seq, rows, heads, dim]
 
 
+class PositionIdsYarnRotaryEmbedding(YarnRotaryEmbedding):
+    """The same for YaRN: its get_emb and forward also return the cos/sin scale, which attention reads from the
+    config (GPTModel drops it)."""
+
+    positions: torch.Tensor | None = None
+    longest: int = 0
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        if self.positions is None:
+            return super().forward(max_seq_len, offset, packed_seq, cp_group)
+        if self.positions.shape[-1] != max_seq_len:
+            raise ValueError(f"position ids cover {self.positions.shape[-1]} tokens, the rows have {max_seq_len}")
+        emb, mscale = self.get_emb(self.longest)
+        return emb[:, 0][self.positions.t()], mscale
+
+
 def use_position_ids(model) -> None:
     """Make `model`'s rotary embeddings read position ids (class swap on our own model instance): the
     model's one, or with multi-latent attention each attention layer's own (listed on the model once, so
     that setting positions does not walk every module)."""
-    ropes = [m for m in model.modules() if type(m) is RotaryEmbedding]
+    swap = {RotaryEmbedding: PositionIdsRotaryEmbedding, YarnRotaryEmbedding: PositionIdsYarnRotaryEmbedding}
+    ropes = [m for m in model.modules() if type(m) in swap]
     for rope in ropes:
-        rope.__class__ = PositionIdsRotaryEmbedding
+        rope.__class__ = swap[type(rope)]
     model.position_id_ropes = ropes
 
 

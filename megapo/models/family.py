@@ -70,6 +70,7 @@ class ModelSpec:
     activation: str = "silu"  # "silu" | "quick_gelu" (x * sigmoid(1.702 x))
     glu_clamp: float = 0.0  # 0: no clamp
     glu_linear_offset: float = 0.0
+    yarn: "YarnSpec | None" = None  # YaRN rope scaling (gpt-oss); None: plain RoPE
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.num_experts) and (not self.moe_layers or self.moe_layers[layer])
@@ -89,6 +90,20 @@ class MLASpec:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+
+
+@dataclass(frozen=True)
+class YarnSpec:
+    """YaRN rope scaling as transformers computes it with no attention_factor / mscale keys: inverse frequencies
+    ramped between 1/factor-interpolated and the original ones over the dims whose rotations at
+    original_max_positions fall between beta_slow and beta_fast (bounds rounded outward when truncate), and cos/sin
+    times 0.1 ln(factor) + 1 (Megatron: YarnRotaryEmbedding, correction_range_round_to_int = truncate)."""
+
+    factor: float
+    original_max_positions: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)

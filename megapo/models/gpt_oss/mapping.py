@@ -23,18 +23,45 @@ import torch
 
 from megapo.config import ConfigError
 from megapo.layout import num_experts
-from megapo.models.family import GLOBAL_RULES, HF_LAYER, Family, ModelSpec, Rule, attention_rules, transformer_fields
+from megapo.models.family import (GLOBAL_RULES, HF_LAYER, Family, ModelSpec, Rule, YarnSpec, attention_rules,
+                                  transformer_fields)
 
 QUICK_GELU_ALPHA = 1.702  # Megatron's quick_gelu: x * sigmoid(1.702 x)
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
+YARN_KEYS = {"rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+             "truncate"}
+
+
+def _rope_params(hf: dict) -> dict:
+    return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+
+
 def _rope(hf: dict) -> None:
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    params = _rope_params(hf)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None):
+    if rope_type not in ("default", "yarn", None):
         raise ConfigError("model", f"gpt_oss rope_parameters.rope_type={rope_type!r} is not supported: only plain "
-                                   "RoPE (rope_type 'default'); megapo does not build YaRN in Megatron yet")
+                                   "RoPE ('default') and YaRN ('yarn')")
+    if rope_type == "yarn":
+        extra = sorted(set(params) - YARN_KEYS)  # attention_factor, mscale, mscale_all_dim, partial_rotary_factor
+        if extra:
+            raise ConfigError("model", f"gpt_oss YaRN rope_parameters {extra} are not supported (megapo builds YaRN "
+                                       f"from {sorted(YARN_KEYS - {'rope_type', 'rope_theta'})} only)")
+        if not params.get("factor") or not params.get("original_max_position_embeddings"):
+            raise ConfigError("model", "gpt_oss YaRN needs rope_parameters.factor and "
+                                       "rope_parameters.original_max_position_embeddings")
+
+
+def _yarn(hf: dict) -> YarnSpec | None:
+    params = _rope_params(hf)
+    if params.get("rope_type", params.get("type")) != "yarn":
+        return None
+    # (transformers: `beta_fast or 32`, `beta_slow or 1`, truncate defaults to true)
+    return YarnSpec(factor=float(params["factor"]), original_max_positions=int(params["original_max_position_embeddings"]),
+                    beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                    truncate=bool(params.get("truncate", True)))
 
 
 def _check(hf: dict) -> None:
@@ -75,9 +102,11 @@ def _layer_types(hf: dict) -> list[str]:
 def spec(hf: dict) -> ModelSpec:
     _check(hf)
     sliding = tuple(t == "sliding_attention" for t in _layer_types(hf))
+    fields = transformer_fields({**hf, "rope_parameters": None, "rope_scaling": None})  # (rope read here)
+    fields["rope_theta"] = float(_rope_params(hf).get("rope_theta", hf.get("rope_theta", 150000.0)))
     return ModelSpec(
         family="gpt_oss",
-        **transformer_fields(hf),
+        **fields,
         ffn_hidden_size=hf["intermediate_size"],
         qkv_bias=True,
         num_experts=num_experts(hf),
@@ -91,6 +120,7 @@ def spec(hf: dict) -> ModelSpec:
         activation="quick_gelu",
         glu_clamp=float(hf.get("swiglu_limit", 7.0)),
         glu_linear_offset=1.0,
+        yarn=_yarn(hf),
     )
 
 
