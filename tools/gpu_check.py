@@ -348,10 +348,10 @@ def section_logprobs(ctx: Context) -> dict:
     import torch
 
     from megapo.convert.verify import sequences as fixed_sequences
-    from megapo.models.tiny import FAMILIES
+    from megapo.models.tiny import tiny_families
 
     families, checks = {}, {}
-    for family in ("qwen3_moe", *[f for f in FAMILIES if f != "qwen3_moe"]):
+    for family in ("qwen3_moe", *[f for f in tiny_families() if f != "qwen3_moe"]):
         model_dir = ctx.tiny_model(family)
         learner = ctx.learner(model_dir)
         seqs = fixed_sequences(learner.spec.vocab_size, seed=0)

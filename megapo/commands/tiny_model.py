@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from megapo.models.tiny import FAMILIES, write_tiny_model
+from megapo.models.tiny import tiny_families, write_tiny_model
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder (HF layout)")
-    parser.add_argument("--family", default="qwen3_moe", choices=FAMILIES)
+    parser.add_argument("--family", default="qwen3_moe", choices=tiny_families())
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--topk", type=int, default=2)

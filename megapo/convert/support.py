@@ -12,7 +12,6 @@ before any process starts.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Callable
 
 from megapo.config import ConfigError
@@ -34,110 +33,6 @@ COMMON_KEYS = {
 }
 
 
-def _false(value) -> bool:
-    return value in (False, None)
-
-
-def _empty(value) -> bool:
-    return value in (None, [], ())
-
-
-def _full_attention(value) -> bool:
-    return value is None or all(t == "full_attention" for t in value)
-
-
-def _any(value) -> bool:
-    return True
-
-
-@dataclass(frozen=True)
-class Allowed:
-    check: Callable[[object], bool]
-    why: str  # shown when the check fails: what the converter would have to implement
-
-
-# Per family: extra keys it reads or tolerates, with the values the Megatron model reproduces.
-FAMILY_KEYS: dict[str, dict[str, Allowed]] = {
-    "qwen3_moe": {
-        "intermediate_size": Allowed(_any, ""),  # unused when every layer is MoE (checked by the mapping)
-        "moe_intermediate_size": Allowed(_any, ""),
-        "num_experts": Allowed(_any, ""),
-        "num_local_experts": Allowed(_any, ""),
-        "num_experts_per_tok": Allowed(_any, ""),
-        "norm_topk_prob": Allowed(_any, ""),
-        "decoder_sparse_step": Allowed(lambda v: v in (None, 1), "dense layers between MoE layers"),
-        "mlp_only_layers": Allowed(_empty, "dense (mlp_only) layers"),
-        "attention_bias": Allowed(_false, "attention biases"),
-        "use_sliding_window": Allowed(_false, "sliding-window attention"),
-        "sliding_window": Allowed(_any, ""),  # only used with use_sliding_window
-        "max_window_layers": Allowed(_any, ""),  # only used with use_sliding_window
-        "layer_types": Allowed(_full_attention, "sliding-window layers"),
-    },
-    "qwen2": {
-        "intermediate_size": Allowed(_any, ""),
-        "use_sliding_window": Allowed(_false, "sliding-window attention"),
-        "sliding_window": Allowed(_any, ""),
-        "max_window_layers": Allowed(_any, ""),
-        "layer_types": Allowed(_full_attention, "sliding-window layers"),
-    },
-    "qwen3": {
-        "intermediate_size": Allowed(_any, ""),
-        "attention_bias": Allowed(_false, "attention biases"),
-        "use_sliding_window": Allowed(_false, "sliding-window attention"),
-        "sliding_window": Allowed(_any, ""),
-        "max_window_layers": Allowed(_any, ""),
-        "layer_types": Allowed(_full_attention, "sliding-window layers"),
-    },
-    "llama": {
-        "intermediate_size": Allowed(_any, ""),
-        # Llama's attention_bias also adds an o_proj bias, which the Megatron model (no linear biases) lacks.
-        "attention_bias": Allowed(_false, "attention biases (q/k/v/o)"),
-        "mlp_bias": Allowed(_false, "MLP biases"),
-        "pretraining_tp": Allowed(lambda v: v in (None, 1), "pretraining_tp slicing"),
-    },
-    "mixtral": {
-        "intermediate_size": Allowed(_any, ""),
-        "num_local_experts": Allowed(_any, ""),
-        "num_experts_per_tok": Allowed(_any, ""),
-        "sliding_window": Allowed(lambda v: v is None, "sliding-window attention"),
-    },
-    "deepseek_v3": {  # (the mapping's spec refuses the values its Megatron model would compute differently)
-        **{key: Allowed(_any, "") for key in (
-            "intermediate_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group",
-            "topk_group", "routed_scaling_factor", "norm_topk_prob", "first_k_dense_replace", "n_shared_experts",
-            "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
-            "topk_method", "scoring_func",
-            "qk_head_dim",  # qk_nope_head_dim + qk_rope_head_dim, written by transformers
-            "ep_size", "aux_loss_alpha", "seq_aux")},  # (DeepSeek's own config: parallel / training-only)
-        "attention_bias": Allowed(_false, "attention biases"),
-        "pretraining_tp": Allowed(lambda v: v in (None, 1), "pretraining_tp slicing"),
-        "moe_layer_freq": Allowed(lambda v: v in (None, 1), "MoE layers at a frequency other than 1"),
-        "num_nextn_predict_layers": Allowed(lambda v: v in (None, 0), "multi-token-prediction layers (dropped by "
-                                                                        "transformers' DeepseekV3 model)"),
-    },
-    "glm4_moe": {  # (the mapping's spec refuses the values its Megatron model would compute differently)
-        **{key: Allowed(_any, "") for key in (
-            "intermediate_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group",
-            "topk_group", "routed_scaling_factor", "norm_topk_prob", "first_k_dense_replace", "n_shared_experts",
-            "attention_bias", "use_qk_norm", "partial_rotary_factor")},
-        "num_nextn_predict_layers": Allowed(lambda v: v in (None, 0), "multi-token-prediction layers (dropped by "
-                                                                        "transformers' Glm4Moe model)"),
-    },
-}
-
-FAMILY_KEYS["gpt_oss"] = {  # (the mapping's spec refuses the values its Megatron model would compute differently)
-    **{key: Allowed(_any, "") for key in (
-        "intermediate_size", "num_local_experts", "num_experts_per_tok", "attention_bias", "sliding_window",
-        "layer_types", "swiglu_alpha", "swiglu_limit",
-        "experts_per_token",  # openai's own name for num_experts_per_tok (the spec checks they agree)
-        "initial_context_length")},  # openai's copy of YaRN's original_max_position_embeddings
-}
-
-# Rope parameters besides rope_theta / rope_type that a family's spec reads.
-FAMILY_ROPE_KEYS: dict[str, set[str]] = {"glm4_moe": {"partial_rotary_factor"},
-                                         "gpt_oss": {"factor", "original_max_position_embeddings", "beta_fast",
-                                                     "beta_slow", "truncate"}}  # (YaRN)
-
 SUPPORTED_ACTIVATIONS = ("silu",)
 
 
@@ -147,10 +42,7 @@ def check_config(hf: dict, arg: str) -> tuple[Family, ModelSpec]:
         family = family_for(hf)
     except ConfigError as exc:
         raise ConfigError(arg, str(exc)) from None
-    if hf["model_type"] not in FAMILY_KEYS:
-        raise ConfigError(arg, f"model_type {hf['model_type']!r} has a learner mapping but no converter "
-                               f"checks yet; known: {', '.join(FAMILY_KEYS)}")
-    allowed = FAMILY_KEYS[hf["model_type"]]
+    allowed = family.config_keys
     for key, value in hf.items():
         if key in METADATA_KEYS or key in COMMON_KEYS:
             continue
@@ -162,7 +54,7 @@ def check_config(hf: dict, arg: str) -> tuple[Family, ModelSpec]:
     if hf.get("hidden_act", "silu") not in SUPPORTED_ACTIVATIONS:
         raise ConfigError(arg, f"config.json hidden_act={hf['hidden_act']!r}: only {SUPPORTED_ACTIVATIONS} supported")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    extra_rope = set(rope) - {"rope_theta", "rope_type"} - FAMILY_ROPE_KEYS.get(hf["model_type"], set())
+    extra_rope = set(rope) - {"rope_theta", "rope_type"} - family.rope_keys
     if extra_rope:
         raise ConfigError(arg, f"config.json rope parameters {sorted(extra_rope)} are not supported "
                                f"(only plain RoPE with rope_theta)")

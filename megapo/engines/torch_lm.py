@@ -39,8 +39,6 @@ import torch.nn.functional as F
 
 from megapo.models.family import MLASpec, ModelSpec, YarnSpec
 
-SUPPORTED_FAMILIES = ("qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
-
 
 @dataclass(frozen=True)
 class TorchLMSpec:
@@ -134,11 +132,11 @@ class TorchLMSpec:
     @classmethod
     def from_config(cls, cfg: dict) -> "TorchLMSpec":
         """From an HF config.json through its family's ModelSpec (ValueError / KeyError: the reason it cannot run)."""
-        from megapo.models.family import family_for
+        from megapo.models.family import FAMILIES, families_where, family_for
 
-        family = cfg.get("model_type")
-        if family not in SUPPORTED_FAMILIES:
-            raise ValueError(f"config.json model_type must be one of {SUPPORTED_FAMILIES}, got {family!r}")
+        supported = families_where(lambda f: f.engine)
+        if cfg.get("model_type") not in FAMILIES or not family_for(cfg).engine:
+            raise ValueError(f"config.json model_type must be one of {supported}, got {cfg.get('model_type')!r}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json hidden_act must be 'silu', got {cfg.get('hidden_act')!r}")
         if cfg.get("use_sliding_window"):

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from megapo.config import ConfigError
 from megapo.layout import num_experts
+from megapo.models.config_keys import read as _read
 from megapo.models.family import HF_LAYER, Rule
+
+# config.json keys of the DeepSeekMoE block (its spec reads and checks them)
+MOE_KEYS = _read("intermediate_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group",
+                 "topk_group", "routed_scaling_factor", "norm_topk_prob", "first_k_dense_replace", "n_shared_experts")
 
 
 def check_router(hf: dict) -> None:

@@ -13,7 +13,7 @@ gathered shards go back to full HF tensors) lives here too, so the family module
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -135,14 +135,23 @@ class Family:
     # per-expert tensors back into the files' fused ones. None: the rules' names are the files' names.
     read_view: Callable | None = None
     pack: Callable | None = None
+    # config.json keys beyond the ones every family reads (megapo.convert.support.COMMON_KEYS), each with the
+    # values the Megatron model reproduces (megapo.models.config_keys); any other key is refused by name
+    config_keys: dict = field(default_factory=dict)
+    rope_keys: frozenset = frozenset()  # rope parameters besides rope_theta / rope_type that spec reads
+    engine: bool = True  # the embedded engine (megapo.engines.torch_lm) runs it
+    # module with the tiny config `megapo tiny-model --family NAME` writes: config(common, **sizes) and,
+    # optionally, finish(model, generator) for weights transformers initialises to 0 or 1; None: no tiny model
+    tiny: str | None = None
 
 
-# model_type in config.json -> module holding the family's mapping
+# model_type in config.json -> module holding the family's mapping (its FAMILY, or the attribute after ':'):
+# the one list of families; every command asks it (family_for, families_where)
 FAMILIES: dict[str, str] = {
     "qwen3_moe": "megapo.models.qwen3_moe.mapping",
     "qwen2": "megapo.models.qwen2.mapping",
     "qwen3": "megapo.models.qwen3.mapping",  # dense Qwen3: qwen2 without biases, with q/k norm
-    "llama": "megapo.models.qwen2.mapping",  # same layout as qwen2 without QKV bias (spec reads it)
+    "llama": "megapo.models.qwen2.mapping:LLAMA",  # qwen2's layout without QKV bias
     "mixtral": "megapo.models.mixtral.mapping",
     "deepseek_v3": "megapo.models.deepseek_v3.mapping",  # also Kimi-K2 / Moonlight configs
     "glm4_moe": "megapo.models.glm4_moe.mapping",  # GLM-4.5 / 4.6
@@ -154,7 +163,17 @@ def family_for(hf: dict) -> Family:
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise ConfigError("model", f"model_type {model_type!r} is not supported; known: {', '.join(FAMILIES)}")
-    return importlib.import_module(FAMILIES[model_type]).FAMILY
+    return family_named(model_type)
+
+
+def family_named(model_type: str) -> Family:
+    module, _, attribute = FAMILIES[model_type].partition(":")
+    return getattr(importlib.import_module(module), attribute or "FAMILY")
+
+
+def families_where(predicate: Callable[[Family], bool]) -> tuple[str, ...]:
+    """The model_types whose Family satisfies `predicate`, in registry order (e.g. lambda f: f.engine)."""
+    return tuple(name for name in FAMILIES if predicate(family_named(name)))
 
 
 def rope_theta(hf: dict) -> float:

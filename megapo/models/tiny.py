@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-FAMILIES = ("qwen3_moe", "qwen2", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -56,11 +55,24 @@ def build_tokenizer(vocab_size: int):
     )
 
 
+def tiny_families() -> tuple[str, ...]:
+    """The families with a tiny model (Family.tiny), from the one registry."""
+    from megapo.models.family import families_where
+
+    return families_where(lambda f: f.tiny is not None)
+
+
+def _tiny_module(family: str):
+    import importlib
+
+    from megapo.models.family import family_named
+
+    return importlib.import_module(family_named(family).tiny)
+
+
 def build_config(family: str, *, vocab_size: int, hidden: int, layers: int, experts: int, topk: int,
                  heads: int, kv_heads: int, head_dim: int, ffn: int, moe_ffn: int, eos_id: int, pad_id: int,
                  max_positions: int = 512):
-    import transformers
-
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -76,32 +88,10 @@ def build_config(family: str, *, vocab_size: int, hidden: int, layers: int, expe
         pad_token_id=pad_id,
         torch_dtype="float32",
     )
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(
-            head_dim=head_dim, intermediate_size=ffn, moe_intermediate_size=moe_ffn, num_experts=experts,
-            num_experts_per_tok=topk, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-            output_router_logits=False, router_aux_loss_coef=0.001, attention_bias=False, **common)
-    if family == "qwen2":
-        return transformers.Qwen2Config(intermediate_size=ffn, use_sliding_window=False, **common)
-    if family == "mixtral":
-        return transformers.MixtralConfig(
-            head_dim=head_dim, intermediate_size=moe_ffn, num_local_experts=experts, num_experts_per_tok=topk,
-            output_router_logits=False, router_aux_loss_coef=0.001, **common)
-    if family == "deepseek_v3":
-        from megapo.models.deepseek_v3 import tiny
-
-        return tiny.config(common, layers=layers, experts=experts, topk=topk, hidden=hidden, head_dim=head_dim,
-                           ffn=ffn, moe_ffn=moe_ffn)
-    if family == "glm4_moe":
-        from megapo.models.glm4_moe import tiny
-
-        return tiny.config(common, layers=layers, experts=experts, topk=topk, hidden=hidden, head_dim=head_dim,
-                           ffn=ffn, moe_ffn=moe_ffn)
-    if family == "gpt_oss":
-        from megapo.models.gpt_oss import tiny as gpt_oss_tiny
-
-        return gpt_oss_tiny.config(common, experts=experts, topk=topk, head_dim=head_dim, moe_ffn=moe_ffn)
-    raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if family not in tiny_families():
+        raise ValueError(f"family must be one of {tiny_families()}, got {family!r}")
+    return _tiny_module(family).config(common, layers=layers, experts=experts, topk=topk, hidden=hidden,
+                                       head_dim=head_dim, ffn=ffn, moe_ffn=moe_ffn)
 
 
 def write_tiny_model(out: str | Path, family: str = "qwen3_moe", *, layers: int = 2, experts: int = 8, topk: int = 2,
@@ -111,8 +101,8 @@ def write_tiny_model(out: str | Path, family: str = "qwen3_moe", *, layers: int 
     import torch
     import transformers
 
-    if family not in FAMILIES:
-        raise ValueError(f"--family must be one of {', '.join(FAMILIES)}, got {family!r}")
+    if family not in tiny_families():
+        raise ValueError(f"--family must be one of {', '.join(tiny_families())}, got {family!r}")
     if family != "qwen2" and not 1 <= topk <= experts:
         raise ValueError(f"--topk must be between 1 and --experts ({experts}), got {topk}")
     if vocab < 300:
@@ -127,18 +117,9 @@ def write_tiny_model(out: str | Path, family: str = "qwen3_moe", *, layers: int 
     config.initializer_range = init_std
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if family == "deepseek_v3":  # a non-zero router expert bias
-        from megapo.models.deepseek_v3 import tiny
-
-        tiny.finish(model, torch.Generator().manual_seed(seed))
-    if family == "glm4_moe":  # non-zero router expert bias and q/k/v biases, q/k norms not one
-        from megapo.models.glm4_moe import tiny
-
-        tiny.finish(model, torch.Generator().manual_seed(seed))
-    if family == "gpt_oss":  # non-zero sinks and biases
-        from megapo.models.gpt_oss import tiny as gpt_oss_tiny
-
-        gpt_oss_tiny.finish(model, torch.Generator().manual_seed(seed))
+    finish = getattr(_tiny_module(family), "finish", None)  # weights transformers initialises to 0 or 1
+    if finish is not None:
+        finish(model, torch.Generator().manual_seed(seed))
     model.generation_config.do_sample = True
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

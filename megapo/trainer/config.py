@@ -831,10 +831,10 @@ def _has_chat_template(path: Path) -> bool:
 
 def tiny_hf_config(t: TinyModelConfig) -> dict:
     """The config.json model.tiny will write (the model itself is written after validation)."""
-    from megapo.models.tiny import FAMILIES, build_config
+    from megapo.models.tiny import build_config, tiny_families
 
-    if t.family not in FAMILIES:
-        raise ConfigError("model.tiny.family", f"must be one of {', '.join(FAMILIES)}, got {t.family!r}")
+    if t.family not in tiny_families():
+        raise ConfigError("model.tiny.family", f"must be one of {', '.join(tiny_families())}, got {t.family!r}")
     if t.family != "qwen2" and t.topk > t.experts:
         raise ConfigError("model.tiny.topk", f"must be at most model.tiny.experts={t.experts}, got {t.topk}")
     return build_config(t.family, vocab_size=t.vocab, hidden=t.hidden, layers=t.layers, experts=t.experts,

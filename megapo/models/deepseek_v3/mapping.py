@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 from megapo.config import ConfigError
-from megapo.models.deepseek_moe import BUFFERS, EXPERT_RULES, MLP_RULES, check_router, moe_fields
+from megapo.models.config_keys import Allowed, false_value, one_or_unset, read, zero_or_unset
+from megapo.models.deepseek_moe import BUFFERS, EXPERT_RULES, MLP_RULES, MOE_KEYS, check_router, moe_fields
 from megapo.models.family import GLOBAL_RULES, HF_LAYER, Family, MLASpec, ModelSpec, Rule, transformer_fields
 
 HF_ATTN = HF_LAYER + "self_attn."
@@ -66,4 +67,18 @@ LAYER_RULES = {
     **MLP_RULES,
 }
 
-FAMILY = Family("deepseek_v3", spec, GLOBAL_RULES, LAYER_RULES, EXPERT_RULES, buffers=BUFFERS)
+# (spec refuses the values its Megatron model would compute differently)
+CONFIG_KEYS = {
+    **MOE_KEYS,
+    **read("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
+           "topk_method", "scoring_func",
+           "qk_head_dim",  # qk_nope_head_dim + qk_rope_head_dim, written by transformers
+           "ep_size", "aux_loss_alpha", "seq_aux"),  # (DeepSeek's own config: parallel / training-only)
+    "attention_bias": Allowed(false_value, "attention biases"),
+    "pretraining_tp": Allowed(one_or_unset, "pretraining_tp slicing"),
+    "moe_layer_freq": Allowed(one_or_unset, "MoE layers at a frequency other than 1"),
+    "num_nextn_predict_layers": Allowed(zero_or_unset, "multi-token-prediction layers (dropped by transformers' DeepseekV3 model)"),
+}
+
+FAMILY = Family("deepseek_v3", spec, GLOBAL_RULES, LAYER_RULES, EXPERT_RULES, buffers=BUFFERS, config_keys=CONFIG_KEYS,
+                tiny="megapo.models.deepseek_v3.tiny")

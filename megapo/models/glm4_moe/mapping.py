@@ -14,7 +14,8 @@
 from __future__ import annotations
 
 from megapo.config import ConfigError
-from megapo.models.deepseek_moe import BUFFERS, EXPERT_RULES, MLP_RULES, check_router, moe_fields
+from megapo.models.config_keys import Allowed, read, zero_or_unset
+from megapo.models.deepseek_moe import BUFFERS, EXPERT_RULES, MLP_RULES, MOE_KEYS, check_router, moe_fields
 from megapo.models.family import GLOBAL_RULES, Family, ModelSpec, attention_rules, transformer_fields
 
 DEFAULT_PARTIAL_ROTARY = 0.5  # transformers' Glm4MoeConfig default
@@ -62,4 +63,12 @@ def spec(hf: dict) -> ModelSpec:
 # Bias and q/k-norm rules are listed always; a parameter that the model does not have is never asked for.
 LAYER_RULES = {**attention_rules(qk_norm=True, qkv_bias=True), **MLP_RULES}
 
-FAMILY = Family("glm4_moe", spec, GLOBAL_RULES, LAYER_RULES, EXPERT_RULES, buffers=BUFFERS)
+# (spec refuses the values its Megatron model would compute differently)
+CONFIG_KEYS = {
+    **MOE_KEYS,
+    **read("attention_bias", "use_qk_norm", "partial_rotary_factor"),
+    "num_nextn_predict_layers": Allowed(zero_or_unset, "multi-token-prediction layers (dropped by transformers' Glm4Moe model)"),
+}
+
+FAMILY = Family("glm4_moe", spec, GLOBAL_RULES, LAYER_RULES, EXPERT_RULES, buffers=BUFFERS, config_keys=CONFIG_KEYS,
+                rope_keys=frozenset({"partial_rotary_factor"}), tiny="megapo.models.glm4_moe.tiny")

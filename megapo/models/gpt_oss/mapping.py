@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from megapo.config import ConfigError
+from megapo.models.config_keys import read
 from megapo.layout import num_experts
 from megapo.models.family import (GLOBAL_RULES, HF_LAYER, Family, ModelSpec, Rule, YarnSpec, attention_rules,
                                   transformer_fields)
@@ -231,4 +232,12 @@ def pack(spec: ModelSpec, named: Iterator[tuple[str, torch.Tensor]]) -> Iterator
         raise RuntimeError(f"gpt_oss export: experts missing from {sorted(fused)}")
 
 
-FAMILY = Family("gpt_oss", spec, GLOBAL_RULES, LAYER_RULES, EXPERT_RULES, read_view=FusedExperts, pack=pack)
+# (spec refuses the values its Megatron model would compute differently)
+CONFIG_KEYS = read("intermediate_size", "num_local_experts", "num_experts_per_tok", "attention_bias", "sliding_window",
+                   "layer_types", "swiglu_alpha", "swiglu_limit",
+                   "experts_per_token",  # openai's own name for num_experts_per_tok (spec checks they agree)
+                   "initial_context_length")  # openai's copy of YaRN's original_max_position_embeddings
+YARN_KEYS = frozenset({"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate"})
+
+FAMILY = Family("gpt_oss", spec, GLOBAL_RULES, LAYER_RULES, EXPERT_RULES, read_view=FusedExperts, pack=pack,
+                config_keys=CONFIG_KEYS, rope_keys=YARN_KEYS, tiny="megapo.models.gpt_oss.tiny")

@@ -11,7 +11,7 @@ SLIDING_WINDOW = 4
 SWIGLU_LIMIT = 0.1
 
 
-def config(common: dict, *, experts: int, topk: int, head_dim: int, moe_ffn: int):
+def config(common: dict, *, experts: int, topk: int, head_dim: int, moe_ffn: int, **_sizes: int):  # (layers, hidden, ffn: fixed here)
     import transformers
 
     return transformers.GptOssConfig(

@@ -5,6 +5,7 @@ over all experts, top-k, then renormalises the k weights, which equals Megatron'
 from __future__ import annotations
 
 from megapo.layout import num_experts
+from megapo.models.config_keys import Allowed, read
 from megapo.models.family import GLOBAL_RULES, HF_LAYER, Family, ModelSpec, Rule, attention_rules, transformer_fields
 
 
@@ -31,4 +32,10 @@ EXPERT_RULES = {
     "linear_fc2.weight": Rule("copy", (HF_EXPERT + "w2.weight",)),
 }
 
-FAMILY = Family("mixtral", spec, GLOBAL_RULES, LAYER_RULES, EXPERT_RULES)
+CONFIG_KEYS = {
+    **read("intermediate_size", "num_local_experts", "num_experts_per_tok"),
+    "sliding_window": Allowed(lambda v: v is None, "sliding-window attention"),
+}
+
+FAMILY = Family("mixtral", spec, GLOBAL_RULES, LAYER_RULES, EXPERT_RULES, config_keys=CONFIG_KEYS,
+                tiny="megapo.models.mixtral.tiny")

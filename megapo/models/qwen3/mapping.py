@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from megapo.config import ConfigError
+from megapo.models.config_keys import Allowed, false_value, read
 from megapo.models.family import GLOBAL_RULES, Family, ModelSpec, attention_rules, transformer_fields
-from megapo.models.qwen2.mapping import DENSE_MLP_RULES
+from megapo.models.qwen2.mapping import DENSE_MLP_RULES, SLIDING_WINDOW_OFF
 
 
 def spec(hf: dict) -> ModelSpec:
@@ -13,4 +14,8 @@ def spec(hf: dict) -> ModelSpec:
     return ModelSpec(family="qwen3", **transformer_fields(hf), ffn_hidden_size=hf["intermediate_size"], qk_norm=True)
 
 
-FAMILY = Family("qwen3", spec, GLOBAL_RULES, {**attention_rules(qk_norm=True, qkv_bias=False), **DENSE_MLP_RULES}, {})
+CONFIG_KEYS = {**SLIDING_WINDOW_OFF, **read("intermediate_size"),
+               "attention_bias": Allowed(false_value, "attention biases")}
+
+FAMILY = Family("qwen3", spec, GLOBAL_RULES, {**attention_rules(qk_norm=True, qkv_bias=False), **DENSE_MLP_RULES}, {},
+                config_keys=CONFIG_KEYS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from megapo.config import ConfigError
 from megapo.layout import num_experts
+from megapo.models.config_keys import Allowed, empty_value, false_value, full_attention, one_or_unset, read
 from megapo.models.family import GLOBAL_RULES, HF_LAYER, Family, ModelSpec, Rule, attention_rules, transformer_fields
 
 
@@ -38,4 +39,16 @@ EXPERT_RULES = {
     "linear_fc2.weight": Rule("copy", (HF_EXPERT + "down_proj.weight",)),
 }
 
-FAMILY = Family("qwen3_moe", spec, GLOBAL_RULES, LAYER_RULES, EXPERT_RULES)
+CONFIG_KEYS = {
+    **read("moe_intermediate_size", "num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
+           "intermediate_size",  # unused when every layer is MoE (checked by spec)
+           "sliding_window", "max_window_layers"),  # only used with use_sliding_window
+    "decoder_sparse_step": Allowed(one_or_unset, "dense layers between MoE layers"),
+    "mlp_only_layers": Allowed(empty_value, "dense (mlp_only) layers"),
+    "attention_bias": Allowed(false_value, "attention biases"),
+    "use_sliding_window": Allowed(false_value, "sliding-window attention"),
+    "layer_types": Allowed(full_attention, "sliding-window layers"),
+}
+
+FAMILY = Family("qwen3_moe", spec, GLOBAL_RULES, LAYER_RULES, EXPERT_RULES, config_keys=CONFIG_KEYS,
+                tiny="megapo.models.qwen3_moe.tiny")
