@@ -1,7 +1,7 @@
 """The embedded engine (megapo/engines/torch_lm.py) on glm4_moe against transformers' fp32 forward on the same
 weights: logits, sampled tokens' log-probs, greedy generation (transformers' own cache), and the routes it returns
 (one column per MoE layer) against transformers' router choice. (That the learner's own routes are transformers'
-choice is tests/test_glm4_moe_replay.py; the engine and the learner agree in tests/test_glm4_moe_train.py.)
+choice is tests/test_deepseek_moe_replay.py; the engine and the learner agree in tests/test_deepseek_moe_train.py.)
 
 Models: the tiny glm4_moe of tests/test_glm4_moe.py (4 layers: dense, then 3 MoE; q/k/v biases, q/k norms,
 partial rotary 0.5, 2 routing groups of which a token may use 1, a non-zero expert bias) and a variant written

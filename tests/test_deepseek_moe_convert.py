@@ -1,4 +1,6 @@
-"""`megapo convert` on deepseek_v3: HF -> torch_dist saved under TP=2xEP=2, back to HF loaded under PP=2 (the
+"""`megapo convert` on the two families of the DeepSeekMoE block (deepseek_v3: MLA; glm4_moe: q/k/v biases, q/k
+norms, partial rotary in rope_parameters; both: dense first layer, sigmoid router with expert bias, shared
+expert): HF -> torch_dist saved under TP=2xEP=2, back to HF loaded under PP=2 (the
 stages split between the dense-and-MoE first half and the MoE second half), with --verify (transformers vs the
 learner on the converted weights). Reference: the source safetensors written by transformers, every tensor
 compared with torch.equal, the routers' expert bias (a buffer) included; the checkpoint's expert bias read
@@ -38,10 +40,10 @@ def convert(*argv: str) -> str:
     return proc.stdout + proc.stderr
 
 
-@pytest.fixture(scope="module")
-def round_trip(tiny_model_factory, tmp_path_factory):
-    source = Path(tiny_model_factory("deepseek_v3", layers=4, moe_ffn=32))
-    tmp = tmp_path_factory.mktemp("ds_convert")
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def round_trip(request, tiny_model_factory, tmp_path_factory):
+    source = Path(tiny_model_factory(request.param, layers=4, moe_ffn=32))
+    tmp = tmp_path_factory.mktemp(f"{request.param}_convert")
     ckpt, back = tmp / "ckpt", tmp / "hf"
     convert("hf-to-megatron", "--hf", str(source), "--out", str(ckpt), "--tp", "2", "--ep", "2")
     log = convert("megatron-to-hf", "--ckpt", str(ckpt), "--out", str(back), "--pp", "2", "--verify")
@@ -69,14 +71,20 @@ def test_checkpoint_holds_the_expert_bias(round_trip):
         assert torch.equal(stored[f"decoder.layers.{i}.mlp.router.expert_bias"], src[bias]), i
 
 
-@pytest.mark.parametrize("change, words", [
-    (dict(num_nextn_predict_layers=1), ["num_nextn_predict_layers=1", "multi-token-prediction"]),
-    (dict(moe_layer_freq=2), ["moe_layer_freq=2"]),
-    (dict(some_new_switch=True), ["'some_new_switch'", "not understood"]),
-    (dict(rope_interleave=False), ["rope_interleave"]),
-], ids=["mtp", "moe_layer_freq", "unknown", "rope_interleave"])
-def test_configs_it_would_not_reproduce_are_refused(tiny_model_factory, tmp_path, capsys, change, words):
-    source = Path(tiny_model_factory("deepseek_v3", layers=4, moe_ffn=32))
+@pytest.mark.parametrize("family, change, words", [
+    ("deepseek_v3", dict(num_nextn_predict_layers=1), ["num_nextn_predict_layers=1", "multi-token-prediction"]),
+    ("deepseek_v3", dict(moe_layer_freq=2), ["moe_layer_freq=2"]),
+    ("deepseek_v3", dict(some_new_switch=True), ["'some_new_switch'", "not understood"]),
+    ("deepseek_v3", dict(rope_interleave=False), ["rope_interleave"]),
+    ("glm4_moe", dict(num_nextn_predict_layers=1), ["num_nextn_predict_layers=1", "multi-token-prediction"]),
+    ("glm4_moe", dict(some_new_switch=True), ["'some_new_switch'", "not understood"]),
+    ("glm4_moe", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                       "mrope_section": [8, 8]}), ["mrope_section"]),
+    ("glm4_moe", dict(partial_rotary_factor=0.3), ["partial_rotary_factor=0.3", "disagree"]),
+], ids=["ds-mtp", "ds-moe_layer_freq", "ds-unknown", "ds-rope_interleave", "glm-mtp", "glm-unknown", "glm-rope_key",
+        "glm-two_rotary_factors"])
+def test_configs_it_would_not_reproduce_are_refused(tiny_model_factory, tmp_path, capsys, family, change, words):
+    source = Path(tiny_model_factory(family, layers=4, moe_ffn=32))
     hf = tmp_path / "hf"
     shutil.copytree(source, hf)
     config = {**json.loads((hf / "config.json").read_text()), **change}

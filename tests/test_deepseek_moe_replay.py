@@ -1,14 +1,15 @@
-"""Routing replay on deepseek_v3's mixed layers (dense first layer, then MoE layers; sigmoid router with an
-expert bias, 2 routing groups of which a token may use 1, routed scaling), through `megapo logprobs
---routes-in / --routes-out` (the learner's RouteReplayHook) at TP=1, PP=2 (stage 0: the dense layer and the
-first MoE layer, stage 1: the other two) and TP=2xEP=2.
+"""Routing replay on the DeepSeekMoE block's mixed layers, in both families that use it (deepseek_v3: MLA;
+glm4_moe: GQA with partial rotary): dense first layer, then MoE layers; sigmoid router with an expert bias, 2
+routing groups of which a token may use 1, routed scaling, shared expert; through `megapo logprobs --routes-in /
+--routes-out` (the learner's RouteReplayHook) at TP=1, PP=2 (stage 0: the dense layer and the first MoE layer,
+stage 1: the other two) and TP=2xEP=2.
 
 Routes have one column per MoE layer (the tiny model here has 4 layers: dense, MoE, MoE, MoE -> 3 columns).
 - free: the learner's own routes (recorded, as R2 does) equal transformers' router choice;
 - replay: the recorded routes come back exactly when replayed; forced routes (random experts, also outside
   the token's allowed group; partial rows fall back to the router's own choice) come back exactly;
 - log-probs with routes forced equal the reference written here: transformers' fp32 forward with each MoE
-  layer's router output replaced by the forced experts, their gates recomputed as DeepSeek-V3 defines them
+  layer's router output replaced by the forced experts, their gates recomputed as DeepSeek-V3 and GLM-4.5 define them
   (sigmoid of the router logits, no expert bias, renormalised over the k, times routed_scaling_factor).
 """
 
@@ -95,10 +96,14 @@ def logprobs_cmd(model_dir, tmp: Path, name: str, layout: list[str], routes_in: 
     return dict(logprobs=logps, routes=load_routes(routes_out, len(logps)))
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_model_factory, tmp_path_factory):
-    model_dir = tiny_model_factory("deepseek_v3", layers=MOE_LAYERS + 1, moe_ffn=32)
-    tmp = tmp_path_factory.mktemp("ds_replay")
+# family -> transformers' class names of its dense and MoE MLPs
+MLP_CLASSES = {"deepseek_v3": ("DeepseekV3MLP", "DeepseekV3MoE"), "glm4_moe": ("Glm4MoeMLP", "Glm4MoeMoE")}
+
+
+@pytest.fixture(scope="module", params=list(MLP_CLASSES))
+def runs(request, tiny_model_factory, tmp_path_factory):
+    model_dir = tiny_model_factory(request.param, layers=MOE_LAYERS + 1, moe_ffn=32)
+    tmp = tmp_path_factory.mktemp(f"{request.param}_replay")
     rng = random.Random(3)
     sequences = [[rng.randrange(512) for _ in range(n)] for n in LENGTHS]
     (tmp / "in.jsonl").write_text("".join(json.dumps({"tokens": s}) + "\n" for s in sequences))
@@ -110,7 +115,7 @@ def runs(tiny_model_factory, tmp_path_factory):
               4: random_routes(len(sequences[4]) - 1, MOE_LAYERS, 8, 2, draw)}
     forced[3][::2, 1] = -1  # every other position of the second MoE layer: the router's own choice
     np.savez(tmp / "forced_in.npz", **{str(i): r for i, r in forced.items()})
-    out = dict(free=free, model_dir=model_dir, sequences=sequences, forced=load_routes(tmp / "forced_in.npz", len(sequences)))
+    out = dict(family=request.param, free=free, model_dir=model_dir, sequences=sequences, forced=load_routes(tmp / "forced_in.npz", len(sequences)))
     for name, layout in LAYOUTS.items():
         out[name] = logprobs_cmd(model_dir, tmp, name, layout, tmp / "forced_in.npz")
     out["hf"] = load_hf(model_dir)
@@ -118,7 +123,8 @@ def runs(tiny_model_factory, tmp_path_factory):
 
 
 def test_routes_have_one_column_per_moe_layer(runs):
-    assert [type(layer.mlp).__name__ for layer in runs["hf"].model.layers] == ["DeepseekV3MLP"] + ["DeepseekV3MoE"] * 3
+    dense, moe = MLP_CLASSES[runs["family"]]
+    assert [type(layer.mlp).__name__ for layer in runs["hf"].model.layers] == [dense] + [moe] * 3
     for seq, routes in zip(runs["sequences"], runs["free"]["routes"]):
         assert routes.shape == (len(seq) - 1, MOE_LAYERS, 2)
 
