@@ -237,7 +237,6 @@ CONFIG_KEYS = read("intermediate_size", "num_local_experts", "num_experts_per_to
                    "layer_types", "swiglu_alpha", "swiglu_limit",
                    "experts_per_token",  # openai's own name for num_experts_per_tok (spec checks they agree)
                    "initial_context_length")  # openai's copy of YaRN's original_max_position_embeddings
-YARN_KEYS = frozenset({"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate"})
 
 FAMILY = Family("gpt_oss", spec, GLOBAL_RULES, LAYER_RULES, EXPERT_RULES, read_view=FusedExperts, pack=pack,
-                config_keys=CONFIG_KEYS, rope_keys=YARN_KEYS, tiny="megapo.models.gpt_oss.tiny")
+                config_keys=CONFIG_KEYS, rope_keys=frozenset(YARN_KEYS - {"rope_type", "rope_theta"}), tiny="megapo.models.gpt_oss.tiny")
