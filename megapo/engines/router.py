@@ -38,6 +38,7 @@ import torch
 
 from megapo.engines.base import Engine, EngineCapabilities, Sample, SamplingParams, check_prompts
 from megapo.engines.http import ConnectionLost
+from megapo.weights.broadcast import daemon_call
 
 log = logging.getLogger(__name__)
 
@@ -46,21 +47,6 @@ JOINING, SERVING, DROPPED = "joining", "serving", "dropped"
 
 class NoLiveEngine(RuntimeError):
     pass
-
-
-def daemon_call(fn, *args) -> concurrent.futures.Future:
-    """fn(*args) in a daemon thread: a call to a stalled server that is left behind (its own HTTP timeout ends it)
-    neither holds a pool's worker nor keeps the trainer's process from exiting."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run():
-        try:
-            future.set_result(fn(*args))
-        except BaseException as err:  # noqa: BLE001 - handed to the caller
-            future.set_exception(err)
-
-    threading.Thread(target=run, name="megapo-router-sync", daemon=True).start()
-    return future
 
 
 class ServersLost(RuntimeError):
@@ -306,7 +292,7 @@ class Router(Engine):
         refuse=False it only counts as not done)."""
         if not ks:
             return [], []
-        futures = {k: daemon_call(call, self.engines[k], k) for k in ks}
+        futures = {k: daemon_call(call, self.engines[k], k, name="megapo-router-sync") for k in ks}
         concurrent.futures.wait(futures.values(), timeout=self._wait_s())  # a call still running is left behind
         done, lost, refused = [], [], None
         for k, future in futures.items():

@@ -547,7 +547,7 @@ class BroadcastTransport(Transport):
         # receive first, from its own thread (the call returns once its workers have loaded the weights)
         if self.broken:
             raise SyncFailed("broadcast: the weight-sync group was torn down by a failed sync; form the next one")
-        receiving = [_daemon_call(engine.receive_weights, version) for engine in engines]
+        receiving = [daemon_call(engine.receive_weights, version) for engine in engines]
         failed = None
         try:
             moved = self._send(named, bucket_bytes, version, dtype)
@@ -585,9 +585,9 @@ class BroadcastTransport(Transport):
         return moved
 
 
-def _daemon_call(fn, *args):
-    """fn(*args) in a daemon thread, as a Future: a receive call left behind on a stalled server neither blocks a
-    pool nor keeps the process from exiting."""
+def daemon_call(fn, *args, name: str = "megapo-receive"):
+    """fn(*args) in a daemon thread, as a Future: a call left behind on a stalled server (its own HTTP timeout
+    ends it) neither blocks a pool's worker nor keeps the process from exiting."""
     import concurrent.futures
     import threading
 
@@ -599,7 +599,7 @@ def _daemon_call(fn, *args):
         except BaseException as err:  # noqa: BLE001 - handed to the caller
             future.set_exception(err)
 
-    threading.Thread(target=run, name="megapo-receive", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return future
 
 
