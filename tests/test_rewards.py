@@ -154,8 +154,9 @@ def test_hung_reward_times_out_and_its_thread_ends(bad_rewards):
 
     spec = f"{bad_rewards}:hangs_on"
     zero = rewards.GuardedReward(spec, timeout_s=0.3, errors="zero")
+    before = set(threading.enumerate())  # reward threads of earlier tests' live GuardedRewards are not this one's
     assert zero("fine", "a") == 1.0
-    hung = [t for t in threading.enumerate() if t.name == "megapo-reward" and t.is_alive()]
+    hung = [t for t in threading.enumerate() if t.name == "megapo-reward" and t.is_alive() and t not in before]
     assert zero("hang", "a") == 0.0 and zero.pop_errors() == 1
     assert zero("fine", "a") == 1.0  # a fresh thread serves the next call
     assert hung  # the thread that served the first call, abandoned by the second
