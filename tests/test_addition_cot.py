@@ -47,6 +47,21 @@ def test_reward_reads_the_final_answer_only():
     assert cot.reward("0132", "132") == 0.0 and cot.reward("132;", "132") == 0.0
 
 
+
+def test_graded_first_reads_the_first_written_sum_so_the_check_cannot_change_it():
+    checked = "7+5+0=12;4+8+1=13;132;7+5+0=12;4+8+1=13;132"
+    slipped = "7+5+0=12;4+8+1=13;132;7+5+0=12;4+8+1=14;142"  # a slip in the check's second pass
+    early = "7+5+0=12;4+8+1=13;133;7+5+0=12;4+8+1=13;132"  # wrong first, "fixed" by the check
+    first, last = (get_task("addition_cot", {"graded": g}).reward for g in ("first", "last"))
+    assert (first, last) == ("megapo.tasks.addition_cot:reward_first", "megapo.tasks.addition_cot:reward")
+    assert [cot.reward_first(r, "132") for r in (checked, slipped, early)] == [1.0, 1.0, 0.0]
+    assert [cot.reward(r, "132") for r in (checked, slipped, early)] == [1.0, 0.0, 1.0]
+    assert cot.reward_first("132", "132") == 1.0 and cot.reward_first(" 132 ", "132") == 1.0
+    assert cot.reward_first("7+5+0=12;4+8+1=13", "132") == 0.0 and cot.reward_first("", "132") == 0.0
+    assert cot.reward_first("7+5+0=12;4+8+1=13;;132", "132") == 0.0  # an empty part is the first sum
+    with pytest.raises(ValueError, match="graded"):
+        get_task("addition_cot", {"graded": "middle"})
+
 def test_splits_are_disjoint_balanced_and_bucketed_by_digits():
     task = get_task("addition_cot")
     assert task.sizes["test"] == 1000 and task.sizes["validation"] == 500

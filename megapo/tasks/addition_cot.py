@@ -15,6 +15,12 @@ the SFT warm start teaches the formats (scratchpad_frac of the demonstrations sh
 of those do them twice), and RL can trade tokens (9 per digit and pass) for accuracy, more digits needing
 the columns more, while the second pass is pure cost.
 
+`graded` says which written sum is graded: `last` (the default, above) or `first` (the first part without
+"=", the whole response when there is none). Graded at the last sum, a slip in the check's second pass
+changes the answer, so accuracy alone pushes RL to drop the check; graded at the first, the check comes after
+the graded answer and cannot change it: redundant verification after the answer is found, which only a
+length term has a reason to remove.
+
 Splits: a problem (a, b) is in test, validation or train by a hash of "a+b", so they are disjoint whatever
 seeds a run uses. Test and validation hold fixed distinct problems, the same number per digit count,
 interleaved by digit count (so the first n of a split are balanced); the train split's i-th example is
@@ -70,9 +76,23 @@ def final_answer(response: str) -> str:
     return response.strip().rsplit(SEPARATOR, 1)[-1].strip()
 
 
+def first_answer(response: str) -> str:
+    """The first sum a response writes: its first part without "=" (the last part when every part has one)."""
+    parts = [part.strip() for part in response.strip().split(SEPARATOR)]
+    return next((part for part in parts if "=" not in part), parts[-1])
+
+
 def reward(response: str, answer: str) -> float:
     """1.0 when the final answer equals the reference sum, whatever comes before it; else 0.0."""
     return 1.0 if final_answer(response) == answer.strip() else 0.0
+
+
+def reward_first(response: str, answer: str) -> float:
+    """1.0 when the first written sum equals the reference, whatever follows it (graded: first); else 0.0."""
+    return 1.0 if first_answer(response) == answer.strip() else 0.0
+
+
+REWARDS = {"last": "megapo.tasks.addition_cot:reward", "first": "megapo.tasks.addition_cot:reward_first"}
 
 
 def uses_scratchpad(response: str) -> bool:
@@ -84,11 +104,13 @@ def example(a: int, b: int) -> Example:
 
 
 def task(min_digits: int = MIN_DIGITS, max_digits: int = MAX_DIGITS, scratchpad_frac: float = 0.5,
-         check_frac: float = 0.0) -> Task:
+         check_frac: float = 0.0, graded: str = "last") -> Task:
     """data.task=addition_cot; data.task_options: min_digits, max_digits (in [1, 9]), scratchpad_frac (the
     share of SFT demonstrations that show the columns, in [0, 1]), check_frac (the share of those that do
-    the columns twice, in [0, 1])."""
+    the columns twice, in [0, 1]), graded (last | first: which written sum the reward reads)."""
     check_digit_range(min_digits, max_digits, 9)
+    if graded not in REWARDS:
+        raise ValueError(f"graded must be one of {', '.join(REWARDS)}, got {graded!r}")
     for name, value in (("scratchpad_frac", scratchpad_frac), ("check_frac", check_frac)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise ValueError(f"{name} must be in [0, 1], got {value!r}")
@@ -103,5 +125,5 @@ def task(min_digits: int = MIN_DIGITS, max_digits: int = MAX_DIGITS, scratchpad_
                 for ex, v, c in zip(examples, verbose, twice)]
 
     sizes = {"train": TRAIN_SIZE, "validation": VALIDATION_PER_DIGITS * counts, "test": TEST_PER_DIGITS * counts}
-    return Task("addition_cot", sizes, get, reward="megapo.tasks.addition_cot:reward", demonstrations=demonstrations,
+    return Task("addition_cot", sizes, get, reward=REWARDS[graded], demonstrations=demonstrations,
                 response_kind=response_format)
