@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CONFIG = "megapo/configs/length_base.yaml"
 BENCH_FILE = "bench.json"
 DONE_FILE = "done.json"
-BUDGET = 112  # the base config's rollout.max_new_tokens: a checked 5-digit response is 104 tokens
+BUDGET = 160  # the base config's rollout.max_new_tokens: a checked 5-digit response is 104 tokens
 
 
 def _reward(name: str, options: str = "{}") -> list[str]:
@@ -47,18 +47,14 @@ def _reward(name: str, options: str = "{}") -> list[str]:
 
 # Each method's overrides of the base config. Options are set for this task's lengths: one pass of the columns
 # is 22 / 32 / 42 / 52 tokens at 2 / 3 / 4 / 5 digits (end-of-sequence included), the checked response twice that.
-# The *_strong settings are the first ones tried: they collapse to empty responses (kept as a finding).
 METHODS: dict[str, list[str]] = {
     "baseline": [],
     "length_penalty": _reward("length_penalty", "{coef: 0.0005}"),
-    "length_penalty_strong": _reward("length_penalty", "{coef: 0.003}"),
-    "dapo_overlong": _reward("dapo_overlong", "{cache_len: 56}"),
+    "dapo_overlong": _reward("dapo_overlong", f"{{cache_len: {BUDGET - 56}}}"),  # the penalty starts at 56
     "alp": _reward("alp", "{beta: 0.05}"),
-    "alp_strong": _reward("alp", "{beta: 0.5}"),
     "laser": _reward("laser", "{target_len: 56, alpha: 0.5}"),
     "laser_d": _reward("laser_d", "{alpha: 0.5, update_every: 10, coverage: 0.9}"),
     "kimi": _reward("kimi", "{weight: 0.2}"),
-    "kimi_strong": _reward("kimi", "{weight: 1.0}"),
     "laconic": _reward("laconic", "{target: 56, dual_lr: 0.05}"),
     "laconic_tight": _reward("laconic", "{target: 40, dual_lr: 0.05}"),
     "grpo_lambda": [*_reward("grpo_lambda", "{inner: kimi, min_correct_ratio: 0.5}"), "algorithm.clamp_correct_adv=true"],
