@@ -92,6 +92,26 @@ class Sample:
     token_versions: list[int] | None = None
 
 
+def versions_of(sample: Sample) -> list[int]:
+    """The weight version of each of a sample's output tokens."""
+    return list(sample.token_versions) if sample.token_versions is not None else \
+        [sample.weight_version] * len(sample.output_ids)
+
+
+def joined(head: Sample, tail: Sample) -> Sample:
+    """A preempted sample `head` and its continuation `tail` (drawn from head's prompt + output) as one sample:
+    tokens and log-probs end to end, each token's version, the oldest as weight_version, and the routes of every
+    fed position as the weights that fed it chose (head's up to its last fed token, then tail's)."""
+    routes = None
+    if head.routes is not None and tail.routes is not None:
+        fed = len(head.prompt_ids) + len(head.output_ids) - 1  # head's positions fed before the preemption
+        routes = np.concatenate([np.asarray(head.routes)[:fed], np.asarray(tail.routes)[fed:]])
+    versions = versions_of(head) + versions_of(tail)
+    return Sample(prompt_ids=list(head.prompt_ids), output_ids=head.output_ids + tail.output_ids,
+                  logprobs=head.logprobs + tail.logprobs, finish_reason=tail.finish_reason,
+                  weight_version=min(versions), routes=routes, token_versions=versions)
+
+
 def check_prompts(prompts: list[list[int]], vocab_size: int | None = None) -> None:
     """Clear errors for malformed prompts, before any work starts."""
     if not isinstance(prompts, (list, tuple)) or not prompts:

@@ -14,7 +14,8 @@ a key's requests go to the engine that served its first one while that engine li
 trajectory so far), and to the least busy live one otherwise (then that one keeps it). `end_sessions(keys)`
 forgets them.
 
-Weight updates, pause and resume go to every live engine.
+Weight updates, pause, resume and preempt (partial rollouts: each engine continues its own cut samples) go to every
+live engine; max_versions is set on every engine, joining ones included.
 
 Membership (the elastic fleet, megapo.trainer.fleet): engines can join (`add_server`) and leave (`drop_server`) a
 running Router. Each has a state -- joining (added, not holding the Router's weights yet), serving, dropped -- and
@@ -90,6 +91,7 @@ class Router(Engine):
         self.group: list[int] | None = None  # broadcast: the members whose workers formed the weight-sync groups
         self.deadline: float | None = None  # time.monotonic() by which a weight update ends (set by the trainer)
         self._sessions: dict = {}  # session key -> the engine serving it
+        self._max_versions = 0  # partial rollouts (the max_versions property)
         self.weight_version = int(weight_version)
         self._lock = threading.Lock()
         self._per_engine = max_in_flight_per_engine
@@ -102,6 +104,8 @@ class Router(Engine):
         trainer's next sync). Returns its index."""
         with self._lock:
             self.engines.append(engine)
+            if self.capabilities.partial:
+                engine.max_versions = self._max_versions
             self.names.append(name or getattr(engine, "url", f"engine{len(self.engines) - 1}"))
             self.in_flight.append(0)
             self.alive.append(True)
@@ -170,7 +174,19 @@ class Router(Engine):
         return EngineCapabilities(
             weight_syncs=tuple(s for s in caps[0].weight_syncs if all(s in c.weight_syncs for c in caps)),
             routes=routes, routes_note="; ".join(sorted({c.routes_note for c in caps if c.routes_note})),
-            api_key=any(c.api_key for c in caps), sessions=True, default_dtype=caps[0].default_dtype)
+            api_key=any(c.api_key for c in caps), sessions=True, partial=all(c.partial for c in caps),
+            default_dtype=caps[0].default_dtype)
+
+    @property
+    def max_versions(self) -> int:
+        """Partial rollouts: the most weight versions one sample may span (0: no bound), on every engine."""
+        return self._max_versions
+
+    @max_versions.setter
+    def max_versions(self, value: int) -> None:
+        self._max_versions = int(value)
+        for engine in self.engines:
+            engine.max_versions = self._max_versions
 
     # ------------------------------------------------------------------------------------------ routing
     def _acquire(self, exclude: set[int], prefer: int | None = None) -> int:
@@ -365,6 +381,11 @@ class Router(Engine):
     def resume(self) -> None:
         live = [k for k in self.members() if self.alive[k]]  # after a sync that dropped every server: nothing
         self._each(live, lambda e, k: e.resume(), "resume")
+
+    def preempt(self) -> None:
+        """Partial rollouts: every live engine cuts its requests in flight; each continues its own samples once
+        resumed (the trainer's weight update follows)."""
+        self._each(self._live(), lambda e, k: e.preempt(), "preempt")
 
     def health(self) -> bool:
         return any(self._healthy(k) for k in self.members())

@@ -14,6 +14,11 @@
   renormalised over the nucleus, so they differ from the embedded engine's by log(nucleus mass).
 - access: servers started by megapo (megapo.engines.server) answer only requests that carry their API key
   (`api_key`, sent on every request; megapo.engines.auth); check_access() tells a wrong or missing key apart.
+- partial rollouts (`preempt`): `POST /pause?mode=abort` ends the requests in flight; vLLM answers each one's
+  non-streamed request with everything sampled so far (finish_reason abort: its final output holds all tokens and
+  log-probs, so no streaming is needed). Once `resume()` has run (after the new weights), each cut sample goes on
+  as a new request on prompt + its tokens, for the tokens left, with the same sampling params. Each token's
+  version comes from the server's weight_versions spans.
 - routes: vLLM returns `routed_experts` only when started with `--enable-return-routed-experts`, which needs
   model runner V2 (Triton, so not on CPU); asking for routes from a server that sends none is an error.
 """
@@ -22,15 +27,18 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from megapo.replay.routes import compact_routes
-from megapo.engines.base import FINISH_REASONS, Engine, EngineCapabilities, Sample, SamplingParams, check_prompts, stage_and_reload
+from megapo.engines.base import (FINISH_REASONS, Engine, EngineCapabilities, Sample, SamplingParams, check_prompts,
+                                 joined, stage_and_reload, versions_of)
 from megapo.engines.auth import IDENTITY_PATH
 from megapo.engines.http import HTTPError, JSONClient
 from megapo.weights.broadcast import GroupAddress
@@ -50,10 +58,24 @@ def vllm_sampling_params(params: SamplingParams, seed: int | None) -> dict:
     return sp
 
 
+def token_versions(spans: list[dict] | None, count: int, default: int) -> list[int]:
+    """Each output token's weight version from vLLM's weight_versions spans ({version, start, end}: tokens
+    [start, end) were sampled by weights labelled version); tokens no span labels with an int get `default` (the
+    client's version when the request was sent: a server never told a version labels none)."""
+    versions = [default] * count
+    for span in spans or []:
+        label = str(span.get("version"))
+        if label.lstrip("-").isdigit():
+            lo, hi = max(0, int(span["start"])), min(count, int(span["end"]))
+            versions[lo:hi] = [int(label)] * max(0, hi - lo)
+    return versions
+
+
 class VLLMEngine(Engine):
     capabilities = EngineCapabilities(
-        weight_syncs=("disk", "broadcast"), starts_server=True, api_key=True, routes="cuda",
+        weight_syncs=("disk", "broadcast"), starts_server=True, api_key=True, routes="cuda", partial=True,
         routes_note="vLLM returns routed experts only with model runner V2, which needs Triton (a GPU)")
+    max_versions = 0  # partial rollouts: most weight versions one sample may span (0: no bound)
 
     def __init__(self, url: str, *, timeout: float = 600.0, max_concurrency: int = 64, weight_version: int = 0,
                  staging_dir: str | None = None, config_dir: str | None = None, server=None,
@@ -72,19 +94,45 @@ class VLLMEngine(Engine):
         self._staging_root = staging_dir
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="megapo-vllm")
         self._server = server
+        self._open = threading.Event()  # cleared by preempt(), set by resume(): requests wait while it is clear
+        self._open.set()
+        self._preempts = 0  # preempt() calls so far: an abort after one is a preemption, and continues
 
     # ------------------------------------------------------------------------------------------ sampling
     def generate_one(self, prompt: list[int], params: SamplingParams, seed: int | None) -> list[Sample]:
-        """One prompt, n samples: a single HTTP request."""
+        """One prompt, n samples: a single HTTP request (and one more per sample a preemption cut)."""
+        before = self._preempts
+        samples = self._request(prompt, params, seed)
+        if self._preempts == before:
+            return samples
+        return [self._continued(s, params, None if seed is None else seed + j) for j, s in enumerate(samples)]
+
+    def _request(self, prompt: list[int], params: SamplingParams, seed: int | None) -> list[Sample]:
+        self._open.wait()  # preempted: new requests go once the new weights are loaded and the server resumed
+        version = self.weight_version
         body = {"token_ids": list(map(int, prompt)), "sampling_params": vllm_sampling_params(params, seed),
                 "output_mode": "tokens"}
         out = self.client.post("/inference/v1/generate", body)
         choices = sorted(out["choices"], key=lambda c: c["index"])
         if len(choices) != params.n:
             raise RuntimeError(f"{self.url}: asked for n={params.n} samples, got {len(choices)}")
-        return [self._sample(prompt, c, params) for c in choices]
+        return [self._sample(prompt, c, params, version) for c in choices]
 
-    def _sample(self, prompt: list[int], choice: dict, params: SamplingParams) -> Sample:
+    def _continued(self, sample: Sample, params: SamplingParams, seed: int | None) -> Sample:
+        """A sample cut by preempt(), continued from its tokens on the current weights until it ends; one that
+        would span more than max_versions versions starts again from its prompt."""
+        while sample.finish_reason == "abort":
+            restart = bool(self.max_versions) and len(set(versions_of(sample))) >= self.max_versions
+            context = sample.prompt_ids + ([] if restart else sample.output_ids)
+            left = params.max_new_tokens - (0 if restart else len(sample.output_ids))
+            before = self._preempts
+            [tail] = self._request(context, replace(params, n=1, max_new_tokens=left), seed)
+            sample = tail if restart else joined(sample, tail)
+            if self._preempts == before:  # an abort no preemption caused: kept as it is
+                break
+        return sample
+
+    def _sample(self, prompt: list[int], choice: dict, params: SamplingParams, version: int) -> Sample:
         tokens = list(choice.get("token_ids") or [])
         content = (choice.get("logprobs") or {}).get("content") or []
         if [c["token_id"] for c in content] != tokens:
@@ -96,16 +144,11 @@ class VLLMEngine(Engine):
                                    "--enable-return-routed-experts (needs model runner V2, i.e. a GPU)")
             routes = decode_routed_experts(choice["routed_experts"])
         reason = choice.get("finish_reason") or "abort"
+        versions = token_versions(choice.get("weight_versions"), len(tokens), version)
         return Sample(prompt_ids=list(prompt), output_ids=tokens, logprobs=[float(c["logprob"]) for c in content],
                       finish_reason=reason if reason in FINISH_REASONS else "abort",
-                      weight_version=self._version_of(choice), routes=routes)
-
-    def _version_of(self, choice: dict) -> int:
-        # Each output carries the versions of the weights that sampled it, as spans. megapo pauses with
-        # mode=wait, so one sample never mixes versions; if it did, report the oldest.
-        versions = [s["version"] for s in choice.get("weight_versions") or []]
-        ints = [int(v) for v in versions if str(v).lstrip("-").isdigit()]
-        return min(ints) if ints else self.weight_version
+                      weight_version=min(versions, default=version), routes=routes,
+                      token_versions=versions if len(set(versions)) > 1 else None)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
         check_prompts(prompts)
@@ -161,6 +204,15 @@ class VLLMEngine(Engine):
 
     def resume(self) -> None:
         self.client.post("/resume")
+        self._open.set()
+
+    def preempt(self) -> None:
+        """Partial rollouts: the requests in flight end now (`/pause?mode=abort`), keeping their tokens, and new
+        ones wait; once the new weights are loaded and resume() has run, each cut sample continues on them.
+        Call before the weight update (whose pause and resume follow)."""
+        self._open.clear()
+        self._preempts += 1
+        self.client.post("/pause?mode=abort")
 
     def health(self) -> bool:
         return self.client.alive("/health")
@@ -179,6 +231,7 @@ class VLLMEngine(Engine):
         return self.client.get("/weight_info").get("weight_version")
 
     def close(self) -> None:
+        self._open.set()  # requests waiting for a resume go on (and fail on the closed server)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._server is not None:
             self._server.stop()

@@ -578,7 +578,7 @@ class RunConfig:
                               "happen during generation only with train.mode=async")
         if r.partial and not caps.partial:
             raise ConfigError("rollout.partial", f"engine {r.engine!r} cannot preempt and continue a batch yet "
-                              "(the embedded engine can)")
+                              "(the embedded and vllm engines can)")
         if self.algorithm.routing_replay == "r3":
             ok, why = caps.returns_routes()
             if not ok:
