@@ -1,7 +1,7 @@
 """The GLM-4.5 family (megapo/models/glm4_moe): its tiny model, its ModelSpec, the learner's log-probs against
 transformers' fp32 forward on the same weights under TP=1, TP=2, PP=2, EP=2 (x DP=2) and TP=2xEP=2 (two launches
 of tests/distributed/learner_layouts.py, world 1 and 2; the `megapo logprobs` command itself, at TP=1, PP=2 and
-TP=2xEP=2 with the allgather dispatcher, is tests/test_deepseek_moe_replay.py), one optimizer step under each layout
+TP=2xEP=2 with the allgather dispatcher, is tests/test_family_replay.py), one optimizer step under each layout
 vs TP=1, and the config.json values the Megatron model would compute differently, refused by name.
 
 The tiny model (4 layers: dense, then 3 MoE layers) has GQA with q/k/v biases and q/k RMSNorms, partial rotary
