@@ -123,35 +123,59 @@ def test_partial_refused_without_async(tiny_moe, tmp_path):
 
 
 def test_async_run_with_partial_rollouts(tmp_path, tiny_dense, reward_module):
-    """Long generations on a slowed engine, a fast learner: the learner's syncs land mid-batch. Every trained
-    token's engine log-prob equals the learner's (transformers) log-prob under the version that drew it."""
+    """Long generations, the learner's first sync lands mid-batch: batch 2 stops at its 6th token until the sync
+    preempts it (no timing race, whatever the machine's load). Every trained token's engine log-prob equals the
+    learner's (transformers) log-prob under the version that drew it."""
     from test_trainer_async import SnapshotLearner, _cfg
 
     from megapo.trainer.loop import train
 
-    class SlowEngine:
+    class GatedEngine:
+        """Batch 2 holds at its 6th token until preempt() is called; the learner's first update waits for that."""
+
+        GATE_TOKEN = 6
+
         def __init__(self):
             self.inner = EmbeddedEngine(tiny_dense, seed=0)
-            self.samples = {}
+            self.samples, self.calls, self.tokens = {}, 0, 0
+            self.at_gate, self.preempted = threading.Event(), threading.Event()
             step = self.inner.model.step
 
-            def slow(*a, **kw):
-                threading.Event().wait(0.01)
+            def gated(*a, **kw):
+                self.tokens += 1
+                if self.calls == 2 and self.tokens == self.GATE_TOKEN:
+                    self.at_gate.set()
+                    if not self.preempted.wait(120):
+                        raise TimeoutError("batch 2 was never preempted")
                 return step(*a, **kw)
 
-            self.inner.model.step = slow
+            self.inner.model.step = gated
 
         def generate(self, prompts, params):
+            self.calls, self.tokens = self.calls + 1, 0
             out = self.inner.generate(prompts, params)
             for g in out:
                 for s in g:
                     self.samples[tuple(s.prompt_ids + s.output_ids)] = s
             return out
 
+        def preempt(self):
+            self.inner.preempt()
+            self.preempted.set()
+
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-    learner, engine = SnapshotLearner(tiny_dense), SlowEngine()
+    engine = GatedEngine()
+
+    class Learner(SnapshotLearner):
+        def train_step(self, batch, loss):
+            out = super().train_step(batch, loss)
+            if len(self.snapshots) == 2 and not engine.at_gate.wait(120):  # the first update: its sync comes next
+                raise TimeoutError("batch 2 never reached its gate")
+            return out
+
+    learner = Learner(tiny_dense)
     cfg = _cfg(tiny_dense, tmp_path / "run", reward_module,
                **{"rollout.partial": True, "rollout.max_new_tokens": 24, "train.steps": 5, "train.staleness": 1})
     train(cfg, learner=learner, engine=engine, print_fn=lambda *_: None)
