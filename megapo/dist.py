@@ -37,6 +37,29 @@ def broadcast_object(obj):
     return box[0]
 
 
+def scatter_object(objs: list | None):
+    """Rank 0's objs[r] on rank r (collective over the default group, as broadcast_object; rank 0 passes one
+    object per rank and keeps objs[0] itself, unpickled and unsent; the others pass None). torch's
+    scatter_object_list pads every rank's message to the largest pickled object. A single process: objs[0]."""
+    if not multi_process():
+        return objs[0]
+    first = torch.distributed.get_rank() == 0
+    if first and len(objs) != torch.distributed.get_world_size():
+        raise ValueError(f"scatter_object: {len(objs)} objects for {torch.distributed.get_world_size()} ranks")
+    box = [None]
+    torch.distributed.scatter_object_list(box, [None, *objs[1:]] if first else None, src=0)
+    return objs[0] if first else box[0]
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank (collective; [obj] in a single process)."""
+    if not multi_process():
+        return [obj]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
     if multi_process():

@@ -1,7 +1,8 @@
 """Routing replay on the real Megatron-core learner vs a Hugging Face forward with forced routing.
 
 One torchrun launch (4 processes) of tests/distributed/replay_layouts.py runs TP=1 (x DP4), TP=2,
-PP=2 (with full activation recompute, so training replays through the recompute FIFO under 1F1B),
+PP=2 (with full activation recompute, so training replays through the recompute FIFO under 1F1B; routes handed
+out as the trainer does, so ranks other than 0 replay their stage's route columns only),
 EP=2 (allgather dispatcher: rows padded to one width) and TP=2xEP=2, on a copy of the tiny Qwen3-MoE
 whose router rows are permuted, so that its own routing differs from the replayed routes. Routes to
 replay come from transformers' own routing of the unperturbed model (independent of the learner).
@@ -42,6 +43,7 @@ LAYOUTS = [
     dict(tp=2, pp=1, ep=2, dp=2, r2=True, r3=True, on_policy=True),
 ]
 R2R3 = "tp2_pp1_ep2_dp2_r2True_r3True_on_policyTrue"
+PP2 = "tp1_pp2_ep1_dp2_recomputeTrue"
 TOL = 1e-4
 
 
@@ -272,6 +274,35 @@ def test_router_gradients_under_replay_match_forced_routing(setup, layout):
         np.testing.assert_array_equal(used, given)
     assert res["metrics"]["replay/disagree_post"] == 0.0
     assert res["metrics"]["replay/fallback_frac"] == 0.0
+
+
+def test_pp2_ranks_receive_only_their_stages_columns(setup):
+    """PP=2: routes handed out as the trainer hands out a train batch (megapo.trainer.handout). Rank 0 keeps every
+    MoE layer, every other rank receives only its stage's column (the tiny model's 2 MoE layers, one per stage),
+    and its hook replays them as such; log-probs equal the forced-routing reference and the full-route pass, and
+    the train step replaying the cut routes gives the reference's router gradients
+    (test_router_gradients_under_replay_match_forced_routing)."""
+    res = setup["results"][PP2]
+    layers = res["stage"]["rank_layers"]
+    assert len(layers) == 4 and sorted({tuple(x) for x in layers}) == [(0,), (1,)]
+    for case, full in (("stage", setup["full"]), ("train", setup["batch_routes"])):
+        for rank, (got, width) in enumerate(zip(res[case]["received"], res[case]["columns"])):
+            assert width == (2 if rank == 0 else 1), (case, rank)
+            for i, (a, f) in enumerate(zip(got, full)):
+                want = f if rank == 0 else f[:, layers[rank]]
+                assert a.shape == want.shape, (case, rank, i)
+                np.testing.assert_array_equal(a, want, err_msg=f"{case}, rank {rank}, sequence {i}")
+    stage = res["stage"]
+    with torch.no_grad():
+        for i, s in enumerate(setup["sequences"]):
+            ref, _ = hf_forced(setup["model"], s, setup["full"][i])
+            assert (stage["logprobs"][i] - ref).abs().max().item() < TOL, i
+            assert (stage["logprobs"][i] - res["full"]["logprobs"][i]).abs().max().item() < 1e-6, i
+            np.testing.assert_array_equal(stage["routes_out"][i], setup["full"][i])
+    assert stage["metrics"] == pytest.approx(res["metrics"], abs=1e-9)
+    # PP=1: one broadcast, every rank replays every MoE layer
+    one = setup["results"]["tp2_pp1_ep1_dp2"]
+    assert one["stage"]["rank_layers"] is None and one["train"]["columns"] == [2, 2, 2, 2]
 
 
 def test_r2_two_optimizer_steps_replay_the_old_logprob_routing(setup):

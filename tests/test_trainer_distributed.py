@@ -4,7 +4,8 @@
 of the experts and trains on half of the groups); rank 0 owns the embedded engine, the rewards and the
 KL reference and broadcasts the batch. Reference: the same run in one process (dp=1, ep=1). The
 objective's gradient does not depend on the DP split, so the weights after every step, hence the
-next step's samples, rewards, loss, grad norm and KL, must match the single-process run.
+next step's samples, rewards, loss, grad norm and KL, must match the single-process run. Also parallel.pp=2 under
+r3, where rank 1 receives only its pipeline stage's route columns (megapo.trainer.handout).
 """
 
 import json
@@ -56,4 +57,27 @@ def test_dp2_ep2_train_matches_one_process(tmp_path, tiny_moe, env):
     for ra, rb in zip(a, b):
         for key in COMPARED:
             assert key in ra and key in rb, (ra["step"], key)
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-6), (ra["step"], key, ra[key], rb[key])
+
+
+def test_pp2_r3_train_matches_one_process(tmp_path, tiny_moe, env):
+    """parallel.pp=2 under r3: rank 1 (stage 1) receives its stage's route columns only (megapo.trainer.handout),
+    rank 0 all of them; the replayed log-probs, the update and the router metrics rank 0 logs (engine vs learner
+    routes of every MoE layer) match the single-process run."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ["algorithm.routing_replay=r3", "train.stability_metrics_every=1"]
+    single = subprocess.run([sys.executable, "-m", "megapo.cli", "train", str(CONFIG), *_overrides(tiny_moe, one),
+                             *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    multi = subprocess.run([sys.executable, "-m", "megapo.cli", "launch", "local", str(CONFIG), "--nproc", "2",
+                            *_overrides(tiny_moe, two), *extra, "parallel.pp=2"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    a, b = _rows(one), _rows(two)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
+    routing = [k for k in a[0] if k.startswith(("router/", "mismatch/", "replay/"))]
+    assert "router/disagree" in routing and "replay/disagree_post" in routing
+    for ra, rb in zip(a, b):
+        for key in (*COMPARED, *routing):
+            assert key in rb, (ra["step"], key)
             assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-6), (ra["step"], key, ra[key], rb[key])

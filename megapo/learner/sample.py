@@ -25,8 +25,10 @@ class TrainSample:
     token_weight: list[float] | None = None  # >= 0 per response token, multiplies the loss (token_select / mask)
     loss_mask: list[int] | None = None  # per response token: 1 the policy sampled it, 0 an observation (multi-turn)
     sentence_end: list[int] | None = None  # per response token: 1 where a sentence ends (sspo)
-    routes: Any = None  # [m, moe_layers, topk] the routes every train step replays (r3: the engine's; r2: recorded)
-    engine_routes: Any = None  # the engine's routes, compared with the learner's own (router/disagree)
+    # [m, moe_layers, topk] the routes every train step replays (r3: the engine's; r2: recorded); with PP > 1 a rank
+    # other than 0 gets the engine's with its pipeline stage's MoE layers only (megapo.trainer.handout)
+    routes: Any = None
+    engine_routes: Any = None  # the engine's routes vs the learner's own (router/disagree; PP > 1: rank 0's only)
     own_routes: Any = None  # the learner's free routes (the stability metrics' other side)
 
     # ------------------------------------------------------------------------- read and set by field name

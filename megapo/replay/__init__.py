@@ -3,7 +3,8 @@ its own old-log-prob pass (R2) chose, through Megatron-core's RouterReplay.
 
 - routes.py  route data (int [num_tokens-1, num_moe_layers, topk] per sample), checks, a batch's route
              table and the targets of a micro-batch's positions (given / missing -> own choice / last token /
-             padding -> distinct dummies), .npz files;
+             padding -> distinct dummies), a pipeline stage's columns (PP > 1: what the trainer sends a
+             stage's ranks, megapo.trainer.handout), .npz files;
 - hook.py    the learner's `route_hook`: per-micro-batch targets set inside the forward step, TP/SP
              slices, pipeline stages, activation-recompute FIFO, routes actually used, metrics;
 - modes.py   off / r2 / r3 for the trainer: `old_logprobs`, `mismatch_kl`, `logprobs_with_routes`, and

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from megapo.replay.routes import (GIVEN, LAST, MISSING, PAD, RouteShape, RouteTable, RowPlan, check_batch_routes,
-                                  position_plan, route_table)
+                                  given_columns, position_plan, route_table)
 
 # counts per MoE layer (columns): positions with a given route, of which the router's own choice differs
 # (before replay); positions routed (not padding), of which Megatron's routing map differs from the
@@ -81,19 +81,26 @@ class RouteReplayHook:
         self._records: list[_Record] = []
         self._recomputing: dict = {}  # router -> the target its recompute replays
         self._counts = torch.zeros(shape.num_moe_layers, 5, dtype=torch.float64)
+        self.given_columns: int | None = None  # MoE-layer columns of the routes the last set_routes got (None: none)
 
     # ----------------------------------------------------------------------------- learner calls
 
     def set_routes(self, routes, sequences: list[list[int]], name: str = "routes") -> None:
-        """Start a pass over `sequences` replaying `routes` (None, or one array/None per sequence)."""
+        """Start a pass over `sequences` replaying `routes` (None, or one array/None per sequence), each holding
+        every MoE layer's columns or only this pipeline stage's (`self.layers`, in order; routes.given_columns)."""
         self._lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
         self._table = None
         if routes is not None:
             if len(routes) != len(sequences):
                 raise ValueError(f"{name}: {len(routes)} entries for {len(sequences)} sequences")
-            routes = check_batch_routes(routes, self._lengths.tolist(), self.shape, name)
+            # every MoE layer's columns (rank 0, recorded routes) or only this stage's (what the trainer sends the
+            # stage's other ranks with PP > 1, megapo.trainer.handout); any other width is refused
+            shape, columns, self.given_columns = given_columns(routes, self.shape, self.layers, name)
+            routes = check_batch_routes(routes, self._lengths.tolist(), shape, name)
             if any(r is not None for r in routes):
-                self._table = route_table(routes, self._lengths, self.layers)
+                self._table = route_table(routes, self._lengths, columns)
+        else:
+            self.given_columns = None
         self._maps = []
         self._plan = None
         self._records = []

@@ -98,6 +98,40 @@ def check_batch_routes(routes: list, lengths: list[int], shape: RouteShape, name
     return [None if a is None else compact_routes(a, shape.num_experts) for a in arrays]
 
 
+def stage_columns(routes, layers: list[int]) -> np.ndarray | None:
+    """One sample's routes [m, L, k] cut to the MoE layers `layers` (a pipeline stage's, in layer order):
+    [m, len(layers), k], a copy of just those columns (so it pickles without the others); None stays None."""
+    if routes is None:
+        return None
+    arr = np.asarray(routes.cpu().numpy() if isinstance(routes, torch.Tensor) else routes)
+    if arr.ndim != 3:
+        raise ValueError(f"routes must have shape [positions, MoE layers, top-k], got {list(arr.shape)}")
+    return np.ascontiguousarray(arr[:, list(layers)])
+
+
+def given_columns(routes: list, shape: RouteShape, layers: list[int],
+                  name: str) -> tuple[RouteShape, list[int], int | None]:
+    """Which columns of a batch's routes (one array or None per sample) are a pipeline stage's MoE `layers`.
+    Routes of every MoE layer (shape.num_moe_layers columns: what rank 0 holds, what the learner records) give
+    `layers`; routes of len(layers) columns are that stage's already (stage_columns: what the trainer sends the
+    stage's other ranks when PP > 1) and give all their columns. Returns the shape to check them against, the
+    columns to keep and the width seen (None: no sample has 3-dimensional routes; check_batch_routes then says
+    what is wrong). Any other width, or samples of different widths, is refused."""
+    widths = sorted({_width(r) for r in routes if r is not None} - {None})
+    full, mine = shape.num_moe_layers, len(layers)
+    if not widths or widths == [full]:
+        return shape, list(layers), widths[0] if widths else None
+    if widths == [mine]:
+        return RouteShape(mine, shape.topk, shape.num_experts), list(range(mine)), mine
+    raise ValueError(f"{name}: routes must hold all {full} MoE layers or this pipeline stage's {mine} (MoE layers "
+                     f"{list(layers)}), one width for the whole batch; got {widths} columns")
+
+
+def _width(routes) -> int | None:
+    shape = routes.shape if hasattr(routes, "shape") else np.shape(routes)
+    return int(shape[1]) if len(shape) == 3 else None
+
+
 def _route_array(routes, num_tokens: int, shape: RouteShape, name: str) -> np.ndarray:
     """One sample's routes [m, L, k] as given (any integer type), their type and shape checked."""
     if isinstance(routes, torch.Tensor):

@@ -27,6 +27,9 @@ class Group:
     sampled: int | None = None  # responses drawn for this prompt (more than len(samples) after a group filter)
     prompt_index: int | None = None  # the prompt's place in the run's prompt pool
     sample_ids: list[int] | None = None  # each kept sample's index among those drawn (None: all, in order)
+    # the MoE layers its samples' routes hold, as columns (None: all); with PP > 1 a rank other than 0 gets its
+    # pipeline stage's only (megapo.trainer.handout)
+    route_layers: list[int] | None = None
 
 
 def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[list], list[float]]:

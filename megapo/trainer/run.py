@@ -3,7 +3,8 @@ stages, loggers), how they are built and resumed, and what each phase of a step 
 `megapo.trainer.loop.train` is the order of the phases.
 
 Every rank builds a Run (the learner's methods are collective); only rank 0 owns the engine, computes
-rewards and writes files, and broadcasts each step's train batch to the other ranks.
+rewards and writes files, and hands each step's train batch to the other ranks (megapo.trainer.handout: broadcast,
+or with PP > 1 each rank's stage's route columns only).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from megapo.learner.reference import Reference
 from megapo.trainer import checkpoint as ckpt
 from megapo.trainer.config import RunConfig
 from megapo.trainer.fleet import make_fleet
+from megapo.trainer.handout import hand_out, rank_route_layers
 from megapo.trainer.length_stage import LengthStage
 from megapo.trainer.metrics import MetricsLogger, SampleLogger, StepTimer
 from megapo.trainer.run_dir import CHECKPOINTS
@@ -90,6 +92,8 @@ class Run:
         # the engine's routes: replayed under r3; otherwise compared with the learner's (router/disagree) when the
         # learner records its own and the embedded engine hands them over in-process
         compare_routes = capabilities(cfg.rollout.engine).in_process and getattr(self.learner, "route_hook", None) is not None
+        # each rank's MoE layers when PP gives ranks different ones: each gets only its stage's route columns
+        self.route_layers = rank_route_layers(self.learner)  # (collective; None: the batch is broadcast whole)
         self.params = sampling_params(cfg, self.tokenizer.eos_token_id,
                                       routes=cfg.algorithm.routing_replay == "r3" or compare_routes)
         self.loss = cfg.loss_spec()  # every train step's LossSpec (validate() has checked it)
@@ -175,8 +179,9 @@ class Run:
                                 self.length, self.sampler)
 
     def generate(self, step: int, timer: StepTimer) -> tuple[list[Group], dict, int]:
-        """This step's groups on every rank (drawn on rank 0, or taken from the async producer), the rollout
-        metrics and the generated tokens."""
+        """This step's groups on every rank (drawn on rank 0, or taken from the async producer; with PP > 1 the other
+        ranks' routes hold their stage's MoE layers only, megapo.trainer.handout), the rollout metrics and the
+        generated tokens."""
         groups, metrics, tokens = [], {}, 0
         if self.producer is not None:
             from megapo.trainer.async_rollout import next_batch
@@ -187,7 +192,7 @@ class Run:
                 groups, metrics, tokens = self._collect()
         if self.samples_log is not None and groups:
             self.samples_log.log(step, groups)
-        return broadcast_object(groups), metrics, tokens
+        return hand_out(groups, self.route_layers), metrics, tokens
 
     def update(self, step: int, groups: list[Group], timer: StepTimer) -> dict:
         """Advantages, π_old, π_ref, token stages and the optimizer steps (megapo.trainer.update)."""

@@ -36,7 +36,9 @@ def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_sta
         loss_mask=list(s.loss_mask) if isinstance(s, Trajectory) else None,  # observations are context only
         sentence_end=sentence_end_flags(s.output_ids, sentence_ends) if sentence_ends is not None else None,
         routes=s.routes if replay else None,
-        engine_routes=s.routes)  # for router/disagree (megapo.replay.modes.stability_metrics)
+        # for router/disagree (megapo.replay.modes.stability_metrics), against the learner's routes of every MoE
+        # layer: not where the routes are a pipeline stage's columns only (g.route_layers; rank 0 has them all)
+        engine_routes=s.routes if g.route_layers is None else None)
         for gi, g in enumerate(groups) for si, s in enumerate(g.samples)]
 
 

@@ -12,6 +12,10 @@ for several parallel layouts of one world size. For each layout, on the perturbe
              the routes of every pass and the free routes after the updates;
 - "r3" (layout flag): engine samples (spec) through old_logprobs(..., "r3") and mismatch_kl before any
              optimizer step, and a train step replaying them after the others;
+- "stage":   FULL replayed with the routes handed out as the trainer hands out a train batch (megapo.trainer.handout:
+             broadcast whole with PP=1; with PP>1 rank 0 keeps every MoE layer and the other ranks get only their
+             stage's columns): log-probs, routes used, metrics, and per rank the routes received and the
+             columns its hook saw ("train" hands out its batch routes the same way and records the same);
 - "rows":    a learner packing [rows x width] micro-batches (spec "rows_variant"; the main learner has one
              sequence per row): FULL replay's log-probs and routes, and the "train" step's router gradients;
 - "on_policy" (layout flag): on_policy_step.run_modes for r2 and r3 on the engine samples (fresh learners).
@@ -31,7 +35,11 @@ from megapo.config import OptimConfig, ParallelConfig
 from megapo.learner.learner import Learner
 from megapo.commands import logprobs_routes as route_cli
 from megapo.replay.modes import logprobs_with_routes, mismatch_kl, old_logprobs
+from megapo.engines.base import Sample
 from megapo.replay.routes import load_routes
+from megapo.tasks.base import Example
+from megapo.trainer.handout import hand_out, rank_route_layers
+from megapo.trainer.rollout import Group
 from on_policy_step import run_modes  # this script's folder is on sys.path
 from spec_io import finish, read_spec
 
@@ -54,6 +62,21 @@ def router_grads(learner) -> dict[int, torch.Tensor]:
     for p in parts:
         out.update(p)
     return out
+
+
+def handed_out(routes, rank_layers) -> list:
+    """Rank 0's `routes` (one array per sequence) on every rank as the trainer hands a train batch out
+    (megapo.trainer.handout.hand_out): the routes this rank receives."""
+    groups = None
+    if torch.distributed.get_rank() == 0:
+        groups = [Group(Example("", ""), [Sample([], [], [], "stop", 0, routes=r)], [0.0]) for r in routes]
+    return [g.samples[0].routes for g in hand_out(groups, rank_layers)]
+
+
+def per_rank(obj) -> list:
+    parts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, obj)
+    return parts
 
 
 def rows_variant(spec: dict, parallel: ParallelConfig, seqs, batch) -> dict:
@@ -97,6 +120,12 @@ def main() -> None:
         _, free, _ = logprobs_with_routes(learner, seqs, None)
         res["free"] = free
         _, _, res["metrics"] = logprobs_with_routes(learner, seqs, load_routes(spec["full_npz"], len(seqs)))
+        rank_layers = rank_route_layers(learner)  # None unless PP gives ranks different MoE layers
+        received = handed_out(load_routes(spec["full_npz"], len(seqs)), rank_layers)
+        logps, used, m = logprobs_with_routes(learner, seqs, received)
+        res["stage"] = {"rank_layers": rank_layers, "received": per_rank(received),
+                        "columns": per_rank(learner.route_hook.given_columns), "logprobs": logps, "routes_out": used,
+                        "metrics": m}
 
         if layout.get("r3"):  # before any optimizer step: log-probs and KL comparable to the HF reference
             engine_routes = [torch.tensor(s["routes"]).numpy() for s in spec["engine_samples"]]
@@ -106,10 +135,12 @@ def main() -> None:
             res["r3"] = {"engine_routes": engine_routes, "old_routes": [s["routes"] for s in r3_samples],
                          "old_metrics": m_old, "kl": kl, "old_logp": old}
 
-        train_batch = [dict(s, routes=r) for s, r in zip(batch, load_routes(spec["batch_npz"], len(batch)))]
+        received = handed_out(load_routes(spec["batch_npz"], len(batch)), rank_layers)  # PP=2: stage columns
+        train_batch = [dict(s, routes=r) for s, r in zip(batch, received)]
         metrics = learner.train_step(train_batch, "reinforce", "token-mean")
         res["train"] = {"metrics": metrics, "grads": router_grads(learner),
-                        "routes": learner.route_hook.routes_used(len(batch))}
+                        "routes": learner.route_hook.routes_used(len(batch)), "received": per_rank(received),
+                        "columns": per_rank(learner.route_hook.given_columns)}
 
         if layout.get("r2"):
             samples = [dict(s) for s in batch]
