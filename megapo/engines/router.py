@@ -104,7 +104,7 @@ class Router(Engine):
         trainer's next sync). Returns its index."""
         with self._lock:
             self.engines.append(engine)
-            if self.capabilities.partial:
+            if self._max_versions:  # set by a partial-rollout run (only on engines that declare partial)
                 engine.max_versions = self._max_versions
             self.names.append(name or getattr(engine, "url", f"engine{len(self.engines) - 1}"))
             self.in_flight.append(0)
