@@ -43,7 +43,8 @@ def test_length_penalty_through_the_stage_keeps_the_verifier_scores():
 
 
 def test_overlong_is_dapo_overlong_in_the_same_stage():
-    stage = LengthStage(_cfg("data.overlong.enabled=true", "data.overlong.buffer=12", "data.overlong.penalty=0.5"))
+    stage = LengthStage(_cfg("data.overlong.enabled=true", "data.overlong.buffer=12", "data.overlong.penalty=0.5",
+                             "rollout.max_new_tokens=112"))
     stage.begin_batch()
     lengths = [50, 100, 106, 112]
     [g] = stage.apply([_group("p", [1.0] * 4, lengths)])
