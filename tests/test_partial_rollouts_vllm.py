@@ -402,48 +402,61 @@ def test_async_run_with_partial_rollouts_on_the_real_server(real, tmp_path, rewa
     from megapo.trainer.loop import train
 
     served, base, _ = real
-    # a Router over a second client of the module's server, one sample's request at a time: a batch takes seconds
-    engine = VLLMEngine(served.url, api_key=served._server.api_key)
-    engine.update_weights_from_disk(str(base), 0)  # the learner starts from the base weights, as version 0
-    router = Router([engine], max_in_flight_per_engine=1, samples_per_request=1)
-    recording = Recording(router)
 
-    class Learner(SnapshotLearner):
-        """Each step moves every weight by fixed noise (no gradient: quick); step 1 (of 2) lets batch 2 start and
-        ends once it has been generating for a second, so the sync after it lands mid-batch, on any machine load."""
+    def attempt(run_dir):
+        """One train run: (trained responses spanning two versions, max |dlogprob| vs the learner)."""
+        # a Router over a second client of the module's server, one sample's request at a time: a batch takes seconds
+        engine = VLLMEngine(served.url, api_key=served._server.api_key)
+        engine.update_weights_from_disk(str(base), 0)  # the learner starts from the base weights, as version 0
+        router = Router([engine], max_in_flight_per_engine=1, samples_per_request=1)
+        recording = Recording(router)
 
-        def train_step(self, batch, loss):
-            self.batches.append(batch)
-            g = torch.Generator().manual_seed(len(self.snapshots))
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    p.add_(0.05 * torch.randn(p.shape, generator=g))
-            self.snapshots[len(self.snapshots)] = copy.deepcopy(self.model.state_dict())
-            if len(self.snapshots) - 1 < 2:
-                recording.mid_batch(after_s=1.0)
-            return {"loss": 0.0}
+        class Learner(SnapshotLearner):
+            """Each step moves every weight by fixed noise (no gradient: quick); step 1 (of 2) lets batch 2 start and
+            ends once it has been generating for a second, so the sync after it lands mid-batch (most runs)."""
 
-    learner = Learner(base)
-    cfg = _cfg(base, tmp_path / "run", reward_module, **{
-        "rollout.engine": "vllm", "rollout.weight_sync": "disk", "rollout.dtype": "float32", "rollout.partial": True,
-        "rollout.max_new_tokens": 128, "train.steps": 2, "train.staleness": 1})
-    start = time.monotonic()
-    try:
-        train(cfg, learner=learner, engine=recording, print_fn=lambda *_: None)
-    finally:
-        router.close()  # the client only: the server is the module's
-    check = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    spanning, worst = 0, 0.0
-    for batch in learner.batches:
-        for t in batch:
-            s = recording.samples[tuple(t["tokens"])]
-            versions = np.array(versions_of(s))
-            spanning += len(set(versions)) > 1
-            want = np.zeros(len(versions))
-            for v in set(versions.tolist()):
-                check.load_state_dict(learner.snapshots[v])
-                want = np.where(versions == v, hf_token_logprobs(check, s.prompt_ids, s.output_ids), want)
-            worst = max(worst, float(np.abs(np.array(t["rollout_logp"]) - want).max()))
-    print(f"train run {time.monotonic() - start:.1f} s: {spanning} of {sum(map(len, learner.batches))} trained "
-          f"responses span versions; max |dlogprob| vs the learner under each token's version {worst:.2e}")
-    assert spanning > 0 and worst < TOL
+            def train_step(self, batch, loss):
+                self.batches.append(batch)
+                g = torch.Generator().manual_seed(len(self.snapshots))
+                with torch.no_grad():
+                    for p in self.model.parameters():
+                        p.add_(0.05 * torch.randn(p.shape, generator=g))
+                self.snapshots[len(self.snapshots)] = copy.deepcopy(self.model.state_dict())
+                if len(self.snapshots) - 1 < 2:
+                    recording.mid_batch(after_s=1.0)
+                return {"loss": 0.0}
+
+        learner = Learner(base)
+        cfg = _cfg(base, run_dir, reward_module, **{
+            "rollout.engine": "vllm", "rollout.weight_sync": "disk", "rollout.dtype": "float32", "rollout.partial": True,
+            "rollout.max_new_tokens": 128, "train.steps": 2, "train.staleness": 1})
+        start = time.monotonic()
+        try:
+            train(cfg, learner=learner, engine=recording, print_fn=lambda *_: None)
+        finally:
+            router.close()  # the client only: the server is the module's
+        check = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        spanning, worst = 0, 0.0
+        for batch in learner.batches:
+            for t in batch:
+                s = recording.samples[tuple(t["tokens"])]
+                versions = np.array(versions_of(s))
+                spanning += len(set(versions)) > 1
+                want = np.zeros(len(versions))
+                for v in set(versions.tolist()):
+                    check.load_state_dict(learner.snapshots[v])
+                    want = np.where(versions == v, hf_token_logprobs(check, s.prompt_ids, s.output_ids), want)
+                worst = max(worst, float(np.abs(np.array(t["rollout_logp"]) - want).max()))
+        print(f"train run {time.monotonic() - start:.1f} s: {spanning} of {sum(map(len, learner.batches))} trained "
+              f"responses span versions; max |dlogprob| vs the learner under each token's version {worst:.2e}")
+        return spanning, worst
+
+    # the preemption is timed from the client (after a second of batch 2): when it lands between two requests or
+    # before a request's first token, nothing spans; the log-prob check holds on every attempt, spanning is retried
+    results = []
+    for k in range(3):
+        results.append(attempt(tmp_path / f"run{k}"))
+        if results[-1][0] > 0:
+            break
+    assert all(worst < TOL for _, worst in results), results
+    assert results[-1][0] > 0, f"no trained response spanned two versions in {len(results)} runs: {results}"

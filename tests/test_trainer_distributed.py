@@ -41,18 +41,23 @@ def env(tmp_path):
             "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def test_dp2_ep2_train_matches_one_process(tmp_path, tiny_moe, env):
+def _one_and_two_processes(tmp_path, tiny_moe, env, extra: list[str], layout: list[str]):
+    """The metrics rows of `megapo train` in one process and of `megapo launch local --nproc 2` with `layout`."""
     one, two = tmp_path / "one", tmp_path / "two"
-    single = subprocess.run([sys.executable, "-m", "megapo.cli", "train", str(CONFIG), *_overrides(tiny_moe, one)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    single = subprocess.run([sys.executable, "-m", "megapo.cli", "train", str(CONFIG), *_overrides(tiny_moe, one),
+                             *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
     multi = subprocess.run([sys.executable, "-m", "megapo.cli", "launch", "local", str(CONFIG), "--nproc", "2",
-                            *_overrides(tiny_moe, two), "parallel.dp=2", "parallel.ep=2"],
+                            *_overrides(tiny_moe, two), *extra, *layout],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert multi.returncode == 0, multi.stderr[-3000:]
-
     a, b = _rows(one), _rows(two)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
+    return a, b
+
+
+def test_dp2_ep2_train_matches_one_process(tmp_path, tiny_moe, env):
+    a, b = _one_and_two_processes(tmp_path, tiny_moe, env, [], ["parallel.dp=2", "parallel.ep=2"])
     assert any(r["train/grad_norm"] > 0 for r in a)  # the runs really updated the weights
     for ra, rb in zip(a, b):
         for key in COMPARED:
@@ -64,17 +69,8 @@ def test_pp2_r3_train_matches_one_process(tmp_path, tiny_moe, env):
     """parallel.pp=2 under r3: rank 1 (stage 1) receives its stage's route columns only (megapo.trainer.handout),
     rank 0 all of them; the replayed log-probs, the update and the router metrics rank 0 logs (engine vs learner
     routes of every MoE layer) match the single-process run."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    extra = ["algorithm.routing_replay=r3", "train.stability_metrics_every=1"]
-    single = subprocess.run([sys.executable, "-m", "megapo.cli", "train", str(CONFIG), *_overrides(tiny_moe, one),
-                             *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert single.returncode == 0, single.stderr[-3000:]
-    multi = subprocess.run([sys.executable, "-m", "megapo.cli", "launch", "local", str(CONFIG), "--nproc", "2",
-                            *_overrides(tiny_moe, two), *extra, "parallel.pp=2"],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert multi.returncode == 0, multi.stderr[-3000:]
-    a, b = _rows(one), _rows(two)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
+    a, b = _one_and_two_processes(tmp_path, tiny_moe, env,
+                                  ["algorithm.routing_replay=r3", "train.stability_metrics_every=1"], ["parallel.pp=2"])
     routing = [k for k in a[0] if k.startswith(("router/", "mismatch/", "replay/"))]
     assert "router/disagree" in routing and "replay/disagree_post" in routing
     for ra, rb in zip(a, b):
