@@ -15,9 +15,9 @@ import argparse
 import importlib
 import sys
 
+from megapo import worker_errors
 from megapo.config import ConfigError
-
-EXIT_BAD_INPUT = 2  # a config or input error, reported before anything is written (docs/CONTRACTS.md)
+from megapo.worker_errors import EXIT_BAD_INPUT  # noqa: F401  a config or input error (docs/CONTRACTS.md)
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -71,12 +71,20 @@ def run_command(name: str, args: argparse.Namespace) -> int:
 
 def report_errors(prog: str, run, args) -> int:
     """run(args); a ConfigError (LayoutError, InputError, CheckpointError too) ends as `prog: <message>` on
-    stderr and exit code 2, no traceback. Also for modules run on their own (python -m tools.bench.scaling)."""
+    stderr and exit code 2, no traceback. Also for modules run on their own (python -m tools.bench.scaling).
+    Worker processes (megapo.worker_errors): the command that started them ends with the first failing rank's
+    one line and exit code (WorkersFailed); in a worker, any exception is recorded for it, without a traceback."""
     try:
         return int(run(args) or 0)
-    except ConfigError as err:
+    except worker_errors.WorkersFailed as err:
         print(f"{prog}: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return err.code
+    except ConfigError as err:
+        return worker_errors.report(prog, err)
+    except Exception as err:
+        if not worker_errors.in_worker():
+            raise  # a bug in a single process: its traceback
+        return worker_errors.report(prog, err)
 
 
 if __name__ == "__main__":

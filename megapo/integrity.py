@@ -73,9 +73,11 @@ def check_finite_all_ranks(named: Iterable[tuple[str, torch.Tensor]], what: str)
     found = first_nonfinite(named)
     if not any_rank(found is not None):
         return
-    raise NonFiniteError(_message(what, found) if found is not None else
+    err = NonFiniteError(_message(what, found) if found is not None else
                          f"{what}: another rank holds non-finite weights (its message names the tensor); "
                          f"refusing to write them")
+    err.other_rank = found is None  # megapo.worker_errors reports the rank that names the tensor
+    raise err
 
 
 # ----------------------------------------------------------------------------------------- pickles

@@ -74,4 +74,5 @@ def no_launch(monkeypatch):
         raise AssertionError("a process was started")
 
     monkeypatch.setattr(megapo.launch.local, "run_torchrun", refuse)
+    monkeypatch.setattr(megapo.launch.local, "run_workers", refuse)
     monkeypatch.setattr(logprobs_cmd, "_work", refuse)

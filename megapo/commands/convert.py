@@ -16,7 +16,9 @@ There is no separate reshard command: a torch_dist checkpoint loads under any la
 of megatron-to-hf, or a learner's own layout), as long as the padded vocabulary matches.
 
 Before any process starts, everything is checked: the config (a field the converter does not
-implement is refused, never guessed), tensor names and shapes against the config, the layout. The
+implement is refused, never guessed), tensor names and shapes against the config, the layout, a trainer
+checkpoint's files against its manifest (size and sha256). A worker's failure ends the output with its one
+line (the first failing rank's, megapo.worker_errors) and exit code 1 (2 for bad input), no traceback. The
 work runs in tp*pp*dp processes (torchrun, gloo on CPU) and writes into OUT.tmp-XXXX, renamed to OUT
 only when everything (including --verify) succeeded; on failure the temporary folder is removed.
 """
@@ -36,6 +38,8 @@ from pathlib import Path
 from typing import Callable
 
 from megapo.config import ConfigError, ParallelConfig
+from megapo.learner.precision import ENGINE_DTYPES
+from megapo.worker_errors import WorkersFailed
 
 SUBCOMMAND = "direction"  # megapo.cli names it in error messages: `megapo convert hf-to-megatron: ...`
 FORMAT = "megapo-megatron-torch_dist"
@@ -56,8 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m2h.add_argument("--model", help="HF folder with the config and tokenizer (required when the checkpoint "
                                      "has no config.json, e.g. a trainer checkpoint)")
     m2h.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 5GB, 500MB (default 2GB)")
-    m2h.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                     help="tensor dtype written; auto: the source HF dtype recorded at conversion, else float32")
+    m2h.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", *ENGINE_DTYPES),
+                     help="tensor dtype written (fp32 | bf16 | fp16 name the same three); auto: the source HF dtype "
+                          "recorded at conversion, else float32")
     _layout_args(m2h, "layout the checkpoint is loaded with")
     _verify_args(m2h)
 
@@ -126,10 +131,12 @@ def run_plans(plans: list[Plan], timeout_s: float) -> list[int]:
         for plan in plans:
             if plan.stage is not None:
                 plan.stage.create()
-        if _launch(plans, timeout_s) != 0:
+        try:
+            _launch(plans, timeout_s)
+        except WorkersFailed as exc:  # the first failing rank's one line, as the last line (megapo.worker_errors)
             for plan in plans:
-                _failed(plan, "the conversion processes failed (see above)")
-            return [1] * len(plans)
+                _failed(plan, str(exc))
+            return [exc.code] * len(plans)
         for plan in plans:
             ok = plan.finish()
             if plan.stage is not None:
@@ -185,6 +192,7 @@ def plan_megatron_to_hf(args, scratch: Path) -> Plan:
     from megapo.convert.support import expected_hf_tensors
 
     parallel = _parallel(args)
+    _check_manifest(args.ckpt, "--ckpt")
     ckpt = inputs.read_checkpoint(args.ckpt, "--ckpt", args.model)
     inputs.check_parallel(parallel, ckpt.model.hf, max_local_processes())
     inputs.check_vocab_rows(ckpt, parallel)
@@ -193,7 +201,7 @@ def plan_megatron_to_hf(args, scratch: Path) -> Plan:
         max_shard = parse_size(args.max_shard_size)
     except ValueError as exc:
         raise ConfigError("--max-shard-size", str(exc)) from None
-    dtype = args.dtype
+    dtype = ENGINE_DTYPES.get(args.dtype, args.dtype)  # bf16 -> bfloat16, ...
     if dtype == "auto":
         dtype = (ckpt.meta or {}).get("source", {}).get("dtype") or "float32"
     tol = _tol(args)
@@ -227,6 +235,7 @@ def plan_verify(args, scratch: Path) -> Plan:
 
     parallel = _parallel(args)
     hf = inputs.read_hf(args.hf, "--hf")
+    _check_manifest(args.ckpt, "--ckpt")
     ckpt = inputs.read_checkpoint(args.ckpt, "--ckpt", args.model)
     inputs.check_parallel(parallel, ckpt.model.hf, max_local_processes())
     inputs.check_vocab_rows(ckpt, parallel)
@@ -238,6 +247,22 @@ def plan_verify(args, scratch: Path) -> Plan:
     job = _job("verify", ckpt.model.folder, parallel, args, scratch, ckpt=str(ckpt.folder))
     seqs = _attach_verify(job, args, ckpt.model.spec)
     return Plan("verify", job, parallel, lambda: _compare(hf.folder, job, seqs, tol).ok, _job_path(job))
+
+
+def _check_manifest(path, arg: str) -> None:
+    """A trainer checkpoint (step_N/, or its learner/) against its manifest.json, before anything reads it:
+    every file of learner/ present, of its size and sha256 (megapo.trainer.checkpoint); ConfigError naming
+    the file otherwise. A checkpoint without a manifest (hf-to-megatron's, Megatron's own) is not checked."""
+    from megapo.convert.inputs import find_checkpoint
+    from megapo.trainer.checkpoint import MANIFEST, manifest_problems
+
+    folder = find_checkpoint(path, arg)
+    if folder.name != "learner" or not (folder.parent / MANIFEST).is_file():
+        return
+    problems = manifest_problems(folder.parent, "learner/")
+    if problems:
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise ConfigError(arg, f"{folder.parent} does not match its {MANIFEST}: {'; '.join(problems[:3])}{more}")
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -327,13 +352,13 @@ def _job_path(job) -> Path:
 
 
 def _launch(plans: list[Plan], timeout_s: float) -> int:
-    from megapo.launch.local import run_torchrun
+    from megapo.launch.local import run_workers
 
     argv = ["-m", "megapo.convert.worker"]
     for plan in plans:
         plan.job.save(plan.job_path)
         argv += ["--job", str(plan.job_path)]
-    return run_torchrun(argv, plans[0].parallel.world_size, timeout_s=timeout_s)
+    return run_workers(argv, plans[0].parallel.world_size, timeout_s=timeout_s)
 
 
 def _failed(plan: Plan, why: str) -> None:

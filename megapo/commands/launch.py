@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import signal
-import subprocess
 from pathlib import Path
 
 from megapo.config import ConfigError
@@ -139,9 +137,5 @@ def _run_local(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    proc = subprocess.Popen(cmd)
-    # SIGTERM to this launcher reaches torchrun once (it forwards it to the trainer, which
-    # checkpoints); Ctrl-C already reaches every process of the foreground group by itself.
-    signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return proc.wait()
+    # SIGTERM reaches torchrun once (the trainer checkpoints); a failed rank's line ends the output (WorkersFailed)
+    return local.run_launch(cmd, nproc)

@@ -1,10 +1,12 @@
 """`megapo logprobs`: log-probs of given tokens from the Megatron learner.
 
     megapo logprobs --model HF_DIR --input IN.jsonl --output OUT.jsonl [--tp N --pp N --ep N --dp N
-                    --dispatcher alltoall|allgather] [--routes-in ROUTES.npz] [--routes-out ROUTES.npz]
+                    --dispatcher alltoall|allgather] [--precision fp32|bf16|fp16]
+                    [--routes-in ROUTES.npz] [--routes-out ROUTES.npz]
 
 IN lines: {"tokens": [...]}; OUT lines: {"logprobs": [...]}, log p(tokens[t] | tokens[:t]) for
-t = 1..len-1. The layout is checked against the model first (an error naming the numbers, before
+t = 1..len-1, from the learner computing in --precision (log-probs themselves in fp32 from its logits): the
+learner side of a train-inference mismatch measurement. The layout is checked against the model first (an error naming the numbers, before
 any process starts); a layout with more than one process is started with torchrun (megapo/launch/local.py).
 """
 
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from megapo.config import ConfigError, ParallelConfig
 from megapo.layout import check_layout, read_hf_config
+from megapo.learner.precision import precision_named
 from megapo.commands import logprobs_routes as route_cli
 
 
@@ -30,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--dispatcher", default="alltoall", choices=("alltoall", "allgather"))
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    parser.add_argument("--precision", default="fp32", help="the learner's parameters and activations: fp32 | bf16 | fp16")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before the processes are killed")
     route_cli.add_arguments(parser)  # routing replay: --routes-in / --routes-out (megapo/commands/logprobs_routes.py)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set for torchrun's processes
@@ -76,19 +80,21 @@ def run(args: argparse.Namespace) -> int:
     if args.micro_batch_tokens < 1:
         raise ConfigError("--micro-batch-tokens", f"must be >= 1, got {args.micro_batch_tokens}")
     route_cli.check(args, hf, sequences)  # routing replay flags
+    precision_named(args.precision)
     if args.worker or parallel.world_size == 1:
         return _work(args, parallel, sequences)
-    from megapo.launch.local import run_torchrun
+    from megapo.launch.local import run_workers  # a worker's failure: WorkersFailed, its one line
 
     argv = _to_argv(args)
-    return run_torchrun(["-m", "megapo.commands.logprobs", "--worker", *argv], parallel.world_size,
-                        timeout_s=args.timeout)
+    return run_workers(["-m", "megapo.commands.logprobs", "--worker", *argv], parallel.world_size,
+                       timeout_s=args.timeout)
 
 
 def _to_argv(args) -> list[str]:
     return ["--model", str(args.model), "--input", str(args.input), "--output", str(args.output),
             "--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep), "--dp", str(args.dp),
             "--dispatcher", args.dispatcher, "--micro-batch-tokens", str(args.micro_batch_tokens),
+            "--precision", args.precision,
             *route_cli.argv(args)]
 
 
@@ -98,7 +104,7 @@ def _work(args, parallel: ParallelConfig, sequences: list[list[int]]) -> int:
     from megapo.learner.learner import Learner
 
     learner = Learner(args.model, parallel, micro_batch_tokens=args.micro_batch_tokens,
-                      routing_replay=route_cli.wanted(args))
+                      routing_replay=route_cli.wanted(args), precision=precision_named(args.precision))
     logprobs = route_cli.logprobs(learner, sequences, args)  # replays --routes-in, writes --routes-out
     if torch.distributed.get_rank() == 0:
         out = Path(args.output)

@@ -3,15 +3,14 @@
 A config or run-folder error raises ConfigError, which `megapo` reports as `megapo train: <field>: <message>`
 with exit code 2 before anything is written (docs/CONTRACTS.md, "Error contract"). A runtime failure whose
 message names its cause (a reward that failed under data.reward_errors=fail, non-finite weights) ends as one
-line `megapo train: <message>` and exit code 1; any other exception keeps its traceback (a bug)."""
+line `megapo train: <message>` and exit code 1; any other exception keeps its traceback (a bug), except in the
+processes `megapo launch local` starts: there every failure is recorded for the launcher, which ends with the
+first failing rank's line and exit code, no traceback (megapo.worker_errors; MEGAPO_DEBUG=1 prints them)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
-
-EXIT_FAILED = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from megapo.trainer.loop import train
     from megapo.trainer.rewards import RewardError
     from megapo.trainer.stop import EXIT_CHECKPOINTED, StopFlag, TrainingStopped
+    from megapo.worker_errors import report
 
     stop = StopFlag()
     stop.install()  # SIGTERM/SIGUSR1/SIGINT: checkpoint after the current step, exit 75 (slurm/README.md)
@@ -46,8 +46,7 @@ def run(args: argparse.Namespace) -> int:
                                             EXIT_CHECKPOINTED)
         return EXIT_CHECKPOINTED
     except (RewardError, NonFiniteError) as exc:  # the message says what failed and where; no checkpoint of it
-        print(f"megapo train: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return report("megapo train", exc)  # exit 1; under `megapo launch local` its last line
     finally:
         stop.uninstall()
     return 0

@@ -25,6 +25,7 @@ import torch
 
 from megapo.config import ParallelConfig
 from megapo.integrity import check_finite_all_ranks
+from megapo.worker_errors import guard
 
 
 @dataclass
@@ -174,4 +175,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # dist_checkpointing starts a helper process: keep the guard
-    sys.exit(main())
+    # a failure: its one line recorded for `megapo convert` (megapo.worker_errors), no traceback
+    sys.exit(guard("megapo convert", main))

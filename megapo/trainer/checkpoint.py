@@ -362,6 +362,20 @@ def verify_checkpoint(path: str | Path, model_dir: str | Path | None = None) -> 
     return problems or _learner_problems(path, model_dir)
 
 
+def manifest_problems(path: str | Path, under: str = "") -> list[str]:
+    """What is wrong with the files checkpoint folder `path`'s manifest lists under `under` (a sub-folder such as
+    "learner/"; "" for all): missing, of another size or sha256, or the manifest itself. One process (`megapo
+    convert` checks a trainer checkpoint's learner/ with it before reading it)."""
+    path = Path(path)
+    manifest, problem = _read_manifest(path)
+    if manifest is None:
+        return [problem]
+    files = {n: want for n, want in manifest["files"].items() if n.startswith(under)}
+    if not files:
+        return [f"the manifest lists no file under {under}"]
+    return [p for p in _pooled(lambda n: _check_file(path, n, files[n]), sorted(files)) if p]
+
+
 def _gather(items: list[str]) -> list[str]:
     """Every rank's items, on every rank."""
     if not multi_process():
