@@ -165,7 +165,7 @@ class ParallelConfig:
     dispatcher: str = "alltoall"  # MoE token dispatcher: "alltoall" | "allgather"
     distributed_optimizer: bool = False  # shard the optimizer state over the data-parallel ranks (Megatron's)
     recompute: bool = False  # full activation recompute
-    fp8: bool = False  # Transformer Engine FP8 (GPU with TE only)
+    MOVED: typing.ClassVar[dict[str, str]] = {"fp8": "train.fp8 (none | e4m3 | hybrid) with train.precision=bf16"}
 
     @property
     def world_size(self) -> int:
@@ -326,6 +326,9 @@ def from_dict(cls: type, data: Any, prefix: str = "", check: bool = True):
     unknown = [k for k in data if k not in fields]
     if unknown:
         key = unknown[0]
+        moved = getattr(cls, "MOVED", {})  # a field that moved names its new home
+        if key in moved:
+            raise ConfigError(_join(prefix, key), f"this field moved: use {moved[key]}")
         close = difflib.get_close_matches(key, list(fields), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(fields)}"
         raise ConfigError(_join(prefix, key), f"unknown field{hint}")

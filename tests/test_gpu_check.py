@@ -17,8 +17,8 @@ from tools import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 # Written out here, not read from the kit: a section dropped from the kit fails this test.
-SECTIONS = ["environment", "compat", "logprobs", "train_step", "checkpoint", "routing_replay", "nccl_group",
-            "large_train", "engine_decode", "broadcast", "te_fp8"]
+SECTIONS = ["environment", "compat", "logprobs", "train_step", "checkpoint", "bf16_step", "routing_replay",
+            "nccl_group", "large_train", "engine_decode", "broadcast", "te_fp8"]
 GPU_ONLY = {"nccl_group", "te_fp8"}
 
 
@@ -70,6 +70,8 @@ def test_dry_run_logprobs_within_their_stated_tolerances(dry_run):
     assert replay["train_disagree_post"] == 0
     reload = report["sections"]["checkpoint"]
     assert reload["max_abs_diff"] <= reload["tol"] <= 1e-6
+    bf16 = report["sections"]["bf16_step"]  # the bf16 learner: rounding-sized gap to transformers' bf16, not 0
+    assert 1e-5 < bf16["bf16_vs_transformers_bf16_max_abs"] <= bf16["tol"] <= 5e-2 and bf16["main_params"] > 0
 
 
 def test_dry_run_train_step_and_mfu_arithmetic(dry_run):

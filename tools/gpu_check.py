@@ -6,7 +6,8 @@
 
 Writes DIR/gpu_check.json (every number) and DIR/gpu_check.txt (one line per section). Sections, in order:
 environment, compat (a no-op on CUDA), logprobs (learner vs transformers on the same device, fp32 and bf16),
-train_step (one RL step), checkpoint (save/load round trip), nccl_group (one rank), large_train (a ~1.5 B
+train_step (one RL step), checkpoint (save/load round trip), bf16_step (the bf16 learner: log-probs, one step),
+routing_replay, nccl_group (one rank), large_train (a ~1.5 B
 random Qwen3-MoE: tokens/s, MFU, peak memory), engine_decode (the embedded engine on that model), broadcast
 (the weight-sync transport between two processes: NCCL on a GPU, gloo in the dry run), te_fp8.
 
@@ -367,8 +368,8 @@ def section_logprobs(ctx: Context) -> dict:
         checks[f"{family}_bf16"] = entry["bf16"]["max_abs_diff"] <= TOL_BF16
     main = families["qwen3_moe"]
     result = {"device": ctx.device, "families": families,
-              "note": "the Learner has no bf16 compute path (fp32 parameters and optimizer); bf16 = transformers in "
-                      "bf16 vs the fp32 learner, the gap a bf16 engine would show",
+              "note": "the fp32 learner; bf16 = transformers in bf16 vs the fp32 learner, the gap a bf16 engine would "
+                      "show (the bf16 learner: section bf16_step)",
               "summary": f"qwen3_moe fp32 {main['fp32']['max_abs_diff']:.2e} (tol {TOL_FP32:g}), bf16 "
                          f"{main['bf16']['max_abs_diff']:.2e} (tol {TOL_BF16:g}); families {', '.join(families)}"}
     return with_checks(result, checks)
@@ -777,19 +778,53 @@ def broadcast_receive(args) -> dict:
     return {"version": version, "bytes": moved.bytes, "tensors": moved.tensors, "device": device}
 
 
+def section_bf16_step(ctx: Context) -> dict:
+    """The bf16 learner (train.precision=bf16): log-probs vs transformers' bf16 forward on the same device within
+    TOL_BF16 (transformers' own fp32-vs-bf16 gap shown beside it), then one RL step: finite, applied, the fp32 main
+    parameters moved and the model's bf16 weights their rounding."""
+    import torch
+
+    from megapo.convert.verify import sequences as fixed_sequences
+    from megapo.learner.precision import Precision
+
+    model_dir = ctx.tiny_model()
+    learner = ctx.learner(model_dir, precision=Precision("bf16"))
+    seqs = fixed_sequences(learner.spec.vocab_size, seed=0)
+    got = learner.logprobs(seqs)
+    ref16 = transformers_logprobs(model_dir, seqs, ctx.device, torch.bfloat16)
+    ref32 = transformers_logprobs(model_dir, seqs, ctx.device, torch.float32)
+    diff, gap = max_abs_diff(got, ref16), max_abs_diff(ref32, ref16)
+    batch = rl_batch(learner, learner.spec.vocab_size, groups=4, group_size=4, length=24, seed=7)
+    metrics = learner.train_step(batch, "gspo", "auto")
+    ctx.synchronize()
+    pairs = [(model, main) for opt in learner.optimizer.chained_optimizers
+             for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups) for model, main in zip(models, mains)]
+    rounded = all(torch.equal(model, main.to(model.dtype)) for model, main in pairs)
+    dtypes = sorted({str(p.dtype) for p in learner.module.parameters()})
+    result = {"bf16_vs_transformers_bf16_max_abs": diff, "transformers_fp32_vs_bf16": gap, "tol": TOL_BF16,
+              "model_dtypes": dtypes, "main_params": len(pairs),
+              "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+              "summary": f"bf16 learner vs transformers bf16 {diff:.2e} (their fp32-vs-bf16 gap {gap:.2e}), step loss "
+                         f"{metrics['loss']:.4g}, {len(pairs)} fp32 main parameters"}
+    return with_checks(result, {"logprobs_close": diff <= TOL_BF16, "step_finite": finite_metrics(metrics),
+                                "update_applied": metrics.get("update_ok") is True,
+                                "model_in_bf16": dtypes == ["torch.bfloat16"], "weights_rounded_main": rounded})
+
+
 def section_te_fp8(ctx: Context) -> dict:
-    """Transformer Engine FP8 layers (parallel.fp8): only where TE imports; the kit cannot carry it."""
+    """Transformer Engine FP8 layers (train.fp8=hybrid, delayed scaling, with train.precision=bf16): only where TE
+    imports; the kit cannot carry it."""
     ctx.need_cuda()
     import torch
 
-    from megapo.config import ParallelConfig
     from megapo.convert.verify import sequences as fixed_sequences
+    from megapo.learner.precision import Precision
 
     status = te_import()
     if not status.startswith("imported"):
         raise Skip(f"unavailable: transformer_engine {status}")
     model_dir = ctx.tiny_model()
-    learner = ctx.learner(model_dir, parallel=ParallelConfig(fp8=True))
+    learner = ctx.learner(model_dir, precision=Precision("bf16", fp8="hybrid", fp8_recipe="delayed"))
     seqs = fixed_sequences(learner.spec.vocab_size, seed=0, lengths=(16, 32, 48, 64))  # FP8 GEMMs: multiples of 16
     diff = max_abs_diff(learner.logprobs(seqs), transformers_logprobs(model_dir, seqs, ctx.device, torch.float32))
     batch = rl_batch(learner, learner.spec.vocab_size, groups=2, group_size=2, length=32, seed=6)
@@ -812,6 +847,7 @@ SECTIONS = [
     Section("logprobs", section_logprobs, 150),
     Section("train_step", section_train_step, 90),
     Section("checkpoint", section_checkpoint, 90),
+    Section("bf16_step", section_bf16_step, 90),
     Section("routing_replay", section_routing_replay, 90),
     Section("nccl_group", section_nccl_group, 60),
     Section("large_train", section_large_train, 200),

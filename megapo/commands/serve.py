@@ -73,7 +73,7 @@ def _served(args: argparse.Namespace) -> dict:
     if cfg.rollout.engine != "vllm":
         raise ConfigError("rollout.engine", f"megapo serve starts vLLM; the config says {cfg.rollout.engine!r}")
     return {"model_dir": cfg.model.path, "max_model_len": args.max_model_len or server_max_model_len(cfg),
-            "dtype": args.dtype or cfg.rollout.compute_dtype(),
+            "dtype": args.dtype or cfg.rollout.compute_dtype(cfg.train.precision),
             "api_key_file": args.api_key_file or cfg.rollout.api_key_file or None,
             "weights_dirs": args.weights_dir or [cfg.train.output_dir, cfg.model.path]}
 

@@ -42,6 +42,7 @@ class EngineCapabilities:
     api_key: bool = False  # its servers answer only requests with their key (rollout.api_key_file)
     sessions: bool = False  # generate(..., sessions=) keeps a multi-turn trajectory on one server; end_sessions()
     partial: bool = False  # preempt(): a batch in flight stops and continues its samples on the new weights
+    router_noise: bool = False  # takes a router_noise dose (rollout.router_noise: N(0, σ²) on its router logits)
     default_dtype: str = "bfloat16"  # the compute dtype rollout.dtype=auto resolves to
 
     def __post_init__(self) -> None:

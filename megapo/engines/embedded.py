@@ -7,6 +7,15 @@ One `generate` call is one batch of prompts x n rows:
   running rows move to the cache's front in place (no reallocation), so a step computes only running rows;
 - every row samples with the same torch.Generator, so a batch is reproducible given `SamplingParams.seed`
   (or, without one, given the engine's seed and the sequence of calls).
+- `router_noise=σ` (rollout.router_noise; 0: off, nothing drawn) adds N(0, σ²) to every MoE layer's router
+  logits before the top-k, in this engine only: a controlled dose of the kernel-level router nondeterminism GPUs
+  show in bf16 (engine and learner routing the same token differently). The noise moves the choice of experts
+  and their gates alike (megapo.engines.torch_lm `_route`: pre-softmax logits, pre-sigmoid for sigmoid
+  routers), and the samples, their log-probs and routes are those of the experts actually used. It comes from a
+  generator of its own (`router_noise_generator`: the engine's seed, or SamplingParams.seed when given), so the
+  sampler's draws do not depend on σ, and is drawn per fed position of a row, independent of the other rows:
+  at prefill one [prompts, longest prompt, MoE layers, experts] block (left-padded like the prompts), then at
+  each decode step one [rows of the batch, MoE layers, experts] block of which the running rows take theirs.
 
 Log-probs follow megapo.engines.base: log_softmax(logits / temperature) of the sampled token, before top-p
 (temperature 0 = greedy, reported at temperature 1). Pass `logprobs="raw"` to always report temperature-1
@@ -15,6 +24,7 @@ log-probs (vLLM's `logprobs_mode="raw_logprobs"`).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import replace
@@ -33,15 +43,23 @@ from megapo.weights.safetensors_io import read_folder_into
 LOGPROB_MODES = ("scaled", "raw")
 
 
+def router_noise_generator(seed: int) -> torch.Generator:
+    """The router-noise generator of sampling seed `seed`: a stream apart from the sampler's (seeded `seed`)."""
+    return torch.Generator().manual_seed((int(seed) * 0x9E3779B97F4A7C15 + 0x5EED0015E) % 2**63)
+
+
 class EmbeddedEngine(Engine):
     capabilities = EngineCapabilities(in_process=True, weight_syncs=("tensor", "disk"), rng_state=True,
-                                      partial=True, default_dtype="float32")
+                                      partial=True, router_noise=True, default_dtype="float32")
     max_versions = 0  # partial rollouts: most weight versions one sample may span (0: no limit)  # fp32: its log-probs and routes match the learner's
 
     def __init__(self, model_dir: str | Path | None = None, *, config: dict | None = None,
                  named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None, dtype: torch.dtype = torch.float32,
-                 seed: int = 0, weight_version: int = 0, logprobs: str = "scaled"):
-        """Build from an HF folder (`model_dir`), or from an HF `config` dict plus `named_tensors`."""
+                 seed: int = 0, weight_version: int = 0, logprobs: str = "scaled", router_noise: float = 0.0):
+        """Build from an HF folder (`model_dir`), or from an HF `config` dict plus `named_tensors`.
+        `router_noise`: σ of the Gaussian noise on the router logits (module docstring; 0: none)."""
+        if not (isinstance(router_noise, (int, float)) and math.isfinite(router_noise) and router_noise >= 0):
+            raise ValueError(f"router_noise must be a finite number >= 0, got {router_noise!r}")
         if logprobs not in LOGPROB_MODES:
             raise ValueError(f"logprobs must be one of {LOGPROB_MODES}, got {logprobs!r}")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -59,6 +77,11 @@ class EmbeddedEngine(Engine):
             if missing:
                 raise ValueError(f"named_tensors lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
         self.spec = self.model.spec
+        if router_noise > 0 and self.spec.num_moe_layers == 0:
+            raise ValueError(f"router_noise={router_noise} perturbs the routers, but this {self.spec.family} model "
+                             "has no MoE layers")
+        self.router_noise = float(router_noise)
+        self._noise_generator = router_noise_generator(int(seed))
         # routes in the smallest type that holds the expert ids (megapo.replay.routes.route_dtype)
         self._route_dtype = getattr(torch, str(route_dtype(self.spec.experts or 1)))
         self.weight_version = int(weight_version)
@@ -121,11 +144,19 @@ class EmbeddedEngine(Engine):
             self.weight_version = int(version)
 
     def rng_state(self) -> torch.Tensor:
-        """The sampling generator's state (trainer checkpoints save it so a resumed run samples alike)."""
-        return self._generator.get_state()
+        """The sampling generator's state (trainer checkpoints save it so a resumed run samples alike), followed
+        by the router-noise generator's when router_noise > 0 (two states of equal length)."""
+        state = self._generator.get_state()
+        return torch.cat((state, self._noise_generator.get_state())) if self.router_noise else state
 
     def set_rng_state(self, state: torch.Tensor) -> None:
-        self._generator.set_state(state)
+        """Restore what rng_state() returned: the sampler's state, or it and the router-noise generator's."""
+        size = len(self._generator.get_state())
+        if len(state) not in (size, 2 * size):
+            raise ValueError(f"an engine RNG state has {size} or {2 * size} bytes, got {len(state)}")
+        self._generator.set_state(state[:size].clone())
+        if len(state) == 2 * size:
+            self._noise_generator.set_state(state[size:].clone())
 
     # ------------------------------------------------------------------------------------------ sampling
     def _sample(self, logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor):
@@ -163,12 +194,16 @@ class EmbeddedEngine(Engine):
         if params.return_routes and self.spec.num_moe_layers == 0:
             raise ValueError(f"return_routes=True but this {self.spec.family} model has no MoE layers")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
-        groups = self._run_batch([list(map(int, p)) for p in prompts], params, gen)
+        noise_gen = None
+        if self.router_noise:
+            noise_gen = router_noise_generator(params.seed) if params.seed is not None else self._noise_generator
+        groups = self._run_batch([list(map(int, p)) for p in prompts], params, gen, noise_gen)
         while any(s.finish_reason == "abort" for g in groups for s in g):  # preempted: continue on the new weights
-            groups = self._continue(groups, params, gen)
+            groups = self._continue(groups, params, gen, noise_gen)
         return groups
 
-    def _run_batch(self, prompts: list[list[int]], params: SamplingParams, gen) -> list[list[Sample]]:
+    def _run_batch(self, prompts: list[list[int]], params: SamplingParams, gen,
+                   noise_gen=None) -> list[list[Sample]]:
         while True:
             self._running.wait()
             if self._preempted.is_set() and not self._closed:
@@ -177,9 +212,10 @@ class EmbeddedEngine(Engine):
             with self._lock:
                 if (self._running.is_set() and not self._preempted.is_set()) or self._closed:
                     self._check_open()
-                    return self._generate_locked(prompts, params, gen)
+                    return self._generate_locked(prompts, params, gen, noise_gen)
 
-    def _continue(self, groups: list[list[Sample]], params: SamplingParams, gen) -> list[list[Sample]]:
+    def _continue(self, groups: list[list[Sample]], params: SamplingParams, gen,
+                  noise_gen=None) -> list[list[Sample]]:
         """The preempted samples (finish_reason abort), each continued from its tokens on the current weights
         (one row each); a sample that would span more than max_versions versions starts again instead."""
         cut = [(g, i) for g, group in enumerate(groups) for i, s in enumerate(group) if s.finish_reason == "abort"]
@@ -191,15 +227,18 @@ class EmbeddedEngine(Engine):
         out = [list(group) for group in groups]
         for budget in sorted(set(budgets)):
             rows = [j for j, b in enumerate(budgets) if b == budget]
-            more = self._run_batch([contexts[j] for j in rows], replace(params, n=1, max_new_tokens=budget), gen)
+            more = self._run_batch([contexts[j] for j in rows], replace(params, n=1, max_new_tokens=budget), gen,
+                                   noise_gen)
             for j, [tail] in zip(rows, more):
                 g, i = cut[j]
                 out[g][i] = tail if restart[j] else joined(groups[g][i], tail)
         return out
 
     @torch.inference_mode()
-    def _generate_locked(self, prompts: list[list[int]], params: SamplingParams, gen) -> list[list[Sample]]:
+    def _generate_locked(self, prompts: list[list[int]], params: SamplingParams, gen,
+                         noise_gen=None) -> list[list[Sample]]:
         model, n = self.model, params.n
+        moe_noise = (self.spec.num_moe_layers, self.spec.experts)  # router noise per fed position (noise_gen)
         U, P, max_new = len(prompts), max(len(p) for p in prompts), params.max_new_tokens
         pads = torch.tensor([P - len(p) for p in prompts])
         ids = torch.zeros(U, P, dtype=torch.long)
@@ -219,7 +258,8 @@ class EmbeddedEngine(Engine):
         cache = self._cache_for(B, P + max_new - 1)
         want_routes = params.return_routes
         prompt_routes: list[torch.Tensor] | None = [] if want_routes else None
-        logits = model.step(ids, positions, cache, 0, mask, prompt_routes)
+        noise = None if noise_gen is None else self.router_noise * torch.randn(U, P, *moe_noise, generator=noise_gen)
+        logits = model.step(ids, positions, cache, 0, mask, prompt_routes, router_noise=noise)
         cache.repeat_rows(U, n, P)
         logits = logits.repeat_interleave(n, 0) if n > 1 else logits
         pads_b, key_ok_b = pads.repeat_interleave(n), key_ok.repeat_interleave(n, 0)
@@ -256,7 +296,11 @@ class EmbeddedEngine(Engine):
             col = P + t
             routes_t: list[torch.Tensor] | None = [] if want_routes else None
             step_mask = key_ok_b[:, None, None, :col + 1] if padded else None
-            logits = model.step(token[:, None], (col - pads_b)[:, None], cache, col, step_mask, routes_t)
+            noise = None
+            if noise_gen is not None:  # every row of the batch draws, the running ones use theirs
+                noise = self.router_noise * torch.randn(B, 1, *moe_noise, generator=noise_gen)[active]
+            logits = model.step(token[:, None], (col - pads_b)[:, None], cache, col, step_mask, routes_t,
+                                router_noise=noise)
             if want_routes:
                 routes[active, col] = torch.stack(routes_t, dim=2)[:, 0].to(self._route_dtype)
         cut = (~stopped) & (lengths < max_new) if preempted else None

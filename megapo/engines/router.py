@@ -175,7 +175,7 @@ class Router(Engine):
             weight_syncs=tuple(s for s in caps[0].weight_syncs if all(s in c.weight_syncs for c in caps)),
             routes=routes, routes_note="; ".join(sorted({c.routes_note for c in caps if c.routes_note})),
             api_key=any(c.api_key for c in caps), sessions=True, partial=all(c.partial for c in caps),
-            default_dtype=caps[0].default_dtype)
+            router_noise=all(c.router_noise for c in caps), default_dtype=caps[0].default_dtype)
 
     @property
     def max_versions(self) -> int:

@@ -433,15 +433,22 @@ class TorchCausalLM:
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int, mask: torch.Tensor,
-             routes: list[torch.Tensor] | None = None, last_only: bool = True) -> torch.Tensor:
+             routes: list[torch.Tensor] | None = None, last_only: bool = True,
+             router_noise: torch.Tensor | None = None) -> torch.Tensor:
         """Feed ids [B, T] at cache columns start..start+T-1 (rotary positions `positions` [B, T]).
 
         The rows use the cache's rows 0..B-1. mask: bool [B, 1, T, start+T], True where a query may attend a
         key, or None when no key is padded (causal from column 0, or one new token that sees every key). When
         `routes` is a list, the top-k expert ids of every MoE layer are appended to it ([B, T, topk] each).
+        `router_noise` (float32 [B, T, num_moe_layers, experts], or None): added to each MoE layer's router
+        logits before the experts are chosen (see `_route`; the embedded engine's rollout.router_noise).
         Returns float32 logits [B, V] of the last column (last_only) or [B, T, V]."""
         s = self.spec
         B, T = ids.shape
+        if router_noise is not None and tuple(router_noise.shape) != (B, T, s.num_moe_layers, s.experts):
+            raise ValueError(f"router_noise has shape {list(router_noise.shape)}, expected "
+                             f"{[B, T, s.num_moe_layers, s.experts]}")
+        moe_index = 0
         if mask is None and T > 1 and start > 0:
             raise ValueError("step: mask=None is causal from column 0; give a mask for T > 1 new tokens at start > 0")
         x = self.embed[ids]
@@ -461,7 +468,9 @@ class TorchCausalLM:
             x = x + F.linear(att.transpose(1, 2).reshape(B, T, -1), layer["o"], layer.get("o_bias"))
             h = _rms_norm(x, layer["ln2"], s.rms_eps).view(B * T, s.hidden)
             if s.moe_layers[i]:
-                y, top = self._moe(h, layer)
+                noise = None if router_noise is None else router_noise[:, :, moe_index].reshape(B * T, s.experts)
+                moe_index += 1
+                y, top = self._moe(h, layer, noise)
                 if routes is not None:
                     routes.append(top.view(B, T, s.topk))
             else:
@@ -533,14 +542,22 @@ class TorchCausalLM:
         q = torch.cat((q_nope, _rotate(q_rot, *rope, True)), dim=-1)
         return q, torch.cat((k_nope, k_rot), dim=-1), v
 
-    def _route(self, h: torch.Tensor, layer: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's top-k experts [N, k] (by score, highest first) and their gates [N, k] float32."""
+    def _route(self, h: torch.Tensor, layer: dict,
+               noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts [N, k] (by score, highest first) and their gates [N, k] float32.
+
+        `noise` (float32 [N, E], or None) is added to the router logits (the router's linear output, bias
+        included) before everything else, for every family alike: softmax routers take the softmax of the noisy
+        logits, sigmoid routers the sigmoid (then expert bias and group limit as usual); so the noise moves both
+        the choice of experts and their gates, as a perturbed router computation would."""
         s = self.spec
         if s.router_score == "softmax":
-            probs = torch.softmax(F.linear(h, layer["router"], layer.get("router_bias")).float(), dim=-1)
+            logits = F.linear(h, layer["router"], layer.get("router_bias")).float()
+            probs = torch.softmax(logits if noise is None else logits + noise, dim=-1)
             weights, top = torch.topk(probs, s.topk, dim=-1)
         else:  # sigmoid, in float32 as transformers and Megatron (moe_router_dtype fp32) compute it
-            scores = torch.sigmoid(F.linear(h.float(), layer["router"].float()))
+            logits = F.linear(h.float(), layer["router"].float())
+            scores = torch.sigmoid(logits if noise is None else logits + noise)
             choice = scores + layer["expert_bias"] if s.expert_bias else scores
             if s.router_groups:
                 choice = self._best_groups(choice)
@@ -561,12 +578,13 @@ class TorchCausalLM:
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
-    def _moe(self, h: torch.Tensor, layer: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _moe(self, h: torch.Tensor, layer: dict,
+             noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routed experts, computing each expert only on the tokens routed to it: the routed copies are
         gathered once in expert order, each expert runs on its contiguous slice, one index_add combines; plus
-        the shared experts on every token."""
+        the shared experts on every token. `noise`: added to the router logits (`_route`)."""
         s = self.spec
-        top, weights = self._route(h, layer)
+        top, weights = self._route(h, layer, noise)
         flat = top.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=s.experts).tolist()

@@ -33,6 +33,7 @@ from megapo.learner import model as model_lib
 from megapo.learner import packing
 from megapo.learner.guard import UpdateGuard
 from megapo.learner.logprobs import vocab_parallel_logprobs
+from megapo.learner.precision import Precision
 from megapo.learner.rope import set_positions
 from megapo.algorithms.spec import LossSpec, as_loss_spec
 from megapo.learner.sample import OPTIONAL_FIELDS, TOKEN_FIELDS
@@ -82,11 +83,13 @@ class Learner:
     def __init__(self, model_dir, parallel: ParallelConfig, optim: OptimConfig | None = None, *, seed: int = 0,
                  micro_batch_tokens: int = 4096, row_tokens: int = 0, total_steps: int | None = None,
                  routing_replay: bool = False, loss_fn: Callable | None = None, hf_weights: bool = True,
-                 frozen: bool = False):
+                 frozen: bool = False, precision: Precision = Precision()):
         """`frozen`: log-probs only (a KL reference, megapo/learner/reference.py): no DDP wrapper, no
-        gradients, no optimizer state; built in the process groups a learner of the same layout made."""
+        gradients, no optimizer state; built in the process groups a learner of the same layout made.
+        `precision`: fp32, or bf16 / fp16 parameters with fp32 main parameters (megapo/learner/precision.py)."""
         optim = optim or OptimConfig()
         optim.validate()
+        precision.validate()
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
         if not 0 <= row_tokens <= micro_batch_tokens:
@@ -98,6 +101,7 @@ class Learner:
         self.spec = self.family.spec(hf)
         self.parallel = parallel
         self.optim = optim
+        self.precision = precision
         self.micro_batch_tokens = micro_batch_tokens
         self.row_tokens = row_tokens  # width of a packed row; 0: the batch's longest sequence
         self.pad_id = int(hf.get("pad_token_id") or 0)
@@ -108,6 +112,7 @@ class Learner:
         self._loss_fn = loss_fn
         self.route_hook = None  # routing replay plugs in here (see megapo/replay)
         self.step = 0
+        self.skipped_steps = 0  # optimizer steps skipped (fp16 overflow, non-finite loss or update), run total
 
         from megatron.core import tensor_parallel
         from megatron.core.distributed import finalize_model_grads
@@ -115,7 +120,8 @@ class Learner:
         if not (frozen and model_lib.layout_initialized(parallel)):  # else keep the learner's groups and RNG
             tensor_parallel.get_cuda_rng_tracker().reset()
             model_lib.init_distributed(parallel, self.backend, seed, spec=self.spec)
-        self.config = model_lib.transformer_config(self.spec, parallel, self.backend, routing_replay=routing_replay)
+        self.config = model_lib.transformer_config(self.spec, parallel, self.backend, routing_replay=routing_replay,
+                                                   precision=precision)
         self.model = model_lib.build_model(self.spec, parallel, self.backend, self.config, ddp=not frozen)
         if routing_replay:  # megapo/replay: routes through the micro-batches into Megatron's RouterReplay
             from megapo.replay.hook import attach
@@ -130,8 +136,9 @@ class Learner:
             return
         # Without it, norm/router grads are not summed over TP and TP>1 drifts from TP=1.
         self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.grad_scale_func = None
         self.optimizer, self.scheduler = self._build_optimizer(total_steps)
+        # fp16: the schedule multiplies each micro-batch's loss by the dynamic loss scale before backward
+        self.config.grad_scale_func = self.optimizer.scale_loss if precision.params == "fp16" else None
         self.guard = UpdateGuard(self.model, self.optimizer, keep_copy=optim.restore_nonfinite)
 
     # ------------------------------------------------------------------------------------- helpers
@@ -147,8 +154,9 @@ class Learner:
         o = self.optim
         config = OptimizerConfig(
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.grad_clip, bf16=False, fp16=False,
-            params_dtype=torch.float32, use_distributed_optimizer=self.parallel.distributed_optimizer)
+            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.grad_clip,
+            use_distributed_optimizer=self.parallel.distributed_optimizer,
+            **self.precision.optimizer_fields())  # bf16 / fp16: fp32 main parameters; fp16: the loss scaler
         optimizer = get_megatron_optimizer(config, [self.model])
         decay_steps = max(total_steps or 1, o.warmup_steps + 1)
         scheduler = OptimizerParamScheduler(
@@ -415,7 +423,20 @@ class Learner:
             self.step += 1
         else:  # nothing of this update stays: weights and Adam's moments as before it
             self.optimizer.zero_grad()
-        return {"grad_norm": grad_norm, "lr": lr, "update_ok": ok, "skipped_nonfinite": 0 if ok else 1}
+            self.skipped_steps += 1
+        # fp16: gradients the loss scale made overflow are routine (the scaler shrinks), not a non-finite update
+        overflow = not ok and loss_finite and self.precision.params == "fp16" and self._overflowed()
+        out = {"grad_norm": grad_norm, "lr": lr, "update_ok": ok, "skipped_nonfinite": 0 if ok or overflow else 1,
+               "skipped_steps": self.skipped_steps}
+        if self.precision.params == "fp16":  # the scale after this step (halved by an overflow)
+            out.update(loss_scale=float(self.optimizer.get_loss_scale()), overflow=int(overflow))
+        return out
+
+    def _overflowed(self) -> bool:
+        """Whether Megatron's mixed-precision optimizer found inf/NaN in the unscaled gradients of the step it just
+        refused (its found_inf, reduced over the ranks that share the step)."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return any(float(opt.found_inf) > 0 for opt in chained)
 
     def _reduce_metrics(self, stored: list[dict]) -> dict:
         """Metrics of the whole batch from its micro-batches on every DP rank, each by its declared reduction
@@ -461,7 +482,7 @@ class Learner:
         else:
             state = {"model": self.module.sharded_state_dict(), "scheduler": self.scheduler.state_dict(),
                      "step": self.step}
-        state["optimizer_saved"] = has_state
+        state.update(optimizer_saved=has_state, skipped_steps=self.skipped_steps, precision=self.precision.params)
         dist_checkpointing.save(state, str(ckpt_dir))
 
     def _optimizer_has_state(self) -> bool:
@@ -478,15 +499,22 @@ class Learner:
         if not Path(ckpt_dir).is_dir():
             raise FileNotFoundError(f"ckpt_dir: {ckpt_dir} is not a folder")
         common = dist_checkpointing.load_common_state_dict(str(ckpt_dir)) if load_optimizer else {}
+        saved_in = common.get("precision", "fp32")
+        if load_optimizer and saved_in != self.precision.params:  # Megatron's optimizer state differs between them
+            raise ValueError(f"train.precision: the checkpoint {ckpt_dir} was saved by a {saved_in} learner, this one "
+                             f"is {self.precision.params}; resume with train.precision={saved_in}")
         with_optimizer = load_optimizer and common.get("optimizer_saved", True)  # False: saved before any step
         state = self._sharded_state(loading=True) if with_optimizer else {"model": self.module.sharded_state_dict()}
         loaded = dist_checkpointing.load(state, str(ckpt_dir))
         self.module.load_state_dict(loaded["model"], strict=False)
         if with_optimizer:
             self.optimizer.load_state_dict(loaded["optimizer"])
+        elif self.optimizer is not None and self.precision.mixed:  # fp32 main parameters from the loaded weights
+            self.optimizer.reload_model_params()
         if load_optimizer:
             self.scheduler.load_state_dict(common["scheduler"])
             self.step = int(common["step"])
+            self.skipped_steps = int(common.get("skipped_steps", 0))
 
     def _sharded_state(self, loading: bool = False) -> dict:
         model_sd = self.module.sharded_state_dict()

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from megapo import compat
 from megapo.config import ConfigError, ParallelConfig
+from megapo.learner.precision import Precision
 from megapo.models.family import ModelSpec, padded_vocab
 from megapo.net import free_port
 
@@ -109,8 +110,10 @@ def needs_equal_rows(spec: ModelSpec, parallel: ParallelConfig) -> bool:
 
 
 def transformer_config(spec: ModelSpec, parallel: ParallelConfig, backend: Backend, *,
-                       routing_replay: bool = False, dtype: torch.dtype = torch.float32):
+                       routing_replay: bool = False, precision: Precision = Precision()):
     from megatron.core.transformer import TransformerConfig
+
+    precision.check_hardware(use_te=backend.use_te)
 
     moe = spec.num_experts > 0
     kwargs = dict(
@@ -142,9 +145,7 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig, backend: Backe
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=expert_tp(parallel, spec),
         sequence_parallel=parallel.tp > 1,
-        pipeline_dtype=dtype,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
+        **precision.transformer_fields(),  # params/pipeline dtype, bf16 / fp16, FP8 format and recipe
         # batched p2p calls torch.cuda.synchronize on CPU
         batch_p2p_sync=backend.device == "cuda",
         # Packed rows differ in length; pipelines then exchange shapes first. Megatron refuses this
@@ -160,10 +161,6 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig, backend: Backe
     kwargs.update(gpt_oss_fields(spec))
     if parallel.recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if parallel.fp8:
-        if not backend.use_te:
-            raise ValueError("parallel.fp8: FP8 needs Transformer Engine on a GPU")
-        kwargs.update(fp8="hybrid", fp8_recipe="delayed")
     if moe:
         kwargs.update(
             num_moe_experts=spec.num_experts,
@@ -301,7 +298,8 @@ def _local_mla_attention(layer, spec: ModelSpec, backend: Backend):
 
 
 def build_model(spec: ModelSpec, parallel: ParallelConfig, backend: Backend, config, *, ddp: bool = True):
-    """One model chunk for this pipeline stage (no virtual PP), wrapped in Megatron's DDP."""
+    """One model chunk for this pipeline stage (no virtual PP), in bf16 / fp16 inside Megatron's Float16Module
+    when the config says so, wrapped in Megatron's DDP."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -330,6 +328,10 @@ def build_model(spec: ModelSpec, parallel: ParallelConfig, backend: Backend, con
         mark_experts_whole(model)
     if backend.device == "cuda":
         model = model.cuda()
+    if config.bf16 or config.fp16:  # casts the first stage's inputs, returns the last stage's logits in fp32
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     if not parallel.distributed_optimizer:  # (the distributed optimizer lays them out in its own buffer)
         contiguous_parameters(model)
     if not ddp:

@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from megapo.config import ParallelConfig
+from megapo.learner.precision import Precision
 
 REFERENCES = ("auto", "megatron", "plain")
 
@@ -62,12 +63,13 @@ class MegatronReference:
     collective = True  # every rank calls response_logprobs
 
     def __init__(self, model_dir, parallel: ParallelConfig, *, micro_batch_tokens: int = 4096, row_tokens: int = 0,
-                 routing_replay: bool = False, seed: int = 0):
+                 routing_replay: bool = False, seed: int = 0, precision: Precision = Precision()):
         from megapo.learner.learner import Learner
 
         with _rng_kept():
             self.model = Learner(model_dir, parallel, seed=seed, micro_batch_tokens=micro_batch_tokens,
-                                 row_tokens=row_tokens, routing_replay=routing_replay, frozen=True)
+                                 row_tokens=row_tokens, routing_replay=routing_replay, frozen=True,
+                                 precision=precision)
 
     def response_logprobs(self, batch: list[dict]) -> list[list[float]]:
         """π_ref's log-prob of every response token of each sample (collective), replaying sample["routes"]
@@ -90,10 +92,10 @@ class MegatronReference:
 class PlainReference:
     collective = False  # rank 0 only
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, precision: Precision = Precision()):
         from megapo.engines.torch_lm import TorchCausalLM
 
-        self.model = TorchCausalLM.from_pretrained(model_dir)
+        self.model = TorchCausalLM.from_pretrained(model_dir, precision.dtype)  # in the policy's precision
 
     def response_logprobs(self, batch: list[dict]) -> list[list[float]]:
         by_len: dict[int, list[int]] = {}

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megapo.config import ConfigError, OptimConfig, ParallelConfig, bounded, check_fields
+from megapo.learner.precision import ENGINE_DTYPES, Precision
 
 if TYPE_CHECKING:
     from megapo.algorithms.spec import LossSpec
@@ -237,19 +238,30 @@ class RolloutConfig:
     sync_host: str = "127.0.0.1"
     sync_port: int = bounded(0, "[0, 65535]", "0: a free port")  # broadcast: the first stage root's port
     # compute dtype of the embedded engine and of a vLLM server megapo starts itself (rollout.engine=vllm, no
-    # rollout.servers); auto: float32 for the embedded engine (its log-probs and routes match the learner's),
+    # rollout.servers); auto: the learner's (train.precision) when it is bf16 or fp16; with an fp32 learner the
+    # engine's own default: float32 for the embedded engine (its log-probs and routes match the learner's),
     # bfloat16 for vLLM. float32 makes a server's log-probs match the learner's to ~1e-6 (tests, mismatch
     # studies); a lower one makes a real train-inference mismatch for the embedded engine.
     dtype: str = "auto"
     # file holding the API key of the vLLM servers in rollout.servers (the file `megapo serve` was given or
     # printed; the Slurm template makes one per job); required with vLLM servers, mode 600
     api_key_file: str = ""
+    # σ of N(0, σ²) noise the engine adds to every MoE router's logits before its top-k (softmax routers: before
+    # the softmax; sigmoid routers: before the sigmoid), so the noise moves both the choice of experts and their
+    # gates; the learner routes without it. Simulates kernel-level router nondeterminism (a bf16 GPU engine
+    # routing tokens unlike the learner) as a controlled dose: router/disagree grows with it. The engine samples
+    # from, and reports the log-probs and routes of, the experts it used; drawn from a generator seeded by
+    # train.seed (kept in checkpoints); the held-out evaluation on the engine sees it too. Engines whose
+    # capabilities say router_noise (embedded); MoE models only.
+    router_noise: float = bounded(0.0, ">= 0", "0: off")
 
-    def compute_dtype(self) -> str:
-        """rollout.dtype with auto resolved for this engine."""
+    def compute_dtype(self, precision: str = "fp32") -> str:
+        """rollout.dtype with auto resolved for this engine and the learner's train.precision."""
         from megapo.engines.registry import capabilities  # lazy: the engines' module imports torch
 
-        return self.dtype if self.dtype != "auto" else capabilities(self.engine).default_dtype
+        if self.dtype != "auto":
+            return self.dtype
+        return ENGINE_DTYPES[precision] if precision != "fp32" else capabilities(self.engine).default_dtype
 
 
 @dataclass
@@ -350,6 +362,15 @@ class TrainConfig:
     # write samples.jsonl: every trained response (step, prompt id, sample index, token ids, decoded text,
     # verifier and shaped reward, weight version, finish reason)
     log_samples: bool = False
+    # the learner's parameters and activations (megapo/learner/precision.py): fp32, or bf16 / fp16 with fp32 main
+    # parameters, optimizer state and gradient reduction (fp16: a dynamic loss scale; overflowing steps skipped)
+    precision: str = "fp32"
+    fp8: str = "none"  # Transformer Engine FP8 GEMMs (GPU with TE, train.precision=bf16): none | e4m3 | hybrid
+    fp8_recipe: str = "delayed"  # FP8 scaling recipe: delayed | tensorwise | blockwise | mxfp8
+
+    def precision_spec(self) -> Precision:
+        """The learner's Precision (megapo/learner/precision.py) from train.precision / fp8 / fp8_recipe."""
+        return Precision(self.precision, self.fp8, self.fp8_recipe)
 
 
 @dataclass
@@ -545,6 +566,9 @@ class RunConfig:
         if r.engine not in engine_names():
             raise ConfigError("rollout.engine", f"unknown engine {r.engine!r}; choose from {', '.join(engine_names())}")
         caps = capabilities(r.engine)
+        if r.router_noise > 0 and not caps.router_noise:
+            raise ConfigError("rollout.router_noise", f"engine {r.engine!r} cannot add noise to its routers (the "
+                              "embedded engine can); set it to 0")
         if r.servers_file:
             from megapo.trainer.fleet import read_servers_file
 
@@ -596,6 +620,8 @@ class RunConfig:
         if t.row_tokens > t.micro_batch_tokens:
             raise ConfigError("train.row_tokens", f"{t.row_tokens} is wider than a micro-batch "
                               f"(train.micro_batch_tokens={t.micro_batch_tokens})")
+        t.precision_spec().validate("train")
+        t.precision_spec().check_hardware("train")
         if t.mode not in MODES:
             raise ConfigError("train.mode", f"must be sync or async, got {t.mode!r}")
         if t.async_correction not in ("auto", "none") and t.async_correction not in _registry_names("correction"):
@@ -752,6 +778,9 @@ class RunConfig:
                 check_servable_here(hf)
             except ValueError as err:
                 raise ConfigError("rollout.engine", str(err)) from None
+        if self.rollout.router_noise > 0 and not num_experts(hf):
+            raise ConfigError("rollout.router_noise", "router noise perturbs the experts' routers; this model is "
+                              "dense (no experts)")
         if self.algorithm.routing_replay != "off" and not num_experts(hf):
             raise ConfigError("algorithm.routing_replay", "routing replay needs an MoE model; this one is dense")
         if self.algorithm.routing_replay != "off":

@@ -70,7 +70,8 @@ def engine_from_config(cfg: RunConfig, model_dir: Path, out_dir: Path):
 
         from megapo.engines.embedded import EmbeddedEngine
 
-        return EmbeddedEngine(model_dir, seed=cfg.train.seed, dtype=getattr(torch, cfg.rollout.compute_dtype()))
+        dtype = getattr(torch, cfg.rollout.compute_dtype(cfg.train.precision))
+        return EmbeddedEngine(model_dir, seed=cfg.train.seed, dtype=dtype, router_noise=cfg.rollout.router_noise)
     if cfg.rollout.servers or cfg.rollout.servers_file:
         from megapo.engines.router import Router
 
@@ -102,7 +103,8 @@ def engine_from_config(cfg: RunConfig, model_dir: Path, out_dir: Path):
         from megapo.engines.vllm import VLLMEngine
 
         # weights reach it from the run folder (disk sync) or the model folder
-        server = VLLMServer(VLLMServerConfig(str(model_dir), host=cfg.rollout.host, dtype=cfg.rollout.compute_dtype(),
+        dtype = cfg.rollout.compute_dtype(cfg.train.precision)
+        server = VLLMServer(VLLMServerConfig(str(model_dir), host=cfg.rollout.host, dtype=dtype,
                                              max_model_len=server_max_model_len(cfg),
                                              log_path=str(out_dir / "vllm-server.log"),
                                              api_key_file=cfg.rollout.api_key_file or None,

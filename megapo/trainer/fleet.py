@@ -154,8 +154,9 @@ def sync_in_time(learner, engine, version: int, cfg, transport, fleet: Fleet | N
             fleet.refresh()
         if isinstance(transport, BroadcastTransport):
             stats = _sync_broadcast(learner, engine, router, named, version, cfg, transport, size, deadline)
-        else:
-            stats = sync_named(named(), engines, transport, size, version)
+        else:  # a bf16 / fp16 learner's weights travel in its dtype (half of fp32's bytes, nothing rounded)
+            dtype = cfg.train.precision_spec().dtype if cfg.train.precision != "fp32" else None
+            stats = sync_named(named(), engines, transport, size, version, dtype=dtype)
     finally:
         if router is not None:
             router.deadline = None

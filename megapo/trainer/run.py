@@ -324,7 +324,7 @@ def build_learner(cfg: RunConfig, model_dir: Path):
     return Learner(model_dir, cfg.parallel, cfg.optim, seed=cfg.train.seed,
                    micro_batch_tokens=cfg.train.micro_batch_tokens, row_tokens=cfg.train.row_tokens,
                    total_steps=cfg.train.steps * cfg.train.updates_per_rollout * cfg.train.mini_batches,
-                   routing_replay=records_routes(cfg, model_dir))
+                   routing_replay=records_routes(cfg, model_dir), precision=cfg.train.precision_spec())
 
 
 def records_routes(cfg: RunConfig, model_dir: Path) -> bool:
@@ -357,8 +357,8 @@ def build_reference(cfg: RunConfig, model_dir: Path) -> Reference | None:
     if kind == "megatron":
         return MegatronReference(model_dir, cfg.parallel, micro_batch_tokens=cfg.train.micro_batch_tokens,
                                  row_tokens=cfg.train.row_tokens, routing_replay=cfg.algorithm.routing_replay != "off",
-                                 seed=cfg.train.seed)
-    return PlainReference(model_dir) if rank() == 0 else None
+                                 seed=cfg.train.seed, precision=cfg.train.precision_spec())
+    return PlainReference(model_dir, cfg.train.precision_spec()) if rank() == 0 else None
 
 
 def make_transport(cfg: RunConfig, out_dir: Path, model_dir: Path, learner, engine):

@@ -51,7 +51,7 @@ def measure(rounds: int, seed: int = 0) -> dict[str, list[float]]:
     model = write_tiny_model(Path(tempfile.mkdtemp(prefix="bench_model_")), t.family, layers=t.layers,
                              experts=t.experts, topk=t.topk, hidden=t.hidden, heads=t.heads, kv_heads=t.kv_heads,
                              head_dim=t.head_dim, ffn=t.ffn, moe_ffn=t.moe_ffn, vocab=t.vocab, seed=t.seed)
-    engine = EmbeddedEngine(model, dtype=getattr(torch, cfg.rollout.compute_dtype()), seed=seed)
+    engine = EmbeddedEngine(model, dtype=getattr(torch, cfg.rollout.compute_dtype(cfg.train.precision)), seed=seed)
     rng = random.Random(seed)
     optim = OptimConfig(lr=1e-6, grad_clip=1.0)
     budget = cfg.train.micro_batch_tokens
