@@ -313,3 +313,39 @@ def test_rollout_dtype_auto_follows_the_learner_precision(tmp_path):
     assert _config(tmp_path).rollout.compute_dtype("bf16") == "bfloat16"
     assert _config(tmp_path).rollout.compute_dtype("fp16") == "float16"
     assert _config(tmp_path, "rollout.dtype=float32").rollout.compute_dtype("bf16") == "float32"
+
+
+def test_weight_sync_sends_a_half_precision_learners_dtype(tmp_path):
+    """train.precision=bf16: the tensor transport hands the engine bf16 tensors (half of fp32's bytes), each the
+    exact bf16 value of the learner's weight; fp32 sends fp32."""
+    from megapo.trainer.fleet import sync_in_time
+    from megapo.weights.transports import TensorTransport
+
+    weights = {"a": torch.randn(4, 8).to(torch.bfloat16).float(), "b": torch.randn(16).to(torch.bfloat16).float()}
+
+    class Learner:  # what sync_in_time reads of a learner: its full HF tensors (fp32 copies of bf16 parameters)
+        def hf_state_dict(self):
+            return ((n, t.clone()) for n, t in weights.items())
+
+    class Engine:
+        weight_version = 0
+
+        def __init__(self):
+            self.got = {}
+
+        def pause(self):
+            pass
+
+        def resume(self):
+            pass
+
+        def update_weights(self, bucket, version):
+            self.got.update(bucket)
+            self.weight_version = version
+
+    for precision, dtype, size in (("bf16", torch.bfloat16, 2), ("fp32", torch.float32, 4)):
+        engine = Engine()
+        out = sync_in_time(Learner(), engine, 1, _config(tmp_path, f"train.precision={precision}"), TensorTransport())
+        assert out["sync/bytes"] == size * sum(t.numel() for t in weights.values())
+        for name, tensor in weights.items():
+            assert engine.got[name].dtype == dtype and torch.equal(engine.got[name].float(), tensor)
