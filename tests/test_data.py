@@ -222,3 +222,70 @@ def test_prompt_pool_task_is_lazy_and_files_filtered(tiny_moe):
     assert ex.prompt == f"{a:03d}+{b:03d}=" and tok.decode(ids) == ex.prompt
     files = data.PromptPool(tok, False, 6, examples=[Example("1+1=", "2"), Example("123+456=", "579")])
     assert len(files) == 1 and files.dropped_too_long == 1 and files[0][0].prompt == "1+1="
+
+
+# ----------------------------------------------------------------------------- sources through HF datasets
+
+
+ROWS = [{"q": f"{i}+1=", "a": str(i + 1)} for i in range(6)]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_save_to_disk_arrow_and_folders_read_the_same_examples_as_the_jsonl(tmp_path):
+    """Reference: the jsonl reader (written out rows) on the same rows."""
+    import datasets
+
+    want = [(r["q"], r["a"]) for r in ROWS]
+    assert [(e.prompt, e.answer) for e in data.load_examples([_jsonl(tmp_path / "d.jsonl", ROWS)], "q", "a")] == want
+    ds = datasets.Dataset.from_list(ROWS)
+    ds.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": ds, "test": datasets.Dataset.from_list(ROWS[:2])}).save_to_disk(str(tmp_path / "dict"))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    _jsonl(folder / "b.jsonl", ROWS[3:])
+    _jsonl(folder / "a.jsonl", ROWS[:3])  # read in sorted order: a, then b
+    arrow = next((tmp_path / "saved").glob("*.arrow"))
+    for source in (tmp_path / "saved", tmp_path / "dict", folder, arrow):
+        got = data.load_examples([str(source)], "q", "a")
+        assert [(e.prompt, e.answer) for e in got] == want, source
+    held_out = data.load_examples([str(tmp_path / "dict")], "q", "a", "data.val_files", split="test")
+    assert [(e.prompt, e.answer) for e in held_out] == want[:2]
+
+
+def test_other_column_names_through_the_keys(tmp_path):
+    rows = [{"question": r["q"], "solution": int(r["a"]), "extra": [1]} for r in ROWS]
+    got = data.load_examples([_jsonl(tmp_path / "other.jsonl", rows)], "question", "solution")
+    assert [(e.prompt, e.answer) for e in got] == [(r["q"], r["a"]) for r in ROWS]
+
+
+@pytest.mark.parametrize("case, field, words", [
+    ("bad_row", "data.train_files[0]", ["saved: row 3", "'a' is null"]),
+    ("no_split", "data.train_split", ["no split 'train'", "splits: test"]),
+    ("no_column", "data.prompt_key", ["no column 'q'", "columns: p, a"]),
+    ("empty_folder", "data.train_files[0]", ["no .jsonl/.json/.parquet/.arrow file"]),
+    ("offline_hub", "data.train_files[0]", ["nobody/no-such-dataset", "offline"]),
+])
+def test_dataset_sources_refused_naming_the_field_and_row(tmp_path, monkeypatch, case, field, words):
+    import datasets
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = str(tmp_path / "saved")
+    if case == "bad_row":
+        datasets.Dataset.from_list([{"q": "1", "a": "2"}, {"q": "3", "a": "4"}, {"q": "5", "a": None}]).save_to_disk(source)
+    elif case == "no_split":
+        datasets.DatasetDict({"test": datasets.Dataset.from_list(ROWS)}).save_to_disk(source)
+    elif case == "no_column":
+        datasets.Dataset.from_list([{"p": "1", "a": "2"}]).save_to_disk(source)
+    elif case == "empty_folder":
+        (tmp_path / "saved").mkdir()
+    else:
+        source = "nobody/no-such-dataset"
+    with pytest.raises(ConfigError) as err:
+        data.load_examples([source], "q", "a")
+    assert err.value.field == field, err.value
+    for w in words:
+        assert w in str(err.value), str(err.value)

@@ -165,7 +165,7 @@ class AlgorithmConfig:
     advantage_smoothing: str = "none"
 
     def needs_reference(self) -> bool:
-        """Whether a term uses π_ref's log-probs (sample["ref_logp"]): a KL term, or a token advantage reading
+        """Whether a term uses π_ref's log-probs (sample.ref_logp): a KL term, or a token advantage reading
         them (fipo against=reference)."""
         return self.kl_coef > 0 or "ref_logp" in self.token_advantage_inputs()
 
@@ -188,7 +188,7 @@ class AlgorithmConfig:
 
     def needs_old_entropy(self) -> bool:
         """Whether the old-log-prob pass keeps π_old's per-token entropy: for a stage, or for the objective's
-        loss (sample["old_entropy"]; a fused on-policy step takes it from its own forward instead)."""
+        loss (sample.old_entropy; a fused on-policy step takes it from its own forward instead)."""
         from megapo.algorithms.loss import token_inputs
         from megapo.algorithms.stages import NEEDS_ENTROPY
 
@@ -280,10 +280,14 @@ class DataConfig:
     # a task (megapo.tasks.registry): built-in (addition, addition_cot) or "module:function"; empty with train_files
     task: str = ""
     task_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the task's function
-    train_files: list[str] = field(default_factory=list)  # jsonl / parquet rows of prompt and answer (no task)
-    # held-out rows in the same format: checked when the config loads; the held-out evaluation reads only a
+    # rows of prompt and answer (no task), each entry a jsonl / json / parquet / arrow file, a folder of them, a
+    # dataset saved with HF datasets' save_to_disk, or a hub dataset name org/name (offline: from the local cache)
+    train_files: list[str] = field(default_factory=list)
+    train_split: str = "train"  # the split read from a dataset of several (a save_to_disk DatasetDict, the hub)
+    # held-out rows in the same forms: checked when the config loads; the held-out evaluation reads only a
     # task's test split so far
     val_files: list[str] = field(default_factory=list)
+    val_split: str = "test"  # the split read from val_files' datasets of several
     prompt_key: str = "prompt"  # the prompt's column in the data files
     answer_key: str = "answer"  # the answer's column (what the reward compares with)
     chat_template: bool = False  # wrap each prompt in the tokenizer's chat template

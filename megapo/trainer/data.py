@@ -2,8 +2,11 @@
 
 - `read_jsonl` reads JSON Lines naming the file and line of bytes that are not UTF-8 or a line that is
   not JSON (a cut-off last line can be skipped instead: a file still being written).
-- `load_examples` reads local jsonl/json/parquet files (one list may mix them) into Examples; every row
-  needs a string prompt and a string (or integer) answer, else a ConfigError names the file and line.
+- `load_examples` reads data sources (one list may mix them) into Examples: local jsonl/json/parquet files
+  (megapo's own readers: an error names file:line), .arrow files, folders of such files, a dataset saved with
+  HF `datasets`' save_to_disk, or a hub dataset name `org/name` (through `datasets`, its cache, offline mode
+  honoured); every row needs a string prompt and a string (or integer) answer, else a ConfigError names the
+  file and line (or the dataset and row).
 - `check_sources` is the data part of `RunConfig.validate`: files, and when the model folder already
   holds its tokenizer, that some prompt fits data.max_prompt_tokens (a data.task comes from megapo.tasks.registry).
 - `encode_prompts` applies the chat template (or not) and drops prompts over the token limit, with a count.
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -144,9 +149,71 @@ def file_examples(path: str, prompt_key: str, answer_key: str, field: str) -> li
 
 
 def load_examples(paths: Sequence[str], prompt_key: str, answer_key: str,
-                  field: str = "data.train_files") -> list[Example]:
-    """All rows of local files (jsonl, json and parquet may be mixed) as Examples, in file order."""
-    return [ex for i, path in enumerate(paths) for ex in file_examples(path, prompt_key, answer_key, f"{field}[{i}]")]
+                  field: str = "data.train_files", split: str = "train") -> list[Example]:
+    """All rows of the sources (see source_examples; kinds may be mixed) as Examples, in order."""
+    return [ex for i, path in enumerate(paths)
+            for ex in source_examples(path, prompt_key, answer_key, f"{field}[{i}]", split)]
+
+
+DATA_SUFFIXES = (*FORMATS, ".arrow")
+HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the hub spells a dataset
+
+
+def source_examples(source: str, prompt_key: str, answer_key: str, field: str, split: str = "train") -> list[Example]:
+    """One data source's rows: a data file, a folder (a save_to_disk dataset, or its data files in sorted order),
+    or a hub dataset name; a dataset with several splits gives `split`'s rows."""
+    path = Path(source)
+    if path.is_dir():
+        if any((path / name).is_file() for name in ("dataset_info.json", "state.json", "dataset_dict.json")):
+            import datasets
+
+            return dataset_examples(datasets.load_from_disk(str(path)), str(path), prompt_key, answer_key, field, split)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in DATA_SUFFIXES)
+        if not files:
+            raise ConfigError(field, f"{path}: a folder with no {'/'.join(DATA_SUFFIXES)} file, and not a dataset "
+                                     "saved with datasets' save_to_disk")
+        return [ex for f in files for ex in source_examples(str(f), prompt_key, answer_key, field, split)]
+    if path.suffix.lower() == ".arrow" and path.is_file():
+        import datasets
+
+        return dataset_examples(datasets.Dataset.from_file(str(path)), str(path), prompt_key, answer_key, field, split)
+    if path.exists() or not HUB_NAME.match(source):
+        return file_examples(source, prompt_key, answer_key, field)
+    return dataset_examples(_hub_dataset(source, split, field), source, prompt_key, answer_key, field, split)
+
+
+def _hub_dataset(name: str, split: str, field: str):
+    """`datasets.load_dataset(name, split=...)`: from the local cache when the hub is offline (HF_HUB_OFFLINE /
+    HF_DATASETS_OFFLINE), else a ConfigError saying so."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, split=split)
+    except ValueError as exc:  # an unknown split
+        raise ConfigError(field, f"{name}: {exc}") from None
+    except (ConnectionError, FileNotFoundError, OSError) as exc:
+        offline = any(os.environ.get(v, "0") not in ("", "0") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+        why = "not in the local datasets cache and the hub is offline (HF_HUB_OFFLINE)" if offline else str(exc)
+        raise ConfigError(field, f"{name}: no such local path, and as a hub dataset: {why}") from None
+
+
+def dataset_examples(ds, name: str, prompt_key: str, answer_key: str, field: str, split: str) -> list[Example]:
+    """The Examples of a `datasets` Dataset (or `split` of a DatasetDict); errors name the dataset and row."""
+    import datasets
+
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            split_field = "data.val_split" if field.startswith("data.val_files") else "data.train_split"
+            raise ConfigError(split_field, f"{name} has no split {split!r} (splits: {', '.join(ds)})")
+        ds = ds[split]
+    for key, key_field in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
+        if key not in ds.column_names:
+            raise ConfigError(key_field, f"{name} has no column {key!r} (columns: {', '.join(ds.column_names)})")
+    rows = ds.select_columns(list(dict.fromkeys((prompt_key, answer_key))))
+    examples = [_example(row, f"{name}: row {i + 1}", prompt_key, answer_key, field) for i, row in enumerate(rows)]
+    if not examples:
+        raise ConfigError(field, f"{name} holds no rows")
+    return examples
 
 
 def check_sources(cfg) -> Example:
@@ -160,9 +227,9 @@ def check_sources(cfg) -> Example:
         from megapo.tasks.registry import get_task
 
         return get_task(d.task, d.task_options).examples("train", 1)[0]
-    examples = load_examples(d.train_files, d.prompt_key, d.answer_key, "data.train_files")
+    examples = load_examples(d.train_files, d.prompt_key, d.answer_key, "data.train_files", d.train_split)
     if d.val_files:
-        load_examples(d.val_files, d.prompt_key, d.answer_key, "data.val_files")
+        load_examples(d.val_files, d.prompt_key, d.answer_key, "data.val_files", d.val_split)
     tokenizer = _tokenizer_if_present(cfg.model.path)
     if tokenizer is not None:
         check_prompts_fit(tokenizer, examples, d.chat_template, d.max_prompt_tokens)
@@ -203,7 +270,7 @@ def prompt_pool(cfg, tokenizer) -> "PromptPool":
         from megapo.tasks.registry import get_task
 
         return PromptPool(tokenizer, d.chat_template, d.max_prompt_tokens, task=get_task(d.task, d.task_options))
-    examples = load_examples(d.train_files, d.prompt_key, d.answer_key, "data.train_files")
+    examples = load_examples(d.train_files, d.prompt_key, d.answer_key, "data.train_files", d.train_split)
     pool = PromptPool(tokenizer, d.chat_template, d.max_prompt_tokens, examples=examples)
     if len(pool) == 0:
         check_prompts_fit(tokenizer, examples, d.chat_template, d.max_prompt_tokens)  # raises, naming the lengths
