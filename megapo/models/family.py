@@ -71,6 +71,14 @@ class ModelSpec:
     glu_clamp: float = 0.0  # 0: no clamp
     glu_linear_offset: float = 0.0
     yarn: "YarnSpec | None" = None  # YaRN rope scaling (gpt-oss); None: plain RoPE
+    # How the HF checkpoint names and lays out a MoE layer (the embedded engine loads HF names as they are): the
+    # layer's MoE module ("mlp"; Mixtral: "block_sparse_moe", its router then at <module>.gate), each expert's
+    # gate / up / down projections (Mixtral: w1 / w3 / w2), or hf_fused_experts: every expert in transformers'
+    # fused gpt-oss tensors (mlp.experts.gate_up_proj [E, H, 2F], gate and up interleaved in the last dim, and
+    # down_proj [E, F, H], each with a bias; the router at mlp.router, with a bias).
+    hf_moe_module: str = "mlp"
+    hf_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    hf_fused_experts: bool = False
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.num_experts) and (not self.moe_layers or self.moe_layers[layer])

@@ -122,6 +122,7 @@ def spec(hf: dict) -> ModelSpec:
         glu_clamp=float(hf.get("swiglu_limit", 7.0)),
         glu_linear_offset=1.0,
         yarn=_yarn(hf),
+        hf_fused_experts=True,  # transformers' fused gate_up_proj / down_proj (see the module docstring)
     )
 
 

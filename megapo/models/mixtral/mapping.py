@@ -9,6 +9,10 @@ from megapo.models.config_keys import Allowed, read
 from megapo.models.family import GLOBAL_RULES, HF_LAYER, Family, ModelSpec, Rule, attention_rules, transformer_fields
 
 
+MOE_MODULE = "block_sparse_moe"
+GATE, UP, DOWN = "w1", "w3", "w2"  # each expert's projections
+
+
 def spec(hf: dict) -> ModelSpec:
     return ModelSpec(
         family="mixtral",
@@ -18,18 +22,20 @@ def spec(hf: dict) -> ModelSpec:
         moe_ffn_hidden_size=hf["intermediate_size"],
         topk=hf["num_experts_per_tok"],
         router_pre_softmax=False,
+        hf_moe_module=MOE_MODULE,
+        hf_expert_names=(GATE, UP, DOWN),
     )
 
 
 LAYER_RULES = {
     **attention_rules(qk_norm=False, qkv_bias=False),
-    "mlp.router.weight": Rule("copy", (HF_LAYER + "block_sparse_moe.gate.weight",)),
+    "mlp.router.weight": Rule("copy", (HF_LAYER + MOE_MODULE + ".gate.weight",)),
 }
 
-HF_EXPERT = HF_LAYER + "block_sparse_moe.experts.{E}."
+HF_EXPERT = HF_LAYER + MOE_MODULE + ".experts.{E}."
 EXPERT_RULES = {
-    "linear_fc1.weight": Rule("gate_up", (HF_EXPERT + "w1.weight", HF_EXPERT + "w3.weight")),
-    "linear_fc2.weight": Rule("copy", (HF_EXPERT + "w2.weight",)),
+    "linear_fc1.weight": Rule("gate_up", (HF_EXPERT + GATE + ".weight", HF_EXPERT + UP + ".weight")),
+    "linear_fc2.weight": Rule("copy", (HF_EXPERT + DOWN + ".weight",)),
 }
 
 CONFIG_KEYS = {
