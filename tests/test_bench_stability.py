@@ -375,3 +375,92 @@ def test_malformed_variants_are_refused(variants, field, words):
     with pytest.raises(ConfigError) as err:
         st.check_variants(variants, ["ppo", "gspo"])
     assert err.value.field == field and words in str(err.value)
+
+
+# ----------------------------------------------------------------------------- --grid dose
+
+
+def test_dose_grid_cells_and_overrides():
+    cells = st.grid_cells("dose", seeds=2)
+    # 5 doses x replay {off, r2, r3} x m {1, 8}, and 5 alternatives x m {1, 8} at the highest dose; per seed
+    assert len(cells) == 2 * (5 * 3 * 2 + 5 * 2) == 80
+    assert sorted(st.DOSES) == [0.0, 0.005, 0.026, 0.09, 0.28]
+    names = [c.name for c in cells]
+    assert names[:6] == ["ppo-off-m1-none-s0", "ppo-off-m8-none-s0", "ppo-r2-m1-none-s0", "ppo-r2-m8-none-s0",
+                         "ppo-r3-m1-none-s0", "ppo-r3-m8-none-s0"]  # dose 0: the small grid's names
+    for name in ("ppo-off-m8-none-n0.005-s0", "ppo-r3-m1-none-n0.09-s1", "ppo-r2-m8-none-n0.28-s1",
+                 "ppo-off-m8-tis-n0.28-s0", "ppo-off-m1-icepop-n0.28-s0", "ppo-off-m8-mis_seq-n0.28-s1",
+                 "gspo-off-m8-none-n0.28-s0", "gspo-r3-m1-none-n0.28-s1"):
+        assert name in names
+    assert len(set(names)) == len(names) and names[40:] == [n.replace("-s0", "-s1") for n in names[:40]]
+    assert not any("-n0.09-" in n and ("tis" in n or "gspo" in n) for n in names)  # alternatives: top dose only
+    cell = next(c for c in cells if c.name == "ppo-r3-m8-none-n0.09-s0")
+    assert cell.noise == 0.09 and "rollout.router_noise=0.09" in cell.overrides()
+    assert cell.options == ["algorithm.objective=ppo", "algorithm.routing_replay=r3", "train.mini_batches=8",
+                            "algorithm.mismatch=none", "rollout.router_noise=0.09"]
+    zero = next(c for c in cells if c.name == "ppo-r3-m8-none-s0")
+    assert not any(o.startswith("rollout.router_noise") for o in zero.overrides())
+    # the small grid's cells (and a cell.json written before doses) keep their names and overrides
+    assert [c.name for c in st.grid_cells("small", 1)] == [
+        "ppo-off-m1-none-s0", "ppo-off-m8-none-s0", "ppo-r2-m1-none-s0", "ppo-r2-m8-none-s0", "ppo-r3-m1-none-s0",
+        "ppo-r3-m8-none-s0", "minirl-off-m8-none-s0", "gspo-off-m8-none-s0", "ppo-off-m1-tis-s0", "ppo-off-m8-tis-s0"]
+    old = st.Cell(objective="ppo", replay="off", mini_batches=8, mismatch="tis", seed=2)
+    assert old.noise == 0.0 and old.name == "ppo-off-m8-tis-s2" and len(old.overrides()) == 5
+
+
+def test_dose_grid_dry_run_defaults_to_two_seeds(tmp_path, capsys):
+    from megapo.cli import main
+
+    out = tmp_path / "grid"
+    assert main(["bench", "stability", "--grid", "dose", "--dry-run", "--out", str(out), "--steps", "60",
+                 "--jobs", "1"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:-1] == [c.name for c in st.grid_cells("dose", st.DOSE_SEEDS)]
+    minutes = (120 + 80 * (30 + 60 * 0.5)) / 60
+    assert printed[-1].startswith("80 cells x 60 steps, 1 at a time") and f"about {minutes:.0f} min" in printed[-1]
+    assert not out.exists()
+    assert main(["bench", "stability", "--grid", "dose", "--dry-run", "--out", str(out),
+                 "--set", "rollout.router_noise=0.1"]) == 2
+    assert "the dose grid sets rollout.router_noise per cell" in capsys.readouterr().err
+
+
+def test_dose_report_from_synthetic_metrics(tmp_path):
+    """Cells at two doses (0 and the highest), metrics written as a run would: the dose table lists each dose's
+    measured disagreement and each row's collapse count and options, and plots/dose.png is written."""
+    top = max(st.DOSES)
+    plan = make_plan(tmp_path)
+    plan.grid = "dose"
+    cells = [c for c in st.grid_cells("dose", 1) if c.noise in (0.0, top)]
+    for c in cells:
+        rows = fake_rows(c, STEPS)
+        for r in rows[1:]:
+            r["router/disagree"] = 0.006 if c.noise == 0 else 0.31
+        d = plan.cell_dir(c)
+        write_metrics(d, rows)
+        (d / st.CELL_FILE).write_text(json.dumps({"cell": st.asdict(c), "name": c.name, "overrides": c.overrides()}))
+        (d / st.DONE_FILE).write_text("{}")
+    summary = st.write_report(plan, STEPS)
+    assert [(d["noise"], d["done"]) for d in summary["doses"]] == [(0.0, 6), (0.005, 0), (0.026, 0), (0.09, 0),
+                                                                  (top, 16)]
+    assert summary["doses"][0]["measured_disagree"] == pytest.approx(0.006)
+    assert summary["doses"][-1]["measured_disagree"] == pytest.approx(0.31)
+    assert summary["doses"][0]["calibrated_disagree"] == st.DOSES[0.0]
+    row = next(s for s in summary["settings"] if s["setting"] == "ppo-off-m8-mis_seq-n0.28")
+    assert row["noise"] == top and "algorithm.mismatch=mis_seq" in row["options"]
+    table = (plan.out / "table.md").read_text()
+    assert "| 0 | 0.55 % | 0.60 % | 6 / 6 |" in table and "| 0.28 | 30.00 % | 31.00 % | 16 / 16 |" in table
+    dose = table.split("## Router disagreement dose")[1].split("## 1 optimizer step")[0]
+    # the ppo rows at both doses (the fake scenario: off-m8-none collapses at every dose), alternatives at the top
+    assert ("| 8 | ppo | off | none | 1 / 1 · 0.100 | – | – | – | 1 / 1 · 0.100 | `algorithm.objective=ppo "
+            "algorithm.routing_replay=off train.mini_batches=8 algorithm.mismatch=none` |") in dose
+    assert "| σ 0 (0.60 %) | σ 0.005 (1.00 %) | σ 0.026 (3.00 %) | σ 0.09 (10.00 %) | σ 0.28 (31.00 %) |" in dose
+    assert "| 8 | ppo | r3 | none | 0 / 1 · 0.400 | – | – | – | 0 / 1 · 0.400 |" in dose
+    assert "| 8 | gspo | r3 | none | – | – | – | – | 0 / 1 · 0.400 |" in dose
+    assert "| 1 | ppo | off | icepop | – | – | – | – | 0 / 1 · 0.400 |" in dose
+    # every row of the per-m tables names its dose and lists the options it ran with
+    m8 = table.split("train.mini_batches=8)")[1].split("## Cells")[0]
+    assert ("| ppo | off | tis | 0.28 | 0 / 1 |" in m8 and "rollout.router_noise=0.28` |" in m8)
+    assert all(ln.endswith("` |") for ln in m8.splitlines() if ln.startswith("| ppo") or ln.startswith("| gspo"))
+    plots = sorted(p.name for p in (plan.out / "plots").glob("*.png"))
+    assert "dose.png" in plots and "ppo-none.png" in plots and "ppo-none-n0.28.png" in plots
+    assert "ppo-icepop-n0.28.png" in plots and "ppo-icepop.png" not in plots

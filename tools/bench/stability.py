@@ -2,6 +2,7 @@
 
     megapo bench stability --grid small --out runs/stability            # run (or continue) the grid, then report
     megapo bench stability --grid small --out runs/stability --dry-run  # the cells and a time estimate only
+    megapo bench stability --grid dose --out runs/stability_dose        # router disagreement dose x replay x m
     megapo bench stability --out runs/stability --report-only           # summary/table/plots from what ran
     megapo bench stability --set rollout.dtype=float32 --set optim.lr=3e-3 ...   # grid-wide overrides
 
@@ -13,6 +14,13 @@ registered objective at no replay, no correction, m=8 (OBJECTIVE_REGIME); `--var
 named VARIANTS there too: ppo with one stage or option of issue 14 switched on (a config override list each), the
 methods that are not objectives. The train-inference mismatch itself comes from the config's rollout.dtype (the
 engine in bfloat16, the learner in fp32; megapo/configs/stability_base.yaml).
+
+`dose` (issue 30) raises that mismatch under control: rollout.router_noise σ (DOSES: N(0, σ²) on the engine's
+router logits before its top-k, the learner untouched) x routing replay {off, r2, r3} x train.mini_batches {1, 8},
+ppo, no correction; and at the highest dose the alternatives (DOSE_ALTERNATIVES: ppo + tis / icepop / mis_seq,
+gspo off, gspo r3) at m=1 and m=8. Its seeds default to DOSE_SEEDS (2) so that it fits the 2-core machine in
+under two hours. The report adds the dose table (collapse and final accuracy per dose, with the disagreement
+the dose's cells measured) and plots/dose.png.
 
 Layout of --out:
     grid.json               the shared settings (config hash, steps, --set); a rerun with others is refused
@@ -73,6 +81,24 @@ METRIC_KEYS: dict[str, tuple[str, ...]] = {
     "disagree_post": ("train/replay/disagree_post",),  # after replay: 0 when replay works
     "tokens_per_s": ("tokens_per_s",),
 }
+# --grid dose: rollout.router_noise σ -> the share of (token, layer) router decisions whose top-k set differs between
+# the engine and the learner that σ was calibrated to. Measured on the stability model after its SFT warm start
+# (megapo/configs/stability_base.yaml: 4 layers, 16 experts top-2, bf16 engine vs fp32 learner), one batch of 64
+# prompts x 8 samples:
+#     σ                 0       0.01     0.03     0.1      0.3      1.0
+#     router/disagree   0.55 %  1.44 %   3.45 %   10.6 %   32.3 %   81 %
+# (σ = 0: the bf16 engine alone; two real 2-step runs at σ 0.1 logged router/disagree 11.9 % / 11.5 %). The doses
+# are σ interpolated from that table for ≈ 1 %, 3 %, 10 % and 30 %; the report sets beside each the mean
+# router/disagree its own cells logged (the disagreement moves as the weights train).
+DOSES: dict[float, float] = {0.0: 0.0055, 0.005: 0.01, 0.026: 0.03, 0.09: 0.10, 0.28: 0.30}
+DOSE_AXES: dict[str, tuple] = {"objective": ("ppo",), "replay": ("off", "r2", "r3"), "mini_batches": (1, 8),
+                               "mismatch": ("none",)}
+# at the highest dose, more rows: (objective, replay, mismatch) at each of DOSE_AXES' mini_batches
+DOSE_ALTERNATIVES: tuple[tuple[str, str, str], ...] = (
+    ("ppo", "off", "tis"), ("ppo", "off", "icepop"), ("ppo", "off", "mis_seq"),
+    ("gspo", "off", "none"), ("gspo", "r3", "none"))
+DOSE_SEEDS = 2  # the dose grid's default --seeds (3 for the others): 80 cells, ~1.5 h on 2 cores (--dry-run)
+DEFAULT_SEEDS = 3
 DONE_FILE = "done.json"
 CELL_FILE = "cell.json"
 GRID_FILE = "grid.json"
@@ -89,11 +115,14 @@ class Cell:
     mismatch: str
     seed: int
     variant: str = ""  # a VARIANTS name: its overrides come after the axes' (cells made before variants have none)
+    noise: float = 0.0  # rollout.router_noise σ (--grid dose); 0: the config's (cells made before doses have none)
 
     @property
     def setting(self) -> str:
-        """The cell's name without its seed: the row of the table it is averaged into."""
-        return f"{self.variant or self.objective}-{self.replay}-m{self.mini_batches}-{self.mismatch}"
+        """The cell's name without its seed: the row of the table it is averaged into (a dose only when
+        non-zero, so the names of cells without one stay as they were)."""
+        dose = f"-n{self.noise:g}" if self.noise else ""
+        return f"{self.variant or self.objective}-{self.replay}-m{self.mini_batches}-{self.mismatch}{dose}"
 
     @property
     def name(self) -> str:
@@ -107,7 +136,13 @@ class Cell:
     def overrides(self) -> list[str]:
         return [f"algorithm.objective={self.objective}", f"algorithm.routing_replay={self.replay}",
                 f"train.mini_batches={self.mini_batches}", f"algorithm.mismatch={self.mismatch}",
-                f"train.seed={self.seed}", *VARIANTS.get(self.variant, ())]
+                f"train.seed={self.seed}", *([f"rollout.router_noise={self.noise:g}"] if self.noise else []),
+                *VARIANTS.get(self.variant, ())]
+
+    @property
+    def options(self) -> list[str]:
+        """What the cell's row ran with: its overrides but the seed."""
+        return [o for o in self.overrides() if not o.startswith("train.seed=")]
 
 
 def _product(values: dict[str, tuple]) -> list[tuple]:
@@ -159,7 +194,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 }
 # what a variant may not override: the cell's axes (its row would then say what it did not run)
 CELL_FIELDS = ("algorithm.objective", "algorithm.routing_replay", "train.mini_batches", "algorithm.mismatch",
-               "train.seed")
+               "train.seed", "rollout.router_noise")
 
 
 def check_variants(variants: dict[str, tuple[str, ...]], objectives: list[str]) -> None:
@@ -191,23 +226,37 @@ def variant_names(spec: str) -> list[str]:
     return names
 
 
+GRIDS = ("small", "full", "dose")
+
+
+def dose_settings() -> list[tuple]:
+    """--grid dose: (objective, replay, mini_batches, mismatch, noise) for each dose (lowest first) of
+    DOSE_AXES' product, then the DOSE_ALTERNATIVES at the highest dose."""
+    settings = [(*s, noise) for noise in DOSES for s in _product(DOSE_AXES)]
+    top = max(DOSES)
+    settings += [(o, r, m, x, top) for m in DOSE_AXES["mini_batches"] for o, r, x in DOSE_ALTERNATIVES]
+    return settings
+
+
 def grid_cells(grid: str, seeds: int, objectives: tuple[str, ...] = (), variants: tuple[str, ...] = ()) -> list[Cell]:
-    """The cells of `grid` (small | full), plus one setting per name in `objectives` and one per name in
+    """The cells of `grid` (small | full | dose), plus one setting per name in `objectives` and one per name in
     `variants` (OBJECTIVE_REGIME), seed-major: every setting of seed 0 first, so a grid stopped early has whole
     seeds."""
     if grid == "full":
-        settings = _product(AXES)
+        settings = [(*s, 0.0) for s in _product(AXES)]
     elif grid == "small":
         settings = []
         for values in SMALL_QUESTIONS.values():
-            settings += [s for s in _product(values) if s not in settings]
+            settings += [(*s, 0.0) for s in _product(values) if (*s, 0.0) not in settings]
+    elif grid == "dose":
+        settings = dose_settings()
     else:
-        raise ConfigError("--grid", f"must be small or full, got {grid!r}")
+        raise ConfigError("--grid", f"must be one of {', '.join(GRIDS)}, got {grid!r}")
     regime = tuple(OBJECTIVE_REGIME[a] for a in AXES if a != "objective")
-    settings += [s for s in ((o, *regime) for o in objectives) if s not in settings]
+    settings += [s for s in ((o, *regime, 0.0) for o in objectives) if s not in settings]
     settings = [(*s, "") for s in settings]
-    settings += [s for s in ((VARIANT_OBJECTIVE, *regime, v) for v in variants) if s not in settings]
-    return [Cell(*s[:4], seed=seed, variant=s[4]) for seed in range(seeds) for s in settings]
+    settings += [s for s in ((VARIANT_OBJECTIVE, *regime, 0.0, v) for v in variants) if s not in settings]
+    return [Cell(*s[:4], seed=seed, noise=s[4], variant=s[5]) for seed in range(seeds) for s in settings]
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -496,7 +545,7 @@ def cell_summary(plan: GridPlan, cell: Cell, steps: int) -> dict:
 
     cell_dir = plan.cell_dir(cell)
     row = {"cell": cell.name, "setting": cell.setting, "label": cell.label, **asdict(cell),
-           "overrides": cell.overrides(),
+           "overrides": cell.overrides(), "options": cell.options,
            "status": "done" if is_done(cell_dir) else "unfinished" if (cell_dir / "metrics.jsonl").is_file()
            else "not started"}
     if row["status"] == "not started":
@@ -527,6 +576,7 @@ def setting_summary(rows: list[dict]) -> list[dict]:
         done = [r for r in group if r["status"] == "done"]
         first = group[0]
         entry = {"setting": setting, **{a: first[a] for a in AXES}, "variant": first.get("variant", ""),
+                 "noise": first.get("noise", 0.0), "options": first.get("options", []),
                  "label": first.get("label", first["objective"]), "seeds": len(group), "done": len(done),
                  "collapsed": sum(bool(r["collapsed"]) for r in done),
                  "collapse_rate": sum(bool(r["collapsed"]) for r in done) / len(done) if done else None,
@@ -547,7 +597,10 @@ def _axis_order(entry: dict) -> tuple:
         rank = (2, 0, entry["variant"])
     else:
         rank = (0, AXES["objective"].index(objective), "") if objective in AXES["objective"] else (1, 0, objective)
-    return (entry["mini_batches"], rank, AXES["replay"].index(entry["replay"]), AXES["mismatch"].index(entry["mismatch"]))
+    mismatch = entry["mismatch"]
+    corrections = (*AXES["mismatch"], *(x for _, _, x in DOSE_ALTERNATIVES if x not in AXES["mismatch"]))
+    correction = (0, corrections.index(mismatch), "") if mismatch in corrections else (1, 0, mismatch)
+    return (entry["mini_batches"], rank, AXES["replay"].index(entry["replay"]), correction, entry.get("noise", 0.0))
 
 
 def cells_on_disk(plan: GridPlan) -> list[Cell]:
@@ -579,12 +632,15 @@ def write_report(plan: GridPlan, steps: int) -> dict:
                "warm_start": {k: v for k, v in json.loads(warm.read_text()).items() if k != "history"}
                if warm.is_file() else None,
                "collapse_rule": COLLAPSE_RULE,
-               "metric_keys": METRIC_KEYS, "settings": settings, "cells": rows}
+               "metric_keys": METRIC_KEYS, "settings": settings, "cells": rows,
+               "doses": dose_summary(rows, settings) if any(c.noise for c in cells) else []}
     plan.out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(plan.out / "summary.json", summary)
     (plan.out / "table.md").write_text(table_markdown(summary))
     grid_cells_ = [c for c in cells if c.objective in AXES["objective"] and not c.variant]
     summary["plots"] = [str(p) for p in write_plots(plan, grid_cells_)]
+    if summary["doses"]:
+        summary["plots"].append(str(write_dose_plot(plan, summary)))
     regime = [c for c in cells if (c.replay, c.mini_batches, c.mismatch) == tuple(OBJECTIVE_REGIME.values())]
     plain = [c for c in regime if not c.variant]
     if any(c.objective not in AXES["objective"] for c in plain):  # --objectives: one figure for all of them,
@@ -609,6 +665,64 @@ def _fmt(value, kind: str = "acc") -> str:
     return f"{value:.0f}"
 
 
+def _options(options: list[str]) -> str:
+    return f"`{' '.join(options)}`" if options else "–"
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.2f} %"
+
+
+def dose_summary(rows: list[dict], settings: list[dict]) -> list[dict]:
+    """One entry per dose (router noise σ) the cells ran at, lowest first: the disagreement DOSES calibrated it
+    to and the one its finished cells measured (the mean over them of their mean router/disagree), with the
+    collapse count and final accuracy of each of its settings."""
+    out = []
+    for noise in sorted({r.get("noise", 0.0) for r in rows}):
+        done = [r for r in rows if r.get("noise", 0.0) == noise and r["status"] == "done"]
+        measured = [r["router_disagree_mean"] for r in done if r.get("router_disagree_mean") is not None]
+        out.append({"noise": noise, "calibrated_disagree": DOSES.get(noise), "measured_disagree": _mean(measured),
+                    "measured_cells": len(measured), "cells": sum(r.get("noise", 0.0) == noise for r in rows),
+                    "done": len(done),
+                    "settings": [s["setting"] for s in settings if s.get("noise", 0.0) == noise]})
+    return out
+
+
+def dose_markdown(summary: dict) -> list[str]:
+    """The dose section of table.md: the calibration against what the cells measured, then one row per setting
+    with its collapse count and final held-out accuracy at each dose."""
+    doses = summary["doses"]
+    lines = ["## Router disagreement dose (`--grid dose`: rollout.router_noise σ on the engine's router logits)", "",
+             "Calibrated: the share of (token, layer) router decisions differing, engine vs learner, that σ gave on "
+             "the warm start (one batch; DOSES in tools/bench/stability.py). Measured: the mean router/disagree "
+             "of the dose's finished cells (over their steps).", "",
+             "| σ | calibrated disagree | measured disagree | cells done |", "|---|---|---|---|"]
+    lines += [f"| {d['noise']:g} | {_pct(d['calibrated_disagree'])} | {_pct(d['measured_disagree'])} | "
+              f"{d['done']} / {d['cells']} |" for d in doses]
+    by_row: dict[tuple, dict[float, dict]] = {}
+    for s in summary["settings"]:
+        key = (s["mini_batches"], s.get("label", s["objective"]), s["replay"], s["mismatch"])
+        by_row.setdefault(key, {})[s.get("noise", 0.0)] = s
+    by_row = {k: v for k, v in by_row.items() if any(n > 0 for n in v)}  # the rows some dose ran
+    shown = [d["measured_disagree"] if d["measured_disagree"] is not None else d["calibrated_disagree"] for d in doses]
+    heads = [f"σ {d['noise']:g} ({_pct(x)})" for d, x in zip(doses, shown)]
+    lines += ["", "Collapsed / finished seeds, then the final held-out accuracy (mean), at each dose (its disagreement "
+              "in brackets: measured, else calibrated; –: not run or not finished). Options: the row's overrides "
+              "of the config (with its dose's rollout.router_noise when σ > 0).", "",
+              "| m | objective | replay | correction | " + " | ".join(heads) + " | options |",
+              "|" + "---|" * (5 + len(doses))]
+    for (m, label, replay, mismatch), at in by_row.items():
+        cells = []
+        for d in doses:
+            s = at.get(d["noise"])
+            cells.append("–" if s is None or not s["done"] else
+                         f"{s['collapsed']} / {s['done']} · {_fmt(s['final_accuracy'])}")
+        options = next(s for s in at.values()).get("options", [])
+        options = [o for o in options if not o.startswith("rollout.router_noise=")]
+        lines.append(f"| {m} | {label} | {replay} | {mismatch} | " + " | ".join(cells) + f" | {_options(options)} |")
+    return lines + [""]
+
+
 def table_markdown(summary: dict) -> str:
     sets = f", overrides `{' '.join(summary['sets'])}`" if summary["sets"] else ""
     lines = [f"# Stability grid `{summary['grid']}`: {summary['steps']} RL steps per cell", "",
@@ -617,22 +731,28 @@ def table_markdown(summary: dict) -> str:
     if summary["warm_start"]:
         w = summary["warm_start"]
         lines += [f"Warm start: SFT validation exact-match {w['val_accuracy']:.3f} after {w['steps']} steps.", ""]
-    header = ("| objective | replay | correction | collapsed / seeds | dipped | final acc | final acc per seed | "
-              "best acc | mismatch k3 mean | k3 max | router disagree | after replay | tok/s |")
+    if summary.get("doses"):
+        lines += dose_markdown(summary)
+    dosed = bool(summary.get("doses"))  # a router noise column when some rows have a dose
+    header = ("| objective | replay | correction | " + ("router noise σ | " if dosed else "") +
+              "collapsed / seeds | dipped | final acc | final acc per seed | best acc | mismatch k3 mean | k3 max | "
+              "router disagree | after replay | tok/s | options |")
     for m in sorted({s["mini_batches"] for s in summary["settings"]}):
         lines += [f"## {m} optimizer step{'s' if m > 1 else ''} per rollout (train.mini_batches={m})", "", header,
-                  "|" + "---|" * 13]
+                  "|" + "---|" * (15 if dosed else 14)]
         for s in (s for s in summary["settings"] if s["mini_batches"] == m):
             unfinished = f" ({s['seeds'] - s['done']} unfinished)" if s["done"] < s["seeds"] else ""
-            lines.append(f"| {s.get('label', s['objective'])} | {s['replay']} | {s['mismatch']} | "
+            noise = f"{s.get('noise', 0.0):g} | " if dosed else ""
+            lines.append(f"| {s.get('label', s['objective'])} | {s['replay']} | {s['mismatch']} | {noise}"
                          f"{s['collapsed']} / {s['done']}"
                          f"{unfinished} | {s.get('dipped', 0)} | {_fmt(s['final_accuracy'])} | "
                          f"{' / '.join(_fmt(a) for a in s.get('final_accuracies', []))} | {_fmt(s['best_accuracy'])} | "
                          f"{_fmt(s['mismatch_kl_mean'], 'sci')} | {_fmt(s['mismatch_kl_max'], 'sci')} | "
                          f"{_fmt(s['router_disagree_mean'])} | {_fmt(s['disagree_post_mean'])} | "
-                         f"{_fmt(s['tokens_per_s_mean'], 'int')} |")
+                         f"{_fmt(s['tokens_per_s_mean'], 'int')} | {_options(s.get('options', []))} |")
         lines.append("")
-    variants = {r["variant"]: r["overrides"][len(CELL_FIELDS):] for r in summary["cells"] if r.get("variant")}
+    variants = {r["variant"]: [o for o in r["overrides"] if o.split("=", 1)[0] not in CELL_FIELDS]
+                for r in summary["cells"] if r.get("variant")}
     if variants:
         lines += [f"## Variants: {VARIANT_OBJECTIVE} with one stage or option of issue 14 (`--variants`)", "",
                   "| variant | overrides |", "|---|---|"]
@@ -697,8 +817,8 @@ def write_plots(plan: GridPlan, cells: list[Cell]) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     colours = {"off": "tab:red", "r2": "tab:orange", "r3": "tab:blue"}
     written = []
-    for objective, mismatch in sorted({(c.objective, c.mismatch) for c in cells}):
-        group = [c for c in cells if (c.objective, c.mismatch) == (objective, mismatch)
+    for objective, mismatch, noise in sorted({(c.objective, c.mismatch, c.noise) for c in cells}):
+        group = [c for c in cells if (c.objective, c.mismatch, c.noise) == (objective, mismatch, noise)
                  and (plan.cell_dir(c) / "metrics.jsonl").is_file()]
         if not group:
             continue
@@ -726,13 +846,71 @@ def write_plots(plan: GridPlan, cells: list[Cell]) -> list[Path]:
                 ax.grid(alpha=0.3)
                 if ax.get_legend_handles_labels()[0]:
                     ax.legend(title="replay")
-        fig.suptitle(f"objective {objective}, correction {mismatch} (one line per seed)")
+        dose = f", router noise σ {noise:g}" if noise else ""
+        fig.suptitle(f"objective {objective}, correction {mismatch}{dose} (one line per seed)")
         fig.subplots_adjust(hspace=0.35, wspace=0.3)  # fixed margins: tight_layout's text measuring is slow
-        path = out_dir / f"{objective}-{mismatch}.png"
+        path = out_dir / f"{objective}-{mismatch}{f'-n{noise:g}' if noise else ''}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
     return written
+
+
+def write_dose_plot(plan: GridPlan, summary: dict) -> Path:
+    """plots/dose.png: collapse rate and final held-out accuracy (mean over finished seeds) against the router
+    disagreement each dose's cells measured (calibrated where none did), a line per replay mode of ppo without
+    correction, a panel per m; the other settings run at a dose (DOSE_ALTERNATIVES) as labelled markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x_of = {d["noise"]: d["measured_disagree"] if d["measured_disagree"] is not None else d["calibrated_disagree"]
+            for d in summary["doses"]}
+    settings = [s for s in summary["settings"] if x_of.get(s.get("noise", 0.0)) and s["done"]]
+    degrees = sorted({s["mini_batches"] for s in settings}) or [1]
+    fig, axes = plt.subplots(2, len(degrees), figsize=(5.5 * len(degrees), 7), squeeze=False, sharex=True,
+                             sharey="row")
+    colours = {"off": "tab:red", "r2": "tab:orange", "r3": "tab:blue"}
+    markers = iter("osD^vP*Xh")
+    marker_of: dict[str, str] = {}
+    for col, m in enumerate(degrees):
+        rate_ax, acc_ax = axes[0][col], axes[1][col]
+        at_m = [s for s in settings if s["mini_batches"] == m]
+        for replay in AXES["replay"]:
+            line = sorted((s for s in at_m if (s["objective"], s["mismatch"], s.get("variant", ""), s["replay"])
+                           == ("ppo", "none", "", replay)), key=lambda s: s.get("noise", 0.0))
+            if not line:
+                continue
+            xs = [100 * x_of[s.get("noise", 0.0)] for s in line]
+            rate_ax.plot(xs, [s["collapse_rate"] for s in line], marker="o", color=colours[replay],
+                         label=f"ppo, replay {replay}")
+            acc_ax.plot(xs, [s["final_accuracy"] for s in line], marker="o", color=colours[replay],
+                        label=f"ppo, replay {replay}")
+        for s in at_m:  # the alternatives: one marker each
+            if (s["objective"], s["mismatch"], s.get("variant", "")) == ("ppo", "none", ""):
+                continue
+            name = f"{s.get('label', s['objective'])}, {s['replay']}, {s['mismatch']}"
+            marker = marker_of.setdefault(name, next(markers, "o"))
+            x = 100 * x_of[s.get("noise", 0.0)] * 1.07 ** (list(marker_of).index(name) + 1)  # apart from the lines
+            rate_ax.scatter([x], [s["collapse_rate"]], marker=marker, color="black", alpha=0.7, label=name)
+            acc_ax.scatter([x], [s["final_accuracy"]], marker=marker, color="black", alpha=0.7, label=name)
+        rate_ax.set_title(f"m={m}: collapse rate")
+        acc_ax.set_title(f"m={m}: final held-out accuracy")
+        rate_ax.set_ylim(-0.05, 1.05)
+        for ax in (rate_ax, acc_ax):
+            ax.set_xscale("log")
+            ax.grid(alpha=0.3, which="both")
+        acc_ax.set_xlabel("router decisions differing, engine vs learner (%: the dose's cells' mean)")
+        if acc_ax.get_legend_handles_labels()[0]:
+            acc_ax.legend(fontsize=7)
+    fig.suptitle("router disagreement dose (rollout.router_noise): collapse and accuracy by replay mode")
+    fig.subplots_adjust(hspace=0.3, wspace=0.25)
+    path = plan.out / "plots" / "dose.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 # ----------------------------------------------------------------------------- estimate and CLI
@@ -748,9 +926,13 @@ def estimate_seconds(n_cells: int, steps: int, jobs: int, step_s: float, startup
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="base run config every cell overrides")
-    parser.add_argument("--grid", default="small", choices=("small", "full"))
+    parser.add_argument("--grid", default="small", choices=GRIDS,
+                        help="small: the three questions; full: every axis; dose: router noise x replay x m "
+                             "(issue 30)")
     parser.add_argument("--out", default="runs/stability", help="grid folder (cells, warm start, report)")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per setting (train.seed 0..N-1)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help=f"seeds per setting (train.seed 0..N-1; default {DEFAULT_SEEDS}, {DOSE_SEEDS} for the "
+                             "dose grid)")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per cell (default: the config's train.steps)")
     parser.add_argument("--jobs", type=int, default=None, help="cells at a time (default: cores // 2, at least 1)")
     parser.add_argument("--threads", type=int, default=None, help="OpenMP threads per cell (default: cores // jobs)")
@@ -791,8 +973,11 @@ def plan_from_args(args: argparse.Namespace) -> GridPlan:
     for i, s in enumerate(args.sets):
         if "=" not in s:
             raise ConfigError(f"--set[{i}]", f"expected section.field=value, got {s!r}")
+        if args.grid == "dose" and s.split("=", 1)[0].strip() == "rollout.router_noise":
+            raise ConfigError(f"--set[{i}]", "the dose grid sets rollout.router_noise per cell (DOSES)")
     jobs = args.jobs or max(1, cores() // 2)
-    return GridPlan(config=config.resolve(), out=Path(args.out).resolve(), grid=args.grid, seeds=args.seeds,
+    seeds = args.seeds or (DOSE_SEEDS if args.grid == "dose" else DEFAULT_SEEDS)
+    return GridPlan(config=config.resolve(), out=Path(args.out).resolve(), grid=args.grid, seeds=seeds,
                     steps=args.steps, jobs=jobs, threads=args.threads or max(1, cores() // jobs),
                     sets=list(args.sets), resume=args.resume, only=[c for c in args.cells.split(",") if c],
                     objectives=objective_names(args.objectives) if args.objectives else [],
