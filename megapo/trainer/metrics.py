@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from megapo.progress import Progress
+
 log = logging.getLogger(__name__)
 
 
@@ -60,6 +62,8 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
         self.print_fn = print_fn
+        # the step lines as they are; on a terminal (print to stdout) a bar with the ETA below them
+        self.progress = Progress(total_steps, "train") if print_fn is print else None
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
         self._tb = None
         self._wandb = None
@@ -92,11 +96,15 @@ class MetricsLogger:
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
-        if progress:
+        if progress and self.progress is not None:
+            self.progress.line(progress_line(step, row, self.total_steps), done=step)
+        elif progress:
             self.print_fn(progress_line(step, row, self.total_steps))
         return row
 
     def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()

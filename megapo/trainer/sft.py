@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megapo.progress import Progress
 from megapo.trainer.config import SFTConfig
 
 log = logging.getLogger(__name__)
@@ -120,7 +122,9 @@ def train_sft(model_dir: str | Path, out_dir: str | Path, cfg: SFTConfig, task="
     history: list[dict] = []
     t0 = time.perf_counter()
     acc, step, reached = 0.0, 0, False
+    bar = Progress(cfg.max_steps, "sft (to max_steps)", stream=sys.stderr)  # a bar on a terminal, else nothing
     for step in range(1, cfg.max_steps + 1):
+        bar.update(step - 1)
         model.train()
         x, y = next(batches)
         loss = model(input_ids=x, labels=y).loss
@@ -135,10 +139,12 @@ def train_sft(model_dir: str | Path, out_dir: str | Path, cfg: SFTConfig, task="
                                          chat_template, max_new_tokens).accuracy
             history.append({"step": step, "loss": loss.item(), "val_accuracy": acc,
                             "seconds": round(time.perf_counter() - t0, 2)})
+            bar.clear()
             log.info("sft step %d loss %.4f val exact-match %.3f", step, loss.item(), acc)
             if acc >= cfg.threshold:
                 reached = True
                 break
+    bar.clear()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
