@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("megapo.commands.plot", "draw reward/length/KL curves of a run to PNG"),
     "convert": ("megapo.commands.convert", "HF <-> Megatron checkpoint conversion"),
     "launch": ("megapo.commands.launch", "launch a run (local or Slurm)"),
+    "plan": ("megapo.commands.plan", "per-GPU memory of a run's layout, and whether it fits the GPU"),
     "bench": ("megapo.commands.bench", "benchmarks (train step, packing, weight sync, scaling)"),
     "serve": ("megapo.commands.serve", "start an inference server megapo can use as an engine"),
 }

@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     local = sub.add_parser("local", help="run on this machine with torchrun")
     _common(local)
     local.add_argument("--nproc", type=int, default=None, help="processes (default: tp*pp*dp of the config)")
+    local.add_argument("--gpu", default=None, choices=("h100", "h200", "b200"),
+                       help="check the layout against this GPU kind's memory (`megapo plan`); default: no check")
     start = local.add_mutually_exclusive_group()  # passed to `megapo train` (its run-folder rules)
     start.add_argument("--resume", action="store_true", help="continue from the last checkpoint in train.output_dir")
     start.add_argument("--overwrite", action="store_true",
@@ -56,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (0: CPU run, needs --procs-per-node)")
     s.add_argument("--procs-per-node", type=int, default=None, help="learner processes per node (default: GPUs)")
     s.add_argument("--rollout-nodes", type=int, default=0, help="nodes that only run engine servers (disaggregated)")
+    s.add_argument("--gpu", default="h100", choices=("h100", "h200", "b200"),
+                   help="the GPU kind: the layout must fit its memory (`megapo plan` prints the table)")
     s.add_argument("--partition", default=None)
     s.add_argument("--time", default=None, help="time limit, Slurm syntax (e.g. 2-00:00:00)")
     s.add_argument("--job-name", default="megapo")
@@ -99,6 +103,7 @@ def _run_slurm(args: argparse.Namespace) -> int:
         grace_s=args.grace,
         engine_port=args.engine_port,
         entry_script=args.entry_script,
+        gpu=args.gpu,
     )
     job.validate()  # the cheap checks first, before reading the model
     run_spec = slurm.read_run(args.config, args.overrides)
@@ -113,9 +118,13 @@ def _run_slurm(args: argparse.Namespace) -> int:
 
 
 def local_command(run_spec: slurm.RunSpec, nproc: int, resume: bool, entry_script: str | None,
-                  overwrite: bool = False) -> list[str]:
+                  overwrite: bool = False, gpu: str | None = None) -> list[str]:
     """The torchrun command line for `nproc` processes on this machine (checks the layout first)."""
     extra = slurm.resolve_layout(run_spec, nproc, f"--nproc {nproc}")
+    if gpu is not None:  # the layout against one GPU's memory (megapo plan)
+        from megapo.launch.plan import plan_run
+
+        plan_run(run_spec, run_spec.data, nproc, gpu)
     if entry_script is None:
         slurm.check_trainer_config(run_spec, extra)
     entry = [str(Path(entry_script).resolve()), "train"] if entry_script else ["-m", "megapo.cli", "train"]
@@ -133,7 +142,7 @@ def _run_local(args: argparse.Namespace) -> int:
     run_spec = slurm.read_run(args.config, args.overrides)
     p = run_spec.parallel
     nproc = args.nproc if args.nproc is not None else p.tp * p.pp * (p.dp if run_spec.dp_given else 1)
-    cmd = local_command(run_spec, nproc, args.resume, args.entry_script, overwrite=args.overwrite)
+    cmd = local_command(run_spec, nproc, args.resume, args.entry_script, overwrite=args.overwrite, gpu=args.gpu)
     if args.dry_run:
         print(shlex.join(cmd))
         return 0

@@ -7,7 +7,8 @@
 
 The launcher reads the sections it needs (`model`, `parallel`, `rollout`, `train.output_dir`) as plain
 YAML plus dotted overrides; in addition the trainer's own check of the whole config (RunConfig)
-runs before submission, unless an --entry-script (a test stand-in) replaces the trainer. The templates are slurm/colocated.sbatch and slurm/disaggregated.sbatch (plus slurm/common.sh,
+runs before submission, unless an --entry-script (a test stand-in) replaces the trainer; before it, the
+memory planner (megapo/launch/plan.py) checks that the layout fits one GPU of kind SlurmJob.gpu. The templates are slurm/colocated.sbatch and slurm/disaggregated.sbatch (plus slurm/common.sh,
 pasted into both); slurm/README.md describes the flow and the trainer's signal contract.
 """
 
@@ -51,6 +52,7 @@ class RunSpec:
     dp_given: bool  # False: dp is inferred from the world size (and passed on as an override)
     hf_config: dict[str, Any]
     rollout: dict[str, Any]  # the config's rollout section, as plain data
+    data: dict[str, Any] = field(default_factory=dict)  # the whole config with the overrides, as plain data
 
 
 @dataclass
@@ -72,6 +74,7 @@ class SlurmJob:
     engine_start_timeout_s: int = 1800
     entry_script: str | None = None  # run "SCRIPT train|serve" instead of "python -m megapo.cli ..."
     python: str = field(default_factory=lambda: sys.executable)
+    gpu: str = "h100"  # the GPU kind whose memory the layout must fit (megapo/launch/plan.py)
 
     @property
     def procs(self) -> int:
@@ -170,6 +173,7 @@ def read_run(config_path: str | Path, overrides: list[str] | None = None) -> Run
         dp_given="dp" in parallel_data,
         hf_config=hf,
         rollout=_section(data, "rollout"),
+        data=data,
     )
 
 
@@ -241,6 +245,10 @@ def render(run: RunSpec, job: SlurmJob) -> str:
                                   "the config")
     where = f"{job.learner_nodes} learner node(s) x {job.procs} processes"
     extra_overrides = resolve_layout(run, job.world_size, where)
+    if job.gpus_per_node:  # the memory of one GPU against the layout (megapo plan), before the trainer's checks
+        from megapo.launch.plan import plan_run
+
+        plan_run(run, run.data, job.world_size, job.gpu, job.rollout_nodes)
     if job.entry_script is None:
         check_trainer_config(run, extra_overrides)
 

@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 GIB = 2 ** 30
 
-# name -> the learner's layout (tp = pp = 1 in all of them)
+# name -> the learner's layout (tp, pp: 1 unless given)
 LAYOUTS = {
     "dp1-fp32": dict(dp=1, ep=1, precision="fp32", distributed_optimizer=False),
     "dp1-bf16": dict(dp=1, ep=1, precision="bf16", distributed_optimizer=False),
@@ -51,7 +51,12 @@ LAYOUTS = {
     "dp2-bf16-do": dict(dp=2, ep=1, precision="bf16", distributed_optimizer=True),
     # experts split over EP=2 at DP=2: expert-DP = 1, so the distributed optimizer cannot shard the experts' state
     "dp2-ep2-bf16-do": dict(dp=2, ep=2, precision="bf16", distributed_optimizer=True),
+    # model-parallel layouts (not run by default; tests/test_plan.py checks `megapo plan` against them): TP=2 with the
+    # experts over EP=2 (ETP = 1), and two pipeline stages, each at DP=1
+    "tp2-ep2-bf16-do": dict(tp=2, dp=1, ep=2, precision="bf16", distributed_optimizer=True),
+    "pp2-bf16-do": dict(pp=2, dp=1, ep=1, precision="bf16", distributed_optimizer=True),
 }
+DEFAULT_LAYOUTS = [n for n, lay in LAYOUTS.items() if lay.get("tp", 1) == lay.get("pp", 1) == 1]
 # pairs whose step times are compared: (bf16 layout, fp32 layout)
 PAIRS = {"dp1": ("dp1-bf16", "dp1-fp32"), "dp2": ("dp2-bf16", "dp2-fp32"), "dp2_do": ("dp2-bf16-do", "dp2-fp32-do")}
 COMPONENTS = ("weights", "grads", "optimizer_main", "optimizer_moments")
@@ -87,7 +92,8 @@ def run_layouts(model_dir, names: list[str], *, steps: int, warmup: int, threads
     by_world: dict[int, list[dict]] = {}
     for name in names:
         layout = LAYOUTS[name]
-        by_world.setdefault(layout["dp"], []).append(dict(layout, name=name))
+        world = layout.get("tp", 1) * layout.get("pp", 1) * layout["dp"]
+        by_world.setdefault(world, []).append(dict(layout, name=name))
     out: dict[str, list[dict]] = {}
     work = Path(work_dir)
     for world, layouts in sorted(by_world.items()):
@@ -110,6 +116,8 @@ def summarize(ranks: list[dict]) -> dict:
     layout = ranks[0]["layout"]
     b0 = ranks[0]["bytes"]
     total = b0["params_on_rank"] - b0["expert_params_on_rank"] + b0["expert_params_on_rank"] * layout.get("ep", 1)
+    if layout.get("tp", 1) * layout.get("pp", 1) > 1:  # a rank holds a TP shard / a stage: the model's own count
+        total = b0["model_params_total"]
 
     def per_param(b: dict) -> dict:
         out = {k: b[k] / total for k in (*COMPONENTS, "optimizer_other", "guard_copy", "other_grads",
@@ -142,7 +150,7 @@ def summarize(ranks: list[dict]) -> dict:
 def measure(model_dir, names: list[str] | None = None, *, steps: int = 5, warmup: int = 1, threads: int = 1,
             work_dir=None, timeout_s: float = 600) -> dict[str, dict]:
     """The measuring function: layout name -> summarize() of its ranks (names default: every layout)."""
-    names = list(names or LAYOUTS)
+    names = list(names or DEFAULT_LAYOUTS)
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
         from megapo.config import ConfigError
@@ -338,7 +346,7 @@ def git_commit() -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     p.add_argument("--steps", type=int, default=10, help="timed train steps per layout (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed train steps per layout first")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (0: torch's own)")

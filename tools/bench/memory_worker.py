@@ -99,6 +99,19 @@ def tensor_bytes(learner) -> dict:
     }
 
 
+def model_params(model_dir) -> int:
+    """The model's parameter count: the numel of every tensor in its safetensors files (headers only)."""
+    import math
+
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            total += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return total
+
+
 class Memory:
     """Process memory around a layout: CUDA allocator counters on a GPU; on CPU the resident set size, read
     before and after and sampled every 10 ms for its peak (scaling_worker.PeakRSS)."""
@@ -146,7 +159,7 @@ def run_layout(layout: dict, spec: dict, memory: Memory) -> dict:
     gc.collect()
     memory.reset_peak()
     before = memory.now()
-    parallel = ParallelConfig(dp=layout["dp"], ep=layout.get("ep", 1),
+    parallel = ParallelConfig(tp=layout.get("tp", 1), pp=layout.get("pp", 1), dp=layout["dp"], ep=layout.get("ep", 1),
                               distributed_optimizer=layout["distributed_optimizer"])
     start = time.perf_counter()
     learner = Learner(spec["model"], parallel, OptimConfig(lr=1e-4), precision=Precision(layout["precision"]))
@@ -168,6 +181,7 @@ def run_layout(layout: dict, spec: dict, memory: Memory) -> dict:
         if k == 0:
             after_first = memory.now()
     counted = tensor_bytes(learner)
+    counted["model_params_total"] = model_params(spec["model"])
     after = memory.now()
     peak = memory.peak()
     learner.close()
