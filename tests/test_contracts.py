@@ -113,3 +113,26 @@ def test_reference_protocol_matches_the_contract_and_both_references():
     for path in trainer_sources():
         used.update(used_names(path.read_text(), str(path.relative_to(ROOT))))
     assert {name for receiver, name in used if receiver == "reference"} <= protocol
+
+
+def test_learner_protocol_matches_the_contract_and_the_megatron_learner():
+    """The Learner / OnPolicyLearner protocols the trainer types its learners with declare what CONTRACTS lists
+    under `class Learner` (besides the Megatron learner's constructor), the Megatron learner has every method of
+    both, and what the trainer reads off a learner is the protocols' and nothing else."""
+    from megapo.learner.protocol import Learner, OnPolicyLearner
+
+    def members(proto) -> set[str]:
+        return set(getattr(proto, "__annotations__", {})) | {n for n, v in vars(proto).items()
+                                                              if callable(v) and not n.startswith("_")}
+
+    protocol = members(Learner) | members(OnPolicyLearner)
+    assert _class_block_names(CONTRACTS.read_text(), "Learner") - {"__init__", "precision"} == protocol
+    source = (ROOT / "megapo" / "learner" / "learner.py").read_text()
+    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Learner")
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    assert {n for n, v in vars(Learner).items() if callable(v) and not n.startswith("_")} <= methods
+    assert "train_step_on_policy" in methods
+    used = {}
+    for path in trainer_sources():
+        used.update(used_names(path.read_text(), str(path.relative_to(ROOT))))
+    assert {name for receiver, name in used if receiver == "learner"} <= protocol

@@ -194,7 +194,10 @@ def test_sync_reports_the_fleet_and_drops_a_dead_server(tmp_path):
     a, b = FakeServer("a"), FakeServer("b")
     router = Router([a], names=["a:1"], sync_timeout_s=5)
     fleet = Fleet(router, [], str(path), lambda address: {"b:1": b}[address])
-    cfg = SimpleNamespace(rollout=SimpleNamespace(sync_timeout_s=5.0, bucket_mb=1))
+    from megapo.trainer.config import TrainConfig
+
+    # (sync_in_time reads rollout's timeout and buckets, and train.precision: the dtype the weights travel in)
+    cfg = SimpleNamespace(rollout=SimpleNamespace(sync_timeout_s=5.0, bucket_mb=1), train=TrainConfig())
     transport = DiskTransport(tmp_path / "sync")
     path.write_text("a:1\nb:1\n")
     m = sync_in_time(StubLearner(), router, 1, cfg, transport, fleet)

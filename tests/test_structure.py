@@ -148,6 +148,8 @@ SHARED_NAMES = {
     "run": (("megapo.commands.",), "a command module's body (the protocol of megapo/cli.py)"),
     "main": (("megapo.cli", "megapo.commands.", "megapo.convert.worker"), "a process's entry point (python -m)"),
     "spec": (("megapo.models.",), "a family's Megatron spec (one mapping.py per family)"),
+    "Learner": (("megapo.learner.protocol", "megapo.learner.learner"),
+                "the trainer's learner: the protocol it types learners with, and the Megatron implementation"),
     "config": (("megapo.models.",), "a family's tiny-model config.json fields (its tiny.py; megapo/models/tiny.py)"),
     "finish": (("megapo.models.",), "a family's tiny-model weights after init (its tiny.py; megapo/models/tiny.py)"),
     "task": (("megapo.tasks.",), "a built-in task's constructor (megapo/tasks/registry.py)"),

@@ -19,6 +19,8 @@ from megapo.trainer.config import RunConfig
 class HFLearner:
     """The Learner contract (docs/CONTRACTS.md) on one process with a transformers model."""
 
+    route_hook = None  # no routing replay
+
     def __init__(self, model_dir, lr=1e-3):
         from transformers import AutoModelForCausalLM
 

@@ -6,8 +6,8 @@
 
 - `advantage_stage` entries reshape advantages after the estimator: `polarity` on the sequence
   advantages, the others turn them into per-token advantages from π_old's per-token statistics
-  (sample["old_logp"], sample["old_entropy"]: the old-log-prob pass's); fipo also from the reference's
-  (sample["ref_logp"]) or the engine's (sample["rollout_logp"]) log-probs.
+  (sample.old_logp, sample.old_entropy: the old-log-prob pass's); fipo also from the reference's
+  (sample.ref_logp) or the engine's (sample.rollout_logp) log-probs.
 - `token_weight` entries give a detached weight per token that multiplies the objective's per-token
   loss as a correction does (policy_loss's `token_weight`); the normaliser's token count is unchanged.
 
@@ -101,8 +101,8 @@ class TokenStats:
     old_logp: Tensor
     entropy: Tensor | None
     mask: Tensor  # bool
-    rollout_logp: Tensor | None = None  # the engine's μ of the sampled tokens (sample["rollout_logp"])
-    ref_logp: Tensor | None = None  # π_ref's (sample["ref_logp"], when a reference is loaded)
+    rollout_logp: Tensor | None = None  # the engine's μ of the sampled tokens (sample.rollout_logp)
+    ref_logp: Tensor | None = None  # π_ref's (sample.ref_logp, when a reference is loaded)
 
 
 def _check_weights(alpha1: float, alpha2: float) -> None:
@@ -248,7 +248,7 @@ def fipo(adv: Tensor, s: TokenStats, o: FipoOptions) -> Tensor:
     FIPO documentation states the paper's recipe, where Δ_s = log π_θ − log π_old inside each update]. [A] Here
     the stage runs once before the updates, where π_θ = π_old and that Δ is 0, so the other policy b is:
     against=reference (default) π_ref, the frozen start of training (Δ: how far training has moved each token;
-    loads the reference as kl_coef > 0 does), or against=engine μ = sample["rollout_logp"], the policy that drew
+    loads the reference as kl_coef > 0 does), or against=engine μ = sample.rollout_logp, the policy that drew
     the sample (Δ: staleness plus the engine's numerics; refused with old_policy=engine, where π_old is μ).
     [A] The weight is a detached constant; the paper's extreme-ratio token filtering (its δ) and dual clip are
     not included."""

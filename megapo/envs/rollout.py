@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from megapo.engines.base import Engine
 from megapo.envs.base import FINISHES, StepResult, Trajectory
 
 log = logging.getLogger(__name__)
@@ -115,9 +116,9 @@ class _State:
                           finish=self.finish, env_reward=self.reward, last_turn=self.last_turn)
 
 
-def generate_trajectories(engine, params, prompts: list[list[int]], examples: list, make_env: Callable[[Any], Any],
-                          observe: ObservationFormat, limits: TurnLimits, decode: Callable[[list[int]], str]
-                          ) -> list[list[Trajectory]]:
+def generate_trajectories(engine: Engine, params, prompts: list[list[int]], examples: list,
+                          make_env: Callable[[Any], Any], observe: ObservationFormat, limits: TurnLimits,
+                          decode: Callable[[list[int]], str]) -> list[list[Trajectory]]:
     """params.n trajectories per prompt (`examples[i]` the example of prompts[i]); `make_env(example)` a fresh
     environment per trajectory; `decode(ids)` the text the environment reads of a turn (stop token removed)."""
     n = params.n
@@ -184,7 +185,7 @@ def _after_turn(state: _State, sample, observe: ObservationFormat, limits: TurnL
     return True
 
 
-def _next_turn(engine, params, states: list[_State], limits: TurnLimits, turn: int) -> list[tuple[_State, Any]]:
+def _next_turn(engine: Engine, params, states: list[_State], limits: TurnLimits, turn: int) -> list[tuple[_State, Any]]:
     """Sample the next turn of every live trajectory, each within what is left of its token budget."""
     if not states:
         return []
@@ -200,7 +201,7 @@ def _next_turn(engine, params, states: list[_State], limits: TurnLimits, turn: i
     return out
 
 
-def _generate(engine, contexts: list[list[int]], params, states: list[_State]):
+def _generate(engine: Engine, contexts: list[list[int]], params, states: list[_State]):
     if engine.capabilities.sessions:  # a Router: each trajectory stays on its server
         return engine.generate(contexts, params, sessions=[s.key for s in states])
     return engine.generate(contexts, params)

@@ -36,7 +36,7 @@ from megapo.learner.logprobs import vocab_parallel_logprobs
 from megapo.learner.precision import Precision
 from megapo.learner.rope import set_positions
 from megapo.algorithms.spec import LossSpec, as_loss_spec
-from megapo.learner.sample import OPTIONAL_FIELDS, TOKEN_FIELDS
+from megapo.algorithms.sample import OPTIONAL_FIELDS, TOKEN_FIELDS, TrainSample, as_train_samples
 from megapo.models.family import family_for
 from megapo.weights import gather, hf_load
 
@@ -303,30 +303,32 @@ class Learner:
             return logps, entropies
         return logps
 
-    def train_step(self, batch: list[dict], loss: LossSpec | str, loss_agg: str | None = None, **options) -> dict:
+    def train_step(self, batch: list[TrainSample], loss: LossSpec | str, loss_agg: str | None = None,
+                   **options) -> dict:
         """One optimizer step on `batch` (the full batch, identical on every rank; each DP rank takes
         its share) under `loss` (a LossSpec; an objective name builds one from `loss_agg`, default token-mean,
         and the options: as_loss_spec). Returns metrics: loss, grad_norm, lr, entropy, tokens_per_s, objective
-        metrics."""
+        metrics. Dict samples are taken too (as_train_samples)."""
         metrics, _ = self._train(batch, as_loss_spec(loss, loss_agg, options, default_agg="token-mean"),
                                  on_policy=False, keep_logprobs=False, keep_entropy=False)
         return metrics
 
-    def train_step_on_policy(self, batch: list[dict], loss: LossSpec | str, loss_agg: str | None = None, *,
+    def train_step_on_policy(self, batch: list[TrainSample], loss: LossSpec | str, loss_agg: str | None = None, *,
                              keep_logprobs: bool = False, keep_entropy: bool = False, **options) -> tuple[dict, dict]:
         """train_step on a batch whose π_old is the policy being trained (one update on one mini-batch,
         π_old from the learner): π_old is this forward's own detached log-probs, so no separate
-        old-log-prob pass runs and samples need no "old_logp". Returns (train metrics, what the
+        old-log-prob pass runs and samples need no old_logp. Returns (train metrics, what the
         old-log-prob pass would have given: "metrics", its routing metrics under "replay/...", and with
         keep_logprobs "logprobs", each sample's response log-probs before the update, on every rank; with
         keep_entropy "entropies", π_old's per-token entropy at them)."""
         return self._train(batch, as_loss_spec(loss, loss_agg, options, default_agg="token-mean"), on_policy=True,
                            keep_logprobs=keep_logprobs, keep_entropy=keep_entropy)
 
-    def _train(self, batch: list[dict], spec: LossSpec, *, on_policy: bool, keep_logprobs: bool,
+    def _train(self, batch: list[TrainSample], spec: LossSpec, *, on_policy: bool, keep_logprobs: bool,
                keep_entropy: bool) -> tuple[dict, dict]:
         from megatron.core import parallel_state as ps
 
+        batch = as_train_samples(batch)  # the boundary: dict samples (tests, tools) seen as TrainSample
         if self.frozen:
             raise RuntimeError("train_step: this model is frozen (a reference model has no optimizer)")
         start = time.perf_counter()
@@ -334,9 +336,9 @@ class Learner:
         loss_fn = self._loss_fn
         if loss_fn is None:
             from megapo.algorithms import policy_loss as loss_fn
-        sequences = [s["tokens"] for s in batch]
-        if self.route_hook is not None:  # routing replay: each sample's optional "routes"
-            self.route_hook.set_routes([s.get("routes") for s in batch], sequences, name="batch")
+        sequences = [s.tokens for s in batch]
+        if self.route_hook is not None:  # routing replay: each sample's optional routes
+            self.route_hook.set_routes([s.routes for s in batch], sequences, name="batch")
         micro_batches = self._micro_batches(sequences, inputs.prompt_lens - 1, inputs.lengths - 1, inputs.starts,
                                             inputs.policy)
         per_sample = inputs.policy_counts()  # the normalisers count policy tokens only (loss_mask)
@@ -592,24 +594,25 @@ def _batch_counts(inputs: TrainInputs, objective: str, loss_agg: str) -> dict:
     return {"global_polarity": polarity_counts(sums.cpu(), torch.from_numpy(inputs.policy_counts()))}
 
 
-def _train_inputs(batch: list[dict], vocab: int, *, need_old: bool, device) -> TrainInputs:
+def _train_inputs(batch: list[TrainSample], vocab: int, *, need_old: bool, device) -> TrainInputs:
     """Check a train batch once (ValueError naming the sample and field) and lay its per-token inputs
     end to end: one tensor per field for the whole batch, moved to the device once."""
+    batch = as_train_samples(batch)
     if not batch:
         raise ValueError("batch: empty")
     required = ("tokens", "prompt_len", "advantage") + (("old_logp",) if need_old else ())
     for i, s in enumerate(batch):
         for key in required:
-            if key not in s:
+            if getattr(s, key) is None:
                 raise ValueError(f"batch[{i}].{key}: missing")
-    lengths = np.fromiter((len(s["tokens"]) for s in batch), dtype=np.int64, count=len(batch))
-    prompt = np.fromiter((s["prompt_len"] for s in batch), dtype=np.int64, count=len(batch))
+    lengths = np.fromiter((len(s.tokens) for s in batch), dtype=np.int64, count=len(batch))
+    prompt = np.fromiter((s.prompt_len for s in batch), dtype=np.int64, count=len(batch))
     bad = np.flatnonzero((prompt < 1) | (prompt >= lengths))
     if bad.size:
         i = int(bad[0])
         raise ValueError(f"batch[{i}].prompt_len: must be in [1, {lengths[i] - 1}] for {lengths[i]} tokens, "
                          f"got {prompt[i]}")
-    out_of_range = _first_out_of_range([s["tokens"] for s in batch], lengths, vocab)
+    out_of_range = _first_out_of_range([s.tokens for s in batch], lengths, vocab)
     if out_of_range is not None:
         raise ValueError(f"batch[{out_of_range}].tokens: ids must be in [0, {vocab})")
     response = lengths - prompt
@@ -617,7 +620,7 @@ def _train_inputs(batch: list[dict], vocab: int, *, need_old: bool, device) -> T
     for name in TOKEN_FIELDS:
         if name == "old_logp" and not need_old:
             continue
-        values = [s.get(name) for s in batch]
+        values = [getattr(s, name) for s in batch]
         if name in OPTIONAL_FIELDS:
             given = [v is not None for v in values]
             if not any(given):

@@ -4,7 +4,7 @@
 - megatron: a second Megatron model under the learner's layout (TP/PP/EP/DP, the same process groups),
   loaded from the learner's HF folder and frozen: no DDP wrapper, no gradients, no optimizer state, the
   learner's dtype (float32). Its log-probs use the learner's packing and, under routing replay (r2/r3),
-  replay each sample's routes (sample["routes"], what the old-log-prob pass used and the train steps
+  replay each sample's routes (sample.routes, what the old-log-prob pass used and the train steps
   replay), so π_ref and π_θ are compared under the same routing. Collective: every rank calls it and
   gets every sample's log-probs. Each rank holds only its shard, so it fits wherever the learner does.
 - plain: megapo's PyTorch model (the embedded engine's) on rank 0, routing freely; the other ranks get
@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from megapo.algorithms.sample import TrainSample, as_train_samples
 from megapo.config import ParallelConfig
 from megapo.learner.precision import Precision
 
@@ -36,8 +37,8 @@ class Reference(Protocol):
     # True: every rank calls response_logprobs (collective); False: rank 0 only, the trainer broadcasts the result
     collective: bool
 
-    def response_logprobs(self, batch: list[dict]) -> list[list[float]]:
-        """π_ref's log-prob of every response token of each sample (sample["tokens"][sample["prompt_len"]:])."""
+    def response_logprobs(self, batch: list[TrainSample]) -> list[list[float]]:
+        """π_ref's log-prob of every response token of each sample (sample.tokens[sample.prompt_len:])."""
         ...
 
     def close(self) -> None:
@@ -71,18 +72,19 @@ class MegatronReference:
                                  row_tokens=row_tokens, routing_replay=routing_replay, frozen=True,
                                  precision=precision)
 
-    def response_logprobs(self, batch: list[dict]) -> list[list[float]]:
-        """π_ref's log-prob of every response token of each sample (collective), replaying sample["routes"]
+    def response_logprobs(self, batch: list[TrainSample]) -> list[list[float]]:
+        """π_ref's log-prob of every response token of each sample (collective), replaying sample.routes
         where the model replays routes and a sample has them."""
-        sequences = [list(s["tokens"]) for s in batch]
+        batch = as_train_samples(batch)
+        sequences = [list(s.tokens) for s in batch]
         hook = self.model.route_hook
-        routes = [s.get("routes") for s in batch] if hook is not None else None
+        routes = [s.routes for s in batch] if hook is not None else None
         if routes is not None and all(r is None for r in routes):
             routes = None  # (r2 on-policy: no pass has recorded routes yet; the train forward routes freely too)
         logps = self.model.logprobs(sequences, routes=routes)
         if hook is not None:
             hook.take_counts()  # (collective) its counts would otherwise pile up
-        return [lp[s["prompt_len"] - 1:].tolist() for lp, s in zip(logps, batch)]
+        return [lp[s.prompt_len - 1:].tolist() for lp, s in zip(logps, batch)]
 
     def close(self) -> None:
         if self.model.route_hook is not None:
@@ -97,16 +99,17 @@ class PlainReference:
 
         self.model = TorchCausalLM.from_pretrained(model_dir, precision.dtype)  # in the policy's precision
 
-    def response_logprobs(self, batch: list[dict]) -> list[list[float]]:
+    def response_logprobs(self, batch: list[TrainSample]) -> list[list[float]]:
+        batch = as_train_samples(batch)
         by_len: dict[int, list[int]] = {}
         for i, s in enumerate(batch):
-            by_len.setdefault(len(s["tokens"]), []).append(i)
+            by_len.setdefault(len(s.tokens), []).append(i)
         out: list[list[float]] = [[] for _ in batch]
         for idx in by_len.values():  # rows of one length form one unpadded batch
-            ids = torch.tensor([batch[i]["tokens"] for i in idx])
+            ids = torch.tensor([batch[i].tokens for i in idx])
             logp = torch.log_softmax(self.model.logits(ids)[:, :-1].float(), -1).gather(2, ids[:, 1:, None])[..., 0]
             for row, i in enumerate(idx):
-                out[i] = logp[row, batch[i]["prompt_len"] - 1:].tolist()
+                out[i] = logp[row, batch[i].prompt_len - 1:].tolist()
         return out
 
     def close(self) -> None:

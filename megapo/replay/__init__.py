@@ -12,7 +12,7 @@ its own old-log-prob pass (R2) chose, through Megatron-core's RouterReplay.
 - cli.py     `megapo logprobs --routes-in / --routes-out`.
 
 Trainer use (learner built with routing_replay=True for r2/r3):
-    old, m = old_logprobs(learner, samples, mode)      # r2/r3: sets sample["routes"] for training
+    old, m = old_logprobs(learner, samples, mode)      # r2/r3: sets sample.routes for training
     m |= learner.train_step(samples, objective)        # "replay/disagree_post" == 0 under replay
     m |= mismatch_kl(learner, samples, old)            # "replay/kl_k3", "replay/kl_k3_free" (needs rollout_logp)
 On-policy (one update on one mini-batch, π_old from the learner), the same metrics from one forward:

@@ -7,7 +7,7 @@
        training (positions the engine gave no route for fall back to the learner's own choice in the
        old-log-prob pass, and that choice is then replayed in training too).
 
-    logps, metrics = old_logprobs(learner, samples, "r3")     # sets sample["routes"] for training
+    logps, metrics = old_logprobs(learner, samples, "r3")     # sets sample.routes for training
     metrics |= learner.train_step(samples, "ppo")             # replay/disagree_post == 0
     metrics |= mismatch_kl(learner, samples, logps)           # k3 KL to the rollout, with/without replay
 
@@ -20,10 +20,10 @@ Every step also reports the train-inference metrics of the stability study (`sta
     mismatch/k3, mismatch/max_abs_dlogp   engine μ vs the learner's π_old as trained (after replay under r3)
     mismatch/k3_free                      engine vs the learner with its own routing
     router/disagree, router/disagree_any, router/disagree_l{i}
-                                          engine routes (sample["engine_routes"]) vs the learner's own routing
-                                          (sample["own_routes"]): (token, layer) pairs whose top-k expert set
+                                          engine routes (sample.engine_routes) vs the learner's own routing
+                                          (sample.own_routes): (token, layer) pairs whose top-k expert set
                                           differs, tokens with any layer differing, per MoE layer
-The mismatch metrics count the policy's response tokens only (sample["loss_mask"] 1 where samples carry one:
+The mismatch metrics count the policy's response tokens only (sample.loss_mask 1 where samples carry one:
 a multi-turn trajectory's observation tokens have no engine log-prob). Under off / r2 the π_old pass routes
 freely, so it gives all of them; under r3 the free-routing ones need one
 more forward pass (`free_routing`), which the trainer takes every train.stability_metrics_every steps.
@@ -38,6 +38,8 @@ from enum import Enum
 
 import numpy as np
 import torch
+
+from megapo.algorithms.sample import TrainSample, as_train_samples, without_routes
 
 
 class ReplayMode(str, Enum):
@@ -66,25 +68,27 @@ def logprobs_with_routes(learner, sequences: list[list[int]], routes=None, with_
     return logps, used, hook.metrics()
 
 
-def old_logprobs(learner, samples: list[dict], mode, with_entropy: bool = False) -> tuple[list[torch.Tensor], dict]:
+def old_logprobs(learner, samples: list[TrainSample], mode,
+                 with_entropy: bool = False) -> tuple[list[torch.Tensor], dict]:
     """The old-log-prob pass of a rollout batch under `mode`. Returns the per-response-token log-probs
-    (one tensor per sample) and metrics; for r2/r3 it sets sample["routes"] to the routes this pass used,
+    (one tensor per sample) and metrics; for r2/r3 it sets sample.routes to the routes this pass used,
     which every train_step on these samples then replays, and where it routed freely (off with a recording
-    hook, r2) sample["own_routes"] too (stability_metrics). with_entropy: sample["old_entropy"] gets π_old's
+    hook, r2) sample.own_routes too (stability_metrics). with_entropy: sample.old_entropy gets π_old's
     entropy at each response token (for the stages of megapo/algorithms/stages.py)."""
+    samples = as_train_samples(samples)
     mode = parse_mode(mode)
-    sequences = [list(s["tokens"]) for s in samples]
+    sequences = [list(s.tokens) for s in samples]
     entropies = None
     if mode is ReplayMode.OFF:
         full = learner.logprobs(sequences, with_entropy=True) if with_entropy else learner.logprobs(sequences)
         if with_entropy:
             full, entropies = full
         metrics = {}
-        if getattr(learner, "route_hook", None) is not None:  # a recording hook: this free pass's routes
+        if learner.route_hook is not None:  # a recording hook: this free pass's routes
             keep_own_routes(samples, learner.route_hook.routes_used(len(samples)))
             learner.route_hook.metrics()
     else:
-        given = [s.get("routes") for s in samples] if mode is ReplayMode.R3 else None
+        given = [s.routes for s in samples] if mode is ReplayMode.R3 else None
         if mode is ReplayMode.R3 and all(r is None for r in given):
             raise ValueError("samples: routing replay r3 needs the engine's routes "
                              "(SamplingParams(return_routes=True))")
@@ -92,32 +96,34 @@ def old_logprobs(learner, samples: list[dict], mode, with_entropy: bool = False)
         if with_entropy:
             full, entropies = full
         for s, r in zip(samples, used):
-            s["routes"] = r
+            s.routes = r
         if mode is ReplayMode.R2:  # it routed freely
             keep_own_routes(samples, used)
-    logps = [lp[s["prompt_len"] - 1:] for lp, s in zip(full, samples)]
+    logps = [lp[s.prompt_len - 1:] for lp, s in zip(full, samples)]
     if entropies is not None:
         keep_old_entropy(samples, entropies, response=True)
     return logps, metrics
 
 
-def keep_old_entropy(samples: list[dict], entropies: list, response: bool = False) -> None:
-    """sample["old_entropy"]: π_old's entropy at each response token (`entropies` per whole sequence when
+def keep_old_entropy(samples: list[TrainSample], entropies: list, response: bool = False) -> None:
+    """sample.old_entropy: π_old's entropy at each response token (`entropies` per whole sequence when
     `response`, else per response token already)."""
+    samples = as_train_samples(samples)
     for s, h in zip(samples, entropies):
-        s["old_entropy"] = (h[s["prompt_len"] - 1:] if response else h).tolist()
+        s.old_entropy = (h[s.prompt_len - 1:] if response else h).tolist()
 
 
-def policy_token_mask(samples: list[dict], count: int) -> np.ndarray:
-    """[count] bool over the samples' response tokens end to end: the ones the policy sampled (sample["loss_mask"]
+def policy_token_mask(samples: list[TrainSample], count: int) -> np.ndarray:
+    """[count] bool over the samples' response tokens end to end: the ones the policy sampled (sample.loss_mask
     1). Observation tokens (0) have no engine log-prob of the policy's (the engine reports 0.0 there), so the
     train-inference comparisons skip them. All True when no sample has a loss_mask."""
-    given = [s.get("loss_mask") is not None for s in samples]
+    samples = as_train_samples(samples)
+    given = [s.loss_mask is not None for s in samples]
     if not any(given):
         return np.ones(count, dtype=bool)
     if not all(given):
         raise ValueError(f"samples[{given.index(False)}].loss_mask: missing (other samples have it)")
-    mask = np.concatenate([np.asarray(s["loss_mask"]).reshape(-1) for s in samples]) == 1
+    mask = np.concatenate([np.asarray(s.loss_mask).reshape(-1) for s in samples]) == 1
     if mask.size != count:
         raise ValueError(f"loss_mask: {mask.size} values for {count} response tokens")
     if not mask.any():
@@ -125,20 +131,21 @@ def policy_token_mask(samples: list[dict], count: int) -> np.ndarray:
     return mask
 
 
-def mismatch_kl(learner, samples: list[dict], replayed_logps: list[torch.Tensor] | None = None,
+def mismatch_kl(learner, samples: list[TrainSample], replayed_logps: list[torch.Tensor] | None = None,
                 prefix: str = "replay/", free_logps: list[torch.Tensor] | None = None) -> dict:
     """Train-inference mismatch: mean per-token k3 KL(rollout || learner) over the policy's response tokens
     (policy_token_mask), with the learner replaying each sample's routes (`replayed_logps` from old_logprobs, or
-    computed here) and with free routing (`free_logps`, or one extra forward pass). Needs sample["rollout_logp"].
+    computed here) and with free routing (`free_logps`, or one extra forward pass). Needs sample.rollout_logp.
     Collective."""
+    samples = as_train_samples(samples)
     from megapo.algorithms.kl import kl_penalty
 
-    sequences = [list(s["tokens"]) for s in samples]
-    rollout = torch.cat([torch.as_tensor(s["rollout_logp"], dtype=torch.float32) for s in samples])
+    sequences = [list(s.tokens) for s in samples]
+    rollout = torch.cat([torch.as_tensor(s.rollout_logp, dtype=torch.float32) for s in samples])
     policy = torch.from_numpy(policy_token_mask(samples, rollout.numel()))
 
     def response(full):
-        return torch.cat([lp[s["prompt_len"] - 1:] for lp, s in zip(full, samples)])
+        return torch.cat([lp[s.prompt_len - 1:] for lp, s in zip(full, samples)])
 
     def k3(learner_logps):
         return float(kl_penalty(rollout[policy], learner_logps[policy], "k3").mean())
@@ -147,7 +154,7 @@ def mismatch_kl(learner, samples: list[dict], replayed_logps: list[torch.Tensor]
         free = response(learner.logprobs(sequences))
         return {prefix + "kl_k3_free": k3(free)}
     if replayed_logps is None:
-        replayed = response(learner.logprobs(sequences, routes=[s.get("routes") for s in samples]))
+        replayed = response(learner.logprobs(sequences, routes=[s.routes for s in samples]))
     else:
         replayed = torch.cat(list(replayed_logps))
     if free_logps is None:
@@ -158,17 +165,18 @@ def mismatch_kl(learner, samples: list[dict], replayed_logps: list[torch.Tensor]
     return {prefix + "kl_k3": k3(replayed), prefix + "kl_k3_free": k3(free)}
 
 
-def free_routing(learner, samples: list[dict]) -> list[torch.Tensor]:
+def free_routing(learner, samples: list[TrainSample]) -> list[torch.Tensor]:
     """One forward pass with the learner's own routing (nothing replayed), before an update changes the weights:
     returns the response log-probs and sets each sample's "own_routes" (the routes it chose). Collective."""
+    samples = as_train_samples(samples)
     if learner.route_hook is None:
         raise ValueError("learner: built without routing_replay=True, so its routes cannot be recorded")
-    full, used, _ = logprobs_with_routes(learner, [list(s["tokens"]) for s in samples], None)
+    full, used, _ = logprobs_with_routes(learner, [list(s.tokens) for s in samples], None)
     keep_own_routes(samples, used)  # the pass's routing counts are dropped: not part of the step's metrics
-    return [lp[s["prompt_len"] - 1:] for lp, s in zip(full, samples)]
+    return [lp[s.prompt_len - 1:] for lp, s in zip(full, samples)]
 
 
-def free_logprobs(learner, samples: list[dict], mode) -> list[torch.Tensor] | None:
+def free_logprobs(learner, samples: list[TrainSample], mode) -> list[torch.Tensor] | None:
     """The response log-probs under free routing that mismatch_kl's kl_k3_free needs, taken before an
     on-policy step changes the weights: one forward pass under r3 (free_routing; None otherwise: under r2 the
     step's own forward routes freely, and without replay there is nothing to compare). Collective."""
@@ -177,7 +185,7 @@ def free_logprobs(learner, samples: list[dict], mode) -> list[torch.Tensor] | No
     return free_routing(learner, samples)
 
 
-def on_policy_step(learner, samples: list[dict], mode, loss, loss_agg: str | None = None, *,
+def on_policy_step(learner, samples: list[TrainSample], mode, loss, loss_agg: str | None = None, *,
                    measure_kl: bool = False, free_logps: list[torch.Tensor] | None = None,
                    keep_entropy: bool = False, **options) -> tuple[dict, dict]:
     """One optimizer step on a fresh rollout batch whose π_old is the policy being trained, without the
@@ -188,15 +196,16 @@ def on_policy_step(learner, samples: list[dict], mode, loss, loss_agg: str | Non
     "own_routes" from free_routing) and with measure_kl mismatch_kl's). keep_entropy: each sample's
     "old_entropy" from this forward (π_old's per-token entropy, as old_logprobs(with_entropy=True)). `loss`,
     `loss_agg` and options as learner.train_step_on_policy takes them (a LossSpec, or an objective name). Collective."""
+    samples = as_train_samples(samples)
     mode = parse_mode(mode)
     given = samples
-    if mode is ReplayMode.R3 and all(s.get("routes") is None for s in samples):
+    if mode is ReplayMode.R3 and all(s.routes is None for s in samples):
         raise ValueError("samples: routing replay r3 needs the engine's routes (SamplingParams(return_routes=True))")
     if mode is not ReplayMode.OFF and learner.route_hook is None:
         raise ValueError("learner: built without routing_replay=True, so routes cannot be replayed or recorded")
     if mode is not ReplayMode.R3:  # r2 records this forward's own routing; off replays nothing
-        samples = [{k: v for k, v in s.items() if k != "routes"} for s in samples]
-    engine_logps = all("rollout_logp" in s for s in samples)
+        samples = [without_routes(s) for s in samples]
+    engine_logps = all(s.rollout_logp is not None for s in samples)
     measure_kl = measure_kl and mode is not ReplayMode.OFF and engine_logps
     if measure_kl and mode is ReplayMode.R3 and free_logps is None:
         raise ValueError("free_logps: needed under r3 to measure the KL without replay "
@@ -225,22 +234,24 @@ def on_policy_step(learner, samples: list[dict], mode, loss, loss_agg: str | Non
 # ----------------------------------------------------------------------------- stability metrics (issue 13)
 
 
-def keep_own_routes(samples: list[dict], routes: list[np.ndarray]) -> None:
+def keep_own_routes(samples: list[TrainSample], routes: list[np.ndarray]) -> None:
     """Record on each sample the routes the learner chose itself (its "own_routes", for router/disagree)."""
+    samples = as_train_samples(samples)
     for s, r in zip(samples, routes):
-        s["own_routes"] = r
+        s.own_routes = r
 
 
-def engine_mismatch(samples: list[dict], logps: list) -> dict[str, float]:
+def engine_mismatch(samples: list[TrainSample], logps: list) -> dict[str, float]:
     """k3 = mean(ρ - 1 - log ρ), ρ = π/μ (an estimate of KL(μ || π)), and max |log π - log μ| over the policy's
-    response tokens (policy_token_mask: loss_mask 1), between the engine's log-probs μ (sample["rollout_logp"]) and
+    response tokens (policy_token_mask: loss_mask 1), between the engine's log-probs μ (sample.rollout_logp) and
     the learner's `logps` π (one sequence of response log-probs per sample)."""
+    samples = as_train_samples(samples)
     from megapo.algorithms.corrections import mismatch_metrics
 
     def flat(values) -> torch.Tensor:
         return torch.from_numpy(np.concatenate([np.asarray(v, dtype=np.float64).reshape(-1) for v in values]))
 
-    pi, mu = flat(logps), flat(s["rollout_logp"] for s in samples)
+    pi, mu = flat(logps), flat(s.rollout_logp for s in samples)
     if pi.shape != mu.shape:
         raise ValueError(f"logps: {pi.numel()} response log-probs for {mu.numel()} engine log-probs")
     # token means and a max: all tokens as one [1, N] row give the same as one row per sequence
@@ -277,17 +288,18 @@ def route_disagreement(engine_routes: list, learner_routes: list, prefix: str = 
     return out
 
 
-def stability_metrics(samples: list[dict], logps: list, free_logps: list | None = None) -> dict[str, float]:
+def stability_metrics(samples: list[TrainSample], logps: list, free_logps: list | None = None) -> dict[str, float]:
     """The per-step train-inference metrics of a rollout batch (see the module docstring): mismatch/k3 and
     mismatch/max_abs_dlogp of `logps` (π_old as trained), mismatch/k3_free of `free_logps` (the learner's own
     routing; None: not measured this step), router/* where every sample has "engine_routes" and "own_routes"."""
-    if not samples or not all("rollout_logp" in s for s in samples):
+    samples = as_train_samples(samples)
+    if not samples or not all(s.rollout_logp is not None for s in samples):
         return {}
     out = {f"mismatch/{k}": v for k, v in engine_mismatch(samples, logps).items()}
     if free_logps is not None:
         out["mismatch/k3_free"] = engine_mismatch(samples, free_logps)["k3"]
-    if all(s.get("engine_routes") is not None and s.get("own_routes") is not None for s in samples):
-        out.update(route_disagreement([s["engine_routes"] for s in samples], [s["own_routes"] for s in samples]))
+    if all(s.engine_routes is not None and s.own_routes is not None for s in samples):
+        out.update(route_disagreement([s.engine_routes for s in samples], [s.own_routes for s in samples]))
     return out
 
 

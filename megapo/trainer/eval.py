@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from megapo.engines.base import Engine
 from megapo.tasks.base import Example
 
 GenerateFn = Callable[[list[list[int]]], list[tuple[list[int], bool]]]  # prompts -> (output ids, ended with eos)
@@ -75,7 +76,7 @@ def hf_greedy(model, tokenizer, max_new_tokens: int, batch_size: int = 256) -> G
     return generate
 
 
-def engine_greedy(engine, eos_token_id: int, max_new_tokens: int, batch_size: int = 256) -> GenerateFn:
+def engine_greedy(engine: Engine, eos_token_id: int, max_new_tokens: int, batch_size: int = 256) -> GenerateFn:
     """Greedy generation through a megapo Engine (temperature 0, one sample, stop at end-of-sequence), `batch_size`
     prompts per call: the embedded engine keeps its KV cache at the largest batch it has seen, and a cache sized
     for a whole test split instead of a training batch slowed every later training step."""
@@ -97,7 +98,7 @@ def engine_greedy(engine, eos_token_id: int, max_new_tokens: int, batch_size: in
     return generate
 
 
-def score_trajectories(engine, tokenizer, examples: Sequence[Example], prompt_ids: Sequence[list[int]],
+def score_trajectories(engine: Engine, tokenizer, examples: Sequence[Example], prompt_ids: Sequence[list[int]],
                        verify: Callable[[Example, str], float], turns, chat_template: bool, max_new_tokens: int,
                        batch_size: int = 256) -> EvalResult:
     """Greedy multi-turn accuracy: each example's trajectory with its environment (`turns`: envs.rollout.TurnPlay);

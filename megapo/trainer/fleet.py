@@ -34,6 +34,8 @@ from pathlib import Path
 
 from megapo.config import ConfigError
 from megapo.dist import any_rank, broadcast_object, rank
+from megapo.engines.base import Engine
+from megapo.learner.protocol import Learner
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,7 @@ class Fleet:
         return out
 
 
-def make_fleet(cfg, model_dir: Path, engine) -> Fleet | None:
+def make_fleet(cfg, model_dir: Path, engine: Engine) -> Fleet | None:
     """The fleet of a run whose engine is a Router (rank 0), else None."""
     from megapo.engines.router import Router
     from megapo.trainer.engine_setup import checked_client
@@ -136,7 +138,7 @@ def group_timeout_s(cfg) -> float:
     return max(1.0, cfg.rollout.sync_timeout_s / 3)
 
 
-def sync_in_time(learner, engine, version: int, cfg, transport, fleet: Fleet | None = None) -> dict:
+def sync_in_time(learner: Learner, engine: Engine, version: int, cfg, transport, fleet: Fleet | None = None) -> dict:
     """One weight sync (collective on the learner ranks; rank 0 owns the engine and the fleet), bounded by
     rollout.sync_timeout_s. Returns the sync and fleet metrics."""
     from megapo.weights import bucket_bytes, sync_named
@@ -166,7 +168,7 @@ def sync_in_time(learner, engine, version: int, cfg, transport, fleet: Fleet | N
     return out
 
 
-def _sync_broadcast(learner, engine, router, named, version, cfg, transport, size, deadline):
+def _sync_broadcast(learner: Learner, engine: Engine, router, named, version, cfg, transport, size, deadline):
     from megapo.engines.router import ServersLost
     from megapo.weights import sync_named
     from megapo.weights.broadcast import SyncFailed
@@ -200,10 +202,11 @@ def _sync_broadcast(learner, engine, router, named, version, cfg, transport, siz
                         "the servers left", version, attempt, last or "another rank's group failed")
 
 
-def form_groups(cfg, learner, engine, transport) -> bool:
+def form_groups(cfg, learner: Learner, engine: Engine, transport) -> bool:
     """Form the next generation of weight-sync groups (collective): every stage root joins its stage's group as
     rank 0 while rank 0 has the engine's workers (a Router: its members') join as ranks 1... False when it failed
     (a server that did not join is dropped by the Router; the caller tries again)."""
+    from megapo.engines.router import Router
     from megapo.weights.broadcast import BroadcastSender, GroupAddress, join_group
 
     r = cfg.rollout
@@ -233,8 +236,8 @@ def form_groups(cfg, learner, engine, transport) -> bool:
         log.warning("weight sync: forming group generation %d failed: %s", address.generation, error)
         return False
     transport.replace_sender(BroadcastSender(group) if root else None, address)
-    router = getattr(engine, "group", None)
-    transport.formed_for = tuple(router) if router is not None else None
+    members = engine.group if isinstance(engine, Router) else None
+    transport.formed_for = tuple(members) if members is not None else None
     log.info("weight sync: broadcast group generation %d formed on %s:%d (%d stage(s), %d engine worker(s))",
              address.generation, r.sync_host, transport.port, stages, workers)
     return True

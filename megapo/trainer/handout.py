@@ -17,16 +17,17 @@ from __future__ import annotations
 import dataclasses
 
 from megapo.dist import all_gather_object, broadcast_object, multi_process, rank, scatter_object
+from megapo.learner.protocol import Learner
 from megapo.replay.routes import stage_columns
 
 
-def rank_route_layers(learner) -> list[list[int]] | None:
+def rank_route_layers(learner: Learner) -> list[list[int]] | None:
     """Every rank's MoE layers (its route hook's `layers`), gathered once at setup (collective), when ranks replay
     different ones (PP > 1); None when one broadcast of the whole batch serves them all (a single process, no
     route hook, or every rank holds the same MoE layers)."""
     if not multi_process():
         return None
-    hook = getattr(learner, "route_hook", None)
+    hook = learner.route_hook
     layers = all_gather_object(None if hook is None else list(hook.layers))
     if any(x is None for x in layers) or all(x == layers[0] for x in layers):
         return None

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 
+from megapo.engines.base import Engine
+from megapo.learner.protocol import Learner
 from megapo.trainer.config import RunConfig
 from megapo.trainer.metrics import StepTimer
 from megapo.trainer.run import Run
@@ -23,7 +25,8 @@ from megapo.trainer.stop import TrainingStopped
 log = logging.getLogger(__name__)
 
 
-def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, learner=None, engine=None,
+def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, learner: Learner | None = None,
+          engine: Engine | None = None,
           print_fn=print, stop=None) -> dict:
     """Run RL as configured; return the last metrics row. `resume` / `overwrite`: what to do with a previous
     run in train.output_dir (Run.open). `learner`/`engine` may be passed in (tests). `stop`

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from megapo.engines.base import Sample, SamplingParams
+from megapo.engines.base import Engine, Sample, SamplingParams
 from megapo.envs.base import Trajectory
 from megapo.tasks.base import Example
 from megapo.trainer.config import RunConfig
@@ -64,7 +64,7 @@ def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[list], list[float]]:
     return reward
 
 
-def rollout_round(engine, params, examples: list, prompt_ids: list[list[int]], reward_fn,
+def rollout_round(engine: Engine, params, examples: list, prompt_ids: list[list[int]], reward_fn,
                   indices: list[int] | None = None, sampler=None) -> list[Group]:
     """One sampling round: every prompt's samples with the verifier's rewards (before length shaping);
     `indices`: the prompts' places in the prompt pool; `sampler`: multi-turn trajectories in place of
@@ -76,7 +76,7 @@ def rollout_round(engine, params, examples: list, prompt_ids: list[list[int]], r
             for ex, samples, i in zip(examples, drawn, indices)]
 
 
-def collect_rollouts(engine, params, pool, source, reward_fn, cfg: RunConfig, length=None,
+def collect_rollouts(engine: Engine, params, pool, source, reward_fn, cfg: RunConfig, length=None,
                      sampler=None) -> tuple[list[Group], dict, int]:
     """Rank 0: sample groups for one step (with dynamic sampling, refilled up to max_sampling_rounds), each
     round shaped and filtered by `length` (trainer.length_stage.LengthStage) before dynamic sampling judges it;

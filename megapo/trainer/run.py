@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 
 from megapo.dist import any_rank, barrier, broadcast_object, rank
+from megapo.engines.base import Engine
 from megapo.engines.registry import capabilities
+from megapo.learner.protocol import Learner
 from megapo.learner.reference import Reference
 from megapo.trainer import checkpoint as ckpt
 from megapo.trainer.config import RunConfig
@@ -36,7 +38,8 @@ class Run:
     block) to end the rollout thread and any server megapo started, also when the run stops or fails."""
 
     @classmethod
-    def open(cls, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, learner=None, engine=None,
+    def open(cls, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False,
+             learner: Learner | None = None, engine: Engine | None = None,
              print_fn=print) -> "Run | None":
         """The run of `cfg`, resumed from its last checkpoint with `resume`; None when it is finished already.
         `resume` / `overwrite`: what to do with a previous run in train.output_dir (megapo.trainer.run_dir; a
@@ -49,7 +52,8 @@ class Run:
             return None
         return cls(cfg, start, learner=learner, engine=engine, print_fn=print_fn)
 
-    def __init__(self, cfg: RunConfig, start, *, learner=None, engine=None, print_fn=print):
+    def __init__(self, cfg: RunConfig, start, *, learner: Learner | None = None, engine: Engine | None = None,
+                 print_fn=print):
         from transformers import AutoTokenizer
 
         from megapo.trainer import data, run_dir
@@ -91,7 +95,7 @@ class Run:
         self.length = LengthStage(cfg) if rank() == 0 else None
         # the engine's routes: replayed under r3; otherwise compared with the learner's (router/disagree) when the
         # learner records its own and the embedded engine hands them over in-process
-        compare_routes = capabilities(cfg.rollout.engine).in_process and getattr(self.learner, "route_hook", None) is not None
+        compare_routes = capabilities(cfg.rollout.engine).in_process and self.learner.route_hook is not None
         # each rank's MoE layers when PP gives ranks different ones: each gets only its stage's route columns
         self.route_layers = rank_route_layers(self.learner)  # (collective; None: the batch is broadcast whole)
         self.params = sampling_params(cfg, self.tokenizer.eos_token_id,
@@ -318,10 +322,10 @@ def prepare_model(cfg: RunConfig, out_dir: Path) -> Path:
     return sft_dir
 
 
-def build_learner(cfg: RunConfig, model_dir: Path):
-    from megapo.learner.learner import Learner
+def build_learner(cfg: RunConfig, model_dir: Path) -> Learner:
+    from megapo.learner.learner import Learner as MegatronLearner
 
-    return Learner(model_dir, cfg.parallel, cfg.optim, seed=cfg.train.seed,
+    return MegatronLearner(model_dir, cfg.parallel, cfg.optim, seed=cfg.train.seed,
                    micro_batch_tokens=cfg.train.micro_batch_tokens, row_tokens=cfg.train.row_tokens,
                    total_steps=cfg.train.steps * cfg.train.updates_per_rollout * cfg.train.mini_batches,
                    routing_replay=records_routes(cfg, model_dir), precision=cfg.train.precision_spec())
@@ -361,7 +365,7 @@ def build_reference(cfg: RunConfig, model_dir: Path) -> Reference | None:
     return PlainReference(model_dir, cfg.train.precision_spec()) if rank() == 0 else None
 
 
-def make_transport(cfg: RunConfig, out_dir: Path, model_dir: Path, learner, engine):
+def make_transport(cfg: RunConfig, out_dir: Path, model_dir: Path, learner: Learner, engine: Engine):
     from megapo.weights import DiskTransport, TensorTransport
 
     if cfg.rollout.weight_sync == "tensor":
@@ -371,7 +375,7 @@ def make_transport(cfg: RunConfig, out_dir: Path, model_dir: Path, learner, engi
     return broadcast_transport(cfg, learner, engine)
 
 
-def broadcast_transport(cfg: RunConfig, learner, engine):
+def broadcast_transport(cfg: RunConfig, learner: Learner, engine: Engine):
     """Form the weight-sync groups (collective): every stage root of the learner joins its stage's group as
     rank 0 while rank 0 has the engine's workers join as ranks 1.. (megapo.weights.broadcast). Rank 0 serves
     every stage's rendezvous at rollout.sync_host (an address of its node), so stage roots on other nodes meet
@@ -393,7 +397,7 @@ def broadcast_transport(cfg: RunConfig, learner, engine):
                        "says why)")
 
 
-def sync_weights(learner, engine, version: int, cfg: RunConfig, transport, fleet=None) -> dict:
+def sync_weights(learner: Learner, engine: Engine, version: int, cfg: RunConfig, transport, fleet=None) -> dict:
     """Hand the learner's weights to the engine through megapo.weights (collective on the learner side:
     every rank streams the gathered tensors; only rank 0 has an engine), within rollout.sync_timeout_s: a
     fleet's dead servers are dropped and the sync completes for the others (megapo.trainer.fleet). A per-stage

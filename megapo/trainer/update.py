@@ -14,14 +14,15 @@ from megapo.algorithms.spec import LossSpec
 from megapo.dist import broadcast_object
 from megapo.envs.base import Trajectory
 from megapo.learner.reference import Reference
-from megapo.learner.sample import TrainSample
+from megapo.learner.protocol import Learner, OnPolicyLearner
+from megapo.algorithms.sample import TrainSample, as_train_samples
 from megapo.trainer.config import RunConfig
 from megapo.trainer.metrics import StepTimer
 from megapo.trainer.rollout import Group
 
 
 def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_stats=None) -> list[TrainSample]:
-    """Learner train samples (megapo.learner.sample) with per-sequence advantages from the configured estimator
+    """Learner train samples (megapo.algorithms.sample) with per-sequence advantages from the configured estimator
     (or algorithm.advantage_smoothing=cumulative from `prompt_stats`, stages.PromptRewardStats, updated here),
     then algorithm.sample_select (at trainer step `step`) and algorithm.advantage_polarity; `old_logp` is filled
     in by the old-log-prob pass (`old_logprob_pass`), the per-token stages after it (`token_stages`)."""
@@ -78,7 +79,7 @@ def group_advantages(groups: list[Group], cfg: RunConfig, step: int, prompt_stat
 
 
 def _sentence_end_ids(cfg: RunConfig) -> list[int] | None:
-    """The objective's sentence-ending token ids when its loss reads sample["sentence_end"], else None."""
+    """The objective's sentence-ending token ids when its loss reads sample.sentence_end, else None."""
     from megapo.algorithms.loss import token_inputs
 
     a = cfg.algorithm
@@ -86,81 +87,84 @@ def _sentence_end_ids(cfg: RunConfig) -> list[int] | None:
         a.objective, a.objective_options) else None
 
 
-def old_logprob_pass(learner, batch: list[dict], cfg: RunConfig, measure_free_kl: bool = False,
+def old_logprob_pass(learner: Learner, batch: list[TrainSample], cfg: RunConfig, measure_free_kl: bool = False,
                      free_logps: list | None = None) -> dict:
     """Set each sample's `old_logp` from the learner (collective). Under r2 the pass records the
-    learner's routes and under r3 replays the engine's; either way sample["routes"] then holds the
+    learner's routes and under r3 replays the engine's; either way sample.routes then holds the
     routes every train_step on this batch replays (megapo.replay.modes). Returns the pass's metrics and
     the stability metrics (modes.stability_metrics; under r3 the free-routing ones from `free_logps`, the
     samples' "own_routes" then set by modes.free_routing). `measure_free_kl` adds the engine-vs-learner
     k3 KL with and without replay (under r3 without `free_logps`, one extra forward pass)."""
     from megapo.replay.modes import mismatch_kl, old_logprobs, stability_metrics
 
+    batch = as_train_samples(batch)
     mode = cfg.algorithm.routing_replay
     logps, metrics = old_logprobs(learner, batch, mode, with_entropy=cfg.algorithm.needs_old_entropy())
     for sample, lp in zip(batch, logps):
-        sample["old_logp"] = lp.tolist()
+        sample.old_logp = lp.tolist()
     free = logps if mode != "r3" else free_logps  # off / r2: this pass routed freely
     metrics.update(stability_metrics(batch, logps, free))
-    if measure_free_kl and mode != "off" and all("rollout_logp" in s for s in batch):
+    if measure_free_kl and mode != "off" and all(s.rollout_logp is not None for s in batch):
         metrics.update(mismatch_kl(learner, batch, logps, free_logps=free))
     return metrics
 
 
-def on_policy(cfg: RunConfig, learner) -> bool:
+def on_policy(cfg: RunConfig, learner: Learner) -> bool:
     """Whether π_old is the policy being trained (one update on one mini-batch, π_old from the learner): the
-    train forward then is the old-log-prob pass too (megapo.replay.modes.on_policy_step). A learner without
-    train_step_on_policy gets the separate pass, and so does a stage that needs π_old's per-token statistics
-    before the loss (algorithm.token_advantage, algorithm.token_select)."""
+    train forward then is the old-log-prob pass too (megapo.replay.modes.on_policy_step). A learner that is no
+    OnPolicyLearner (megapo.learner.protocol: declares no train_step_on_policy) gets the separate pass, and so
+    does a stage that needs π_old's per-token statistics before the loss (algorithm.token_advantage,
+    algorithm.token_select)."""
     return (cfg.train.updates_per_rollout == 1 and cfg.train.mini_batches == 1 and cfg.old_policy() == "learner"
-            and not cfg.algorithm.needs_old_stats() and hasattr(learner, "train_step_on_policy"))
+            and not cfg.algorithm.needs_old_stats() and isinstance(learner, OnPolicyLearner))
 
 
-def token_stages(batch: list[dict], cfg: RunConfig, step: int) -> dict:
+def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int) -> dict:
     """The per-token stages after the old-log-prob pass, on the whole train batch at once (so their
     batch-global statistics do not depend on mini-, micro-batches or DP ranks): algorithm.token_advantage
-    turns each sample's advantage into a per-token list, algorithm.token_select sets sample["token_weight"]
-    (the learner multiplies the per-token loss by it). π_old = sample["old_logp"], its entropy
-    sample["old_entropy"]. In order: token_advantage, kl_mode=future (FRPO's future-KL advantage from
-    sample["ref_logp"]), token_select, token_mask (its weights multiply token_select's; nat_prefix draws from
+    turns each sample's advantage into a per-token list, algorithm.token_select sets sample.token_weight
+    (the learner multiplies the per-token loss by it). π_old = sample.old_logp, its entropy
+    sample.old_entropy. In order: token_advantage, kl_mode=future (FRPO's future-KL advantage from
+    sample.ref_logp), token_select, token_mask (its weights multiply token_select's; nat_prefix draws from
     (train.seed, `step`), so a resumed run cuts as the unstopped one)."""
     from megapo.algorithms.stages import future_kl_advantages, token_advantages, token_mask_weights, \
         token_select_weights
 
+    batch = as_train_samples(batch)
     a, metrics = cfg.algorithm, {}
     if a.token_advantage != "none":
-        adv = torch.tensor([s["advantage"] for s in batch], dtype=torch.float64)
-        per_token = token_advantages(a.token_advantage, adv, [s["old_logp"] for s in batch],
-                                     [s.get("old_entropy") for s in batch], group_size=cfg.rollout.n_samples,
-                                     rollout_logp=[s.get("rollout_logp") for s in batch],  # fipo's other policy
-                                     ref_logp=[s.get("ref_logp") for s in batch], **a.token_advantage_options)
+        adv = torch.tensor([s.advantage for s in batch], dtype=torch.float64)
+        per_token = token_advantages(a.token_advantage, adv, [s.old_logp for s in batch],
+                                     [s.old_entropy for s in batch], group_size=cfg.rollout.n_samples,
+                                     rollout_logp=[s.rollout_logp for s in batch],  # fipo's other policy
+                                     ref_logp=[s.ref_logp for s in batch], **a.token_advantage_options)
         for sample, values in zip(batch, per_token):
-            sample["advantage"] = values.tolist()
+            sample.advantage = values.tolist()
     if a.kl_mode == "future":
-        per_token = future_kl_advantages([s["advantage"] for s in batch], [s["old_logp"] for s in batch],
-                                         [s.get("ref_logp") for s in batch], beta=a.kl_coef)
+        per_token = future_kl_advantages([s.advantage for s in batch], [s.old_logp for s in batch],
+                                         [s.ref_logp for s in batch], beta=a.kl_coef)
         for sample, values in zip(batch, per_token):
-            sample["advantage"] = values.tolist()
+            sample.advantage = values.tolist()
     if a.token_select:
-        weights = token_select_weights([s["advantage"] for s in batch], [s["old_entropy"] for s in batch],
+        weights = token_select_weights([s.advantage for s in batch], [s.old_entropy for s in batch],
                                        step=step, **a.token_select)
         for sample, w in zip(batch, weights):
-            sample["token_weight"] = w.tolist()
+            sample.token_weight = w.tolist()
         metrics["token_select/kept_frac"] = float(torch.cat(weights).eq(1).double().mean())
     if a.token_mask != "none":
-        masks = token_mask_weights(a.token_mask, lengths=[len(s["tokens"]) - s["prompt_len"] for s in batch],
-                                   advantages=[s["advantage"] for s in batch],
-                                   old_logp=[s.get("old_logp") for s in batch] if a.token_mask == "stapo" else None,
-                                   entropy=[s.get("old_entropy") for s in batch], seed=cfg.train.seed, step=step,
+        masks = token_mask_weights(a.token_mask, lengths=[len(s.tokens) - s.prompt_len for s in batch],
+                                   advantages=[s.advantage for s in batch],
+                                   old_logp=[s.old_logp for s in batch] if a.token_mask == "stapo" else None,
+                                   entropy=[s.old_entropy for s in batch], seed=cfg.train.seed, step=step,
                                    **a.token_mask_options)
         for sample, w in zip(batch, masks):
-            before = sample.get("token_weight")
-            sample["token_weight"] = (w if before is None else w * torch.tensor(before, dtype=w.dtype)).tolist()
+            before = sample.token_weight
+            sample.token_weight = (w if before is None else w * torch.tensor(before, dtype=w.dtype)).tolist()
         metrics[f"{a.token_mask}/kept_frac"] = float(torch.cat(masks).gt(0).double().mean())
     return metrics
 
 
-def use_engine_logprobs(batch: list[dict]) -> dict:
+def use_engine_logprobs(batch: list[TrainSample]) -> dict:
     """algorithm.old_policy=engine: the objective's π_old becomes the engine's log-probs μ of the weights
     that drew each sample. Its clip then bounds the move from the sampling policy: a sample k versions
     old whose probability the last k updates already moved past the clip range stops pushing (the
@@ -168,14 +172,15 @@ def use_engine_logprobs(batch: list[dict]) -> dict:
     the engine on these samples: k3 = mean(ρ - 1 - log ρ), ρ = π_learner/μ (the staleness, plus numerics)."""
     from megapo.replay.modes import engine_mismatch
 
-    m = engine_mismatch(batch, [s["old_logp"] for s in batch])
+    batch = as_train_samples(batch)
+    m = engine_mismatch(batch, [s.old_logp for s in batch])
     for sample in batch:
-        sample["old_logp"] = list(sample["rollout_logp"])
+        sample.old_logp = list(sample.rollout_logp)
     return {"old_policy/learner_vs_engine_k3": m["k3"],
             "old_policy/learner_vs_engine_max_abs_dlogp": m["max_abs_dlogp"]}
 
 
-def reference_logprobs(reference: Reference | None, batch: list[dict]) -> list[list[float]]:
+def reference_logprobs(reference: Reference | None, batch: list[TrainSample]) -> list[list[float]]:
     """π_ref's response log-probs of every sample, on every rank: computed by every rank (a Megatron reference)
     or on rank 0 and broadcast (a plain one)."""
     if reference is not None and reference.collective:
@@ -194,13 +199,13 @@ def mini_batch_bounds(group_sizes: list[int], mini_batches: int) -> list[tuple[i
     return list(zip([0] + ends[:-1], ends))
 
 
-def update_policy(learner, groups: list[Group], cfg: RunConfig, reference: Reference | None, loss: LossSpec,
+def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, reference: Reference | None, loss: LossSpec,
                   timer: StepTimer,
                   measure_free_kl: bool = False, measure_free_routing: bool = False, step: int = 1,
                   prompt_stats=None) -> dict:
     """All ranks: advantages, old (and reference) log-probs, then the optimizer steps on mini-batches under `loss`
     (the run's LossSpec, RunConfig.loss_spec).
-    π_old (sample["old_logp"]) and the replayed routes (sample["routes"]) are set once, before the first
+    π_old (sample.old_logp) and the replayed routes (sample.routes) are set once, before the first
     update, and stay fixed over all of them. Under r3, `measure_free_kl` / `measure_free_routing` take one more
     forward pass with the learner's own routing first (timed as "stability"): mismatch/k3_free, router/*."""
     from megapo.replay.modes import free_routing, on_policy_step
@@ -221,7 +226,7 @@ def update_policy(learner, groups: list[Group], cfg: RunConfig, reference: Refer
         with timer("ref_logp"):
             ref = reference_logprobs(reference, batch)
         for sample, lp in zip(batch, ref):
-            sample["ref_logp"] = lp
+            sample.ref_logp = lp
     metrics.update(token_stages(batch, cfg, step))  # trainer step `step` (token_select's schedule, nat_prefix's cut)
     with timer("train"):
         last: dict = {}
