@@ -7,6 +7,7 @@
     megapo bench tools --out DIR [--seeds 1] [--report-only]       (the multi-turn calculator task learns)
     megapo bench routes --out FILE.json [--prompts 64] [--samples 8] [--max-new 64]   (routes' host memory)
     megapo bench floor --out FILE.json [--steps 8] [section.field=value ...]   (tools/bench/floor.py)
+    megapo bench distill --student DIR --teacher DIR --out DIR [--steps 60]   (distillation vs RL alone)
     megapo bench memory --out FILE.json [--threads 1] [--steps 10] [--layouts ...]   (bytes per parameter)
     megapo bench train-step --out FILE.json [...]     (tools/bench/train_step.py, its own arguments)
     megapo bench rollout --engine embedded [...]      (tools/bench/rollout.py)
@@ -14,7 +15,7 @@
     megapo bench learner-passes --baseline REV --out benchmarks/results/learner_passes.json [...]
                                                       (tools/bench/learner_passes.py)
 
-scaling, projection, stability, length, tools, routes, floor and memory parse their arguments here; the other four get the rest of the
+scaling, projection, stability, length, tools, routes, floor, memory and distill parse their arguments here; the other four get the rest of the
 command line unchanged, as if their module had been run with `python -m tools.bench.<name>`.
 """
 
@@ -36,6 +37,8 @@ OWN = {"scaling": ("tools.bench.scaling", "RL step over layouts x model sizes: J
                                      "-> RL, per seed (summary, table, curves)"),
        "routes": ("tools.bench.routes", "host memory of routing-replay routes: one tiny batch measured, a "
                                        "DeepSeek-V3-sized batch projected"),
+       "distill": ("tools.bench.distill", "RL with and without on-policy distillation from a teacher, same student "
+                                         "and seed: held-out curves"),
        "memory": ("tools.bench.memory", "bytes per parameter of weights, grads and optimizer state (fp32 / bf16, "
                                        "distributed optimizer) on the tiny model, bf16 vs fp32 step time; projected "
                                        "GiB per GPU for Qwen3-30B-A3B and DeepSeek-V3")}

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from megapo.config import ConfigError, OptimConfig, ParallelConfig, bounded, check_fields
 from megapo.learner.precision import ENGINE_DTYPES, Precision
+from megapo.trainer.distill import DistillConfig
 
 if TYPE_CHECKING:
     from megapo.algorithms.spec import LossSpec
@@ -163,6 +164,8 @@ class AlgorithmConfig:
     # none | cumulative: DCPO's smoothed standardisation, each prompt's rewards against its running mean / std
     # over all steps so far (replaces grpo's group statistics; the statistics live in the checkpoint)
     advantage_smoothing: str = "none"
+    # on-policy distillation: a frozen teacher's per-token reverse KL enters the advantage (megapo/trainer/distill.py)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def needs_reference(self) -> bool:
         """Whether a term uses π_ref's log-probs (sample.ref_logp): a KL term, or a token advantage reading
@@ -184,7 +187,7 @@ class AlgorithmConfig:
     def needs_old_stats(self) -> bool:
         """Whether a stage needs π_old's per-token statistics before the loss (the separate old-log-prob pass)."""
         return (self.token_advantage != "none" or bool(self.token_select) or self.token_mask == "stapo"
-                or self.kl_mode == "future")
+                or self.kl_mode == "future" or self.distill.enabled)
 
     def needs_old_entropy(self) -> bool:
         """Whether the old-log-prob pass keeps π_old's per-token entropy: for a stage, or for the objective's
@@ -775,6 +778,7 @@ class RunConfig:
         spec = learner_spec(hf, where)
         self._check_torch_model(hf, where)
         check_layout(self.parallel, hf)
+        self._validate_teacher()
         if capabilities(self.rollout.engine).starts_server and not (self.rollout.servers or self.rollout.servers_file):
             from megapo.engines.server import check_servable_here
 
@@ -799,6 +803,19 @@ class RunConfig:
             from megapo.models.family import family_for
 
             check_hf_tensors(path, family_for(hf), spec, "model.path")  # headers only: names, shapes, truncation
+
+    def _validate_teacher(self) -> None:
+        """algorithm.distill: its folder, tokenizer and mode, and that the teacher fits the learner's layout."""
+        from megapo.layout import check_layout, read_hf_config
+
+        d = self.algorithm.distill
+        d.validate(self.model.path)
+        if d.enabled:
+            try:
+                check_layout(self.parallel, read_hf_config(d.teacher))
+            except ConfigError as err:
+                raise ConfigError("algorithm.distill.teacher", f"the teacher does not fit the learner's layout: "
+                                                               f"{err}") from None
 
     def _check_torch_model(self, hf: dict, where: str) -> None:
         """The embedded engine and the plain KL reference run megapo's in-process PyTorch model, which knows

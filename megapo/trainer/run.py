@@ -22,6 +22,7 @@ from megapo.learner.protocol import Learner
 from megapo.learner.reference import Reference
 from megapo.trainer import checkpoint as ckpt
 from megapo.trainer.config import RunConfig
+from megapo.trainer.distill import build_teacher
 from megapo.trainer.fleet import make_fleet
 from megapo.trainer.handout import hand_out, rank_route_layers
 from megapo.trainer.length_stage import LengthStage
@@ -88,6 +89,8 @@ class Run:
         """The reference policy, the weight transport, the stages and what each rollout is drawn with."""
         cfg = self.cfg
         self.reference: Reference | None = build_reference(cfg, self.model_dir)
+        # on-policy distillation's teacher (megapo/trainer/distill.py): a frozen Megatron model on every rank
+        self.teacher: Reference | None = build_teacher(cfg, self.model_dir) if cfg.algorithm.distill.enabled else None
         self.transport = make_transport(cfg, self.out_dir, self.model_dir, self.learner, self.engine)
         self.step, self.version = 0, 0  # the last step trained (and logged), the engine's weight version
         self.made_ahead: list = []  # async batches a checkpoint kept, handed to the producer (start_rollouts)
@@ -201,7 +204,7 @@ class Run:
     def update(self, step: int, groups: list[Group], timer: StepTimer) -> dict:
         """Advantages, π_old, π_ref, token stages and the optimizer steps (megapo.trainer.update)."""
         cfg = self.cfg
-        return update_policy(self.learner, groups, cfg, self.reference, self.loss, timer,
+        return update_policy(self.learner, groups, cfg, self.reference, self.loss, timer, teacher=self.teacher,
                              measure_free_kl=self.eval_due(step, last=False),
                              measure_free_routing=stability_step(cfg, step), step=step,
                              prompt_stats=self.prompt_stats)

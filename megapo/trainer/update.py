@@ -164,6 +164,18 @@ def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int) -> dict:
     return metrics
 
 
+def distill_advantages(teacher: Reference, batch: list[TrainSample], coef: float) -> dict:
+    """A_t - coef (log π_old - log π_T) on every response token (megapo/trainer/distill.py; every rank: a Megatron
+    teacher is collective); distill/reverse_kl, the mean of log π_old - log π_T over the policy tokens."""
+    from megapo.trainer.distill import reverse_kl_advantages
+
+    adv, kl = reverse_kl_advantages([s.advantage for s in batch], [s.old_logp for s in batch],
+                                    reference_logprobs(teacher, batch), coef, [s.loss_mask for s in batch])
+    for sample, values in zip(batch, adv):
+        sample.advantage = values
+    return {"distill/reverse_kl": kl}
+
+
 def use_engine_logprobs(batch: list[TrainSample]) -> dict:
     """algorithm.old_policy=engine: the objective's π_old becomes the engine's log-probs μ of the weights
     that drew each sample. Its clip then bounds the move from the sampling policy: a sample k versions
@@ -202,7 +214,7 @@ def mini_batch_bounds(group_sizes: list[int], mini_batches: int) -> list[tuple[i
 def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, reference: Reference | None, loss: LossSpec,
                   timer: StepTimer,
                   measure_free_kl: bool = False, measure_free_routing: bool = False, step: int = 1,
-                  prompt_stats=None) -> dict:
+                  prompt_stats=None, teacher: Reference | None = None) -> dict:
     """All ranks: advantages, old (and reference) log-probs, then the optimizer steps on mini-batches under `loss`
     (the run's LossSpec, RunConfig.loss_spec).
     π_old (sample.old_logp) and the replayed routes (sample.routes) are set once, before the first
@@ -228,6 +240,9 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
         for sample, lp in zip(batch, ref):
             sample.ref_logp = lp
     metrics.update(token_stages(batch, cfg, step))  # trainer step `step` (token_select's schedule, nat_prefix's cut)
+    if teacher is not None:  # on-policy distillation: the teacher's reverse KL enters the (per-token) advantage
+        with timer("teacher"):
+            metrics.update(distill_advantages(teacher, batch, cfg.algorithm.distill.coef))
     with timer("train"):
         last: dict = {}
         if fused:  # one update on the whole batch, π_old from its own forward

@@ -1,0 +1,120 @@
+"""On-policy distillation from a teacher: the student samples, a frozen teacher scores the student's tokens, and
+the per-token reverse KL between them enters the advantage.
+
+    A_t <- A_t - β · (log π_old(y_t) - log π_T(y_t))      (algorithm.distill: teacher, coef β, mode reverse_kl)
+
+log π_old - log π_T at a sampled token is a one-sample estimate of KL(π_old || π_T) at that position; subtracting it
+from the advantage is the reverse-KL policy gradient of on-policy distillation (Agarwal et al. 2024, "On-Policy
+Distillation of Language Models: Learning from Self-Generated Mistakes", arXiv:2306.13649; Thinking Machines'
+"On-Policy Distillation", 2025; slime's --use-opd). With data.reward the verifier's, it is distillation + RL; with
+a reward of 0 for every sample (a user reward returning 0.0), pure distillation.
+
+The teacher is a second Megatron model under the learner's layout and precision (megapo.learner.reference's
+MegatronReference), frozen; it replays the policy's routes when it has the policy's MoE shape (the same MoE layers,
+experts and top-k) and routing replay is on, and routes itself otherwise. Its tokenizer must be the student's.
+The metric distill/reverse_kl is the mean of log π_old - log π_T over the batch's policy tokens: exactly 0 when
+the teacher is the student's own weights (the same forward on the same routes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from megapo.config import ConfigError, bounded
+
+MODES = ("reverse_kl",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json")
+
+
+@dataclass
+class DistillConfig:
+    """algorithm.distill: on-policy distillation from a teacher (megapo/trainer/distill.py)."""
+
+    teacher: str = ""  # HF folder of the teacher (any registered family, the student's tokenizer); empty: off
+    coef: float = bounded(1.0, ">= 0")  # β: weight of the per-token reverse KL in the advantage
+    mode: str = "reverse_kl"  # reverse_kl: A_t - β (log π_old - log π_T) on the student's samples
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teacher)
+
+    def validate(self, student_dir: str, prefix: str = "algorithm.distill") -> None:
+        """The mode, and that the teacher folder exists with a config.json megapo reads and the student's
+        tokenizer (vocabulary size and tokenizer files); ConfigError naming the field."""
+        if self.mode not in MODES:
+            raise ConfigError(f"{prefix}.mode", f"must be one of {', '.join(MODES)} (topk_forward_kl is not built), "
+                                                f"got {self.mode!r}")
+        if not self.enabled:
+            return
+        teacher = Path(self.teacher)
+        if not (teacher / "config.json").is_file():
+            raise ConfigError(f"{prefix}.teacher", f"{teacher} is not an HF model folder (no config.json)")
+        from megapo.layout import read_hf_config
+        from megapo.models.family import family_for
+
+        try:
+            family_for(read_hf_config(teacher))
+        except ValueError as exc:
+            raise ConfigError(f"{prefix}.teacher", str(exc)) from None
+        student = Path(student_dir)
+        if (student / "config.json").is_file():  # (a tiny student written at start-up is checked when it exists)
+            check_same_tokenizer(teacher, student, f"{prefix}.teacher")
+
+
+def check_same_tokenizer(teacher: Path, student: Path, field: str) -> None:
+    """The teacher scores the student's token ids: the same vocabulary size and the same tokenizer files."""
+    vocab = [json.loads((d / "config.json").read_text()).get("vocab_size") for d in (teacher, student)]
+    if vocab[0] != vocab[1]:
+        raise ConfigError(field, f"the teacher's vocab_size is {vocab[0]}, the student's {vocab[1]}: their token ids "
+                                 "differ (a teacher needs the student's tokenizer)")
+    for name in TOKENIZER_FILES:
+        mine, theirs = teacher / name, student / name
+        if mine.is_file() != theirs.is_file() or (mine.is_file() and _digest(mine) != _digest(theirs)):
+            raise ConfigError(field, f"{name} differs between the teacher ({teacher}) and the student ({student}): a "
+                                     "teacher needs the student's tokenizer")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def same_moe_shape(teacher_hf: dict, student_hf: dict) -> bool:
+    """Whether the teacher can replay the student's routes: the same MoE layers, experts and top-k."""
+    from megapo.models.family import family_for
+
+    a, b = (family_for(hf).spec(hf) for hf in (teacher_hf, student_hf))
+    return (a.num_layers, a.num_experts, a.topk, tuple(a.moe_layers or ())) == \
+        (b.num_layers, b.num_experts, b.topk, tuple(b.moe_layers or ()))
+
+
+def build_teacher(cfg, student_dir: Path):
+    """The teacher as a frozen Megatron model under the learner's layout and precision (collective: every rank)."""
+    from megapo.layout import read_hf_config
+    from megapo.learner.reference import MegatronReference
+
+    d = cfg.algorithm.distill
+    replay = cfg.algorithm.routing_replay != "off" and same_moe_shape(read_hf_config(d.teacher),
+                                                                      read_hf_config(student_dir))
+    return MegatronReference(d.teacher, cfg.parallel, micro_batch_tokens=cfg.train.micro_batch_tokens,
+                             row_tokens=cfg.train.row_tokens, routing_replay=replay, seed=cfg.train.seed,
+                             precision=cfg.train.precision_spec())
+
+
+def reverse_kl_advantages(advantages: list, old_logp: list, teacher_logp: list, coef: float,
+                          loss_mask: list | None = None) -> tuple[list[list[float]], float]:
+    """Per sample, A_t - coef · (old_t - teacher_t) per response token (a scalar A repeated), and the mean of
+    old_t - teacher_t over the policy tokens (loss_mask 1; all when None)."""
+    out, total, count = [], 0.0, 0
+    for i, (a, old, teacher) in enumerate(zip(advantages, old_logp, teacher_logp)):
+        if len(old) != len(teacher):
+            raise ValueError(f"teacher_logp[{i}]: {len(teacher)} values for {len(old)} response tokens")
+        per_token = a if isinstance(a, list) else [a] * len(old)
+        gaps = [o - t for o, t in zip(old, teacher)]
+        out.append([x - coef * g for x, g in zip(per_token, gaps)])
+        mask = loss_mask[i] if loss_mask is not None and loss_mask[i] is not None else [1] * len(gaps)
+        total += sum(g for g, m in zip(gaps, mask) if m)
+        count += sum(1 for m in mask if m)
+    return out, total / max(count, 1)
