@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,9 @@ import pytest
 
 from megapo.config import ConfigError
 from megapo.trainer.distill import DistillConfig, reverse_kl_advantages
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from train_runs import train_rows  # noqa: E402
 
 
 def test_reverse_kl_advantage_is_the_formula_written_out():
@@ -55,35 +57,21 @@ def test_teacher_refusals_name_the_field(tmp_path, tiny_moe, tiny_dense):
 
 # ----------------------------------------------------------------------------- megapo train with a teacher
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def train_rows(tmp_path, student, teacher, name: str) -> list[dict]:
-    out = tmp_path / name
-    cmd = [sys.executable, "-m", "megapo.cli", "train", str(ROOT / "megapo/configs/tiny_moe_addition.yaml"),
-           f"algorithm.distill.teacher={teacher}", "algorithm.distill.coef=0.5", "algorithm.routing_replay=r3",
-           "train.steps=1", f"model.path={student}", "sft.enabled=false", f"train.output_dir={out}",
-           "train.eval_every=0", "train.ckpt_every=0", "train.log=[jsonl]", "data.prompts_per_step=8",
-           "rollout.n_samples=4", "data.dynamic_sampling=false", "data.reward=distill_parity_reward:parity",
-           "data.truncated_reward=null"]
-    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def distill_rows(tmp_path, student, teacher, name: str) -> list[dict]:
+    return train_rows(tmp_path, name, f"model.path={student}", f"algorithm.distill.teacher={teacher}",
+                      "algorithm.distill.coef=0.5", "algorithm.routing_replay=r3", "train.steps=1",
+                      "data.prompts_per_step=8", "rollout.n_samples=4")
 
 
 def test_teacher_equal_to_the_student_gives_exactly_zero_reverse_kl_and_another_does_not(tmp_path, tiny_moe):
     """The teacher is a second Megatron model of the student's weights replaying the same routes: its log-probs are
     the old-log-prob pass's to the bit, so distill/reverse_kl is 0.0 at step 1. A teacher of other weights (same
     shape and tokenizer) gives a non-zero reverse KL and the step still trains."""
-    sys.path.insert(0, str(ROOT / "tests"))
     from family_checks import write_variant
 
-    (tmp_path / "distill_parity_reward.py").write_text(  # about half the samples score, even on a random model
-        "def parity(response, answer):\n    return float(sum(map(ord, response)) % 2)\n")
-    same = train_rows(tmp_path, tiny_moe, tiny_moe, "same")
+    same = distill_rows(tmp_path, tiny_moe, tiny_moe, "same")
     assert same[0]["step"] == 1 and same[0]["distill/reverse_kl"] == 0.0
     other = write_variant(Path(tiny_moe), tmp_path / "other_teacher", seed=7)
-    rows = train_rows(tmp_path, tiny_moe, other, "other")
+    rows = distill_rows(tmp_path, tiny_moe, other, "other")
     assert rows[0]["distill/reverse_kl"] != 0.0 and rows[0]["train/skipped_nonfinite"] == 0
     assert rows[0]["train/loss"] == rows[0]["train/loss"]  # finite

@@ -15,8 +15,6 @@ References, none of them the engine's own code:
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 
 import numpy as np
@@ -25,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from family_checks import ROOT, TOL, engine_model, hf_model, routers, same_sets  # noqa: E402
+from family_checks import TOL, engine_model, hf_model, routers, same_sets  # noqa: E402
+from train_runs import train_rows  # noqa: E402
 
 from megapo.config import ConfigError, load_config  # noqa: E402
 from megapo.engines.base import SamplingParams  # noqa: E402
@@ -240,24 +239,14 @@ def test_a_router_of_servers_cannot_take_it():
 # ----------------------------------------------------------------------------- the done-when
 
 
-def train_rows(tmp_path, tiny_moe, sigma: float) -> list[dict]:
-    out = tmp_path / f"run_{sigma}"
-    cmd = [sys.executable, "-m", "megapo.cli", "train", str(ROOT / "megapo/configs/tiny_moe_addition.yaml"),
-           f"rollout.router_noise={sigma}", "algorithm.routing_replay=r3", "train.stability_metrics_every=1",
-           "train.steps=2", f"model.path={tiny_moe}", "sft.enabled=false", f"train.output_dir={out}",
-           "train.eval_every=0", "train.ckpt_every=0", "train.log=[jsonl]", "data.prompts_per_step=8",
-           "rollout.n_samples=4", "data.dynamic_sampling=false", "data.reward=noise_parity_reward:parity",
-           "data.truncated_reward=null"]
-    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def noise_rows(tmp_path, tiny_moe, sigma: float) -> list[dict]:
+    return train_rows(tmp_path, f"run_{sigma}", f"rollout.router_noise={sigma}", "algorithm.routing_replay=r3",
+                      "train.stability_metrics_every=1", "train.steps=2", f"model.path={tiny_moe}",
+                      "data.prompts_per_step=8", "rollout.n_samples=4")
 
 
 def test_train_router_disagree_rises_with_the_dose_and_r3_replays_it(tmp_path, tiny_moe):
-    (tmp_path / "noise_parity_reward.py").write_text(  # about half the samples score, even on a random model
-        "def parity(response, answer):\n    return float(sum(map(ord, response)) % 2)\n")
-    runs = {sigma: train_rows(tmp_path, tiny_moe, sigma) for sigma in (0.0, 0.005, 0.05)}
+    runs = {sigma: noise_rows(tmp_path, tiny_moe, sigma) for sigma in (0.0, 0.005, 0.05)}
     means = []
     for sigma, rows in runs.items():
         assert [r["step"] for r in rows] == [1, 2]

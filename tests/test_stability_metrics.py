@@ -11,11 +11,8 @@
   non-zero router/disagree and mismatch KL without replay, and train/replay/disagree_post == 0 under r3.
 """
 
-import json
 import math
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +20,8 @@ import torch
 
 from megapo.replay.modes import engine_mismatch, route_disagreement
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from train_runs import train_rows  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- metric formulas
@@ -249,31 +247,20 @@ def test_mini_batches_keep_pi_old_and_routes_fixed(mode, num_groups):
 # ----------------------------------------------------------------------------- the issue's done-when runs
 
 
-def train_rows(tmp_path, tiny_moe, reward, mode, *extra):
-    out = tmp_path / f"run_{mode}"
-    cmd = [sys.executable, "-m", "megapo.cli", "train", str(ROOT / "megapo/configs/tiny_moe_addition.yaml"),
-           "rollout.dtype=bfloat16", f"algorithm.routing_replay={mode}", "train.steps=3",
-           f"model.path={tiny_moe}", "sft.enabled=false", f"train.output_dir={out}", "train.eval_every=0",
-           "train.ckpt_every=0", "train.log=[jsonl]", "data.prompts_per_step=16", "data.dynamic_sampling=false",
-           f"data.reward={reward}", "data.truncated_reward=null", *extra]
-    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def bf16_engine_rows(tmp_path, tiny_moe, mode, *extra):
+    return train_rows(tmp_path, f"run_{mode}", "rollout.dtype=bfloat16", f"algorithm.routing_replay={mode}",
+                      "train.steps=3", f"model.path={tiny_moe}", "data.prompts_per_step=16", *extra)
 
 
 def test_bf16_engine_disagrees_without_replay_and_r3_replays_exactly(tmp_path, tiny_moe):
-    (tmp_path / "stability_parity_reward.py").write_text(  # about half the samples score, even on a random model
-        "def parity(response, answer):\n    return float(sum(map(ord, response)) % 2)\n")
-    reward = "stability_parity_reward:parity"
-    rows = train_rows(tmp_path, tiny_moe, reward, "off")
+    rows = bf16_engine_rows(tmp_path, tiny_moe, "off")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["router/disagree"] > 0 and r["router/disagree_any"] >= r["router/disagree"]
         assert r["mismatch/k3"] > 0 and r["mismatch/max_abs_dlogp"] > 0
         assert r["mismatch/k3_free"] == r["mismatch/k3"]  # no replay: π_old is the free routing's
         assert "train/replay/disagree_post" not in r and r["collapse/collapsed"] in (0, 1)
-    rows = train_rows(tmp_path, tiny_moe, reward, "r3", "train.stability_metrics_every=2")
+    rows = bf16_engine_rows(tmp_path, tiny_moe, "r3", "train.stability_metrics_every=2")
     for r in rows:
         assert r["train/replay/disagree_post"] == 0.0 and r["mismatch/k3"] > 0
     assert "router/disagree" not in rows[0] and "router/disagree" not in rows[2]  # every 2nd step only
