@@ -41,7 +41,9 @@ OWN = {"scaling": ("tools.bench.scaling", "RL step over layouts x model sizes: J
                                          "and seed: held-out curves"),
        "memory": ("tools.bench.memory", "bytes per parameter of weights, grads and optimizer state (fp32 / bf16, "
                                        "distributed optimizer) on the tiny model, bf16 vs fp32 step time; projected "
-                                       "GiB per GPU for Qwen3-30B-A3B and DeepSeek-V3")}
+                                       "GiB per GPU for Qwen3-30B-A3B and DeepSeek-V3"),
+       "mismatch": ("tools.bench.mismatch", "train-inference mismatch of learner x engine precisions on tiny MoE models: "
+                                           "router disagreement, |dlogp|, k3, R3 off/on (summary.json, table.md)")}
 PASSTHROUGH = {"train-step": ("tools.bench.train_step", "megapo train step vs raw Megatron forward_backward"),
                "rollout": ("tools.bench.rollout", "rollout throughput (embedded engine, vLLM)"),
                "weight-sync": ("tools.bench.weight_sync", "weight sync transports"),

@@ -39,10 +39,10 @@ def run_args(args, name: str) -> list[str]:
     out = Path(args.out) / name
     argv = [sys.executable, "-m", "megapo.cli", "train", str(CONFIG), f"model.path={args.student}",
             "sft.enabled=false", f"train.steps={args.steps}", f"train.eval_every={args.eval_every}",
-            f"train.output_dir={out}", "train.ckpt_every=0", "train.log=[jsonl]", *args.overrides, "--overwrite"]
+            f"train.output_dir={out}", "train.ckpt_every=0", "train.log=[jsonl]", *args.overrides]
     if name == "distill":
         argv += [f"algorithm.distill.teacher={args.teacher}", f"algorithm.distill.coef={args.coef}"]
-    return argv
+    return argv + ["--overwrite"]
 
 
 def held_out(run_dir: Path) -> list[tuple[int, float]]:
