@@ -85,6 +85,25 @@ def test_floor_sampler_logprobs_and_routes_match_transformers(tiny_moe):
             assert torch.equal(s.routes, routes[0, :-1])
 
 
+def test_floor_sampler_unpadded_prompts_and_a_reused_cache_match_transformers(tiny_moe):
+    """Prompts of one length (no left padding: attention runs unmasked) and back-to-back calls of different
+    sizes (the KV cache kept on the model is reused, then regrown): log-probs and routes are transformers'."""
+    floor, hf = FloorMoE.from_folder(tiny_moe), hf_model(tiny_moe)
+    gen = torch.Generator().manual_seed(3)
+    for prompts, n, max_new in (([[5, 6, 7, 8], [30, 31, 32, 33]], 3, 6), ([[9, 10, 11, 12]], 2, 4),
+                                ([[40, 41, 42, 43, 44, 45], [50, 51, 52, 53, 54, 55], [1, 2, 3, 4, 5, 6]], 4, 7)):
+        free = floor_generate(floor, prompts, n, max_new, stop_id=-1, temperature=1.0, gen=gen)
+        stop_id = free[0][0].output[1]  # some rows stop early: the cache's running rows move to its front
+        out = floor_generate(floor, prompts, n, max_new, stop_id=stop_id, temperature=1.0, gen=gen)
+        for prompt, group in zip(prompts, out):
+            for s in group:
+                seq = torch.tensor([prompt + s.output])
+                logits, routes = hf_logits_and_routes(hf, seq)
+                ref = torch.log_softmax(logits[0], -1)[len(prompt) - 1:-1].gather(1, torch.tensor(s.output)[:, None])
+                assert np.allclose(s.logprobs, ref[:, 0].numpy(), atol=1e-4)
+                assert torch.equal(s.routes, routes[0, :-1])
+
+
 def test_sequence_logprobs_match_transformers(tiny_moe):
     """The old-log-prob / train forward: right-padded sequences of several lengths, routes replayed."""
     floor, hf = FloorMoE.from_folder(tiny_moe), hf_model(tiny_moe)
@@ -97,6 +116,8 @@ def test_sequence_logprobs_match_transformers(tiny_moe):
     batch = sequence_batch(samples)
     with torch.no_grad():
         logp = sequence_logprobs(floor, batch)
+        # the train step's path: lm head and log-softmax at the response positions only
+        assert (sequence_logprobs(floor, batch, response_only=True) - logp[batch[-1]]).abs().max() < 1e-6
     for i, q in enumerate(seqs):
         logits, _ = hf_logits_and_routes(hf, torch.tensor([q]))
         ref = torch.log_softmax(logits[0], -1)[:-1].gather(1, torch.tensor(q[1:])[:, None])[:, 0]
