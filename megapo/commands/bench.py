@@ -42,7 +42,7 @@ OWN = {"scaling": ("tools.bench.scaling", "RL step over layouts x model sizes: J
        "memory": ("tools.bench.memory", "bytes per parameter of weights, grads and optimizer state (fp32 / bf16, "
                                        "distributed optimizer) on the tiny model, bf16 vs fp32 step time; projected "
                                        "GiB per GPU for Qwen3-30B-A3B and DeepSeek-V3"),
-       "mismatch": ("tools.bench.mismatch", "train-inference mismatch of learner x engine precisions on tiny MoE models: "
+       "mismatch": ("tools.bench.mismatch", "train-inference mismatch, learner x engine precision on tiny MoE models: "
                                            "router disagreement, |dlogp|, k3, R3 off/on (summary.json, table.md)")}
 PASSTHROUGH = {"train-step": ("tools.bench.train_step", "megapo train step vs raw Megatron forward_backward"),
                "rollout": ("tools.bench.rollout", "rollout throughput (embedded engine, vLLM)"),
