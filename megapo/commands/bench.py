@@ -8,6 +8,7 @@
     megapo bench routes --out FILE.json [--prompts 64] [--samples 8] [--max-new 64]   (routes' host memory)
     megapo bench floor --out FILE.json [--steps 8] [section.field=value ...]   (tools/bench/floor.py)
     megapo bench distill --student DIR --teacher DIR --out DIR [--steps 60]   (distillation vs RL alone)
+    megapo bench mismatch --out DIR [--quick] [--models ...] [--pairs ...]   (train-inference mismatch by precision)
     megapo bench memory --out FILE.json [--threads 1] [--steps 10] [--layouts ...]   (bytes per parameter)
     megapo bench train-step --out FILE.json [...]     (tools/bench/train_step.py, its own arguments)
     megapo bench rollout --engine embedded [...]      (tools/bench/rollout.py)
@@ -15,7 +16,7 @@
     megapo bench learner-passes --baseline REV --out benchmarks/results/learner_passes.json [...]
                                                       (tools/bench/learner_passes.py)
 
-scaling, projection, stability, length, tools, routes, floor, memory and distill parse their arguments here; the other four get the rest of the
+scaling, projection, stability, length, tools, routes, floor, memory, distill and mismatch parse their arguments here; the other four get the rest of the
 command line unchanged, as if their module had been run with `python -m tools.bench.<name>`.
 """
 
