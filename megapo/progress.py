@@ -7,11 +7,14 @@
 Not a terminal (a log file, CI, a pipe): only the lines, exactly as given, so logs stay greppable. On a
 terminal the bar is one line, `train [#####.........] 12/350 3% 0:41 elapsed, ETA 19:14`, rewritten in place
 (carriage return, erase line) and cleared before each line is printed. The ETA is the elapsed time per finished
-unit times the units left, counted from the first `line` (start-up is not a unit).
+unit times the units left, counted from the first `line` (start-up is not a unit). Inside `around_logs()` the bar
+is erased before each log record, for commands that also log (the stability grid's cells).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 import time
 from typing import TextIO
@@ -68,9 +71,35 @@ class Progress:
             self.stream.write("\r\033[K")
             self._bar_shown = False
 
+    @contextlib.contextmanager
+    def around_logs(self, logger: logging.Logger | None = None):
+        """While inside: the bar is erased before each record the handlers of `logger` (the root logger by
+        default) write, so a log line never lands after the bar's text; the next line or update redraws it."""
+        handlers = list((logger or logging.getLogger()).handlers) if self.tty else []
+        clear = _ClearFirst(self)
+        for handler in handlers:
+            handler.addFilter(clear)
+        try:
+            yield self
+        finally:
+            for handler in handlers:
+                handler.removeFilter(clear)
+
     def close(self) -> None:
         """End the bar's line (a terminal keeps its last state)."""
         if self._bar_shown:
             self.stream.write("\n")
             self.stream.flush()
             self._bar_shown = False
+
+
+class _ClearFirst(logging.Filter):
+    """A handler filter that erases the bar before the record is written (and lets every record through)."""
+
+    def __init__(self, bar: Progress):
+        super().__init__()
+        self.bar = bar
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.bar.clear()
+        return True

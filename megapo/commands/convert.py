@@ -39,6 +39,7 @@ from typing import Callable
 
 from megapo.config import ConfigError, ParallelConfig
 from megapo.learner.precision import ENGINE_DTYPES
+from megapo.progress import Progress
 from megapo.worker_errors import WorkersFailed
 
 SUBCOMMAND = "direction"  # megapo.cli names it in error messages: `megapo convert hf-to-megatron: ...`
@@ -127,17 +128,25 @@ def run_plans(plans: list[Plan], timeout_s: float) -> list[int]:
     if len({p.parallel.world_size for p in plans}) != 1:
         raise ConfigError("--tp/--pp/--dp", "plans launched together must use the same number of processes")
     codes = []
+    # units: the workers' launch, then each plan's finish (copy, verify, commit); lines on stderr, a bar on a terminal
+    bar = Progress(1 + len(plans), "convert", stream=sys.stderr)
     try:
         for plan in plans:
             if plan.stage is not None:
                 plan.stage.create()
+        commands = ", ".join(p.command for p in plans)
+        bar.line(f"convert: {commands} in {plans[0].parallel.world_size} process(es)", done=0)
+        start = time.perf_counter()
         try:
             _launch(plans, timeout_s)
         except WorkersFailed as exc:  # the first failing rank's one line, as the last line (megapo.worker_errors)
+            bar.clear()
             for plan in plans:
                 _failed(plan, str(exc))
             return [exc.code] * len(plans)
-        for plan in plans:
+        bar.line(f"convert: the workers finished in {time.perf_counter() - start:.0f} s (1/{bar.total})", done=1)
+        for i, plan in enumerate(plans, 2):
+            bar.clear()  # finish prints its own lines
             ok = plan.finish()
             if plan.stage is not None:
                 if ok:
@@ -145,8 +154,11 @@ def run_plans(plans: list[Plan], timeout_s: float) -> list[int]:
                 else:
                     _failed(plan, "verify failed")
             codes.append(0 if ok else 1)
+            if ok:
+                bar.line(f"convert {plan.command}: done ({i}/{bar.total})", done=i)
         return codes
     finally:
+        bar.close()
         for plan in plans:
             if plan.stage is not None:
                 plan.stage.discard()

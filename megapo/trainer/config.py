@@ -284,7 +284,8 @@ class DataConfig:
     task: str = ""
     task_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the task's function
     # rows of prompt and answer (no task), each entry a jsonl / json / parquet / arrow file, a folder of them, a
-    # dataset saved with HF datasets' save_to_disk, or a hub dataset name org/name (offline: from the local cache)
+    # dataset saved with HF datasets' save_to_disk, or a hub dataset name org/name (offline: from the local cache);
+    # all read through HF datasets and its cache
     train_files: list[str] = field(default_factory=list)
     train_split: str = "train"  # the split read from a dataset of several (a save_to_disk DatasetDict, the hub)
     # held-out rows in the same forms: checked when the config loads; the held-out evaluation reads only a
@@ -293,6 +294,11 @@ class DataConfig:
     val_split: str = "test"  # the split read from val_files' datasets of several
     prompt_key: str = "prompt"  # the prompt's column in the data files
     answer_key: str = "answer"  # the answer's column (what the reward compares with)
+    # a chat-messages column (a list of {role, content} turns) read instead of prompt_key: the prompt is the turns
+    # before the last assistant turn, through the tokenizer's chat template with chat_template (else as text:
+    # one user turn is its content, more are "role: content" lines ending "assistant:"); empty: prompt_key
+    messages_key: str = ""
+    num_proc: int = bounded(1, ">= 1")  # processes of datasets' map that check the rows (1: this process)
     chat_template: bool = False  # wrap each prompt in the tokenizer's chat template
     max_prompt_tokens: int = bounded(512, ">= 1")  # longer prompts are skipped (the log counts them)
     prompts_per_step: int = bounded(64, ">= 1")  # prompts per step, rollout.n_samples responses each

@@ -2,11 +2,12 @@
 
 - `read_jsonl` reads JSON Lines naming the file and line of bytes that are not UTF-8 or a line that is
   not JSON (a cut-off last line can be skipped instead: a file still being written).
-- `load_examples` reads data sources (one list may mix them) into Examples: local jsonl/json/parquet files
-  (megapo's own readers: an error names file:line), .arrow files, folders of such files, a dataset saved with
-  HF `datasets`' save_to_disk, or a hub dataset name `org/name` (through `datasets`, its cache, offline mode
-  honoured); every row needs a string prompt and a string (or integer) answer, else a ConfigError names the
-  file and line (or the dataset and row).
+- `load_examples` reads data sources (one list may mix them) into Examples, all through HF `datasets` (its
+  cache; offline mode honoured): local jsonl/json/parquet/.arrow files, folders of such files, a dataset saved
+  with save_to_disk, or a hub dataset name `org/name`. Each row gives a string prompt (data.prompt_key, or the
+  turns of a chat-messages column, data.messages_key) and a string (or integer) answer (data.answer_key); the
+  rows are checked in `datasets.map` (data.num_proc workers). A bad row is a ConfigError naming file:line (a
+  JSON file: a line-by-line pass finds the line) or dataset: row N, and the field.
 - `check_sources` is the data part of `RunConfig.validate`: files, and when the model folder already
   holds its tokenizer, that some prompt fits data.max_prompt_tokens (a data.task comes from megapo.tasks.registry).
 - `encode_prompts` applies the chat template (or not) and drops prompts over the token limit, with a count.
@@ -18,6 +19,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -43,7 +46,23 @@ def _format(path: str, field: str) -> str:
     return FORMATS[suffix]
 
 
-# ----------------------------------------------------------------------------- reading files
+@dataclass(frozen=True)
+class Keys:
+    """Where a row's prompt and answer are (data.prompt_key, data.answer_key, data.messages_key: a chat-messages
+    column read instead of prompt_key when set) and how many processes check the rows (data.num_proc)."""
+
+    prompt: str = "prompt"
+    answer: str = "answer"
+    messages: str = ""
+    num_proc: int = 1
+
+    def columns(self) -> list[tuple[str, str]]:
+        """(column, its config field) of the columns a row is read from."""
+        source = (self.messages, "data.messages_key") if self.messages else (self.prompt, "data.prompt_key")
+        return [source, (self.answer, "data.answer_key")]
+
+
+# ----------------------------------------------------------------------------- one row
 
 
 def read_jsonl(path: str | Path, field: str, skip_cut_tail: bool = False) -> Iterator[tuple[int, Any]]:
@@ -84,29 +103,169 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _example(row: Any, where: str, prompt_key: str, answer_key: str, field: str) -> Example:
-    """The Example of one row; ConfigError naming `where` (file:line or file: row N) when the row lacks a
-    string prompt or a string/integer answer (a null, boolean or float answer would be scored as its
-    text -- "None", "True", "4.0" -- so it is refused rather than converted)."""
+class RowError(ValueError):
+    """What is wrong with one row (the caller adds where it is)."""
+
+
+def row_example(row: Any, keys: Keys) -> Example:
+    """The Example of one row; RowError when it lacks a string prompt (or well-formed chat turns) or a
+    string/integer answer (a null, boolean or float answer would be scored as its text -- "None", "True",
+    "4.0" -- so it is refused rather than converted)."""
     if not isinstance(row, dict):
-        raise ConfigError(field, f"{where}: row is {_describe(row)}, not a JSON object")
-    for key, key_field in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
+        raise RowError(f"row is {_describe(row)}, not a JSON object")
+    for key, key_field in keys.columns():
         if key not in row:
-            raise ConfigError(field, f"{where}: no field {key!r} ({key_field})")
-    prompt, answer = row[prompt_key], row[answer_key]
+            raise RowError(f"no field {key!r} ({key_field})")
+    turns = prompt_turns(row[keys.messages], keys.messages) if keys.messages else None
+    prompt = render_turns(turns) if turns else row[keys.prompt]
+    answer = row[keys.answer]
     if not isinstance(prompt, str):
-        raise ConfigError(field, f"{where}: {prompt_key!r} is {_describe(prompt)}; prompts must be strings")
+        raise RowError(f"{keys.prompt!r} is {_describe(prompt)}; prompts must be strings")
     if isinstance(answer, bool) or not isinstance(answer, (str, int)):
-        raise ConfigError(field, f"{where}: {answer_key!r} is {_describe(answer)}; answers must be strings "
-                          "(or integers)")
-    return Example(prompt, str(answer))
+        raise RowError(f"{keys.answer!r} is {_describe(answer)}; answers must be strings (or integers)")
+    return Example(prompt, str(answer), meta={"messages": turns} if turns else {})
+
+
+def prompt_turns(value: Any, key: str) -> list[dict[str, str]]:
+    """The turns of a chat-messages value before its last assistant turn (that one is a demonstration, not
+    the prompt); RowError unless it is a list of {role, content} strings with a turn left."""
+    if not isinstance(value, list):
+        raise RowError(f"{key!r} is {_describe(value)}; chat messages are a list of {{role, content}} turns")
+    turns = []
+    for j, turn in enumerate(value):
+        if not (isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)):
+            raise RowError(f"{key!r} turn {j + 1} is {_describe(turn)}; each turn needs a string 'role' and "
+                           "'content'")
+        turns.append({"role": turn["role"], "content": turn["content"]})
+    last = max((j for j, t in enumerate(turns) if t["role"] == "assistant"), default=len(turns))
+    if last == 0:
+        raise RowError(f"{key!r} has no turn before its {'last assistant turn' if turns else 'end'}")
+    return turns[:last]
+
+
+def render_turns(turns: Sequence[dict[str, str]]) -> str:
+    """A prompt's turns as text, what a run without the chat template feeds the model (and what logs and
+    per-prompt statistics key on): one user turn is its content (what a prompt column would hold), more are
+    `role: content` lines ending with `assistant:`, the cue for the response."""
+    if len(turns) == 1 and turns[0]["role"] == "user":
+        return turns[0]["content"]
+    return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
+
+
+# ----------------------------------------------------------------------------- rows of a dataset
+
+
+def _check_batch(batch: dict[str, list], keys: Keys) -> dict[str, list]:
+    """datasets.map over a batch of rows: each row's prompt, answer and chat turns, or its problem (names of
+    their own: a column named like an input column would be cast back to the input's type)."""
+    out: dict[str, list] = {"_prompt": [], "_answer": [], "_turns": [], "_problem": []}
+    for i in range(len(next(iter(batch.values())))):
+        try:
+            ex, problem = row_example({k: v[i] for k, v in batch.items()}, keys), ""
+        except RowError as exc:
+            ex, problem = Example("", ""), str(exc)
+        for name, value in (("_prompt", ex.prompt), ("_answer", ex.answer), ("_turns", ex.meta.get("messages", [])),
+                            ("_problem", problem)):
+            out[name].append(value)
+    return out
+
+
+def dataset_rows(ds, keys: Keys) -> tuple[list[Example], tuple[int, str] | None]:
+    """The Examples of a `datasets` Dataset holding the key columns, or ([], (index, problem)) of its first bad
+    row. The rows are checked in `ds.map` (keys.num_proc processes; kept in memory: no cache files written
+    beside a user's save_to_disk folder)."""
+    ds = ds.select_columns([key for key, _ in keys.columns()])
+    if len(ds) == 0:  # map of no rows makes no columns
+        return [], None
+    checked = ds.map(functools.partial(_check_batch, keys=keys), batched=True, remove_columns=ds.column_names,
+                     num_proc=keys.num_proc if keys.num_proc > 1 and len(ds) > 1 else None, keep_in_memory=True,
+                     desc="checking rows")
+    problems = checked["_problem"]
+    bad = next((i for i, p in enumerate(problems) if p), None)
+    if bad is not None:
+        return [], (bad, problems[bad])
+    return [Example(p, a, meta={"messages": t} if t else {})
+            for p, a, t in zip(checked["_prompt"], checked["_answer"], checked["_turns"])], None
+
+
+def _missing_column(ds, keys: Keys) -> tuple[str, str] | None:
+    return next(((key, f) for key, f in keys.columns() if key not in ds.column_names), None)
+
+
+def dataset_examples(ds, name: str, keys: Keys, field: str, split: str) -> list[Example]:
+    """The Examples of a `datasets` Dataset (or `split` of a DatasetDict); errors name the dataset and row."""
+    import datasets
+
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            split_field = "data.val_split" if field.startswith("data.val_files") else "data.train_split"
+            raise ConfigError(split_field, f"{name} has no split {split!r} (splits: {', '.join(ds)})")
+        ds = ds[split]
+    missing = _missing_column(ds, keys)
+    if missing:
+        raise ConfigError(missing[1], f"{name} has no column {missing[0]!r} (columns: {', '.join(ds.column_names)})")
+    examples, bad = dataset_rows(ds, keys)
+    if bad:
+        raise ConfigError(field, f"{name}: row {bad[0] + 1}: {bad[1]}")
+    if not examples:
+        raise ConfigError(field, f"{name} holds no rows")
+    return examples
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _load_file(builder: str, path: str):
+    """`datasets.load_dataset(builder, data_files=path)`'s rows: read once into datasets' cache (keyed on the
+    file's path and modification time), then from there; no network."""
+    import datasets
+
+    return datasets.load_dataset(builder, data_files=path, split="train")
+
+
+@contextlib.contextmanager
+def _datasets_quiet():
+    import datasets
+
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+
+
+def _holds_json_text(feature) -> bool:
+    """Whether datasets stores (part of) a column as JSON text, its way with a field of mixed types."""
+    return "Json(" in repr(feature)  # at any depth: Json, or List({'content': Json, ...}) of chat turns
+
+
+def _json_head(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+
+
+def _json_through_datasets(path: str, keys: Keys) -> list[Example] | None:
+    """The file's Examples through `datasets`, or None where datasets cannot read it as megapo does: it fails
+    (not JSON, empty; bytes that are not UTF-8 fail only when read back), lacks a key column, stores a key
+    column of mixed types as JSON text (which loses the difference between "4" and 4), reads a .jsonl holding
+    one array as rows, or a row is bad (the line pass then names its line)."""
+    if path.lower().endswith(".jsonl") and _json_head(path).startswith(b"["):
+        return None
+    try:
+        with _datasets_quiet():  # its log of a failed read names no line; megapo's own error follows
+            ds = _load_file("json", path)
+        if _missing_column(ds, keys) or any(_holds_json_text(ds.features[key]) for key, _ in keys.columns()):
+            return None
+        examples, bad = dataset_rows(ds, keys)
+    except Exception:  # datasets' and pyarrow's errors (DatasetGenerationError, StopIteration, ...) name no line
+        return None
+    return None if bad or not examples else examples
 
 
 def _json_rows(path: str, field: str) -> Iterator[tuple[str, Any]]:
     """(where, row) of a .jsonl file, or of a .json file holding one array of rows."""
-    with open(path, "rb") as fh:
-        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
-    if path.lower().endswith(".json") and head.startswith(b"["):
+    if path.lower().endswith(".json") and _json_head(path).startswith(b"["):
         try:
             rows = json.loads(Path(path).read_bytes().decode("utf-8-sig"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -116,70 +275,107 @@ def _json_rows(path: str, field: str) -> Iterator[tuple[str, Any]]:
     yield from ((f"{path}:{lineno}", row) for lineno, row in read_jsonl(path, field))
 
 
-def _parquet_rows(path: str, prompt_key: str, answer_key: str, field: str) -> Iterator[tuple[str, Any]]:
-    """(where, row) of a parquet file's prompt and answer columns."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        meta = pq.ParquetFile(path)
-        columns = meta.schema_arrow.names
-        for key, key_field in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
-            if key not in columns:
-                raise ConfigError(key_field, f"{path} has no column {key!r} (columns: {', '.join(columns)})")
-        table = meta.read(columns=list(dict.fromkeys((prompt_key, answer_key))))
-        prompts, answers = table.column(prompt_key).to_pylist(), table.column(answer_key).to_pylist()
-    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(field, f"{path}: not a readable parquet file ({exc})") from None
-    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
-        yield f"{path}: row {i + 1}", {prompt_key: prompt, answer_key: answer}
-
-
-def file_examples(path: str, prompt_key: str, answer_key: str, field: str) -> list[Example]:
-    """Every row of one jsonl/json/parquet file; ConfigError(field) naming the file (and line) when it is
-    missing, unreadable, empty, or holds a malformed row."""
-    if not Path(path).is_file():
-        raise ConfigError(field, f"{path} does not exist")
-    rows = (_parquet_rows(path, prompt_key, answer_key, field) if _format(path, field) == "parquet"
-            else _json_rows(path, field))
-    examples = [_example(row, where, prompt_key, answer_key, field) for where, row in rows]
+def line_examples(path: str, keys: Keys, field: str) -> list[Example]:
+    """A JSON file read line by line (json.loads): the pass that names file:line of a bad row, and the reader
+    of the files `datasets` cannot read faithfully."""
+    examples = []
+    for where, row in _json_rows(path, field):
+        try:
+            examples.append(row_example(row, keys))
+        except RowError as exc:
+            raise ConfigError(field, f"{where}: {exc}") from None
     if not examples:
         raise ConfigError(field, f"{path} holds no rows")
     return examples
 
 
-def load_examples(paths: Sequence[str], prompt_key: str, answer_key: str,
-                  field: str = "data.train_files", split: str = "train") -> list[Example]:
+def json_examples(path: str, keys: Keys, field: str) -> list[Example]:
+    """A .jsonl/.json file's Examples through `datasets`; when it cannot read the file faithfully or a row is
+    bad, the line-by-line pass reads it (and names the line of the first bad row)."""
+    examples = _json_through_datasets(path, keys)
+    return examples if examples is not None else line_examples(path, keys, field)
+
+
+def parquet_examples(path: str, keys: Keys, field: str) -> list[Example]:
+    """A parquet file's Examples through `datasets`; errors name the file and row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:  # the footer first: pyarrow's error says what is wrong, and datasets fails on a file of no rows
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError) as exc:
+        raise ConfigError(field, f"{path}: not a readable parquet file ({exc})") from None
+    if rows == 0:
+        raise ConfigError(field, f"{path} holds no rows")
+    try:
+        ds = _load_file("parquet", path)
+    except Exception as exc:  # datasets wraps pyarrow's error: show the cause, which says what is wrong
+        raise ConfigError(field, f"{path}: not a readable parquet file ({exc.__cause__ or exc})") from None
+    return dataset_examples(ds, path, keys, field, "train")
+
+
+def file_examples(path: str, keys: Keys, field: str) -> list[Example]:
+    """Every row of one jsonl/json/parquet file; ConfigError(field) naming the file (and line) when it is
+    missing, unreadable, empty, or holds a malformed row."""
+    if not Path(path).is_file():
+        raise ConfigError(field, f"{path} does not exist")
+    if _format(path, field) == "parquet":
+        return parquet_examples(path, keys, field)
+    return json_examples(path, keys, field)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def load_examples(paths: Sequence[str], prompt_key: str, answer_key: str, field: str = "data.train_files",
+                  split: str = "train", *, messages_key: str = "", num_proc: int = 1) -> list[Example]:
     """All rows of the sources (see source_examples; kinds may be mixed) as Examples, in order."""
-    return [ex for i, path in enumerate(paths)
-            for ex in source_examples(path, prompt_key, answer_key, f"{field}[{i}]", split)]
+    keys = Keys(prompt_key, answer_key, messages_key, num_proc)
+    return [ex for i, path in enumerate(paths) for ex in source_examples(path, keys, f"{field}[{i}]", split)]
+
+
+def config_examples(d, which: str = "train") -> list[Example]:
+    """The Examples of a DataConfig's train_files (or val_files) with its keys and split."""
+    paths, split = (d.train_files, d.train_split) if which == "train" else (d.val_files, d.val_split)
+    return load_examples(paths, d.prompt_key, d.answer_key, f"data.{which}_files", split,
+                         messages_key=d.messages_key, num_proc=d.num_proc)
 
 
 DATA_SUFFIXES = (*FORMATS, ".arrow")
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the hub spells a dataset
 
 
-def source_examples(source: str, prompt_key: str, answer_key: str, field: str, split: str = "train") -> list[Example]:
+def source_examples(source: str, keys: Keys, field: str, split: str = "train") -> list[Example]:
     """One data source's rows: a data file, a folder (a save_to_disk dataset, or its data files in sorted order),
     or a hub dataset name; a dataset with several splits gives `split`'s rows."""
     path = Path(source)
     if path.is_dir():
         if any((path / name).is_file() for name in ("dataset_info.json", "state.json", "dataset_dict.json")):
-            import datasets
-
-            return dataset_examples(datasets.load_from_disk(str(path)), str(path), prompt_key, answer_key, field, split)
+            return dataset_examples(_load_saved(path, field), str(path), keys, field, split)
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in DATA_SUFFIXES)
         if not files:
             raise ConfigError(field, f"{path}: a folder with no {'/'.join(DATA_SUFFIXES)} file, and not a dataset "
                                      "saved with datasets' save_to_disk")
-        return [ex for f in files for ex in source_examples(str(f), prompt_key, answer_key, field, split)]
+        return [ex for f in files for ex in source_examples(str(f), keys, field, split)]
     if path.suffix.lower() == ".arrow" and path.is_file():
         import datasets
 
-        return dataset_examples(datasets.Dataset.from_file(str(path)), str(path), prompt_key, answer_key, field, split)
+        return dataset_examples(datasets.Dataset.from_file(str(path)), str(path), keys, field, split)
     if path.exists() or not HUB_NAME.match(source):
-        return file_examples(source, prompt_key, answer_key, field)
-    return dataset_examples(_hub_dataset(source, split, field), source, prompt_key, answer_key, field, split)
+        return file_examples(source, keys, field)
+    return dataset_examples(_hub_dataset(source, split, field), source, keys, field, split)
+
+
+def _load_saved(path: Path, field: str):
+    """`datasets.load_from_disk`; a ConfigError naming the folder where datasets cannot open it (one saved with
+    no rows is one such)."""
+    import datasets
+
+    try:
+        return datasets.load_from_disk(str(path))
+    except Exception as exc:  # datasets' own errors vary (IndexError, FileNotFoundError, ValueError)
+        raise ConfigError(field, f"{path}: datasets cannot load this saved dataset ({type(exc).__name__}: {exc})") \
+            from None
 
 
 def _hub_dataset(name: str, split: str, field: str):
@@ -197,25 +393,6 @@ def _hub_dataset(name: str, split: str, field: str):
         raise ConfigError(field, f"{name}: no such local path, and as a hub dataset: {why}") from None
 
 
-def dataset_examples(ds, name: str, prompt_key: str, answer_key: str, field: str, split: str) -> list[Example]:
-    """The Examples of a `datasets` Dataset (or `split` of a DatasetDict); errors name the dataset and row."""
-    import datasets
-
-    if isinstance(ds, datasets.DatasetDict):
-        if split not in ds:
-            split_field = "data.val_split" if field.startswith("data.val_files") else "data.train_split"
-            raise ConfigError(split_field, f"{name} has no split {split!r} (splits: {', '.join(ds)})")
-        ds = ds[split]
-    for key, key_field in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
-        if key not in ds.column_names:
-            raise ConfigError(key_field, f"{name} has no column {key!r} (columns: {', '.join(ds.column_names)})")
-    rows = ds.select_columns(list(dict.fromkeys((prompt_key, answer_key))))
-    examples = [_example(row, f"{name}: row {i + 1}", prompt_key, answer_key, field) for i, row in enumerate(rows)]
-    if not examples:
-        raise ConfigError(field, f"{name} holds no rows")
-    return examples
-
-
 def check_sources(cfg) -> Example:
     """The data checks of `RunConfig.validate` that read files (after the cheap field checks): every
     data.train_files / data.val_files row well-formed, and, when the model folder already holds its
@@ -227,9 +404,9 @@ def check_sources(cfg) -> Example:
         from megapo.tasks.registry import get_task
 
         return get_task(d.task, d.task_options).examples("train", 1)[0]
-    examples = load_examples(d.train_files, d.prompt_key, d.answer_key, "data.train_files", d.train_split)
+    examples = config_examples(d, "train")
     if d.val_files:
-        load_examples(d.val_files, d.prompt_key, d.answer_key, "data.val_files", d.val_split)
+        config_examples(d, "val")
     tokenizer = _tokenizer_if_present(cfg.model.path)
     if tokenizer is not None:
         check_prompts_fit(tokenizer, examples, d.chat_template, d.max_prompt_tokens)
@@ -254,7 +431,7 @@ def check_prompts_fit(tokenizer, examples: Sequence[Example], chat_template: boo
     """ConfigError when no prompt fits max_prompt_tokens (stops at the first that does)."""
     shortest = None
     for ex in examples:
-        n = len(encode_prompt(tokenizer, ex.prompt, chat_template))
+        n = len(encode_example(tokenizer, ex, chat_template))
         if n <= max_prompt_tokens:
             return
         shortest = n if shortest is None else min(shortest, n)
@@ -270,7 +447,7 @@ def prompt_pool(cfg, tokenizer) -> "PromptPool":
         from megapo.tasks.registry import get_task
 
         return PromptPool(tokenizer, d.chat_template, d.max_prompt_tokens, task=get_task(d.task, d.task_options))
-    examples = load_examples(d.train_files, d.prompt_key, d.answer_key, "data.train_files", d.train_split)
+    examples = config_examples(d, "train")
     pool = PromptPool(tokenizer, d.chat_template, d.max_prompt_tokens, examples=examples)
     if len(pool) == 0:
         check_prompts_fit(tokenizer, examples, d.chat_template, d.max_prompt_tokens)  # raises, naming the lengths
@@ -287,14 +464,26 @@ def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
     """Token ids of a prompt: raw text (plus the tokenizer's BOS if it has one), or one user turn
     through the tokenizer's chat template with the assistant header appended."""
     if chat_template:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return _template_ids(tokenizer, [{"role": "user", "content": text}])
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id] + ids
+    return list(ids)
+
+
+def encode_example(tokenizer, ex: Example, chat_template: bool) -> list[int]:
+    """Token ids of an Example's prompt: its chat turns (data.messages_key) through the chat template with the
+    assistant header appended, else encode_prompt of its text."""
+    turns = ex.meta.get("messages")
+    if turns and chat_template:
+        return _template_ids(tokenizer, turns)
+    return encode_prompt(tokenizer, ex.prompt, chat_template)
+
+
+def _template_ids(tokenizer, turns: Sequence[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(list(turns), add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
     return list(ids)
 
 
@@ -313,7 +502,7 @@ class EncodedPrompts:
 def encode_prompts(tokenizer, examples: Sequence[Example], chat_template: bool, max_prompt_tokens: int) -> EncodedPrompts:
     kept, ids, dropped = [], [], 0
     for ex in examples:
-        p = encode_prompt(tokenizer, ex.prompt, chat_template)
+        p = encode_example(tokenizer, ex, chat_template)
         if len(p) > max_prompt_tokens:
             dropped += 1
             continue
@@ -355,7 +544,7 @@ class PromptPool:
         ex = self._get(i)
         if self._ids is not None:
             return ex, self._ids[i]
-        return ex, encode_prompt(self.tokenizer, ex.prompt, self.chat_template)
+        return ex, encode_example(self.tokenizer, ex, self.chat_template)
 
 
 # ----------------------------------------------------------------------------- order

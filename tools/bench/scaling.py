@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megapo.config import ConfigError, ParallelConfig
+from megapo.progress import Progress
 from megapo.layout import check_layout
 
 # Tiny Qwen3-MoE widths (arguments of megapo.models.tiny.write_tiny_model). All have 4 layers'
@@ -175,14 +176,23 @@ def run_local(specs: dict[int, Path], out: Path, timeout_s: float) -> None:
     repo = Path(__file__).resolve().parents[2]
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p),
            "PYTHONWARNINGS": "ignore"}
+    # units: the (layout, size) runs, each launch doing those of its world size; a bar on a terminal
+    runs = {world: len(json.loads(spec.read_text())["runs"]) for world, spec in specs.items()}
+    bar = Progress(sum(runs.values()), "scaling")
+    bar.update(0)
+    done = 0
     for world, spec in specs.items():
         raw = out / f"raw_world{world}.jsonl"
         raw.unlink(missing_ok=True)
         start = time.perf_counter()
         rc = run_torchrun(worker_args(spec, raw), nproc=world, timeout_s=timeout_s, env=env)
         if rc != 0:
+            bar.close()
             raise RuntimeError(f"scaling: the {world}-process launch failed with exit code {rc}")
-        print(f"scaling: {world}-process launch done in {time.perf_counter() - start:.0f} s", flush=True)
+        done += runs[world]
+        bar.line(f"scaling: {world}-process launch done in {time.perf_counter() - start:.0f} s "
+                 f"({done}/{bar.total} runs)", done=done)
+    bar.close()
 
 
 # ----------------------------------------------------------------------------- report

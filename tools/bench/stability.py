@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Callable
 
 from megapo.config import ConfigError, config_digest
+from megapo.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -481,7 +482,9 @@ def run_cells(plan: GridPlan, todo: list[Cell], model_path: Path, steps: int,
     runner = SubprocessRunner() if own_runner else runner
     queue = iter(todo)
     running: dict = {}
-    with ThreadPoolExecutor(max_workers=plan.jobs) as pool:
+    bar = Progress(len(todo), "stability grid", stream=sys.stderr)  # a line per ended cell; a bar on a terminal
+    bar.update(0)
+    with ThreadPoolExecutor(max_workers=plan.jobs) as pool, bar.around_logs():
         try:
             while True:
                 while len(running) < plan.jobs and (cell := next(queue, None)) is not None:
@@ -496,10 +499,15 @@ def run_cells(plan: GridPlan, todo: list[Cell], model_path: Path, steps: int,
                     except Exception:  # one broken cell does not stop the others; it is rerun next time
                         log.exception("cell %s failed", cell.name)
                         status[cell.name] = "unfinished"
+                    ended = sum(status.get(c.name) is not None for c in todo)
+                    bar.line(f"stability grid: {ended}/{len(todo)} cells ended ({cell.name}: {status[cell.name]})",
+                             done=ended)
         except BaseException:
             if own_runner:
                 runner.stop()
             raise
+        finally:
+            bar.close()
 
 
 def run_grid(plan: GridPlan, runner: Callable[[CellJob], int] | None = None,
