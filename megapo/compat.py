@@ -325,10 +325,14 @@ def use_local_window_attention(attention) -> None:
 @functools.cache
 def window_core_attention():
     """Megatron's local DotProductAttention with its window added to the given mask instead of replacing
-    it: key j is masked for query i when i - j > left (+ the caller's mask; causal when none is given)."""
+    it: key j is masked for query i when i - j > left (+ the caller's mask; causal when none is given). i and j
+    are the tokens' position ids when the learner set them (`positions`, [rows, seq]: a shared prompt's slots
+    are not next to each response's), else their slots."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class WindowDotProductAttention(DotProductAttention):
+        positions: torch.Tensor | None = None
+
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.window = self.scale_mask_softmax.window_size  # None on a full-attention layer
@@ -337,8 +341,12 @@ def window_core_attention():
         def forward(self, query, key, value, attention_mask, *args, **kwargs):
             if self.window is not None:
                 sq, sk = query.shape[0], key.shape[0]
-                i = torch.arange(sq, device=query.device)[:, None] + (sk - sq)
-                j = torch.arange(sk, device=query.device)[None, :]
+                if self.positions is not None and sq == sk == self.positions.shape[-1]:
+                    i = self.positions[:, None, :, None]  # [rows, 1, sq, 1]
+                    j = self.positions[:, None, None, :]
+                else:
+                    i = torch.arange(sq, device=query.device)[:, None] + (sk - sq)
+                    j = torch.arange(sk, device=query.device)[None, :]
                 outside = (i - j > self.window[0]) | (j - i > self.window[1])
                 attention_mask = outside if attention_mask is None else attention_mask | outside
             return super().forward(query, key, value, attention_mask, *args, **kwargs)

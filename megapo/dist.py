@@ -23,6 +23,18 @@ def any_rank(flag: bool) -> bool:
     return bool(box.item() > 0)
 
 
+def min_over_ranks(values: list[int]) -> list[int]:
+    """The element-wise minimum of `values` over every rank (collective when distributed; same device rule as
+    any_rank)."""
+    if not multi_process():
+        return list(values)
+    dist = torch.distributed
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    box = torch.tensor(list(values), dtype=torch.int64, device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN)
+    return box.tolist()
+
+
 def rank() -> int:
     """This process's rank (0 without torch.distributed)."""
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

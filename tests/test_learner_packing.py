@@ -81,21 +81,23 @@ def test_one_row_form_holds_the_same_sequences_as_the_rows():
 def test_empty_micro_batch_is_padding_only():
     mbs = packing.plan([5], dp=2, dp_rank=1, budget=8, pad_multiple=2)
     assert len(mbs) == 1 and mbs[0].indices == [] and mbs[0].shape == (1, 2)
-    seq, _ = packing.sequence_map(mbs[0])
-    assert (seq == -1).all()
+    smap = packing.slot_map(mbs[0], packing.single_units([5]))
+    assert (smap.seq == -1).all() and smap.order == []
 
 
-def test_batch_tensors_and_block_causal_mask_match_loops():
+def test_slot_tensors_and_tree_mask_match_loops_unshared():
     seqs = [[7, 8, 9], [1, 2], [5], [4, 4, 4, 4]]
     layout = packing.MicroBatchLayout([packing.PackedRow([1, 0, 2], [2, 3, 1], 8),
                                        packing.PackedRow([3], [4], 8)], 8)
     flat = np.asarray([t for s in seqs for t in s])
     starts = np.cumsum([len(s) for s in seqs]) - [len(s) for s in seqs]
-    tokens, positions, (seq, pos) = packing.batch_tensors(layout, flat, starts, pad_id=0)
+    smap = packing.slot_map(layout, packing.single_units([len(s) for s in seqs]))
+    tokens, positions = packing.slot_tensors(smap, flat, starts, pad_id=0)
     assert tokens.tolist() == [[1, 2, 7, 8, 9, 5, 0, 0], [4, 4, 4, 4, 0, 0, 0, 0]]
     assert positions.tolist() == [[0, 1, 0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 0, 1, 2, 3]]
+    seq = smap.seq
     assert seq.tolist() == [[1, 1, 0, 0, 0, 2, -1, -1], [3, 3, 3, 3, -1, -1, -1, -1]]
-    mask = packing.block_causal_mask(seq, pos)
+    mask = packing.tree_mask(smap)
     assert mask.shape == (2, 1, 8, 8)
     for r in range(2):
         for i in range(8):
@@ -105,20 +107,63 @@ def test_batch_tensors_and_block_causal_mask_match_loops():
     assert packing.cu_seqlens(layout.rows[0]).tolist() == [0, 2, 5, 6, 8]
 
 
-def test_span_index_selects_each_sequences_positions_in_order():
-    seqs = [[7, 8, 9], [1, 2], [5, 6], [4, 4, 4, 4]]
-    layout = packing.MicroBatchLayout([packing.PackedRow([1, 0, 2], [2, 3, 2], 8),
-                                       packing.PackedRow([3], [4], 8)], 8)
+def test_shared_unit_slots_positions_and_mask_match_loops():
+    """A unit of three samples of one prompt [3, 1, 4, 1] (the last two also share a response token) and a lone
+    sequence: slots, positions and visibility written out from the tree's definition."""
+    seqs = [[3, 1, 4, 1, 5], [3, 1, 4, 1, 9, 2, 6], [3, 1, 4, 1, 9, 2], [8, 8]]
+    units = packing.prefix_units(seqs, [4, 4, 4, 2], capacity=64)
+    shared = next(u for u in units if len(u.members) > 1)
+    assert shared.members == (0, 1, 2) and shared.shared == 3  # common prefix [3, 1, 4, 1] less its last token
+    layout = packing.plan([u.size for u in units], dp=1, dp_rank=0, budget=64)[0]
+    smap = packing.slot_map(layout, units)
     flat = np.asarray([t for s in seqs for t in s])
+    starts = np.cumsum([len(s) for s in seqs]) - [len(s) for s in seqs]
+    tokens, positions = packing.slot_tensors(smap, flat, starts)
+    row = layout.rows[0]
+    at = {}  # (sequence, position) -> slot, from the unit layout: shared part, then each member's rest
+    slot = 0
+    for u in (units[i] for i in row.indices):
+        for t in range(u.shared):
+            for m in u.members:
+                at[m, t] = slot + t
+        slot += u.shared
+        for m, n in zip(u.members, u.lengths):
+            for t in range(u.shared, n):
+                at[m, t] = slot + t - u.shared
+            slot += n - u.shared
+    for (m, t), k in at.items():
+        assert tokens[0, k] == seqs[m][t] and positions[0, k] == t, (m, t)
+    mask = packing.tree_mask(smap)[0, 0]
+    for (m, t), i in at.items():
+        for (m2, t2), j in at.items():
+            if m2 == m and t2 <= t:  # every earlier token of the same sequence, wherever it sits
+                assert not mask[i, j], (m, t, t2)
+    for i in range(slot):  # and nothing else: each slot sees exactly the earlier tokens of its sequence(s)
+        seen = {j for j in range(slot) if not mask[i, j]}
+        owners = [(m, t) for (m, t), k in at.items() if k == i]
+        want = {at[m, t2] for m, t in owners for t2 in range(t + 1)}
+        assert seen == want, i
+    # slot_spans: each sequence's positions [lo, hi) in slot order hold its tokens
     lengths = np.asarray([len(s) for s in seqs])
-    _, _, (seq, pos) = packing.batch_tensors(layout, flat, np.cumsum(lengths) - lengths)
-    lo, hi = np.asarray([1, 0, 1, 1]), lengths - 1
-    index, mask = packing.span_index(seq, pos, layout.indices, lo, hi)
-    slot_tokens = np.asarray([[1, 2, 7, 8, 9, 5, 6, 0], [4, 4, 4, 4, 0, 0, 0, 0]]).reshape(-1)
-    for row, i in enumerate(layout.indices):  # expected: the tokens at positions lo..hi-1 of sequence i
-        want = seqs[i][lo[i]:hi[i]]
-        assert mask[row].sum() == len(want)
-        assert slot_tokens[index[row][mask[row]]].tolist() == want, i
+    lo, hi = np.asarray([0, 2, 3, 1]), lengths - 1
+    index, real = packing.slot_spans(smap, lo, hi)
+    for k, m in enumerate(smap.order):
+        assert tokens.reshape(-1)[index[k][real[k]]].tolist() == seqs[m][lo[m]:hi[m]], m
+
+
+def test_large_group_splits_into_prompt_repeating_parts():
+    seqs = [[1, 2, 3, 4] + [i] * 6 for i in range(5)]  # prompt 4, shared 3, each member 7 more slots
+    units = packing.prefix_units(seqs, [4] * 5, capacity=3 + 2 * 7)
+    assert [u.members for u in units] == [(0, 1), (2, 3), (4,)]
+    assert [u.shared for u in units] == [3, 3, 0] and all(u.size <= 17 for u in units)
+
+
+def test_agreed_routes_limit_what_is_shared():
+    seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7]]  # common prefix 5 -> 4 shared positions
+    units = packing.prefix_units(seqs, [3, 3], 64, agreed=lambda groups: [2 for _ in groups])
+    assert units[0].shared == 2
+    units = packing.prefix_units(seqs, [3, 3], 64, agreed=lambda groups: [0 for _ in groups])
+    assert [u.members for u in units] == [(0,), (1,)]
 
 
 def test_padding_waste_of_length_skewed_batch_is_small():

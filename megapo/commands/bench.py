@@ -9,6 +9,7 @@
     megapo bench floor --out FILE.json [--steps 8] [section.field=value ...]   (tools/bench/floor.py)
     megapo bench distill --student DIR --teacher DIR --out DIR [--steps 60]   (distillation vs RL alone)
     megapo bench mismatch --out DIR [--quick] [--models ...] [--pairs ...]   (train-inference mismatch by precision)
+    megapo bench share-prefix --out FILE.json [--repeats 5] [--cases main,long]   (shared-prefix packing)
     megapo bench memory --out FILE.json [--threads 1] [--steps 10] [--layouts ...]   (bytes per parameter)
     megapo bench train-step --out FILE.json [...]     (tools/bench/train_step.py, its own arguments)
     megapo bench rollout --engine embedded [...]      (tools/bench/rollout.py)
@@ -16,7 +17,7 @@
     megapo bench learner-passes --baseline REV --out benchmarks/results/learner_passes.json [...]
                                                       (tools/bench/learner_passes.py)
 
-scaling, projection, stability, length, tools, routes, floor, memory, distill and mismatch parse their arguments here; the other four get the rest of the
+scaling, projection, stability, length, tools, routes, floor, memory, distill, share-prefix and mismatch parse their arguments here; the other four get the rest of the
 command line unchanged, as if their module had been run with `python -m tools.bench.<name>`.
 """
 
@@ -43,6 +44,9 @@ OWN = {"scaling": ("tools.bench.scaling", "RL step over layouts x model sizes: J
        "memory": ("tools.bench.memory", "bytes per parameter of weights, grads and optimizer state (fp32 / bf16, "
                                        "distributed optimizer) on the tiny model, bf16 vs fp32 step time; projected "
                                        "GiB per GPU for Qwen3-30B-A3B and DeepSeek-V3"),
+       "share-prefix": ("tools.bench.share_prefix", "the learner's train pass with each prompt held once "
+                        "(train.share_prefix) vs unshared packing: tokens run and step time, main-job and long-prompt "
+                        "batches"),
        "mismatch": ("tools.bench.mismatch", "train-inference mismatch, learner x engine precision on tiny MoE models: "
                                            "router disagreement, |dlogp|, k3, R3 off/on (summary.json, table.md)")}
 PASSTHROUGH = {"train-step": ("tools.bench.train_step", "megapo train step vs raw Megatron forward_backward"),

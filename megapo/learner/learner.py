@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from megapo.config import OptimConfig, ParallelConfig
-from megapo.dist import any_rank
+from megapo.dist import any_rank, min_over_ranks
 from megapo.layout import check_layout, read_hf_config
 from megapo.learner import model as model_lib
 from megapo.learner import packing
@@ -47,7 +47,7 @@ class MicroBatch:
     position_ids: torch.Tensor  # [rows, W]
     attention_mask: torch.Tensor | None  # local spec: [rows, 1, W, W] True = masked
     packed_seq_params: object | None  # TE: PackedSeqParams (THD, one row)
-    seq: np.ndarray  # [rows, W] input sequence of each slot (-1: padding)
+    seq: np.ndarray  # [rows, W] input sequence of each slot (-1: padding; a shared slot: its unit's first member)
     pos: np.ndarray  # [rows, W] its position in that sequence
     targets: torch.Tensor  # [rows * W] the token each slot's logits predict (the next slot's)
     select: torch.Tensor | None = None  # [N] slots (of the flattened [rows * W]) whose log-probs are wanted
@@ -59,6 +59,7 @@ class MicroBatch:
     num_tokens: int = 0  # N
     loss_mask: torch.Tensor | None = None  # train: [S, T] the entries the loss counts (real, and loss_mask 1)
     loss_tokens: int = 0  # how many
+    shared: list = ()  # shared-prefix units: (first member, the other members, shared positions) (packing.SlotMap)
 
 
 @dataclass
@@ -83,10 +84,13 @@ class Learner:
     def __init__(self, model_dir, parallel: ParallelConfig, optim: OptimConfig | None = None, *, seed: int = 0,
                  micro_batch_tokens: int = 4096, row_tokens: int = 0, total_steps: int | None = None,
                  routing_replay: bool = False, loss_fn: Callable | None = None, hf_weights: bool = True,
-                 frozen: bool = False, precision: Precision = Precision()):
+                 frozen: bool = False, precision: Precision = Precision(), share_prefix: str = "auto"):
         """`frozen`: log-probs only (a KL reference, megapo/learner/reference.py): no DDP wrapper, no
         gradients, no optimizer state; built in the process groups a learner of the same layout made.
-        `precision`: fp32, or bf16 / fp16 parameters with fp32 main parameters (megapo/learner/precision.py)."""
+        `precision`: fp32, or bf16 / fp16 parameters with fp32 main parameters (megapo/learner/precision.py).
+        `share_prefix`: samples of one prompt hold it once in a micro-batch (packing.prefix_units) where their given
+        routes agree on it: auto (a group whose routes differ is packed unshared), on (such a group is refused),
+        off."""
         optim = optim or OptimConfig()
         optim.validate()
         precision.validate()
@@ -107,11 +111,13 @@ class Learner:
         self.pad_id = int(hf.get("pad_token_id") or 0)
         self.backend = model_lib.detect_backend()
         self.device = self.backend.device
+        self.share_prefix = _share_prefix_mode(share_prefix, self.backend.use_te)
         # `loss_fn` replaces megapo.algorithms.policy_loss (same signature, called with the step's LossSpec and the
         # per-token inputs as keywords); for tests and experiments.
         self._loss_fn = loss_fn
         self.route_hook = None  # routing replay plugs in here (see megapo/replay)
         self.step = 0
+        self.packed_tokens = 0  # slots the last pass filled (train.share_prefix holds a prompt once), all ranks
         self.skipped_steps = 0  # optimizer steps skipped (fp16 overflow, non-finite loss or update), run total
 
         from megatron.core import tensor_parallel
@@ -166,25 +172,41 @@ class Learner:
         return optimizer, scheduler
 
     def _micro_batches(self, sequences: list[list[int]], lo: np.ndarray, hi: np.ndarray,
-                       columns_start: np.ndarray | None = None, policy: np.ndarray | None = None) -> list[MicroBatch]:
+                       columns_start: np.ndarray | None = None, policy: np.ndarray | None = None,
+                       prompt_lens=None, routes=None) -> list[MicroBatch]:
         """This rank's micro-batches of `sequences`, each selecting the positions [lo[i], hi[i]) of
         sequence i whose log-probs are wanted (the logits at t predict token t + 1); `columns_start`:
-        where sample i's per-token inputs start in the train columns; `policy`: TrainInputs.policy."""
+        where sample i's per-token inputs start in the train columns; `policy`: TrainInputs.policy;
+        `prompt_lens` (None: no sharing) and `routes`: for shared prefixes (_units). Sets packed_tokens: the slots
+        the whole batch fills on all ranks (its tokens, less what shared prefixes save)."""
         from megatron.core import parallel_state as ps
 
         lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
         flat = np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int64, count=int(lengths.sum()))
         starts = np.cumsum(lengths) - lengths
-        layouts = packing.plan(lengths.tolist(), dp=ps.get_data_parallel_world_size(),
+        units = self._units(sequences, lengths, prompt_lens, routes)
+        layouts = packing.plan([u.size for u in units], dp=ps.get_data_parallel_world_size(),
                                dp_rank=ps.get_data_parallel_rank(), budget=self.micro_batch_tokens,
                                row_tokens=self.row_tokens, pad_multiple=self.parallel.tp,
                                equal_shapes=model_lib.needs_equal_rows(self.spec, self.parallel),
                                one_row=self.backend.use_te)
-        return [self._micro_batch(layout, flat, starts, lo, hi, columns_start, policy) for layout in layouts]
+        self.packed_tokens = sum(u.size for u in units)
+        return [self._micro_batch(layout, units, flat, starts, lo, hi, columns_start, policy) for layout in layouts]
 
-    def _micro_batch(self, layout, flat, starts, lo, hi, columns_start, policy=None) -> MicroBatch:
+    def _units(self, sequences, lengths: np.ndarray, prompt_lens, routes) -> list[packing.Unit]:
+        """What packing places: shared-prefix units where sharing is on, else one unit per sequence."""
+        if prompt_lens is None or self.share_prefix == "off":
+            return packing.single_units(lengths)
+        # every rank decides alike (a pipeline stage may hold only its own layers' routes): one collective
+        agreed = partial(_routes_agreed, routes if routes is not None else [None] * len(sequences),
+                         strict=self.share_prefix == "on")
+        return packing.prefix_units(sequences, prompt_lens, self.row_tokens or self.micro_batch_tokens, agreed)
+
+    def _micro_batch(self, layout, units, flat, starts, lo, hi, columns_start, policy=None) -> MicroBatch:
         dev = self.device
-        tokens, positions, (seq, pos) = packing.batch_tensors(layout, flat, starts, self.pad_id)
+        smap = packing.slot_map(layout, units)
+        tokens, positions = packing.slot_tensors(smap, flat, starts, self.pad_id)
+        seq, pos = smap.seq, smap.pos
         mask, packed = None, None
         if self.backend.use_te:  # one THD row; TE's attention takes the boundaries, not a mask
             from megatron.core.packed_seq_params import PackedSeqParams
@@ -194,12 +216,12 @@ class Learner:
             packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                      max_seqlen_q=longest, max_seqlen_kv=longest)
         else:
-            mask = packing.block_causal_mask(seq, pos).to(dev)
+            mask = packing.tree_mask(smap).to(dev)
         mb = MicroBatch(layout, tokens.to(dev), positions.to(dev), mask, packed, seq, pos,
-                        torch.roll(tokens, shifts=-1, dims=1).reshape(-1).to(dev))
-        order = layout.indices
+                        torch.roll(tokens, shifts=-1, dims=1).reshape(-1).to(dev), shared=smap.shared)
+        order = smap.order
         if order:
-            index, real = packing.span_index(seq, pos, order, lo, hi)
+            index, real = packing.slot_spans(smap, lo, hi)
             mb.order, mb.sizes, mb.num_tokens = order, real.sum(1).tolist(), int(real.sum())
             mb.select, mb.mask = torch.from_numpy(index[real]).to(dev), torch.from_numpy(real).to(dev)
             mb.place = torch.from_numpy(np.flatnonzero(real)).to(dev)
@@ -276,15 +298,17 @@ class Learner:
 
     # ------------------------------------------------------------------------------------- API
 
-    def logprobs(self, sequences: list[list[int]], routes=None, with_entropy: bool = False):
+    def logprobs(self, sequences: list[list[int]], routes=None, with_entropy: bool = False, prompt_lens=None):
         """log p(seq[t] | seq[:t]) for t = 1..len-1 of every sequence, on every rank (fp32, CPU).
-        With with_entropy, returns (logprobs, entropies)."""
+        With with_entropy, returns (logprobs, entropies). `prompt_lens`: sequences with the same first
+        prompt_lens[i] tokens share them in the micro-batches (train.share_prefix)."""
         lengths = _check_sequences(sequences, self.spec.vocab_size)
         if routes is not None and self.route_hook is None:
             raise ValueError("routes: given, but this learner has no routing replay hook (routing_replay=True)")
         if self.route_hook is not None:
             self.route_hook.set_routes(routes, sequences)
-        micro_batches = self._micro_batches(sequences, np.zeros_like(lengths), lengths - 1)
+        micro_batches = self._micro_batches(sequences, np.zeros_like(lengths), lengths - 1, prompt_lens=prompt_lens,
+                                            routes=routes)
 
         def collect(mb: MicroBatch, logits: torch.Tensor):
             if not mb.order:
@@ -340,7 +364,8 @@ class Learner:
         if self.route_hook is not None:  # routing replay: each sample's optional routes
             self.route_hook.set_routes([s.routes for s in batch], sequences, name="batch")
         micro_batches = self._micro_batches(sequences, inputs.prompt_lens - 1, inputs.lengths - 1, inputs.starts,
-                                            inputs.policy)
+                                            inputs.policy, prompt_lens=inputs.prompt_lens,
+                                            routes=[s.routes for s in batch])
         per_sample = inputs.policy_counts()  # the normalisers count policy tokens only (loss_mask)
         global_tokens = int(per_sample.sum())
         global_seqs = int((per_sample > 0).sum())  # a sample of observation tokens only adds nothing
@@ -399,7 +424,9 @@ class Learner:
             metrics["policy_tokens"] = global_tokens
         metrics.update(self._optimizer_step(math.isfinite(metrics["loss"])))
         elapsed = time.perf_counter() - start
-        metrics.update(step_time_s=elapsed, tokens_per_s=float(inputs.lengths.sum()) / max(elapsed, 1e-9))
+        # packed_tokens: the tokens the forward ran (train.share_prefix holds each prompt once)
+        metrics.update(step_time_s=elapsed, tokens_per_s=float(inputs.lengths.sum()) / max(elapsed, 1e-9),
+                       packed_tokens=self.packed_tokens)
         old_pass: dict = {}
         if keep_logprobs:
             old_pass["logprobs"] = self._per_sequence([d["logp"] for d in stored if "logp" in d], len(batch))
@@ -550,6 +577,56 @@ def _host_metrics(stored: list[dict]) -> list:
         objective = {k: next(host) for k in sorted(d["metrics"])}
         parts.append(MicroBatchMetrics(d["tokens"], {**own, **{k: v for k, v in objective.items() if k not in own}}))
     return parts
+
+
+def _share_prefix_mode(mode: str, use_te: bool) -> str:
+    """train.share_prefix checked; off where the attention cannot take the tree mask (said once, in the log)."""
+    if mode not in SHARE_PREFIX_MODES:
+        raise ValueError(f"share_prefix: must be one of {', '.join(SHARE_PREFIX_MODES)}, got {mode!r}")
+    if use_te and mode != "off":
+        # Transformer Engine's THD attention takes sequence boundaries, not a mask; megatron-core 0.16.1 has no
+        # tree-packed sequences (TreePackedSeqParams, Megatron-LM PR 7387)
+        print("train.share_prefix: Transformer Engine's THD attention here takes no tree mask; packing unshared",
+              flush=True)
+        return "off"
+    return mode
+
+
+SHARE_PREFIX_MODES = ("auto", "on", "off")
+
+
+def _routes_agreed(routes: list, groups: list[tuple[list[int], int]], *, strict: bool) -> list[int]:
+    """For each (members, shared) of packing.prefix_units: the leading positions (at most `shared`) on which the
+    members' given routes agree, the same on every rank (a pipeline stage may hold only its own layers' columns);
+    a sample without routes among samples with them agrees nowhere. `strict`: a disagreement is refused."""
+    agreed = min_over_ranks([_agreed_positions(routes, m, n) for m, n in groups])
+    for (members, shared), n in zip(groups, agreed):
+        if strict and n < shared:
+            raise ValueError(f"train.share_prefix=on: samples {members} share their first {shared + 1} tokens but "
+                             f"their routes differ at position {n}; a shared prefix is routed once (set "
+                             f"train.share_prefix=auto to share only the positions whose routes agree)")
+    return agreed
+
+
+def _agreed_positions(routes: list, members: list[int], shared: int) -> int:
+    if shared < 1:
+        return 0
+    rows = [_route_rows(routes[m], shared) for m in members]
+    if all(r is None for r in rows):
+        return shared
+    if any(r is None or len(r) < shared for r in rows):
+        return 0
+    same = np.ones(shared, dtype=bool)
+    for r in rows[1:]:
+        same &= (r == rows[0]).all(axis=(1, 2))
+    return shared if same.all() else int(np.argmin(same))
+
+
+def _route_rows(routes, shared: int) -> np.ndarray | None:
+    if routes is None:
+        return None
+    arr = routes.cpu().numpy() if isinstance(routes, torch.Tensor) else np.asarray(routes)
+    return np.sort(arr[:shared], axis=-1)  # a route is a set of experts
 
 
 def _check_sequences(sequences: list[list[int]], vocab: int) -> np.ndarray:

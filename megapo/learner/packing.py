@@ -14,6 +14,12 @@ so its mask is [rows, 1, width, width] rather than one [budget, budget] row: the
   equal token counts over EP, a pipeline without variable_seq_lengths fixed p2p shapes);
 - one_row (Transformer Engine's THD format): each micro-batch's sequences in one row [1 x tokens],
   their boundaries given as cu_seqlens.
+
+Shared prefixes (train.share_prefix): the items packed are `Unit`s. A unit of one sequence is that sequence; a
+unit of several (samples of one prompt) holds their common first tokens once, then each member's remaining
+tokens, which see the shared tokens and their own (a tree of depth one). The shared part stops one token short
+of the common prefix, so every member's part starts with a common token and every slot's logits still predict
+the next slot's token: the loss, log-probs and gradients are those of unshared packing (sums in another order).
 """
 
 from __future__ import annotations
@@ -135,51 +141,169 @@ def plan(lengths: list[int], *, dp: int, dp_rank: int, budget: int, row_tokens: 
     return out
 
 
+@dataclass(frozen=True)
+class Unit:
+    """Sequences packed as one item: their first `shared` tokens (the same in all) once, then each member's rest."""
+
+    members: tuple[int, ...]  # input sequences, in slot order
+    lengths: tuple[int, ...]  # their full lengths
+    shared: int = 0  # leading positions held once (0: a single unshared sequence)
+
+    @property
+    def size(self) -> int:
+        """Slots the unit fills."""
+        return self.shared + sum(self.lengths) - self.shared * len(self.lengths)
+
+
+def single_units(lengths) -> list[Unit]:
+    """One unit per sequence (unit i is sequence i): today's packing."""
+    return [Unit((i,), (int(n),)) for i, n in enumerate(lengths)]
+
+
+def prefix_units(sequences: list[list[int]], prompt_lens, capacity: int, agreed=None) -> list[Unit]:
+    """Units of `sequences`: those whose first prompt_lens[i] tokens are the same share their longest common
+    prefix but its last token (a lone sequence stays a unit of its own); a group larger than `capacity` slots is
+    split into parts that each repeat the prefix. `agreed(groups)`: for each (members, shared) the number of
+    leading positions, at most `shared`, on which their given routes agree (the group shares only those)."""
+    keyed: dict[tuple, list[int]] = {}
+    for i, (s, p) in enumerate(zip(sequences, prompt_lens)):
+        keyed.setdefault(tuple(s[:int(p)]), []).append(i)
+    groups = [(members, common_prefix(sequences, members) - 1) for members in keyed.values()]
+    groups = [(m, s) if len(m) > 1 and s > 0 else (m, 0) for m, s in groups]
+    if agreed is not None:
+        shared = agreed(groups)
+        groups = [(m, min(s, int(a))) for (m, s), a in zip(groups, shared)]
+    units = []
+    for members, shared in groups:
+        if shared < 1:
+            units.extend(Unit((i,), (len(sequences[i]),)) for i in members)
+        else:
+            units.extend(split_group(members, [len(sequences[i]) for i in members], shared, capacity))
+    return units
+
+
+def common_prefix(sequences: list[list[int]], members: list[int]) -> int:
+    """Length of the longest prefix all `members` share."""
+    n = min(len(sequences[i]) for i in members)
+    first = np.asarray(sequences[members[0]][:n])
+    same = np.ones(n, dtype=bool)
+    for i in members[1:]:
+        same &= np.asarray(sequences[i][:n]) == first
+    return n if same.all() else int(np.argmin(same))
+
+
+def split_group(members: list[int], lengths: list[int], shared: int, capacity: int) -> list[Unit]:
+    """Members in order into units of at most `capacity` slots (a member alone is always placed); a part of one
+    member is a plain unit."""
+    parts: list[list[int]] = [[]]
+    used = shared
+    for k, n in enumerate(lengths):
+        if parts[-1] and used + n - shared > capacity:
+            parts.append([])
+            used = shared
+        parts[-1].append(k)
+        used += n - shared
+    units = []
+    for part in parts:
+        if len(part) == 1:
+            units.append(Unit((members[part[0]],), (lengths[part[0]],)))
+        else:
+            units.append(Unit(tuple(members[k] for k in part), tuple(lengths[k] for k in part), shared))
+    return units
+
+
+@dataclass
+class SlotMap:
+    """Where a micro-batch's sequences sit in its [rows, width] slots.
+    Per slot: seq (the sequence whose token it holds; a shared slot: its unit's first member; -1 padding), pos
+    (the position in that sequence), first (the first slot of its segment in the row: it sees [first, itself]),
+    prefix_end (a member's part also sees its unit's shared slots [first of the unit, prefix_end); 0: none).
+    Per sequence in slot order (`order`): the flat slot of its position 0, of its position `split` (where its own
+    part starts; 0 for an unshared sequence) and `split`."""
+
+    seq: np.ndarray
+    pos: np.ndarray
+    first: np.ndarray
+    prefix_start: np.ndarray
+    prefix_end: np.ndarray
+    order: list[int]
+    start: np.ndarray
+    own: np.ndarray
+    split: np.ndarray
+    shared: list[tuple[int, tuple[int, ...], int]]  # (first member, the others, shared positions) per shared unit
+
+
+def slot_map(layout: MicroBatchLayout, units: list[Unit]) -> SlotMap:
+    """The SlotMap of a micro-batch whose rows hold `units` (PackedRow.indices are unit indices)."""
+    b, w = layout.shape
+    slot = np.arange(w)
+    seq = np.full((b, w), -1, dtype=np.int64)
+    used = np.asarray([row.used for row in layout.rows], dtype=np.int64)
+    pos = slot[None, :] - used[:, None]  # padding: 0, 1, ... after the row's end of use
+    first = np.tile(slot, (b, 1))  # padding sees only itself
+    prefix_start = np.zeros((b, w), dtype=np.int64)
+    prefix_end = np.zeros((b, w), dtype=np.int64)
+    order, start, own, split, shared = [], [], [], [], []
+    for r, row in enumerate(layout.rows):
+        at = 0
+        for u in (units[i] for i in row.indices):
+            base, s = at, u.shared
+            if s:
+                seq[r, at:at + s], pos[r, at:at + s], first[r, at:at + s] = u.members[0], slot[:s], base
+                shared.append((u.members[0], u.members[1:], s))
+                at += s
+            for m, n in zip(u.members, u.lengths):
+                k = n - s
+                seq[r, at:at + k], pos[r, at:at + k], first[r, at:at + k] = m, slot[s:n], at
+                if s:
+                    prefix_start[r, at:at + k], prefix_end[r, at:at + k] = base, base + s
+                order.append(m)
+                start.append(r * w + base)
+                own.append(r * w + at)
+                split.append(s)
+                at += k
+    as_array = lambda v: np.asarray(v, dtype=np.int64)
+    return SlotMap(seq, pos, first, prefix_start, prefix_end, order, as_array(start), as_array(own), as_array(split),
+                   shared)
+
+
+def slot_tensors(smap: SlotMap, flat_tokens: np.ndarray, starts: np.ndarray, pad_id: int = 0):
+    """(tokens [rows, width], position_ids [rows, width]) of a SlotMap; the batch's tokens end to end in
+    `flat_tokens`, sequence i starting at starts[i]."""
+    real = smap.seq >= 0
+    tokens = np.full(smap.seq.shape, pad_id, dtype=np.int64)
+    tokens[real] = flat_tokens[starts[smap.seq[real]] + smap.pos[real]]
+    return torch.from_numpy(tokens), torch.from_numpy(smap.pos.copy())
+
+
+def tree_mask(smap: SlotMap) -> torch.Tensor:
+    """Megatron's local-spec mask [rows, 1, W, W] of a SlotMap, True = masked: slot i sees [first[i], i] and its
+    unit's shared slots [prefix_start[i], prefix_end[i])."""
+    w = smap.seq.shape[-1]
+    j = torch.arange(w)[None, None, :]
+    i = torch.arange(w)[None, :, None]
+    first, lo, hi = (torch.from_numpy(a)[:, :, None] for a in (smap.first, smap.prefix_start, smap.prefix_end))
+    seen = ((j >= first) & (j <= i)) | ((j >= lo) & (j < hi))
+    return (~seen)[:, None]
+
+
+def slot_spans(smap: SlotMap, lo: np.ndarray, hi: np.ndarray):
+    """Gather indices for the positions [lo[i], hi[i]) of the SlotMap's sequences (in its order), as a padded
+    [sequences, longest span] view of the flattened [rows * width] slots: (index, mask). A position below a
+    sequence's split is in its unit's shared slots, the rest in its own part. Padding entries index slot 0."""
+    order = np.asarray(smap.order, dtype=np.int64)
+    count = hi[order] - lo[order]
+    width = max(1, int(count.max(initial=0)))
+    position = lo[order][:, None] + np.arange(width)[None, :]
+    mask = np.arange(width)[None, :] < count[:, None]
+    in_prefix = position < smap.split[:, None]
+    slot = np.where(in_prefix, smap.start[:, None] + position, smap.own[:, None] + position - smap.split[:, None])
+    return np.where(mask, slot, 0), mask
+
+
 def padding_waste(rows: list[PackedRow]) -> float:
     total = sum(r.width for r in rows)
     return 0.0 if total == 0 else 1.0 - sum(r.used for r in rows) / total
-
-
-def sequence_map(layout: MicroBatchLayout) -> tuple[np.ndarray, np.ndarray]:
-    """(sequence [rows, width], position [rows, width]): which input sequence each slot holds and its
-    position in that sequence; padding is sequence -1 at position 0, 1, ... from the row's end of use."""
-    b, w = layout.shape
-    lengths = np.asarray([n for row in layout.rows for n in row.lengths], dtype=np.int64)
-    indices = np.asarray([i for row in layout.rows for i in row.indices], dtype=np.int64)
-    per_row = np.asarray([len(row.lengths) for row in layout.rows], dtype=np.int64)
-    row_of = np.repeat(np.arange(b), per_row)  # each sequence's row
-    ends = np.cumsum(lengths)
-    row_start = np.repeat(np.cumsum(per_row) - per_row, per_row)  # index of the row's first sequence
-    offset = (ends - lengths) - np.concatenate([[0], ends])[row_start]  # where each sequence starts in its row
-    within = np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - lengths, lengths)
-    slots = np.repeat(row_of * w + offset, lengths) + within
-    used = np.bincount(row_of, weights=lengths, minlength=b).astype(np.int64)
-    seq = np.full(b * w, -1, dtype=np.int64)
-    seq[slots] = np.repeat(indices, lengths)
-    pos = (np.arange(w)[None, :] - used[:, None]).reshape(-1)  # padding: 0, 1, ... after the row's end of use
-    pos[slots] = within
-    return seq.reshape(b, w), pos.reshape(b, w)
-
-
-def batch_tensors(layout: MicroBatchLayout, flat_tokens: np.ndarray, starts: np.ndarray, pad_id: int = 0):
-    """(tokens [rows, width], position_ids [rows, width], sequence map) of one micro-batch; the batch's
-    tokens laid end to end in `flat_tokens`, sequence i starting at starts[i]."""
-    seq, pos = sequence_map(layout)
-    real = seq >= 0
-    tokens = np.full(seq.shape, pad_id, dtype=np.int64)
-    tokens[real] = flat_tokens[starts[seq[real]] + pos[real]]
-    return torch.from_numpy(tokens), torch.from_numpy(pos.copy()), (seq, pos)
-
-
-def block_causal_mask(seq: np.ndarray, pos: np.ndarray) -> torch.Tensor:
-    """Megatron's local-spec mask [rows, 1, W, W] from a sequence map (sequence_map), True = masked: slot i
-    sees the slots j <= i of its own sequence, i.e. j in [i - pos[i], i]; padding sees only itself, so no
-    softmax row is empty."""
-    w = seq.shape[-1]
-    slot = np.arange(w)
-    first = torch.from_numpy(np.where(seq >= 0, slot[None, :] - pos, slot[None, :]))  # [rows, W]
-    after = torch.ones(w, w, dtype=torch.bool).triu(1)  # j > i
-    return ((torch.arange(w)[None, None, :] < first[:, :, None]) | after)[:, None]
 
 
 def cu_seqlens(row: PackedRow) -> torch.Tensor:
@@ -190,21 +314,3 @@ def cu_seqlens(row: PackedRow) -> torch.Tensor:
     if row.width > bounds[-1]:
         bounds.append(row.width)
     return torch.tensor(bounds, dtype=torch.int32)
-
-
-def span_index(seq: np.ndarray, pos: np.ndarray, order: list[int], lo: np.ndarray, hi: np.ndarray):
-    """Gather indices for the spans [lo[i], hi[i]) of the sequences `order` (in that order), as a
-    padded [len(order), longest span] view of the flattened [rows * width] slots: (index, mask).
-    Padding entries index slot 0 and are masked out."""
-    flat_seq, flat_pos = seq.reshape(-1), pos.reshape(-1)
-    starts = np.flatnonzero((flat_seq >= 0) & (flat_pos == 0))  # each sequence's first slot
-    slot_of = np.zeros(int(flat_seq.max(initial=-1)) + 1, dtype=np.int64)
-    slot_of[flat_seq[starts]] = starts
-    order_arr = np.asarray(order, dtype=np.int64)
-    first = slot_of[order_arr] + lo[order_arr]
-    count = hi[order_arr] - lo[order_arr]
-    width = max(1, int(count.max(initial=0)))
-    offsets = np.arange(width)
-    mask = offsets[None, :] < count[:, None]
-    index = np.where(mask, first[:, None] + offsets[None, :], 0)
-    return index, mask

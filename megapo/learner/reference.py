@@ -64,13 +64,14 @@ class MegatronReference:
     collective = True  # every rank calls response_logprobs
 
     def __init__(self, model_dir, parallel: ParallelConfig, *, micro_batch_tokens: int = 4096, row_tokens: int = 0,
-                 routing_replay: bool = False, seed: int = 0, precision: Precision = Precision()):
+                 routing_replay: bool = False, seed: int = 0, precision: Precision = Precision(),
+                 share_prefix: str = "auto"):
         from megapo.learner.learner import Learner
 
         with _rng_kept():
             self.model = Learner(model_dir, parallel, seed=seed, micro_batch_tokens=micro_batch_tokens,
                                  row_tokens=row_tokens, routing_replay=routing_replay, frozen=True,
-                                 precision=precision)
+                                 precision=precision, share_prefix=share_prefix)
 
     def response_logprobs(self, batch: list[TrainSample]) -> list[list[float]]:
         """π_ref's log-prob of every response token of each sample (collective), replaying sample.routes
@@ -81,7 +82,7 @@ class MegatronReference:
         routes = [s.routes for s in batch] if hook is not None else None
         if routes is not None and all(r is None for r in routes):
             routes = None  # (r2 on-policy: no pass has recorded routes yet; the train forward routes freely too)
-        logps = self.model.logprobs(sequences, routes=routes)
+        logps = self.model.logprobs(sequences, routes=routes, prompt_lens=[s.prompt_len for s in batch])
         if hook is not None:
             hook.take_counts()  # (collective) its counts would otherwise pile up
         return [lp[s.prompt_len - 1:].tolist() for lp, s in zip(logps, batch)]

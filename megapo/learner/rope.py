@@ -13,6 +13,8 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
+from megapo import compat
+
 
 class PositionIdsRotaryEmbedding(RotaryEmbedding):
     positions: torch.Tensor | None = None  # [rows, seq] position id of every token of the micro-batch
@@ -52,6 +54,8 @@ def use_position_ids(model) -> None:
     for rope in ropes:
         rope.__class__ = swap[type(rope)]
     model.position_id_ropes = ropes
+    windowed = compat.window_core_attention()  # the local spec's sliding-window attention
+    model.position_id_windows = [m for m in model.modules() if isinstance(m, windowed)]
 
 
 def set_positions(model, position_ids: torch.Tensor | None, longest: int | None = None) -> None:
@@ -65,3 +69,5 @@ def set_positions(model, position_ids: torch.Tensor | None, longest: int | None 
     for rope in ropes:
         rope.positions = position_ids
         rope.longest = longest or 0
+    for attention in getattr(model, "position_id_windows", ()):  # sliding windows count positions, not slots
+        attention.positions = position_ids

@@ -77,6 +77,7 @@ class RouteReplayHook:
         self._lengths = np.zeros(0, dtype=np.int64)  # tokens of each sequence of this pass
         self._maps: list[tuple[np.ndarray, np.ndarray]] = []  # per micro-batch: (sequence, position) of
         # each flattened [width, rows] position, in micro-batch order
+        self._shared: list = []  # shared-prefix units of this pass: (first member, the others, shared positions)
         self._plan: RowPlan | None = None
         self._records: list[_Record] = []
         self._recomputing: dict = {}  # router -> the target its recompute replays
@@ -102,6 +103,7 @@ class RouteReplayHook:
         else:
             self.given_columns = None
         self._maps = []
+        self._shared = []
         self._plan = None
         self._records = []
         self._recomputing.clear()
@@ -113,6 +115,7 @@ class RouteReplayHook:
         (mb.seq, mb.pos: [rows, width]) laid out as the routers see it, [width, rows] flattened."""
         seq, pos = mb.seq.T.reshape(-1), mb.pos.T.reshape(-1)
         self._maps.append((seq, pos))
+        self._shared.extend(mb.shared)
         self._plan = position_plan(self._table, seq, pos, self._lengths, self.shape, len(self.layers))
 
     # ----------------------------------------------------------------------------- router hooks
@@ -210,13 +213,17 @@ class RouteReplayHook:
             pieces.append((rec.layer, seq[fed], pos[fed], used_all[at:at + size][fed].astype(self.shape.dtype)))
             at += size
         gathered = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, pieces)
+        torch.distributed.all_gather_object(gathered, (pieces, self._shared))
         fed_lengths = self._lengths[:num_sequences] - 1
         starts = np.cumsum(fed_lengths) - fed_lengths
         out = np.full((int(fed_lengths.sum()), self.shape.num_moe_layers, self.shape.topk), -1, dtype=self.shape.dtype)
-        for part in gathered:
+        for part, _ in gathered:
             for layer, seq, pos, used in part:
                 out[starts[seq] + pos, layer] = used
+        for _, shared in gathered:  # a shared prefix was routed once, for its unit's first member
+            for first, others, n in shared:
+                for other in others:
+                    out[starts[other]:starts[other] + n] = out[starts[first]:starts[first] + n]
         unrouted = np.flatnonzero((out < 0).any(axis=(1, 2)))
         if unrouted.size:
             i = int(np.searchsorted(np.cumsum(fed_lengths), unrouted[0], side="right"))

@@ -55,15 +55,15 @@ def parse_mode(value, name: str = "routing_replay") -> ReplayMode:
         raise ValueError(f"{name}: must be one of off, r2, r3; got {value!r}") from None
 
 
-def logprobs_with_routes(learner, sequences: list[list[int]], routes=None, with_entropy: bool = False):
+def logprobs_with_routes(learner, sequences: list[list[int]], routes=None, with_entropy: bool = False,
+                         prompt_lens=None):
     """learner.logprobs replaying `routes` (None: free routing) -> (logprobs, routes used, metrics); with
     with_entropy the first item is (logprobs, entropies). Collective (all ranks call); routes used: int32
-    [n-1, L, k] per sequence, on every rank."""
+    [n-1, L, k] per sequence, on every rank. `prompt_lens`: shared prefixes (Learner.logprobs)."""
     hook = learner.route_hook
     if hook is None:
         raise ValueError("learner: built without routing_replay=True, so routes cannot be replayed or recorded")
-    logps = learner.logprobs(sequences, routes=routes, with_entropy=True) if with_entropy else \
-        learner.logprobs(sequences, routes=routes)
+    logps = learner.logprobs(sequences, routes=routes, with_entropy=with_entropy, prompt_lens=prompt_lens)
     used = hook.routes_used(len(sequences))
     return logps, used, hook.metrics()
 
@@ -78,9 +78,10 @@ def old_logprobs(learner, samples: list[TrainSample], mode,
     samples = as_train_samples(samples)
     mode = parse_mode(mode)
     sequences = [list(s.tokens) for s in samples]
+    prompt_lens = [s.prompt_len for s in samples]  # samples of one prompt share it in the micro-batches
     entropies = None
     if mode is ReplayMode.OFF:
-        full = learner.logprobs(sequences, with_entropy=True) if with_entropy else learner.logprobs(sequences)
+        full = learner.logprobs(sequences, with_entropy=with_entropy, prompt_lens=prompt_lens)
         if with_entropy:
             full, entropies = full
         metrics = {}
@@ -92,7 +93,8 @@ def old_logprobs(learner, samples: list[TrainSample], mode,
         if mode is ReplayMode.R3 and all(r is None for r in given):
             raise ValueError("samples: routing replay r3 needs the engine's routes "
                              "(SamplingParams(return_routes=True))")
-        full, used, metrics = logprobs_with_routes(learner, sequences, given, with_entropy=with_entropy)
+        full, used, metrics = logprobs_with_routes(learner, sequences, given, with_entropy=with_entropy,
+                                                   prompt_lens=prompt_lens)
         if with_entropy:
             full, entropies = full
         for s, r in zip(samples, used):

@@ -353,6 +353,10 @@ class TrainConfig:
     # width of a packed row (megapo/learner/packing.py): 0 the batch's longest sequence; a sequence longer
     # than it gets a row of its own (1: one sequence per row)
     row_tokens: int = bounded(0, ">= 0", "0: the longest sequence")
+    # samples of one prompt hold it once in a micro-batch, each response seeing it and itself (same log-probs and
+    # gradients, fewer tokens): auto (where the samples' given routes agree on it), true (refuse routes that do
+    # not), false. Rows then fill up to row_tokens, or (0) micro_batch_tokens
+    share_prefix: bool | str = "auto"
     # sync: generate, then train, in turn | async: a thread generates the next batches while the learner
     # trains (train.staleness bounds how old their weights may be)
     mode: str = "sync"
@@ -380,6 +384,10 @@ class TrainConfig:
     precision: str = "fp32"
     fp8: str = "none"  # Transformer Engine FP8 GEMMs (GPU with TE, train.precision=bf16): none | e4m3 | hybrid
     fp8_recipe: str = "delayed"  # FP8 scaling recipe: delayed | tensorwise | blockwise | mxfp8
+
+    def share_prefix_mode(self) -> str:
+        """train.share_prefix as the learner's mode: auto | on | off."""
+        return {True: "on", False: "off"}.get(self.share_prefix, self.share_prefix)
 
     def precision_spec(self) -> Precision:
         """The learner's Precision (megapo/learner/precision.py) from train.precision / fp8 / fp8_recipe."""
@@ -633,6 +641,8 @@ class RunConfig:
         if t.row_tokens > t.micro_batch_tokens:
             raise ConfigError("train.row_tokens", f"{t.row_tokens} is wider than a micro-batch "
                               f"(train.micro_batch_tokens={t.micro_batch_tokens})")
+        if t.share_prefix not in (True, False, "auto"):
+            raise ConfigError("train.share_prefix", f"must be auto, true or false, got {t.share_prefix!r}")
         t.precision_spec().validate("train")
         t.precision_spec().check_hardware("train")
         if t.mode not in MODES:

@@ -331,7 +331,8 @@ def build_learner(cfg: RunConfig, model_dir: Path) -> Learner:
     return MegatronLearner(model_dir, cfg.parallel, cfg.optim, seed=cfg.train.seed,
                    micro_batch_tokens=cfg.train.micro_batch_tokens, row_tokens=cfg.train.row_tokens,
                    total_steps=cfg.train.steps * cfg.train.updates_per_rollout * cfg.train.mini_batches,
-                   routing_replay=records_routes(cfg, model_dir), precision=cfg.train.precision_spec())
+                   routing_replay=records_routes(cfg, model_dir), precision=cfg.train.precision_spec(),
+                   share_prefix=cfg.train.share_prefix_mode())
 
 
 def records_routes(cfg: RunConfig, model_dir: Path) -> bool:
@@ -364,7 +365,8 @@ def build_reference(cfg: RunConfig, model_dir: Path) -> Reference | None:
     if kind == "megatron":
         return MegatronReference(model_dir, cfg.parallel, micro_batch_tokens=cfg.train.micro_batch_tokens,
                                  row_tokens=cfg.train.row_tokens, routing_replay=cfg.algorithm.routing_replay != "off",
-                                 seed=cfg.train.seed, precision=cfg.train.precision_spec())
+                                 seed=cfg.train.seed, precision=cfg.train.precision_spec(),
+                                 share_prefix=cfg.train.share_prefix_mode())
     return PlainReference(model_dir, cfg.train.precision_spec()) if rank() == 0 else None
 
 

@@ -26,7 +26,7 @@ import torch
 from megapo.config import OptimConfig, ParallelConfig
 from megapo.learner.learner import Learner
 from megapo.layout import num_experts, read_hf_config
-from spec_io import finish, read_spec  # this script's folder is on sys.path
+from spec_io import finish, hf_grads, read_spec  # this script's folder is on sys.path
 
 
 def main() -> None:
@@ -82,22 +82,8 @@ def _logprobs_and_step(learner: Learner, spec: dict) -> dict:
     out = {"logprobs": logprobs, "weights": dict(learner.hf_state_dict()), "grad_norm": metrics["grad_norm"],
            "loss": metrics["loss"]}
     if not learner.parallel.distributed_optimizer:  # (its grad buffers hold only this rank's reduced shard)
-        out["grads"] = _hf_grads(learner)
+        out["grads"] = hf_grads(learner)
     return out
-
-
-def _hf_grads(learner: Learner) -> dict:
-    """The last step's gradients (Megatron's main_grad, reduced over DP), gathered to HF names like the
-    weights: each parameter shows its gradient while hf_state_dict runs."""
-    params = list(learner.module.parameters())
-    data = [p.data for p in params]
-    for p in params:
-        p.data = p.main_grad.detach().view_as(p).to(p.dtype)
-    try:
-        return dict(learner.hf_state_dict())
-    finally:
-        for p, d in zip(params, data):
-            p.data = d
 
 
 def _learner(spec: dict, layout: dict, model_dir: str) -> Learner:

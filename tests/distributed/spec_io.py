@@ -26,3 +26,17 @@ def finish(results, out_path: str) -> None:
         torch.save(results, out_path)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def hf_grads(learner) -> dict:
+    """The last step's gradients (Megatron's main_grad, reduced over DP), gathered to HF names like the
+    weights: each parameter shows its gradient while hf_state_dict runs."""
+    params = list(learner.module.parameters())
+    data = [p.data for p in params]
+    for p in params:
+        p.data = p.main_grad.detach().view_as(p).to(p.dtype)
+    try:
+        return dict(learner.hf_state_dict())
+    finally:
+        for p, d in zip(params, data):
+            p.data = d
