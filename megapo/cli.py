@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "objectives": ("megapo.commands.objectives", "list every objective, estimator and correction"),
     "tiny-model": ("megapo.commands.tiny_model", "write a tiny random-weight HF model with its own tokenizer"),
     "logprobs": ("megapo.commands.logprobs", "log-probs of given tokens from the Megatron learner"),
+    "score": ("megapo.commands.score", "reward-model scores of given tokens (HF *ForSequenceClassification)"),
+    "rm-train": ("megapo.commands.rm_train", "train a Bradley-Terry reward model on preference pairs"),
     "sft": ("megapo.commands.sft", "supervised warm start on a built-in task"),
     "train": ("megapo.commands.train", "RL training: megapo train CONFIG.yaml [dotted.overrides=...]"),
     "config": ("megapo.commands.config", "show a run config: every field's value, default, range and doc"),

@@ -151,6 +151,10 @@ class Family:
     # module with the tiny config `megapo tiny-model --family NAME` writes: config(common, **sizes) and,
     # optionally, finish(model, generator) for weights transformers initialises to 0 or 1; None: no tiny model
     tiny: str | None = None
+    # The head of an HF *ForSequenceClassification checkpoint (a reward model: one label, scored at the last token)
+    # as a rename rule for the Megatron parameter it takes (megapo.learner.score puts it in place of the LM head,
+    # output_layer); transformers names it `score` in every family here. None: no score head for this family.
+    score_rules: dict[str, Rule] | None = field(default_factory=lambda: dict(SCORE_RULES))
 
 
 # model_type in config.json -> module holding the family's mapping (its FAMILY, or the attribute after ':'):
@@ -217,6 +221,9 @@ GLOBAL_RULES = {
     "decoder.final_layernorm.weight": Rule("copy", ("model.norm.weight",)),
     "output_layer.weight": Rule("vocab", ("lm_head.weight",)),
 }
+
+
+SCORE_RULES = {"output_layer.weight": Rule("copy", ("score.weight",))}
 
 
 def attention_rules(*, qk_norm: bool, qkv_bias: bool) -> dict[str, Rule]:

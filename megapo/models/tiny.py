@@ -94,15 +94,21 @@ def build_config(family: str, *, vocab_size: int, hidden: int, layers: int, expe
                                        head_dim=head_dim, ffn=ffn, moe_ffn=moe_ffn)
 
 
+HEADS = ("lm", "score")  # a causal LM, or a one-label *ForSequenceClassification (a reward model)
+
+
 def write_tiny_model(out: str | Path, family: str = "qwen3_moe", *, layers: int = 2, experts: int = 8, topk: int = 2,
                      hidden: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int = 32, ffn: int = 128,
-                     moe_ffn: int = 128, vocab: int = 512, seed: int = 0, init_std: float = 0.02) -> Path:
-    """Write config.json, model.safetensors and tokenizer files to `out`; return the folder."""
+                     moe_ffn: int = 128, vocab: int = 512, seed: int = 0, init_std: float = 0.02,
+                     head: str = "lm") -> Path:
+    """Write config.json, model.safetensors and tokenizer files to `out`; return the folder. head="score": the
+    family's *ForSequenceClassification with num_labels=1 (score.weight [1, hidden]) instead of its causal LM."""
     import torch
-    import transformers
 
     if family not in tiny_families():
         raise ValueError(f"--family must be one of {', '.join(tiny_families())}, got {family!r}")
+    if head not in HEADS:
+        raise ValueError(f"--head must be one of {', '.join(HEADS)}, got {head!r}")
     if family != "qwen2" and not 1 <= topk <= experts:
         raise ValueError(f"--topk must be between 1 and --experts ({experts}), got {topk}")
     if vocab < 300:
@@ -116,12 +122,32 @@ def write_tiny_model(out: str | Path, family: str = "qwen3_moe", *, layers: int 
         eos_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_id=tokenizer.pad_token_id)
     config.initializer_range = init_std
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = _model_with_head(config, family, head)
     finish = getattr(_tiny_module(family), "finish", None)  # weights transformers initialises to 0 or 1
     if finish is not None:
         finish(model, torch.Generator().manual_seed(seed))
-    model.generation_config.do_sample = True
+    if head == "lm":
+        model.generation_config.do_sample = True
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
 
+
+def _model_with_head(config, family: str, head: str):
+    """transformers' model of `config` with an LM head or a one-label score head (its AutoModel classes decide
+    which families have one)."""
+    import torch
+    import transformers
+
+    if head == "lm":
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    from megapo.models.family import family_named
+
+    if family_named(family).score_rules is None:
+        raise ValueError(f"--head score: family {family!r} has no score head in megapo")
+    config.num_labels = 1
+    try:
+        return transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    except ValueError as err:  # transformers has no *ForSequenceClassification for this model_type
+        raise ValueError(f"--head score: transformers {transformers.__version__} has no sequence-classification "
+                         f"model for family {family!r} ({err})") from None
