@@ -127,3 +127,18 @@ def _scaling_args(argv):
     parser = argparse.ArgumentParser()
     scaling.add_arguments(parser)
     return parser.parse_args(argv)
+
+
+def test_length_bench_prints_a_line_per_ended_cell(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from tools.bench import length
+
+    cells = [SimpleNamespace(name=f"m{i}-s0") for i in range(3)]
+    plan = SimpleNamespace(jobs=2, cells=lambda: cells)
+    monkeypatch.setattr(length, "run_cell", lambda plan, cell, model, runner: "done" if cell.name != "m1-s0" else "failed")
+    statuses = length.run_cells(plan, "model", runner=None)
+    assert statuses == ["done", "failed", "done"]  # in cell order, whatever order they ended in
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("length bench:")]
+    assert [line.split(" cells")[0] for line in lines] == ["length bench: 1/3", "length bench: 2/3", "length bench: 3/3"]
+    assert {line.split("(")[1].split(":")[0] for line in lines} == {"m0-s0", "m1-s0", "m2-s0"}

@@ -27,11 +27,12 @@ import logging
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
 from megapo.config import ConfigError, config_digest, load_config
+from megapo.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,20 @@ def run_cell(plan: Plan, cell: Cell, model: Path, runner) -> str:
     return "done"
 
 
+def run_cells(plan: Plan, model: Path, runner) -> list[str]:
+    """Every cell, plan.jobs at a time: their statuses in cell order, a line per ended cell (a bar on a terminal)."""
+    cells = plan.cells()
+    bar = Progress(len(cells), "length bench", stream=sys.stderr)
+    bar.update(0)
+    with ThreadPoolExecutor(plan.jobs) as pool, bar.around_logs():
+        futures = {pool.submit(run_cell, plan, c, model, runner): c for c in cells}
+        for ended, future in enumerate(as_completed(futures), 1):
+            bar.line(f"length bench: {ended}/{len(cells)} cells ended ({futures[future].name}: {future.result()})",
+                     done=ended)
+    bar.close()
+    return [future.result() for future in futures]
+
+
 def run_bench(plan: Plan, runner=None) -> dict:
     from tools.bench.stability import SubprocessRunner
 
@@ -182,8 +197,7 @@ def run_bench(plan: Plan, runner=None) -> dict:
     model = make_warm_start(plan)
     warm_s = time.perf_counter() - t0
     runner = runner or SubprocessRunner()
-    with ThreadPoolExecutor(plan.jobs) as pool:
-        statuses = list(pool.map(lambda c: run_cell(plan, c, model, runner), plan.cells()))
+    statuses = run_cells(plan, model, runner)
     return write_report(plan, run={"warm_start_s": warm_s, "total_s": time.perf_counter() - t0, "jobs": plan.jobs,
                                    "threads": plan.threads,
                                    "statuses": dict(zip([c.name for c in plan.cells()], statuses))})
