@@ -124,7 +124,10 @@ PAPER_AGG = {"gspo": "seq-mean-token-mean", "gspo_token": "seq-mean-token-mean",
              # trust_region.py: the abstracts do not name one; sequence-ratio methods follow GSPO
              "dhpo": "seq-mean-token-mean", "sspo": "seq-mean-token-mean", "holder": "seq-mean-token-mean",
              "minpro": "token-mean",
-             "dppo": "token-mean", "cppo": "token-mean", "kpo": "token-mean", "aspo": "token-mean"}
+             "dppo": "token-mean", "cppo": "token-mean", "cppo_prefix_mean": "token-mean", "kpo": "token-mean",
+             "aspo": "token-mean",
+             # issue 32: FIPO and DGPO on DAPO's scaffold, the search agents' SAPO on GRPO's
+             "fipo": "token-mean", "dgpo": "token-mean", "search_sapo": "seq-mean-token-mean"}
 
 
 def test_each_objective_defaults_to_its_papers_aggregation():

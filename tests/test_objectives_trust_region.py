@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _binary_div(kind, lp, old):
-    p, q = math.exp(lp), math.exp(old)
+    p, q = math.exp(min(lp, 0.0)), math.exp(min(old, 0.0))  # log-probs above 0 (make_seqs' noise) count as 0
     if kind == "tv":
         return abs(p - q)
     rest = (1 - q) * math.log((1 - q) / (1 - p)) if q < 1 else 0.0
@@ -70,19 +70,20 @@ def ref_losses(name, seqs, opts, lp_of=None, frozen_of=None):
             for t in range(n):
                 m = 1.0 if t == 0 else min(math.exp(ell_fz[u]) for u in range(t))
                 row.append(m * _pessimistic(adv[t], math.exp(ell[t]), 1 - el, 1 + eh))
-        elif name in ("dppo", "cppo"):
+        elif name in ("dppo", "cppo", "cppo_prefix_mean"):
             kind, delta = o.get("divergence", "tv"), o.get("delta", 0.15)
-            budget = o.get("budget") or delta
-            w_min = o.get("w_min", 0.8) if name == "cppo" else 1.0
-            weighted_sum = 0.0
+            w_min = o.get("w_min", 0.8) if name != "dppo" else 1.0
+            weighted_sum = 0.0  # Σ_{s<=t} w_s·D_s over the prefix, every earlier token counted
             for t in range(n):
                 d = _binary_div(kind, fz[t], old[t])
                 w = 1.0 if n == 1 else 1 - (1 - w_min) * t / (n - 1)
                 weighted_sum += w * d
                 if name == "dppo":
                     over = d > delta
-                else:
-                    over = w * d > delta or weighted_sum / (t + 1) > budget
+                elif name == "cppo":  # the cumulative budget: the running sum, never divided
+                    over = w * d > delta or weighted_sum > o.get("budget", 1.0)
+                else:  # the prefix mean
+                    over = w * d > delta or weighted_sum / (t + 1) > (o.get("budget") or delta)
                 keep = 0.0 if (over and _moves(adv[t], ell_fz[t])) else 1.0
                 row.append(-keep * math.exp(ell[t]) * adv[t])
         elif name == "dhpo":
@@ -140,8 +141,11 @@ CASES = [
     ("minpro", dict(eps_low=0.2, eps_high=0.28)),
     ("dppo", dict(divergence="tv", delta=0.05)),
     ("dppo", dict(divergence="kl", delta=0.02)),
-    ("cppo", dict(divergence="tv", delta=0.05, w_min=0.6)),
-    ("cppo", dict(divergence="kl", delta=0.03, w_min=0.8, budget=0.02)),
+    ("cppo", dict(divergence="tv", delta=0.05, w_min=0.6, budget=0.3)),
+    ("cppo", dict(divergence="kl", delta=0.03, w_min=0.8, budget=0.05)),
+    ("cppo", dict(divergence="tv", delta=0.2)),
+    ("cppo_prefix_mean", dict(divergence="tv", delta=0.05, w_min=0.6)),
+    ("cppo_prefix_mean", dict(divergence="kl", delta=0.03, w_min=0.8, budget=0.02)),
     ("dhpo", dict(alpha=0.5, tok_eps_low=0.2, tok_eps_high=0.28, seq_eps_low=0.05, seq_eps_high=0.08)),
     ("dhpo", dict(alpha=0.3, tok_eps_low=0.1, tok_eps_high=0.1, seq_eps_low=0.02, seq_eps_high=0.03)),
     ("holder", dict(p=0.0, eps_low=0.05, eps_high=0.08)),
@@ -275,8 +279,10 @@ def test_special_cases_are_the_methods_they_contain():
           ("ppo", p, dict(eps_low=0.2, eps_high=0.28), "token-mean"))
     _same(("dhpo", p, dict(alpha=0.0, seq_eps_low=0.05, seq_eps_high=0.08), "seq-mean-token-mean"),
           ("gspo", p, eps, "seq-mean-token-mean"))
-    # cppo without position weight and with an unreachable budget is dppo
+    # cppo (and its prefix-mean variant) without position weight and with an unreachable budget is dppo
     _same(("cppo", p, dict(delta=0.05, w_min=1.0, budget=1e9), "token-mean"), ("dppo", p, dict(delta=0.05), "token-mean"))
+    _same(("cppo_prefix_mean", p, dict(delta=0.05, w_min=1.0, budget=1e9), "token-mean"),
+          ("dppo", p, dict(delta=0.05), "token-mean"))
     # kpo with gain 1 at every token (no smoothing) is PPO
     _same(("kpo", p, dict(process_var=1e12, obs_var=1e-12, eps_low=0.2, eps_high=0.28), "token-mean"),
           ("ppo", p, dict(eps_low=0.2, eps_high=0.28), "token-mean"))
@@ -314,16 +320,40 @@ def test_minpro_prefix_stops_at_each_sequence():
     assert grad[p["mask"]][2:].tolist() == pytest.approx([-0.25, -0.25])
 
 
-def test_cppo_prefix_budget_counts_the_current_token():
+def test_cppo_prefix_mean_counts_the_current_token():
     """B_t includes token t: token 2 alone is within δ (0.1 <= 0.15) and the prefix before it is within
     the budget (0.04), but B_2 = (0.04 + 0.1)/2 = 0.07 > 0.06, so token 2 (A>0, r>1) is masked."""
     seqs = [dict(lp=[math.log(0.54), math.log(0.6), math.log(0.4)], old=[math.log(0.5)] * 3,
                  adv=[1.0, 1.0, 1.0], roll=[0.0] * 3)]
     opts = dict(divergence="tv", delta=0.15, w_min=1.0, budget=0.06)
-    _, grad, _ = lib_loss("cppo", padded(seqs), opts, "token-mean")
-    fd = _fd_grad("cppo", seqs, opts, "token-mean")[0]
+    _, grad, _ = lib_loss("cppo_prefix_mean", padded(seqs), opts, "token-mean")
+    fd = _fd_grad("cppo_prefix_mean", seqs, opts, "token-mean")[0]
     assert grad[0, :3].tolist() == pytest.approx(fd, rel=1e-6, abs=1e-9)
     assert grad[0, 1].item() == 0 and grad[0, 0].item() != 0 and grad[0, 2].item() != 0  # r_3 < 1: kept
+
+
+def test_cppo_budget_compounds_where_the_prefix_mean_dilutes():
+    """One early drift (D_1 = 0.1) then on-policy tokens that move slightly with A > 0 (D = 0.01 each).
+    The cumulative budget C_t = 0.1 + 0.01·(t-1) passes B = 0.135 at t = 5 and stays past it, so every
+    later token that moves is masked; the prefix mean (0.1 + 0.01·(t-1))/t only falls, so with the same
+    bound it masks nothing."""
+    n = 8
+    lp = [math.log(0.6)] + [math.log(0.51)] * (n - 1)
+    seqs = [dict(lp=lp, old=[math.log(0.5)] * n, adv=[1.0] * n, roll=[0.0] * n)]
+    opts = dict(divergence="tv", delta=0.15, w_min=1.0, budget=0.135)
+    _, grad, m = lib_loss("cppo", padded(seqs), opts, "token-mean")
+    assert grad[0, :n].tolist() == pytest.approx(_fd_grad("cppo", seqs, opts, "token-mean")[0], rel=1e-6, abs=1e-9)
+    kept = [g != 0 for g in grad[0, :n].tolist()]
+    assert kept == [True, True, True, True, False, False, False, False]
+    assert float(m["clipfrac_high"]) == pytest.approx(4 / n)
+    _, grad_mean, _ = lib_loss("cppo_prefix_mean", padded(seqs), opts, "token-mean")
+    assert all(g != 0 for g in grad_mean[0, :n].tolist())  # the mean never passes 0.135: the early drift diluted
+
+
+def test_cppo_old_null_budget_names_the_prefix_mean_objective():
+    x = torch.zeros(1, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^budget: .*cppo_prefix_mean"):
+        policy_loss("cppo", x, x, x, torch.ones(1, 2), budget=None)
 
 
 @pytest.mark.parametrize("gradient", ["token", "filter"])
@@ -340,7 +370,7 @@ def test_kpo_filter_runs_across_chunks(gradient):
     assert flat == pytest.approx(fd, rel=1e-6, abs=1e-9)
 
 
-@pytest.mark.parametrize("name, opts", [("minpro", {}), ("dppo", {}), ("dppo", {"divergence": "kl"}), ("cppo", {}),
+@pytest.mark.parametrize("name, opts", [("minpro", {}), ("dppo", {}), ("dppo", {"divergence": "kl"}), ("cppo", {}), ("cppo_prefix_mean", {}),
                                         ("dhpo", {}), ("holder", {"p": 2.0}), ("holder", {"p": -1.0}), ("kpo", {}),
                                         ("kpo", {"gradient": "filter"}), ("aspo", {}), ("ppo", {"clip_mode": "dynamic"})])
 def test_overflowing_ratio_gives_finite_loss_and_gradient(name, opts):
@@ -368,7 +398,8 @@ def test_aspo_negative_overflow_is_capped_by_the_soft_dual_clip():
 BAD_OPTIONS = [
     ("dppo", {"delta": 0}, "delta"), ("dppo", {"delta": -0.1}, "delta"), ("dppo", {"divergence": "js"}, "divergence"),
     ("cppo", {"delta": 0.0}, "delta"), ("cppo", {"w_min": 0}, "w_min"), ("cppo", {"w_min": 1.5}, "w_min"),
-    ("cppo", {"budget": -1}, "budget"), ("cppo", {"divergence": "hellinger"}, "divergence"),
+    ("cppo", {"budget": -1}, "budget"), ("cppo", {"budget": None}, "budget"), ("cppo", {"divergence": "hellinger"}, "divergence"),
+    ("cppo_prefix_mean", {"budget": 0}, "budget"), ("cppo_prefix_mean", {"w_min": 2}, "w_min"),
     ("holder", {"p": "two"}, "p"), ("holder", {"p": True}, "p"),
     ("dhpo", {"alpha": 1.5}, "alpha"), ("dhpo", {"alpha": -0.1}, "alpha"), ("dhpo", {"seq_eps_low": -1}, "seq_eps_low"),
     ("kpo", {"obs_var": 0}, "obs_var"), ("kpo", {"process_var": -1}, "process_var"), ("kpo", {"gradient": "x"}, "gradient"),
@@ -411,7 +442,7 @@ def test_good_options_load(tmp_path):
     assert cfg.algorithm.objective_options == {"clip_mode": "dynamic", "eps_high": 0.28}
 
 
-NEW = ("minpro", "dppo", "cppo", "dhpo", "holder", "kpo", "aspo")
+NEW = ("minpro", "dppo", "cppo", "cppo_prefix_mean", "dhpo", "holder", "kpo", "aspo")
 
 
 def test_listed_with_paper_seed_and_formula(capsys):
@@ -421,7 +452,7 @@ def test_listed_with_paper_seed_and_formula(capsys):
     by_name = {e.name: e for e in entries("objective")}
     for name in NEW:
         assert name in rows, name
-        assert "seed 000 A" in by_name[name].paper and by_name[name].paper in rows[name]
+        assert "arXiv:" in by_name[name].paper and by_name[name].paper in rows[name]
         assert by_name[name].formula.splitlines()[0].strip() in out
         for option in by_name[name].option_names():
             assert option in out

@@ -91,6 +91,67 @@ def reinforce_pp_baseline(r: Tensor, o: WhitenOptions, lengths: Tensor | None) -
     return (a - mean) / (var.sqrt() + o.eps)
 
 
+@dataclass
+class RiskPOOptions:
+    alpha: float = 0.2  # [P] lower quantile level (the paper's α)
+    beta: float = 0.8  # [P] upper quantile level (β)
+    mix: float = 1.5  # [P] w: weight of the lower-tail CVaR term against the [α, β] range (0: the range alone)
+    bundle_size: int = 1  # [P: 5 in the paper] prompts whose responses are summed into one bundle ("paper")
+    normalize: bool = True  # [P] divide by the std of the bundle scores
+    eps: float = 1e-6
+
+    def __post_init__(self):
+        for key in ("alpha", "beta"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1:
+                raise ValueError(f"{key}: must be in (0, 1), got {v!r}")
+        if not self.alpha < self.beta:
+            raise ValueError(f"beta: must be > alpha ({self.alpha!r}), got {self.beta!r}")
+        if isinstance(self.mix, bool) or not isinstance(self.mix, (int, float)) or not self.mix >= 0 \
+                or self.mix == float("inf"):
+            raise ValueError(f"mix: must be a finite number >= 0, got {self.mix!r}")
+        if isinstance(self.bundle_size, bool) or not isinstance(self.bundle_size, int) or self.bundle_size < 1:
+            raise ValueError(f"bundle_size: must be an integer >= 1, got {self.bundle_size!r}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize: must be true or false, got {self.normalize!r}")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not self.eps > 0:
+            raise ValueError(f"eps: must be > 0, got {self.eps!r}")
+
+
+@register(
+    "riskpo", "advantage", "batch",
+    "Ren et al. 2025, RiskPO: Risk-based Policy Optimization via Verifiable Reward for LLM Post-Training "
+    "(arXiv:2510.00911), Mixed Value-at-Risk with question bundling",
+    RiskPOOptions, min_group=2,  # one bundle score: its quantiles are itself, every advantage 0
+)
+def riskpo(r: Tensor, o: RiskPOOptions, lengths: Tensor | None) -> Tensor:
+    """Bundles: consecutive groups of bundle_size prompts (the last may be smaller); within a bundle the j-th
+    response of every prompt forms "paper" j with score S_j = Σ_{prompts p} R_{p,j} (bundle_size 1: S_j = R_j).
+    Per bundle: q_α, q_β the α- and β-quantiles of {S_j} (linear interpolation), σ their std (n-1);
+    range term V_j = (clip(S_j, q_α, q_β) - q_β)/(β - α + eps) (the [α, β] region, RVaR);
+    tail term C_j = -max(q_α - S_j, 0)/(α + eps) (the lower tail, CVaR);
+    A_j = (w·C_j + V_j)/(w + 1) (w = mix: the Mixed VaR's weights over the two regions), divided by σ + eps when
+    normalize (σ = 1 for a single paper); every response of paper j gets A_j. The quantile levels, w = 1.5,
+    bundling by response index and the std normalisation are [P: the paper's public code]; bundle_size
+    defaults to 1 [A] (the paper uses 5) so that any prompts_per_step works. Advantages are ≤ 0: the best papers
+    get 0 and the worst the largest push (the risk-averse weighting the abstract describes)."""
+    p_count, n = r.shape
+    out = torch.empty_like(r)
+    for start in range(0, p_count, o.bundle_size):
+        block = r[start:start + o.bundle_size]
+        scores = block.sum(0)  # [n]: one score per paper
+        q_lo = torch.quantile(scores, o.alpha)
+        q_hi = torch.quantile(scores, o.beta)
+        v = (torch.minimum(torch.maximum(scores, q_lo), q_hi) - q_hi) / (o.beta - o.alpha + o.eps)
+        c = -(q_lo - scores).clamp(min=0) / (o.alpha + o.eps)
+        adv = (o.mix * c + v) / (o.mix + 1)
+        if o.normalize:
+            sigma = scores.std() if n > 1 else torch.ones((), dtype=r.dtype)
+            adv = adv / (sigma + o.eps)
+        out[start:start + o.bundle_size] = adv.expand_as(block)
+    return out
+
+
 def compute_advantages(name: str, rewards: Tensor, *, group_size: int | None = None, lengths: Tensor | None = None,
                        **options) -> Tensor:
     """Advantages of estimator `name` for `rewards` ([P, n], or flat [P·n] with group_size); `lengths`:

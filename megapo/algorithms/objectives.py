@@ -61,7 +61,7 @@ def _pessimistic(log_ratio: Tensor, adv: Tensor, lo, hi, neg_cap: float | None =
     """
     top = log_ratio.clamp(max=hi)
     if neg_cap is None:
-        capped = torch.where(adv > 0, top, log_ratio)
+        capped = torch.where(adv >= 0, top, log_ratio)  # A = 0: loss 0 either way, but never 0·inf
     else:
         capped = torch.where(adv > 0, top, log_ratio.clamp(max=neg_cap))
     clipped = torch.clamp(log_ratio, min=lo, max=hi)
@@ -477,3 +477,222 @@ def reinforce(b: TokenBatch, o: ReinforceOptions) -> ObjectiveOut:
     ratio = torch.exp(_log_ratio(b))
     weight = ratio.detach() if o.importance_weight else torch.ones_like(ratio)
     return ObjectiveOut(-weight * b.advantages * b.logp, ratio)
+
+
+# ----------------------------------------------------------------------------------------- fipo
+
+
+def discounted_future_sum(values: Tensor, gamma: float, chunk: int = 256) -> Tensor:
+    """[S, T] -> [S, T]: F_t = Σ_{s>=t} γ^{s-t}·values_s along each row. Blocks of `chunk` columns from the end:
+    inside a block a [c, c] matrix of γ^{s-t} (s >= t), plus γ^{e-t}·F_e for the block after it (e its first
+    column), so the Python loop runs T/chunk times and no γ^{-s} overflows."""
+    rows, width = values.shape
+    out = torch.empty_like(values)
+    carry = values.new_zeros(rows)
+    g = torch.tensor(gamma, dtype=values.dtype, device=values.device)
+    for end in range(width, 0, -chunk):
+        start = max(0, end - chunk)
+        n = end - start
+        idx = torch.arange(n, device=values.device)
+        dist = idx[None, :] - idx[:, None]  # [t, s]: s - t
+        decay = torch.where(dist >= 0, g ** dist.clamp(min=0).to(values.dtype), torch.zeros((), dtype=values.dtype,
+                                                                                              device=values.device))
+        block = values[:, start:end] @ decay.T + carry[:, None] * g ** (n - idx).to(values.dtype)[None, :]
+        out[:, start:end] = block
+        carry = block[:, 0]
+    return out
+
+
+@dataclass
+class FIPOOptions:
+    eps_low: float = 0.2
+    eps_high: float = 0.28  # [P] DAPO's clip-higher: FIPO keeps DAPO's scaffold
+    half_life: float | None = 32.0  # [P] tokens: γ = 2^(-1/half_life); null: no discount (γ = 1)
+    clip: float = 0.2  # [P] ε_f of the influence weight's clip
+    clip_high_only: bool = True  # [P] the weight in [1, 1 + ε_f] (else [1 - ε_f, 1 + ε_f])
+    dual_clip: float | None = None  # [P] δ > 1 (10.0 in the paper's 32B recipe): dual clip, and r_t > δ leaves F
+    safety_threshold: float | None = 4.0  # [P] A_t < 0 and r_t above it: the weight is held in [0.8, 1]
+
+    def __post_init__(self):
+        _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high)
+        h = self.half_life
+        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h)
+                              or not h > 0):
+            raise ValueError(f"half_life: must be a finite number > 0 (null: no discount), got {h!r}")
+        if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or not 0 <= self.clip < 1:
+            raise ValueError(f"clip: must be in [0, 1), got {self.clip!r}")
+        if not isinstance(self.clip_high_only, bool):
+            raise ValueError(f"clip_high_only: must be true or false, got {self.clip_high_only!r}")
+        if self.dual_clip is not None and (isinstance(self.dual_clip, bool) or not isinstance(self.dual_clip, (int, float))
+                                           or not math.isfinite(self.dual_clip) or not self.dual_clip > 1 + self.eps_high):
+            raise ValueError(f"dual_clip: must be a finite number > 1 + eps_high, got {self.dual_clip!r}")
+        s = self.safety_threshold
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0):
+            raise ValueError(f"safety_threshold: must be a finite number > 0 (null: off), got {s!r}")
+
+    @property
+    def gamma(self) -> float:
+        return 1.0 if self.half_life is None else 2.0 ** (-1.0 / self.half_life)
+
+
+def fipo_weight(b: TokenBatch, o: FIPOOptions) -> Tensor:
+    """[S, T] detached influence weight f_t of objective fipo (its docstring)."""
+    log_r = _log_ratio(b).detach()
+    delta = log_r
+    if o.dual_clip is not None:
+        delta = torch.where(log_r > math.log(o.dual_clip), torch.zeros_like(log_r), log_r)
+    future = discounted_future_sum(delta, o.gamma)
+    lo = 1.0 if o.clip_high_only else 1.0 - o.clip
+    weight = torch.exp(future.clamp(max=math.log1p(o.clip))).clamp(lo, 1.0 + o.clip)
+    if o.safety_threshold is not None:
+        unsafe = (b.advantages < 0) & (log_r > math.log(o.safety_threshold))
+        weight = torch.where(unsafe, weight.clamp(0.8, 1.0), weight)
+    return weight
+
+
+@register(
+    "fipo", "objective", "token",
+    "Ma et al. 2026, FIPO: Eliciting Deep Reasoning with Future-KL Influenced Policy Optimization (arXiv:2603.19835)",
+    FIPOOptions,
+    loss_agg="token-mean",  # [P] DAPO's token mean (the public implementation normalises by all response tokens)
+)
+def fipo(b: TokenBatch, o: FIPOOptions) -> ObjectiveOut:
+    """Δ_t = log π_θ(y_t) - log π_old(y_t), the policy's drift inside the update (detached), 0 where r_t > δ when
+    dual_clip δ is given [P]; F_t = Σ_{s>=t} γ^{s-t}·Δ_s over the rest of the response (the discounted future KL),
+    γ = 2^(-1/half_life); f_t = sg[clip(exp(F_t), lo, 1 + ε_f)], lo = 1 (clip_high_only) or 1 - ε_f; where
+    A_t < 0 and r_t > safety_threshold, f_t is held in [0.8, 1] [P]; Ã_t = A_t·f_t (the dense advantage: a token
+    whose continuation this update is making likelier gets up to 1 + ε_f times the sequence advantage);
+    loss_t = max(-Ã_t·r_t, -Ã_t·clip(r_t, 1-ε_low, 1+ε_high)), with dual clip δ for A_t < 0: min(loss_t, -δ·Ã_t).
+    The abstract gives only "discounted future-KL divergence re-weights token advantages"; Δ's sign, γ, the
+    exp-then-clip weight, the δ filter and the safety hold are [P: the public FIPO implementation and ms-swift's
+    documentation of it]. At the first mini-batch of a step π_θ = π_old, so f_t = 1 and this is PPO: the weight
+    acts as the update moves the policy (train.mini_batches > 1)."""
+    weight = fipo_weight(b, o)
+    ppo_opts = PPOOptions(eps_low=o.eps_low, eps_high=o.eps_high, dual_clip=o.dual_clip)
+    out = ppo(TokenBatch(b.logp, b.old_logp, b.advantages * weight, b.mask, b.rollout_logp, b.extra), ppo_opts)
+    return ObjectiveOut(out.loss, out.ratio, out.clip_low, out.clip_high, out.clip_dual)
+
+
+# ----------------------------------------------------------------------------------------- search_sapo
+
+
+SEARCH_SAPO_KL = ("k1", "k3")
+
+
+@dataclass
+class SearchSAPOOptions:
+    eps_low: float = 0.2  # GRPO's clip (Search-R1's, the baseline it modifies)
+    eps_high: float = 0.2
+    beta: float = 0.1  # [A] weight of the conditional KL term
+    prob_max: float = 0.2  # [A] "low probability": π_θ(y_t) below it
+    drift: float = 0.2  # [A] "shifted excessively": r_t < 1 - drift (the lower clip edge by default)
+    kl_approx: str = "k3"  # [A] KL(π_old‖π_θ) at the sampled token: k3 = r - 1 - log r (>= 0), k1 = -log r
+
+    def __post_init__(self):
+        _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high, beta=self.beta)
+        for key in ("prob_max", "drift"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ValueError(f"{key}: must be in (0, 1], got {v!r}")
+        if self.kl_approx not in SEARCH_SAPO_KL:
+            raise ValueError(f"kl_approx: must be one of {', '.join(SEARCH_SAPO_KL)}, got {self.kl_approx!r}")
+
+
+@register(
+    "search_sapo", "objective", "token",
+    "Li et al. 2026, Improving Search Agent with One Line of Code (arXiv:2603.10069), SAPO (Search Agent Policy "
+    "Optimization; not the Soft Adaptive PO registered as sapo)",
+    SearchSAPOOptions,
+    loss_agg="seq-mean-token-mean",  # GRPO's 1/G Σ_i 1/|y_i| Σ_t, the objective it adds one line to
+)
+def search_sapo(b: TokenBatch, o: SearchSAPOOptions) -> ObjectiveOut:
+    """GRPO's clipped surrogate plus a conditional token-level KL(π_old‖π_θ):
+    loss_t = max(-A_t·r_t, -A_t·clip(r_t, 1-ε_low, 1+ε_high)) + β·M_t·k_t,
+    M_t = 1 only where A_t > 0 (a positive token), π_θ(y_t) < prob_max (low probability) and r_t < 1 - drift
+    (the policy has shifted it excessively away from π_old: the importance-sampling-ratio collapse the paper
+    names), else 0, M_t detached; k_t = r_t - 1 - log r_t (kl_approx=k3) or -log r_t (k1), the sampled-token
+    estimate of KL(π_old‖π_θ) with y_t ~ π_old. Where PPO's gradient -A_t·r_t·∇log π_θ vanishes as r_t → 0,
+    the KL term's β·(1 - r_t) (k3) or β (k1) keeps pulling the token back. The abstract fixes the three conditions
+    and the KL's direction; the thresholds, the estimator and β are assumptions [A]."""
+    adv = b.advantages
+    log_r = _log_ratio(b)
+    lo, hi = _log_bounds(o.eps_low, o.eps_high)
+    loss = _pessimistic(log_r, adv, lo, hi)
+    ratio = torch.exp(log_r)
+    ell = log_r.detach()
+    drifted = (adv > 0) & (b.logp.detach() < math.log(o.prob_max)) & (ell < math.log1p(-o.drift)) & b.mask \
+        if o.drift < 1 else torch.zeros_like(b.mask)
+    # k on the drifted tokens only (elsewhere ℓ is replaced by 0 so that no overflowing e^ℓ meets a 0 weight)
+    safe = torch.where(drifted, log_r, torch.zeros_like(log_r))
+    kl = torch.expm1(safe) - safe if o.kl_approx == "k3" else -safe
+    loss = loss + o.beta * drifted.to(loss.dtype) * kl
+    return ObjectiveOut(loss, ratio,
+                        clip_low=(adv < 0) & (ell < lo) & b.mask, clip_high=(adv > 0) & (ell > hi) & b.mask)
+
+
+# ----------------------------------------------------------------------------------------- dgpo
+
+
+@dataclass
+class DGPOOptions:
+    eps_low: float = 0.2
+    eps_high: float = 0.28  # [A] DAPO's clip-higher, the baseline the paper compares with
+    mix: float = 1.0  # [A] λ: the share of the sequence advantage redistributed by the gated scores (0: GRPO's)
+    entropy_scale: float = 1.0  # [A] τ of the entropy gate g_t = 1 - e^{-H_t/τ}
+
+    def __post_init__(self):
+        _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high)
+        if isinstance(self.mix, bool) or not isinstance(self.mix, (int, float)) or not 0 <= self.mix <= 1:
+            raise ValueError(f"mix: must be in [0, 1], got {self.mix!r}")
+        check_entropy_scale(self.entropy_scale)
+
+    @property
+    def token_inputs(self) -> tuple[str, ...]:
+        return ("old_entropy",)
+
+    # π_ref's per-token log-probs, which policy_loss hands every objective as ref_logp (the run loads a reference)
+    reference_inputs = ("ref_logp",)
+
+
+def binary_hellinger(logp: Tensor, other_logp: Tensor) -> Tensor:
+    """Hellinger distance between the two-outcome distributions (the sampled token vs the rest) of p = e^logp
+    and q = e^other: H = √(1 - √(p·q) - √((1-p)(1-q))), in [0, 1] (log-probs above 0 count as 0)."""
+    lp, lq = logp.clamp(max=0), other_logp.clamp(max=0)
+    bc = torch.exp((lp + lq) / 2) + torch.sqrt((-torch.expm1(lp)) * (-torch.expm1(lq)))
+    return torch.sqrt((1 - bc).clamp(min=0))
+
+
+def dgpo_token_advantages(b: TokenBatch, o: DGPOOptions) -> Tensor:
+    """[S, T] detached Ã_t of objective dgpo (its docstring)."""
+    if "ref_logp" not in b.extra:
+        raise ValueError("ref_logp: objective dgpo measures each token's deviation from π_ref (policy_loss ref_logp=; "
+                         "a run must load the reference)")
+    dev = binary_hellinger(b.old_logp, b.extra["ref_logp"].detach())
+    score = entropy_level(old_entropy(b), o.entropy_scale) * dev * b.fmask
+    total = score.sum(-1, keepdim=True)
+    share = torch.where(total > 0, b.lengths[:, None] * score / torch.where(total > 0, total, torch.ones_like(total)),
+                        torch.ones_like(score))
+    return b.advantages * (1 - o.mix + o.mix * share) * b.fmask
+
+
+@register(
+    "dgpo", "objective", "token",
+    "Jin et al. 2026, DGPO: Distribution-Guided Policy Optimization for Fine-Grained Credit Assignment "
+    "(arXiv:2605.03327)",
+    DGPOOptions,
+    loss_agg="token-mean",  # [A] the abstract names none: DAPO's token mean, the baseline it reports against
+)
+def dgpo(b: TokenBatch, o: DGPOOptions) -> ObjectiveOut:
+    """D_t = Hellinger distance between π_old and π_ref at the token, in the binary form (the sampled token vs
+    the rest): D_t = √(1 - √(q·p) - √((1-q)(1-p))), q = π_old(y_t), p = π_ref(y_t), bounded in [0, 1] where KL is
+    not [A: which pair of policies and the binary form]; g_t = 1 - e^{-H_t/τ} the entropy gate from π_old's
+    entropy H_t (a confident, low-entropy deviation scores near 0) [A: the map]; s_t = g_t·D_t the gated deviation
+    score; the sequence advantage is redistributed over the sequence's L tokens in proportion to it:
+    Ã_t = A·(1 - λ + λ·L·s_t/Σ_u s_u) (Σ_t Ã_t = L·A: the sequence's total credit kept; λ = mix; every factor 1
+    when Σ_u s_u = 0) [A: the proportional form]; Ã detached. loss_t = max(-Ã_t·r_t, -Ã_t·clip(r_t, 1-ε_low,
+    1+ε_high)). No KL penalty: the reference enters only through D_t (keep kl_coef 0; the run must still load
+    π_ref and pass ref_logp)."""
+    adv = dgpo_token_advantages(b, o)
+    out = ppo(TokenBatch(b.logp, b.old_logp, adv, b.mask, b.rollout_logp, b.extra),
+              PPOOptions(eps_low=o.eps_low, eps_high=o.eps_high))
+    return ObjectiveOut(out.loss, out.ratio, out.clip_low, out.clip_high)

@@ -6,7 +6,7 @@
 
 - `advantage_stage` entries reshape advantages after the estimator: `polarity` on the sequence
   advantages, the others turn them into per-token advantages from π_old's per-token statistics
-  (sample.old_logp, sample.old_entropy: the old-log-prob pass's); fipo also from the reference's
+  (sample.old_logp, sample.old_entropy: the old-log-prob pass's); future_drift also from the reference's
   (sample.ref_logp) or the engine's (sample.rollout_logp) log-probs.
 - `token_weight` entries give a detached weight per token that multiplies the objective's per-token
   loss as a correction does (policy_loss's `token_weight`); the normaliser's token count is unchanged.
@@ -195,7 +195,7 @@ AGAINST = ("reference", "engine")
 
 
 @dataclass
-class FipoOptions:
+class FutureDriftOptions:
     half_life: float | None = 32.0  # tokens: the discount γ = 2^(−1/half_life); null: no discount (γ = 1)
     clip: float = 0.2  # ε of the influence weight's clip
     clip_high_only: bool = True  # the weight in [1, 1 + ε] (else [1 − ε, 1 + ε])
@@ -234,30 +234,54 @@ def discounted_to_go(values: Tensor, gamma: float) -> Tensor:
 
 
 @register(
-    "fipo", "advantage_stage", "token",
-    "Ma et al. 2026, FIPO: Eliciting Deep Reasoning with Future-KL Influenced Policy Optimization "
-    "(arXiv:2603.19835), seed 000 A120",
-    FipoOptions,
+    "future_drift", "advantage_stage", "token",
+    "FIPO's future-KL influence weight (Ma et al. 2026, FIPO: Eliciting Deep Reasoning with Future-KL Influenced "
+    "Policy Optimization, arXiv:2603.19835) applied before the update to π_old's drift from π_ref (or from the "
+    "engine's μ): not FIPO's in-update Δ = log π_θ − log π_old, which is objective fipo",
+    FutureDriftOptions,
 )
-def fipo(adv: Tensor, s: TokenStats, o: FipoOptions) -> Tensor:
-    """Ã_{i,t} = A_i·f_t, f_t = clip(exp(F_t), lo, 1 + ε), F_t = Σ_{s=t}^{L} γ^{s−t}·Δ_s the discounted future KL,
-    Δ_s = log π_old(y_s) − log b(y_s), γ = 2^(−1/half_life) (1: half_life null), lo = 1 (clip_high_only) or 1 − ε: a token whose
-    continuation the training has made likelier (F_t > 0) gets up to 1 + ε times the sequence advantage.
-    The abstract gives only "discounted future-KL divergence re-weights token advantages (dense advantage)";
-    Δ's sign, γ = 2^(−1/32), the exp-then-clip weight with ε = 0.2 and the high-only clip are [P: as ms-swift's
-    FIPO documentation states the paper's recipe, where Δ_s = log π_θ − log π_old inside each update]. [A] Here
-    the stage runs once before the updates, where π_θ = π_old and that Δ is 0, so the other policy b is:
+def future_drift(adv: Tensor, s: TokenStats, o: FutureDriftOptions) -> Tensor:
+    """Ã_{i,t} = A_i·f_t, f_t = clip(exp(F_t), lo, 1 + ε), F_t = Σ_{s=t}^{L} γ^{s−t}·Δ_s the discounted future drift,
+    Δ_s = log π_old(y_s) − log b(y_s), γ = 2^(−1/half_life) (1: half_life null), lo = 1 (clip_high_only) or 1 − ε: a
+    token whose continuation the training so far has made likelier (F_t > 0) gets up to 1 + ε times the sequence
+    advantage. The discount, the exp-then-clip weight and its defaults are FIPO's [P: ms-swift's FIPO
+    documentation]; its Δ is not: FIPO's Δ_s = log π_θ − log π_old is measured inside each update (objective fipo),
+    where this stage runs once before the updates, where π_θ = π_old. So the other policy b here is [A]:
     against=reference (default) π_ref, the frozen start of training (Δ: how far training has moved each token;
-    loads the reference as kl_coef > 0 does), or against=engine μ = sample.rollout_logp, the policy that drew
-    the sample (Δ: staleness plus the engine's numerics; refused with old_policy=engine, where π_old is μ).
-    [A] The weight is a detached constant; the paper's extreme-ratio token filtering (its δ) and dual clip are
-    not included."""
+    loads the reference as kl_coef > 0 does), or against=engine μ = sample.rollout_logp, the policy that drew the
+    sample (Δ: staleness plus the engine's numerics; refused with old_policy=engine, where π_old is μ). The
+    weight is a detached constant. (Registered as `fipo` until issue 32; that name now refuses, naming this.)"""
     other = s.ref_logp if o.against == "reference" else s.rollout_logp
     delta = torch.where(s.mask, s.old_logp - other, torch.zeros_like(s.old_logp))
     future = discounted_to_go(delta, o.gamma)
     lo = 1.0 if o.clip_high_only else 1.0 - o.clip
     weight = torch.clamp(torch.exp(future), lo, 1.0 + o.clip)
     return adv[..., None] * weight * s.mask
+
+
+FIPO_RENAMED = ("token_advantage: the stage registered as fipo measured π_old's drift from π_ref (or μ) once "
+                "before the update, not FIPO's drift of π_θ inside it: it is now token_advantage=future_drift "
+                "(same options); FIPO itself is algorithm.objective=fipo")
+
+
+@dataclass
+class RenamedFipoOptions(FutureDriftOptions):
+    """The old stage name: accepts future_drift's options (so the message below is the one a config gets) and
+    refuses."""
+
+    def __post_init__(self):
+        raise ValueError(FIPO_RENAMED)
+
+
+@register(
+    "fipo", "advantage_stage", "token",
+    "renamed: the stage is future_drift, FIPO (Ma et al. 2026, arXiv:2603.19835) the objective fipo",
+    RenamedFipoOptions,
+)
+def renamed_fipo(adv: Tensor, s: TokenStats, o) -> Tensor:
+    """Refused: token_advantage=fipo is now future_drift (π_old's drift from π_ref before the update); FIPO's
+    in-update future-KL weight is objective fipo."""
+    raise ValueError(FIPO_RENAMED)
 
 
 NEEDS_ENTROPY = ("gtpo", "grpo_s")

@@ -1,4 +1,5 @@
-"""Ratio and trust-region objectives of seed 000 (issue 14): minpro, dppo, cppo, dhpo, sspo, holder, kpo, aspo.
+"""Ratio and trust-region objectives of seed 000 (issue 14): minpro, dppo, cppo (and cppo_prefix_mean), dhpo, sspo,
+holder, kpo, aspo.
 
 Conventions are objectives.py's: a per-token loss on the padded [S, T] view, r_t = π_θ(y_t)/π_old(y_t),
 ℓ_t = log r_t, A_t the advantage, sg[·] stop-gradient. A sequence is a row of that view (batch.build
@@ -155,7 +156,66 @@ class CPPOOptions:
     divergence: str = "tv"
     delta: float = 0.15  # [A] token threshold at t = 1
     w_min: float = 0.8  # [P] the position weight at the last token (the paper's default)
-    budget: float | None = None  # bound on the weighted prefix average; None: delta
+    budget: float = 1.0  # [A] the cumulative prefix budget: Σ_{s<=t} w_s·D_s may not pass it
+
+    def __post_init__(self):
+        _check_choice("divergence", self.divergence, DIVERGENCES)
+        _check_positive(delta=self.delta, w_min=self.w_min)
+        if self.w_min > 1:
+            raise ValueError(f"w_min: must be in (0, 1], got {self.w_min!r}")
+        if self.budget is None:
+            raise ValueError("budget: the cumulative prefix budget is a finite number > 0 (its default is 1.0); "
+                             "the old prefix-mean bound (budget null: δ) is objective cppo_prefix_mean")
+        _check_positive(budget=self.budget)
+
+
+def _position_weights(b: TokenBatch, w_min: float) -> Tensor:
+    """w_t = 1 - (1-w_min)·(t-1)/(L-1) (1 when L = 1): 1 at a row's first valid token, w_min at its last."""
+    t = b.positions
+    span = (b.lengths[:, None] - 1).clamp(min=1)
+    return 1 - (1 - w_min) * (t - 1).clamp(min=0) / span
+
+
+def _divergence_mask_loss(b: TokenBatch, over: Tensor) -> ObjectiveOut:
+    """dppo's masked ratio loss: drop the tokens that are `over` and move the way their advantage pushes them."""
+    adv = b.advantages
+    log_r = _log_ratio(b)
+    drop = _moves_with_advantage(adv, log_r.detach()) & over & b.mask
+    return ObjectiveOut(_masked_ratio_loss(log_r, adv, ~drop), torch.exp(log_r.detach()),
+                        clip_low=drop & (adv < 0), clip_high=drop & (adv > 0))
+
+
+@register(
+    "cppo", "objective", "token",
+    "Mao et al. 2026, Beyond Uniform Token-Level Trust Region in LLM Reinforcement Learning "
+    "(arXiv:2606.10968), CPPO (Cumulative Prefix-divergence Policy Optimization)",
+    CPPOOptions,
+    loss_agg="token-mean",  # [A] the paper's aggregation is not in the abstract: DAPO's token mean
+)
+def cppo(b: TokenBatch, o: CPPOOptions) -> ObjectiveOut:
+    """D_t = the Binary divergence of dppo (divergence=tv|kl) between π_θ and π_old at the sampled token;
+    w_t = 1 - (1-w_min)·(t-1)/(L-1) (w = 1 when L = 1), a linear weight from 1 at the first token to w_min at
+    the last [P], so the position-weighted threshold D_t <= δ/w_t is strict early and relaxed late;
+    C_t = Σ_{s<=t} w_s·D_s, the cumulative prefix divergence: a running sum that never shrinks, so drift spent
+    early keeps counting against every later token (it compounds, where a prefix mean would dilute it), over
+    every earlier valid token whether masked or not [A: the abstract names a cumulative prefix budget that
+    tracks historical deviations and restricts further token-level deviation; the running sum, its weighting
+    by w_s and the budget B (option `budget`, default 1.0 in the divergence's units) are assumptions];
+    token t fits the budget left by its prefix when w_t·D_t <= B - C_{t-1}, i.e. C_t <= B;
+    M_t = 0 when the token moves the way its advantage pushes it (A>0 and r>1, or A<0 and r<1) and
+    (w_t·D_t > δ or C_t > B), else 1; loss_t = -M_t·r_t·A_t (M_t detached), as dppo."""
+    div = binary_divergence(b, o.divergence)
+    weighted = torch.where(b.mask, _position_weights(b, o.w_min) * div, torch.zeros_like(div))
+    spent = torch.cumsum(weighted, -1)
+    return _divergence_mask_loss(b, (weighted > o.delta) | (spent > o.budget))
+
+
+@dataclass
+class PrefixMeanOptions:
+    divergence: str = "tv"
+    delta: float = 0.15  # [A] token threshold at t = 1
+    w_min: float = 0.8  # the position weight at the last token
+    budget: float | None = None  # bound on the weighted prefix mean; None: delta
 
     def __post_init__(self):
         _check_choice("divergence", self.divergence, DIVERGENCES)
@@ -167,34 +227,23 @@ class CPPOOptions:
 
 
 @register(
-    "cppo", "objective", "token",
-    "Mao et al. 2026, Beyond Uniform Token-Level Trust Region in LLM Reinforcement Learning "
-    "(arXiv:2606.10968), CPPO; seed 000 A33",
-    CPPOOptions,
-    loss_agg="token-mean",  # [A] the paper's aggregation is not in the abstract: DAPO's token mean
+    "cppo_prefix_mean", "objective", "token",
+    "CPPO's position-weighted threshold (Mao et al. 2026, Beyond Uniform Token-Level Trust Region in LLM "
+    "Reinforcement Learning, arXiv:2606.10968) with a bound on the prefix MEAN of the weighted divergence in "
+    "place of its cumulative budget: not the paper's rule (what megapo called cppo before issue 32)",
+    PrefixMeanOptions,
+    loss_agg="token-mean",  # DAPO's token mean, as cppo
 )
-def cppo(b: TokenBatch, o: CPPOOptions) -> ObjectiveOut:
-    """D_t = the Binary divergence of dppo (divergence=tv|kl); w_t = 1 - (1-w_min)·(t-1)/(L-1)
-    (w = 1 when L = 1), a linear weight from 1 at the first token to w_min at the last [P], so the
-    position-weighted threshold D_t <= δ/w_t is strict early and relaxed late;
-    B_t = (1/t)·Σ_{s<=t} w_s·D_s, the cumulative prefix divergence as a weighted prefix average, over
-    every earlier valid token whether masked or not [A: the abstract names a cumulative prefix budget;
-    this form and its bound `budget` (default δ) are assumptions];
-    M_t = 0 when the token moves the way its advantage pushes it (A>0 and r>1, or A<0 and r<1) and
-    (w_t·D_t > δ or B_t > budget), else 1; loss_t = -M_t·r_t·A_t (M_t detached), as dppo."""
-    adv = b.advantages
-    log_r = _log_ratio(b)
+def cppo_prefix_mean(b: TokenBatch, o: PrefixMeanOptions) -> ObjectiveOut:
+    """D_t and w_t as cppo; B_t = (1/t)·Σ_{s<=t} w_s·D_s, the weighted divergence's running MEAN over the prefix
+    (every earlier valid token, masked or not): a large early drift is diluted as t grows, which is why this is
+    not cppo's cumulative budget; M_t = 0 when the token moves the way its advantage pushes it and
+    (w_t·D_t > δ or B_t > budget (default δ)), else 1; loss_t = -M_t·r_t·A_t (M_t detached)."""
     div = binary_divergence(b, o.divergence)
-    t = b.positions
-    span = (b.lengths[:, None] - 1).clamp(min=1)
-    weight = 1 - (1 - o.w_min) * (t - 1).clamp(min=0) / span
-    weighted = torch.where(b.mask, weight * div, torch.zeros_like(div))
-    prefix_avg = torch.cumsum(weighted, -1) / t.clamp(min=1)
+    weighted = torch.where(b.mask, _position_weights(b, o.w_min) * div, torch.zeros_like(div))
+    prefix_avg = torch.cumsum(weighted, -1) / b.positions.clamp(min=1)
     budget = o.delta if o.budget is None else o.budget
-    over = (weighted > o.delta) | (prefix_avg > budget)
-    drop = _moves_with_advantage(adv, log_r.detach()) & over & b.mask
-    return ObjectiveOut(_masked_ratio_loss(log_r, adv, ~drop), torch.exp(log_r.detach()),
-                        clip_low=drop & (adv < 0), clip_high=drop & (adv > 0))
+    return _divergence_mask_loss(b, (weighted > o.delta) | (prefix_avg > budget))
 
 
 # ----------------------------------------------------------------------------------------- dhpo

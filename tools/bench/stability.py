@@ -183,7 +183,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "gtpo": ("algorithm.token_advantage=gtpo",),
     "grpo_s": ("algorithm.token_advantage=grpo_s",),
     "advantage_reweighting": ("algorithm.token_advantage=advantage_reweighting",),
-    "fipo": ("algorithm.token_advantage=fipo",),
+    "future_drift": ("algorithm.token_advantage=future_drift",),  # called fipo until issue 32
     "polarity_positive": ("algorithm.advantage_polarity=positive",),
     "polarity_negative": ("algorithm.advantage_polarity=negative",),
     "kl_future": ("algorithm.kl_mode=future", "algorithm.kl_coef=0.05"),
