@@ -10,6 +10,8 @@ It is the Megatron learner (megapo.learner.learner.Learner, built frozen, so the
 pipeline schedule) with the LM head swapped for the score head: GPTModel calls its output layer on the final
 hidden states, so the head returns [s, b, 1] scores where the LM head returned logits. Which position counts is
 transformers' rule: the last token that is not the config's pad_token_id (the last token of an unpadded sequence).
+A value model (megapo/learner/critic.py) is the same model built with head="zeros" from a causal-LM folder (the
+policy's own weights, its LM head left out, the head starting at zeros) and read at every response position.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from megapo.models.family import Family
 
 HEAD = "output_layer"  # the GPTModel attribute the score head takes over
 SCORE_SUFFIX = "ForSequenceClassification"
+# where the head's weights come from: a *ForSequenceClassification folder's score tensor, or zeros (the body from a
+# causal-LM folder, as verl / OpenRLHF start a critic from the policy)
+HEAD_SOURCES = ("score", "zeros")
 
 
 class ScoreHead(torch.nn.Module):
@@ -99,27 +104,33 @@ def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor):
 class ScoreModel:
     def __init__(self, model_dir, parallel: ParallelConfig, optim: OptimConfig | None = None, *, seed: int = 0,
                  micro_batch_tokens: int = 4096, row_tokens: int = 0, total_steps: int | None = None,
-                 frozen: bool = True, precision: Precision = Precision()):
+                 frozen: bool = True, precision: Precision = Precision(), head: str = "score",
+                 routing_replay: bool = False, field: str = "model"):
         """`frozen`: scores only (no DDP wrapper, gradients or optimizer), in the process groups a learner of the
-        same layout made, or new ones. Else trainable: `train_pairs` takes Bradley-Terry steps."""
+        same layout made, or new ones. Else trainable: `train_pairs` takes Bradley-Terry steps. `head`: "score"
+        loads a *ForSequenceClassification folder's head; "zeros" takes a causal-LM folder of a family with a score
+        head, leaves its LM head out and starts the head at zeros. `routing_replay`: the learner's route hook
+        (megapo/replay), for a model sharing the policy's architecture. `field`: what errors name."""
         from megapo.layout import read_hf_config
-        from megapo.models.family import family_for
-        from megapo.weights import hf_load
 
-        hf = read_hf_config(model_dir)
-        family = family_for(hf)
-        check_score_folder(model_dir, hf, family)
+        if head not in HEAD_SOURCES:
+            raise ValueError(f"head: must be one of {', '.join(HEAD_SOURCES)}, got {head!r}")
+        hf = read_hf_config(model_dir, field)
+        family = _family(hf, field)
+        if head == "score":
+            check_score_folder(model_dir, hf, family, field)
         self.pad_id = hf.get("pad_token_id")
+        scored = score_family(family, field)  # (refused before anything is built)
         # built frozen without weights: the LM head is swapped before anything loads, the optimizer built after
         self.learner = Learner(model_dir, parallel, optim, seed=seed, micro_batch_tokens=micro_batch_tokens,
                                row_tokens=row_tokens, total_steps=total_steps, hf_weights=False, frozen=True,
-                               precision=precision)
+                               precision=precision, routing_replay=routing_replay)
         learner = self.learner
-        learner.family = score_family(family)
+        learner.family = scored
         # the score head is never the input embedding, whatever tie_word_embeddings says
         learner.spec = dataclasses.replace(learner.spec, tied_embeddings=False)
         _attach_head(learner.module, learner.config)
-        hf_load.load_hf_weights(learner.module, learner.family, learner.spec, model_dir)
+        _load_weights(learner, model_dir, with_head=head == "score")
         if frozen:
             learner.model.requires_grad_(False)  # (the new head too)
         else:
@@ -194,6 +205,32 @@ class ScoreModel:
 
     def close(self) -> None:
         self.learner.close()
+
+
+def _family(hf: dict, field: str) -> Family:
+    from megapo.models.family import family_for
+
+    try:
+        return family_for(hf)
+    except ConfigError as err:  # it names "model"; the caller's field is the folder's
+        raise ConfigError(field, err.message) from None
+
+
+def _load_weights(learner: Learner, model_dir, *, with_head: bool) -> None:
+    """The folder's tensors into the model; without the head, every one but the head's (a causal-LM folder has an
+    LM head, no score tensor): the head keeps its zeros."""
+    from megapo.weights import hf_load
+
+    module = learner.module
+    if with_head or not module.post_process:
+        hf_load.load_hf_weights(module, learner.family, learner.spec, model_dir)
+        return
+    head = getattr(module, HEAD)
+    setattr(module, HEAD, torch.nn.Identity())  # no parameters: nothing is read for the head
+    try:
+        hf_load.load_hf_weights(module, learner.family, learner.spec, model_dir)
+    finally:
+        setattr(module, HEAD, head)
 
 
 def _attach_head(module, config) -> None:
