@@ -87,6 +87,17 @@ def bounded(default, allowed: str, note: str = ""):
     return field(default=default, metadata={"range": Range(allowed, note)})
 
 
+def check_creatable_dir(path: str, field_name: str) -> None:
+    """`path` is a folder, or one can be made there: no file in its place or above it."""
+    p = Path(path)
+    for existing in (p, *p.parents):
+        if existing.exists():
+            if not existing.is_dir():
+                what = "is a file" if existing == p else f"lies under {existing}, which is a file"
+                raise ConfigError(field_name, f"{path} {what}; it must be a folder")
+            return
+
+
 def check_fields(cfg, prefix: str = "", recursive: bool = True) -> None:
     """Raise ConfigError naming the first field of dataclass `cfg` (and, recursive, of its sections) that is
     not finite or outside its declared range. The loader calls it on every section it builds; `validate()`

@@ -53,6 +53,31 @@ def test_shipped_config_loads(tmp_path, tiny_moe):
     assert cfg.algorithm.routing_replay == "off"
 
 
+def test_routing_replay_is_a_replay_mode(tmp_path, tiny_moe):
+    """algorithm.routing_replay is read as replay.modes.ReplayMode (YAML off/false, r2, r3); shown as its value."""
+    from megapo.commands.config import show_lines
+    from megapo.replay.modes import ReplayMode
+
+    for value, mode in (("off", ReplayMode.OFF), (False, ReplayMode.OFF), ("r2", ReplayMode.R2), ("r3", ReplayMode.R3)):
+        cfg = _load(tmp_path, _set(_base(tiny_moe), "algorithm.routing_replay", value))
+        assert cfg.algorithm.routing_replay is mode
+    assert any(line.startswith("algorithm.routing_replay = r3  (default 'off')") for line in show_lines(cfg))
+
+
+def test_section_configs_live_with_their_packages():
+    """Each section is defined by the package that uses it and importable from megapo.trainer.config too."""
+    import megapo.trainer.config as run_config
+    from megapo.engines.config import PRECISION_DTYPES
+    from megapo.learner.precision import ENGINE_DTYPES
+
+    homes = {"AlgorithmConfig": "megapo.algorithms.config", "DistillConfig": "megapo.algorithms.config",
+             "RolloutConfig": "megapo.engines.config", "EnvConfig": "megapo.envs.config",
+             "ModelConfig": "megapo.models.config", "TinyModelConfig": "megapo.models.config",
+             "TrainConfig": "megapo.trainer.config", "DataConfig": "megapo.trainer.config"}
+    assert {name: getattr(run_config, name).__module__ for name in homes} == homes
+    assert PRECISION_DTYPES == ENGINE_DTYPES  # rollout.dtype=auto follows train.precision with the learner's table
+
+
 def test_valid_base(tmp_path, tiny_moe):
     cfg = _load(tmp_path, _base(tiny_moe))
     assert cfg.rollout.bucket_mb == 512 and cfg.rollout.host == "127.0.0.1"

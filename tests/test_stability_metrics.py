@@ -134,7 +134,7 @@ class RecordingLearner:
         self.calls = []  # ("logprobs", version, routes given) / ("train_step", version, batch copy, options)
         self.route_hook = StandInHook(self) if hook else None
 
-    def logprobs(self, sequences, routes=None, with_entropy=False):
+    def logprobs(self, sequences, routes=None, with_entropy=False, prompt_lens=None):
         self.calls.append(("logprobs", self.version, routes))
         if self.route_hook is not None:
             self.route_hook.used = [r if r is not None and routes is not None else own_route(s, self.version)

@@ -1,7 +1,8 @@
 """Layering of megapo's source, read statically with `ast` (nothing here imports the modules it checks).
 
-The import graph's nodes are megapo's packages (megapo.trainer, megapo.weights, ...) and its top-level
-modules (megapo.config, megapo.cli, ...). Its edges are every import statement in a file: module-level
+Two import graphs: one whose nodes are megapo's packages (megapo.trainer, megapo.weights, ...) and its
+top-level modules (megapo.config, megapo.cli, ...), and one whose nodes are every module (megapo.trainer.config,
+megapo.trainer.data, ...), which sees a circle inside a package too. Their edges are every import statement in a file: module-level
 ones and the ones inside functions alike (megapo imports heavy modules lazily, and a lazy import is still a
 dependency), `from megapo import compat` counting as an import of megapo.compat. megapo/cli.py names its
 command modules as strings (imported with importlib); test_cli_commands_live_in_commands checks those.
@@ -56,17 +57,65 @@ def _sources() -> list[Path]:
     return sorted(p for p in PACKAGE_DIR.rglob("*.py") if "__pycache__" not in p.parts)
 
 
-def import_graph() -> dict[str, dict[str, str]]:
-    """node -> {imported node: 'path:line' of the first import that makes the edge}, megapo nodes only."""
+def import_graph(unit=_unit) -> dict[str, dict[str, str]]:
+    """node -> {imported node: 'path:line' of the first import that makes the edge}, megapo nodes only; `unit`
+    maps a module to its node (the package by default)."""
     graph: dict[str, dict[str, str]] = {}
     for path in _sources():
-        src = _unit(_module_name(path))
+        src = unit(_module_name(path))
         edges = graph.setdefault(src, {})
         for name, line in _imports(path):
-            dst = _unit(name)
+            dst = unit(name)
             if name.split(".")[0] == "megapo" and dst != src and dst != "megapo":
                 edges.setdefault(dst, f"{path.relative_to(ROOT)}:{line}")
     return graph
+
+
+def _owning_module(name: str) -> str:
+    """The module an imported name lives in: `from megapo.x.y import Name` is read as megapo.x.y already, but
+    `import megapo.x.y.Name`-like names (never in practice) fall back to the longest prefix that is a module."""
+    parts = name.split(".")
+    while len(parts) > 1 and not _is_module(".".join(parts)):
+        parts.pop()
+    return ".".join(parts)
+
+
+def module_graph() -> dict[str, dict[str, str]]:
+    """The import graph between megapo's modules (a package's __init__ is the package's own node)."""
+    return import_graph(unit=_owning_module)
+
+
+def cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one node (Tarjan), so a report names them all."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, {}):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while (member := stack.pop()) != node:
+                component.append(member)
+            components.append(component + [node])
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    found = []
+    for component in components:
+        if len(component) > 1:
+            inside = {n: {d: w for d, w in graph.get(n, {}).items() if d in component} for n in component}
+            found.append(find_cycle(inside))
+    return sorted(found)
 
 
 def find_cycle(graph: dict[str, dict[str, str]]) -> list[str] | None:
@@ -100,6 +149,56 @@ def test_no_import_cycles_between_packages():
     graph = import_graph()
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle: {describe(cycle, graph)}"
+
+
+# Cycles known and owed, each with why it is still here; the test below fails when one is gone (remove it then).
+KNOWN_CYCLES = {
+    # Precision.check_hardware(use_te=None) asks model.detect_backend; megapo/learner is being changed in another
+    # session: the caller should pass use_te (model.py does), or detect_backend move below both
+    ("megapo.learner.model", "megapo.learner.precision"),
+}
+
+
+def test_no_import_cycles_between_modules():
+    """Inside a package too: a circle closed by an import inside a function is still a circle (the two modules
+    cannot be understood, tested or moved apart)."""
+    graph = module_graph()
+    found = [c for c in cycles(graph) if tuple(sorted(set(c))) not in KNOWN_CYCLES]
+    assert not found, f"{len(found)} import cycle(s) between modules:\n" + "\n".join(describe(c, graph) for c in found)
+    gone = KNOWN_CYCLES - {tuple(sorted(set(c))) for c in cycles(graph)}
+    assert not gone, f"KNOWN_CYCLES lists cycles that are gone (remove them): {sorted(gone)}"
+
+
+def test_module_graph_sees_modules_inside_a_package():
+    graph = module_graph()
+    assert "megapo.trainer.loop" in graph and "megapo.trainer.run" in graph
+    assert any(dst.startswith("megapo.trainer.") for dst in graph["megapo.trainer.run"])  # an edge inside trainer
+    two = {"p.a": {"p.b": "a.py:1"}, "p.b": {"p.a": "b.py:2", "p.c": "b.py:3"}, "p.c": {"p.d": "c.py:1"},
+           "p.d": {"p.c": "d.py:1"}, "p.e": {"p.a": "e.py:1"}}
+    assert cycles(two) == [["p.a", "p.b", "p.a"], ["p.c", "p.d", "p.c"]]
+    assert cycles({"a": {"b": ""}, "b": {}}) == []
+
+
+CONFIG_SECTIONS = ("megapo/algorithms/config.py", "megapo/engines/config.py", "megapo/envs/config.py",
+                   "megapo/models/config.py")
+
+
+def test_config_sections_do_not_import_the_trainer():
+    """A section lives with its package and imports nothing from megapo.trainer (RunConfig imports the sections)."""
+    bad = [f"{name}:{line} imports {mod}" for name in CONFIG_SECTIONS for mod, line in _imports(ROOT / name)
+           if mod.startswith("megapo.trainer")]
+    assert not bad, "; ".join(bad)
+
+
+def test_engine_setup_asks_capabilities_not_names():
+    """Engine setup and the rollout section branch on EngineCapabilities, never on an engine's name."""
+    from megapo.engines.registry import engine_names
+
+    for name in ("megapo/trainer/engine_setup.py", "megapo/engines/config.py"):
+        tree = ast.parse((ROOT / name).read_text())
+        compared = [f"{name}:{node.lineno}" for node in ast.walk(tree) if isinstance(node, ast.Compare)
+                    for c in [node.left, *node.comparators] if isinstance(c, ast.Constant) and c.value in engine_names()]
+        assert not compared, f"compares with an engine name: {compared}"
 
 
 def test_cycle_finder_names_a_cycle():

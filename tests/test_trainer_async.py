@@ -38,7 +38,7 @@ class SnapshotLearner(HFLearner):
         self.train_sleep = train_sleep
         self._busy_since: float | None = None
 
-    def logprobs(self, sequences, routes=None, with_entropy=False):
+    def logprobs(self, sequences, routes=None, with_entropy=False, prompt_lens=None):
         if self._busy_since is None:
             self._busy_since = time.perf_counter()
         out = super().logprobs(sequences, routes, with_entropy)

@@ -44,7 +44,7 @@ class HFLearner:
                 out[i] = logp[row]
         return out
 
-    def logprobs(self, sequences, routes=None, with_entropy=False):
+    def logprobs(self, sequences, routes=None, with_entropy=False, prompt_lens=None):
         self.calls.append(("logprobs", len(sequences)))
         with torch.no_grad():
             return self._logp_rows([list(s) for s in sequences])

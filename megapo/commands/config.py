@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
 import sys
 import textwrap
@@ -95,7 +96,8 @@ def _section_class(hint) -> type | None:
 
 
 def _text(value) -> str:
-    """The value as it would be written in the YAML file or an override."""
+    """The value as it would be written in the YAML file or an override (an enum field: its value, e.g. r3)."""
+    value = value.value if isinstance(value, enum.Enum) else value
     return yaml.safe_dump(value, default_flow_style=True, width=float("inf")).removesuffix("\n...\n").strip()
 
 

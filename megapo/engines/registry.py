@@ -1,8 +1,9 @@
 """The rollout engines `rollout.engine` names, and what each can do (its class's EngineCapabilities).
 
 One table: a name and the class that implements it. The class is imported only when asked for, so reading
-a config does not import an engine it does not use. Adding an engine = one line here, a class that declares
-`capabilities`, and its construction in megapo.trainer.engine_setup.
+a config does not import an engine it does not use. Adding an engine = one line here and a class that declares
+`capabilities`: megapo.trainer.engine_setup builds it by those (an in-process engine from the model folder, a
+client from a server's host:port), never by its name.
 """
 
 from __future__ import annotations

@@ -30,8 +30,10 @@ class Learner(Protocol):
     family: Family
     spec: ModelSpec
 
-    def logprobs(self, sequences: list[list[int]], routes: Any = None, with_entropy: bool = False) -> Any:
-        """Per-token log-probs of each whole sequence (and with_entropy their entropies), on every rank."""
+    def logprobs(self, sequences: list[list[int]], routes: Any = None, with_entropy: bool = False,
+                 prompt_lens: Any = None) -> Any:
+        """Per-token log-probs of each whole sequence (and with_entropy their entropies), on every rank;
+        `prompt_lens`: samples of one prompt may hold it once in the micro-batches (train.share_prefix)."""
         ...
 
     def train_step(self, batch: list[TrainSample], loss: LossSpec) -> dict:

@@ -34,18 +34,11 @@ an off-mode learner with the hook too when it measures router disagreement (the 
 
 from __future__ import annotations
 
-from enum import Enum
-
 import numpy as np
 import torch
 
+from megapo.algorithms.config import ReplayMode  # algorithm.routing_replay
 from megapo.algorithms.sample import TrainSample, as_train_samples, without_routes
-
-
-class ReplayMode(str, Enum):
-    OFF = "off"
-    R2 = "r2"
-    R3 = "r3"
 
 
 def parse_mode(value, name: str = "routing_replay") -> ReplayMode:

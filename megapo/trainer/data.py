@@ -414,7 +414,7 @@ def check_sources(cfg) -> Example:
 
 
 def _tokenizer_if_present(model_path: str):
-    from megapo.trainer.config import TOKENIZER_FILES
+    from megapo.models.config import TOKENIZER_FILES
 
     path = Path(model_path)
     if not (path / "config.json").is_file() or not any((path / f).is_file() for f in TOKENIZER_FILES):

@@ -18,67 +18,10 @@ the teacher is the student's own weights (the same forward on the same routes).
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
-from megapo.config import ConfigError, bounded
-
-MODES = ("reverse_kl",)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json")
-
-
-@dataclass
-class DistillConfig:
-    """algorithm.distill: on-policy distillation from a teacher (megapo/trainer/distill.py)."""
-
-    teacher: str = ""  # HF folder of the teacher (any registered family, the student's tokenizer); empty: off
-    coef: float = bounded(1.0, ">= 0")  # β: weight of the per-token reverse KL in the advantage
-    mode: str = "reverse_kl"  # reverse_kl: A_t - β (log π_old - log π_T) on the student's samples
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.teacher)
-
-    def validate(self, student_dir: str, prefix: str = "algorithm.distill") -> None:
-        """The mode, and that the teacher folder exists with a config.json megapo reads and the student's
-        tokenizer (vocabulary size and tokenizer files); ConfigError naming the field."""
-        if self.mode not in MODES:
-            raise ConfigError(f"{prefix}.mode", f"must be one of {', '.join(MODES)} (topk_forward_kl is not built), "
-                                                f"got {self.mode!r}")
-        if not self.enabled:
-            return
-        teacher = Path(self.teacher)
-        if not (teacher / "config.json").is_file():
-            raise ConfigError(f"{prefix}.teacher", f"{teacher} is not an HF model folder (no config.json)")
-        from megapo.layout import read_hf_config
-        from megapo.models.family import family_for
-
-        try:
-            family_for(read_hf_config(teacher))
-        except ValueError as exc:
-            raise ConfigError(f"{prefix}.teacher", str(exc)) from None
-        student = Path(student_dir)
-        if (student / "config.json").is_file():  # (a tiny student written at start-up is checked when it exists)
-            check_same_tokenizer(teacher, student, f"{prefix}.teacher")
-
-
-def check_same_tokenizer(teacher: Path, student: Path, field: str) -> None:
-    """The teacher scores the student's token ids: the same vocabulary size and the same tokenizer files."""
-    vocab = [json.loads((d / "config.json").read_text()).get("vocab_size") for d in (teacher, student)]
-    if vocab[0] != vocab[1]:
-        raise ConfigError(field, f"the teacher's vocab_size is {vocab[0]}, the student's {vocab[1]}: their token ids "
-                                 "differ (a teacher needs the student's tokenizer)")
-    for name in TOKENIZER_FILES:
-        mine, theirs = teacher / name, student / name
-        if mine.is_file() != theirs.is_file() or (mine.is_file() and _digest(mine) != _digest(theirs)):
-            raise ConfigError(field, f"{name} differs between the teacher ({teacher}) and the student ({student}): a "
-                                     "teacher needs the student's tokenizer")
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+# the config section lives with the algorithms (megapo/algorithms/config.py); its names stay importable from here
+from megapo.algorithms.config import DistillConfig, check_same_tokenizer  # noqa: F401
 
 
 def same_moe_shape(teacher_hf: dict, student_hf: dict) -> bool:

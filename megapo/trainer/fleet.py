@@ -35,35 +35,15 @@ from pathlib import Path
 from megapo.config import ConfigError
 from megapo.dist import any_rank, broadcast_object, rank
 from megapo.engines.base import Engine
+# the servers file is read where the rollout section is checked (megapo/engines/config.py); importable from here
+from megapo.engines.config import SERVERS_FILE, read_servers_file  # noqa: F401
 from megapo.learner.protocol import Learner
 
 log = logging.getLogger(__name__)
 
-SERVERS_FILE = "rollout.servers_file"
-
 
 class SyncTimeout(RuntimeError):
     """A weight sync that could not complete within rollout.sync_timeout_s."""
-
-
-def read_servers_file(path: str | Path, field: str = SERVERS_FILE) -> list[str]:
-    """The host:port lines of a servers file (blank lines and # comments skipped), in order, without repeats.
-    ConfigError naming the field (and file:line) for a missing file or a malformed line."""
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise ConfigError(field, f"cannot read {path}: {err.strerror or err}") from None
-    servers: list[str] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        host, sep, port = line.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(field, f"{path}:{lineno}: expected host:port, got {line!r}")
-        if line not in servers:
-            servers.append(line)
-    return servers
 
 
 class Fleet:

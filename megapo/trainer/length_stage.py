@@ -89,34 +89,3 @@ class LengthStage:
             elif saved:
                 raise ValueError(f"length state: the checkpoint holds data.{name} state but none is configured")
 
-
-def check_length_config(cfg) -> None:
-    """Config time: data.length_reward / data.group_filter name known methods whose options they accept, and
-    each runs on one group of rollout.n_samples responses (a fresh instance: a filter keeping more than the
-    group, or a method that needs a difficulty the task has not, fails here, naming the field)."""
-    from megapo.config import ConfigError
-
-    d, n, budget = cfg.data, cfg.rollout.n_samples, cfg.rollout.max_new_tokens
-    rewards = torch.tensor([float(i % 2) for i in range(n)], dtype=torch.float64)
-    group = ScoredGroup("config-check", 1, rewards, rewards >= d.correct_threshold,
-                        torch.arange(1, n + 1, dtype=torch.int64).clamp(max=budget), torch.zeros(n, dtype=torch.bool))
-    for kind, name, options in (("length_reward", d.length_reward, d.length_reward_options),
-                                ("group_filter", d.group_filter, d.group_filter_options)):
-        if name == "none":
-            if options:
-                raise ConfigError(f"data.{kind}_options", f"given but data.{kind} is none")
-            continue
-        build = build_length_reward if kind == "length_reward" else build_group_filter
-        try:
-            method = build(name, options, budget)
-        except (ValueError, TypeError) as exc:
-            field = f"data.{kind}" if str(exc).startswith(f"data.{kind}") else f"data.{kind}_options"
-            raise ConfigError(field, str(exc).removeprefix(f"data.{kind}: ").removeprefix("options: ")) from None
-        try:
-            method.check_group_size(n)
-            if kind == "length_reward":
-                check_shaped([group], method.shape([group], 1), f"data.{kind}")
-            else:
-                check_kept([group], method.select([group], 1), f"data.{kind}")
-        except ValueError as exc:
-            raise ConfigError(f"data.{kind}_options", f"{name} on a group of rollout.n_samples={n}: {exc}") from None

@@ -1,0 +1,282 @@
+"""The `algorithm` section of the run config (AlgorithmConfig, its `distill` block) and the rules inside it.
+
+Names come from megapo.algorithms' registry (objectives, advantages, corrections, aggregations, KL estimators,
+stages); each rule raises ConfigError naming the dotted field. Rules that read other sections (the loss's
+correction for async runs, the reference against the layout, routing replay against the model and the engine)
+are RunConfig's (megapo/trainer/config.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from megapo.config import ConfigError, bounded
+
+# Which log-probs the objective's ratio π_θ/π_old takes as π_old (AlgorithmConfig.old_policy).
+OLD_POLICIES = ("auto", "learner", "engine")
+DISTILL_MODES = ("reverse_kl",)
+# the files a teacher shares with its student (check_same_tokenizer)
+TEACHER_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json")
+
+
+class ReplayMode(str, Enum):
+    """algorithm.routing_replay (megapo/replay/modes.py runs them): off | r2 (the learner's own routes from the
+    old-log-prob pass) | r3 (the engine's routes)."""
+
+    OFF = "off"
+    R2 = "r2"
+    R3 = "r3"
+
+
+def registry_names(kind: str) -> list[str]:
+    """The registered names of `kind` a config field may name ("entropy" is a bonus, not a KL estimator)."""
+    from megapo.algorithms.registry import entries
+
+    names = [e.name for e in entries(kind)]
+    return [n for n in names if n != "entropy"] if kind == "kl" else names
+
+
+def check_options(kind: str, name: str, options: dict, field_name: str) -> None:
+    """The registry entry `name` of `kind` accepts `options`; ConfigError naming `field_name` if not."""
+    from megapo.algorithms.registry import get
+
+    try:
+        get(kind, name).make_options(dict(options))
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(field_name, str(exc).removeprefix("options: ")) from None
+
+
+def min_group(estimator: str) -> int:
+    """The fewest samples per prompt advantage `estimator` is defined for (its registry entry says)."""
+    from megapo.algorithms.registry import get
+
+    return get("advantage", estimator).min_group
+
+
+@dataclass
+class DistillConfig:
+    """algorithm.distill: on-policy distillation from a teacher (megapo/trainer/distill.py)."""
+
+    teacher: str = ""  # HF folder of the teacher (any registered family, the student's tokenizer); empty: off
+    coef: float = bounded(1.0, ">= 0")  # β: weight of the per-token reverse KL in the advantage
+    mode: str = "reverse_kl"  # reverse_kl: A_t - β (log π_old - log π_T) on the student's samples
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teacher)
+
+    def validate(self, student_dir: str, prefix: str = "algorithm.distill") -> None:
+        """The mode, and that the teacher folder exists with a config.json megapo reads and the student's
+        tokenizer (vocabulary size and tokenizer files); ConfigError naming the field."""
+        if self.mode not in DISTILL_MODES:
+            raise ConfigError(f"{prefix}.mode", f"must be one of {', '.join(DISTILL_MODES)} (topk_forward_kl is not "
+                                                f"built), got {self.mode!r}")
+        if not self.enabled:
+            return
+        teacher = Path(self.teacher)
+        if not (teacher / "config.json").is_file():
+            raise ConfigError(f"{prefix}.teacher", f"{teacher} is not an HF model folder (no config.json)")
+        from megapo.layout import read_hf_config
+        from megapo.models.family import family_for
+
+        try:
+            family_for(read_hf_config(teacher))
+        except ValueError as exc:
+            raise ConfigError(f"{prefix}.teacher", str(exc)) from None
+        student = Path(student_dir)
+        if (student / "config.json").is_file():  # (a tiny student written at start-up is checked when it exists)
+            check_same_tokenizer(teacher, student, f"{prefix}.teacher")
+
+
+def check_same_tokenizer(teacher: Path, student: Path, field: str) -> None:
+    """The teacher scores the student's token ids: the same vocabulary size and the same tokenizer files."""
+    vocab = [json.loads((d / "config.json").read_text()).get("vocab_size") for d in (teacher, student)]
+    if vocab[0] != vocab[1]:
+        raise ConfigError(field, f"the teacher's vocab_size is {vocab[0]}, the student's {vocab[1]}: their token ids "
+                                 "differ (a teacher needs the student's tokenizer)")
+    for name in TEACHER_TOKENIZER_FILES:
+        mine, theirs = teacher / name, student / name
+        if mine.is_file() != theirs.is_file() or (mine.is_file() and _digest(mine) != _digest(theirs)):
+            raise ConfigError(field, f"{name} differs between the teacher ({teacher}) and the student ({student}): a "
+                                     "teacher needs the student's tokenizer")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL algorithm: objective, advantages and the stages around them, KL, corrections."""
+
+    objective: str = "gspo"  # the policy-gradient loss (`megapo objectives --kind objective`)
+    objective_options: dict[str, Any] = field(default_factory=dict)  # e.g. clip_low, clip_high
+    advantage: str = "grpo"  # the advantage estimator (`megapo objectives --kind advantage`)
+    advantage_options: dict[str, Any] = field(default_factory=dict)  # the estimator's options (--formulas)
+    loss_agg: str = "auto"  # auto: the objective's paper aggregation (`megapo objectives` lists each)
+    kl_coef: float = bounded(0.0, ">= 0")  # weight of the KL to π_ref (0: no KL term)
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (`megapo objectives --kind kl`)
+    # π_ref of the KL terms (megapo/learner/reference.py): megatron (a frozen Megatron copy of the starting
+    # weights under the learner's layout, replaying the routes the policy is trained under) | plain (megapo's
+    # PyTorch model on rank 0; one process, routing_replay off) | auto: plain for a single-process CPU learner
+    # with routing_replay off on a family that model runs, else megatron. The run's log names the one used.
+    reference: str = "auto"
+    entropy_coef: float = bounded(0.0, ">= 0")  # weight of the entropy bonus (0: none)
+    mismatch: str = "none"  # rollout/learner mismatch correction: none or a correction name (megapo objectives)
+    mismatch_options: dict[str, Any] = field(default_factory=dict)  # the correction's options
+    # π_old of the objective's ratio. learner: recomputed by the learner before the update (its clip bounds
+    # the move within one rollout batch; a correction re-weights samples the engine drew from other
+    # weights). engine: the engine's log-probs of the weights that drew the sample (the clip bounds the move
+    # from the sampling policy itself, so samples k versions old stop pushing once the policy has moved
+    # past them). auto: engine in train.mode=async, learner in sync.
+    old_policy: str = "auto"
+    # off | r2 (replay the learner's own routes from the old-log-prob pass) | r3 (replay the engine's routes).
+    # YAML 1.1 reads a bare `off` as false, which means off too.
+    routing_replay: ReplayMode = ReplayMode.OFF
+    # GRPO-λ's companion (seed 004 B22): a correct response's advantage is clamped at >= 0, so a length term
+    # cannot push a long correct answer below a wrong one (megapo.algorithms.length.clamp_correct_advantages)
+    clamp_correct_adv: bool = False
+    # stages after the estimator (megapo/algorithms/stages.py, `megapo objectives --kind advantage_stage`):
+    # both | positive | negative: which sequence advantages are kept, each side scaled by pos_scale / neg_scale
+    advantage_polarity: str = "both"
+    pos_scale: float = bounded(1.0, ">= 0")  # factor on the positive sequence advantages
+    neg_scale: float = bounded(1.0, ">= 0")  # factor on the negative sequence advantages
+    # none | gtpo | grpo_s | advantage_reweighting | fipo: per-token advantages from π_old's per-token statistics
+    # (takes the separate old-log-prob pass, with entropies for gtpo / grpo_s; fipo: with the reference's
+    # log-probs, or the engine's with against=engine)
+    token_advantage: str = "none"
+    token_advantage_options: dict[str, Any] = field(default_factory=dict)  # the token advantage's options
+    # token_select's options ({} = off; score, rho, weight, rho_end, anneal_steps): per-token loss weights,
+    # 1 for the top-rho fraction of the batch's tokens by π_old entropy (or |A|·entropy), `weight` for the rest
+    token_select: dict[str, Any] = field(default_factory=dict)
+    # none | stapo | nat_prefix: per-token loss weights of a token mask (megapo/algorithms/stages.py), multiplied
+    # with token_select's; stapo takes the old-log-prob pass with entropies
+    token_mask: str = "none"
+    token_mask_options: dict[str, Any] = field(default_factory=dict)  # the token mask's options
+    # loss: the KL to the reference is a loss term (kl_coef · k1/k2/k3); future: FRPO's future-KL advantage
+    # A_t - β·Σ_{s≥t}(log π_old - log π_ref) with β = kl_coef, and no KL term in the loss
+    kl_mode: str = "loss"
+    # D³S sample-level selection ({} = off; keep, keep_end, anneal_steps): per group, the rollouts that maximise
+    # Var(A) keep their advantage, the others get 0
+    sample_select: dict[str, Any] = field(default_factory=dict)
+    # none | cumulative: DCPO's smoothed standardisation, each prompt's rewards against its running mean / std
+    # over all steps so far (replaces grpo's group statistics; the statistics live in the checkpoint)
+    advantage_smoothing: str = "none"
+    # on-policy distillation: a frozen teacher's per-token reverse KL enters the advantage (megapo/trainer/distill.py)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+    def __post_init__(self) -> None:
+        # the loader hands the YAML value over as is: false (a bare `off`) and the mode names become the enum; any
+        # other value stays for validate() to refuse, naming the field
+        if self.routing_replay is False:
+            self.routing_replay = ReplayMode.OFF
+        elif isinstance(self.routing_replay, str) and self.routing_replay in {m.value for m in ReplayMode}:
+            self.routing_replay = ReplayMode(self.routing_replay)
+
+    def needs_reference(self) -> bool:
+        """Whether a term uses π_ref's log-probs (sample.ref_logp): a KL term, or a token advantage reading
+        them (fipo against=reference)."""
+        return self.kl_coef > 0 or "ref_logp" in self.token_advantage_inputs()
+
+    def token_advantage_inputs(self) -> tuple[str, ...]:
+        """The other policies' per-token log-probs algorithm.token_advantage reads (stages.token_advantage_inputs);
+        () for none, or for a name / options that validation refuses (naming the field)."""
+        from megapo.algorithms.stages import token_advantage_inputs
+
+        if self.token_advantage == "none":
+            return ()
+        try:
+            return token_advantage_inputs(self.token_advantage, self.token_advantage_options)
+        except (TypeError, ValueError):
+            return ()
+
+    def needs_old_stats(self) -> bool:
+        """Whether a stage needs π_old's per-token statistics before the loss (the separate old-log-prob pass)."""
+        return (self.token_advantage != "none" or bool(self.token_select) or self.token_mask == "stapo"
+                or self.kl_mode == "future" or self.distill.enabled)
+
+    def needs_old_entropy(self) -> bool:
+        """Whether the old-log-prob pass keeps π_old's per-token entropy: for a stage, or for the objective's
+        loss (sample.old_entropy; a fused on-policy step takes it from its own forward instead)."""
+        from megapo.algorithms.loss import token_inputs
+        from megapo.algorithms.stages import NEEDS_ENTROPY
+
+        return (self.token_advantage in NEEDS_ENTROPY or bool(self.token_select) or self.token_mask == "stapo"
+                or "old_entropy" in token_inputs(self.objective, self.objective_options))
+
+    # --- the rules inside the section ------------------------------------------------------------
+
+    def validate(self) -> None:
+        """The names and options of this section; the first violated rule raises ConfigError naming its field."""
+        self._check_names()
+        check_options("advantage", self.advantage, self.advantage_options, "algorithm.advantage_options")
+        self._check_token_advantage()
+        self._check_stage_fields()
+        if self.mismatch == "none" and self.mismatch_options:
+            raise ConfigError("algorithm.mismatch_options", "given but algorithm.mismatch is 'none'")
+        if self.old_policy not in OLD_POLICIES:
+            raise ConfigError("algorithm.old_policy", f"must be one of {', '.join(OLD_POLICIES)}, "
+                              f"got {self.old_policy!r}")
+        if not isinstance(self.routing_replay, ReplayMode):
+            raise ConfigError("algorithm.routing_replay", f"must be off, r2 or r3, got {self.routing_replay!r}")
+
+    def _check_names(self) -> None:
+        """objective, advantage, loss_agg, kl_estimator and mismatch name registered entries."""
+        for kind, name, field_name in (("objective", self.objective, "algorithm.objective"),
+                                       ("advantage", self.advantage, "algorithm.advantage"),
+                                       ("aggregation", self.loss_agg, "algorithm.loss_agg"),
+                                       ("kl", self.kl_estimator, "algorithm.kl_estimator")):
+            known = registry_names(kind) + (["auto"] if kind == "aggregation" else [])
+            if name not in known:
+                raise ConfigError(field_name, f"unknown {kind} {name!r}; known: {', '.join(known)}")
+        if self.mismatch != "none" and self.mismatch not in registry_names("correction"):
+            raise ConfigError("algorithm.mismatch", f"unknown correction {self.mismatch!r}; known: none, "
+                              f"{', '.join(registry_names('correction'))}")
+
+    def _check_token_advantage(self) -> None:
+        """advantage_polarity, token_advantage(_options), token_select."""
+        from megapo.algorithms.stages import NOT_TOKEN_ADVANTAGE, POLARITIES
+
+        if self.advantage_polarity not in POLARITIES:
+            raise ConfigError("algorithm.advantage_polarity", f"must be one of {', '.join(POLARITIES)}, "
+                              f"got {self.advantage_polarity!r}")
+        known = [n for n in registry_names("advantage_stage") if n not in NOT_TOKEN_ADVANTAGE]
+        if self.token_advantage != "none":
+            if self.token_advantage not in known:
+                raise ConfigError("algorithm.token_advantage", f"unknown stage {self.token_advantage!r}; known: none, "
+                                  f"{', '.join(known)}")
+            check_options("advantage_stage", self.token_advantage, self.token_advantage_options,
+                          "algorithm.token_advantage_options")
+        elif self.token_advantage_options:
+            raise ConfigError("algorithm.token_advantage_options", "given but algorithm.token_advantage is 'none'")
+        if self.token_select:
+            check_options("token_weight", "token_select", self.token_select, "algorithm.token_select")
+
+    def _check_stage_fields(self) -> None:
+        """token_mask(_options), kl_mode, sample_select, advantage_smoothing."""
+        from megapo.algorithms.stages import KL_MODES, TOKEN_MASKS
+
+        if self.token_mask != "none":
+            if self.token_mask not in TOKEN_MASKS:
+                raise ConfigError("algorithm.token_mask", f"unknown mask {self.token_mask!r}; known: none, "
+                                  f"{', '.join(TOKEN_MASKS)}")
+            check_options("token_weight", self.token_mask, self.token_mask_options, "algorithm.token_mask_options")
+        elif self.token_mask_options:
+            raise ConfigError("algorithm.token_mask_options", "given but algorithm.token_mask is 'none'")
+        if self.kl_mode not in KL_MODES:
+            raise ConfigError("algorithm.kl_mode", f"must be one of {', '.join(KL_MODES)}, got {self.kl_mode!r}")
+        if self.kl_mode == "future" and not self.kl_coef > 0:
+            raise ConfigError("algorithm.kl_coef", "algorithm.kl_mode=future takes its β from kl_coef: must be > 0")
+        if self.sample_select:
+            check_options("advantage_stage", "d3s_select", self.sample_select, "algorithm.sample_select")
+        if self.advantage_smoothing not in ("none", "cumulative"):
+            raise ConfigError("algorithm.advantage_smoothing", f"must be none or cumulative, "
+                              f"got {self.advantage_smoothing!r}")
+        if self.advantage_smoothing == "cumulative" and self.advantage != "grpo":
+            raise ConfigError("algorithm.advantage_smoothing", "cumulative replaces grpo's per-group standardisation; "
+                              f"algorithm.advantage is {self.advantage!r} (set grpo)")
