@@ -363,3 +363,17 @@ def test_listed_with_paper_and_formula(capsys):
         assert e.formula.splitlines()[0].strip() in out, key
         for option in e.option_names():
             assert option in out
+
+
+def test_dgpo_runs_in_training_with_the_reference_it_reads(tmp_path, tiny_moe):
+    """dgpo reads π_ref's log-probs: the run builds a reference for it even with kl_coef 0."""
+    from megapo.trainer.config import RunConfig
+    from megapo.config import load_config
+    from train_runs import train_rows
+
+    cfg = load_config(RunConfig, None, [f"model.path={tiny_moe}", "data.task=addition", "algorithm.objective=dgpo",
+                                        "algorithm.kl_coef=0", f"train.output_dir={tmp_path / 'cfg'}"])
+    assert cfg.algorithm.needs_reference()
+    rows = train_rows(tmp_path, "dgpo", f"model.path={tiny_moe}", "train.steps=1", "algorithm.objective=dgpo",
+                      "algorithm.kl_coef=0")
+    assert rows[0]["step"] == 1 and math.isfinite(rows[0]["train/loss"])

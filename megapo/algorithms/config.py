@@ -52,10 +52,64 @@ def check_options(kind: str, name: str, options: dict, field_name: str) -> None:
 
 
 def min_group(estimator: str) -> int:
-    """The fewest samples per prompt advantage `estimator` is defined for (its registry entry says)."""
+    """The fewest samples per prompt advantage `estimator` is defined for (its registry entry says; GAE over a
+    critic's values needs no group)."""
     from megapo.algorithms.registry import get
 
-    return get("advantage", estimator).min_group
+    return 1 if estimator == GAE else get("advantage", estimator).min_group
+
+
+GAE = "gae"  # algorithm.advantage: per-token GAE over algorithm.critic's values (megapo/trainer/critic_step.py)
+CRITIC_POLICY = "policy"  # algorithm.critic.path: the policy's own starting weights, a zero value head
+
+
+@dataclass
+class CriticConfig:
+    """algorithm.critic: PPO's value model (megapo/learner/critic.py), trained each step on GAE returns
+    (megapo/trainer/critic_step.py); with it algorithm.advantage is gae."""
+
+    # HF folder of the value model: a *ForSequenceClassification (its score head) or a causal LM of a registered
+    # family (value head from zeros); `policy`: the policy's own starting weights; empty: no critic
+    path: str = ""
+    lr: float = bounded(1e-5, "> 0")  # the critic's learning rate, from step 1 (other settings: optim's)
+    warmup_steps: int = bounded(0, ">= 0")  # first RL steps that train only the critic (the policy waits)
+    value_clip: float = bounded(0.2, ">= 0", "0: unclipped")  # ε of PPO's clipped value loss
+    gamma: float = bounded(1.0, "[0, 1]")  # discount γ of the returns
+    lam_policy: float = bounded(0.95, "[0, 1]")  # GAE λ of the policy's advantages
+    lam_critic: float = bounded(1.0, "[0, 1]")  # GAE λ of the critic's targets (VAPO's decoupled λ; 1: Monte-Carlo)
+    # VAPO's length-adaptive λ_policy = 1 - 1 / (α · response length), replacing lam_policy
+    adaptive_alpha: float = bounded(0.0, ">= 0", "0: off")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path)
+
+    def validate(self, advantage: str, policy_dir: str, prefix: str = "algorithm.critic") -> None:
+        """gae and a critic go together; the folder exists, of a registered family with the policy's vocabulary."""
+        if advantage == GAE and not self.enabled:
+            raise ConfigError("algorithm.advantage", f"gae needs a critic's values: set {prefix}.path (an HF folder, "
+                                                     f"or {CRITIC_POLICY} for the policy's own weights)")
+        if self.enabled and advantage != GAE:
+            raise ConfigError(f"{prefix}.path", f"a critic gives GAE advantages: set algorithm.advantage=gae (got "
+                                                f"{advantage!r})")
+        if not self.enabled or self.path == CRITIC_POLICY:
+            return
+        folder = Path(self.path)
+        if not (folder / "config.json").is_file():
+            raise ConfigError(f"{prefix}.path", f"{folder} is not an HF model folder (no config.json)")
+        from megapo.layout import read_hf_config
+        from megapo.models.family import family_for
+
+        try:
+            family_for(read_hf_config(folder))
+        except ValueError as exc:
+            raise ConfigError(f"{prefix}.path", str(exc)) from None
+        policy = Path(policy_dir)
+        if (policy / "config.json").is_file():
+            vocab = [json.loads((d / "config.json").read_text()).get("vocab_size") for d in (folder, policy)]
+            if vocab[0] != vocab[1]:
+                raise ConfigError(f"{prefix}.path", f"the critic's vocab_size is {vocab[0]}, the policy's {vocab[1]}: "
+                                                    "it reads the policy's token ids")
 
 
 @dataclass
@@ -169,6 +223,8 @@ class AlgorithmConfig:
     advantage_smoothing: str = "none"
     # on-policy distillation: a frozen teacher's per-token reverse KL enters the advantage (megapo/trainer/distill.py)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    # PPO's critic: a trained value model whose GAE advantages replace the estimator's (advantage: gae)
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
     def __post_init__(self) -> None:
         # the loader hands the YAML value over as is: false (a bare `off`) and the mode names become the enum; any
@@ -179,9 +235,17 @@ class AlgorithmConfig:
             self.routing_replay = ReplayMode(self.routing_replay)
 
     def needs_reference(self) -> bool:
-        """Whether a term uses π_ref's log-probs (sample.ref_logp): a KL term, or a token advantage reading
-        them (fipo against=reference)."""
-        return self.kl_coef > 0 or "ref_logp" in self.token_advantage_inputs()
+        """Whether a term uses π_ref's log-probs (sample.ref_logp): a KL term, a token advantage reading them
+        (future_drift against=reference), or an objective that reads them (its options' reference_inputs: dgpo)."""
+        return (self.kl_coef > 0 or "ref_logp" in self.token_advantage_inputs()
+                or "ref_logp" in self.objective_reference_inputs())
+
+    def objective_reference_inputs(self) -> tuple[str, ...]:
+        """The other policies' per-token log-probs algorithm.objective reads (its options class declares them)."""
+        from megapo.algorithms.registry import entries
+
+        entry = next((e for e in entries("objective") if e.name == self.objective), None)
+        return tuple(getattr(entry.options, "reference_inputs", ())) if entry is not None else ()
 
     def token_advantage_inputs(self) -> tuple[str, ...]:
         """The other policies' per-token log-probs algorithm.token_advantage reads (stages.token_advantage_inputs);
@@ -214,7 +278,11 @@ class AlgorithmConfig:
     def validate(self) -> None:
         """The names and options of this section; the first violated rule raises ConfigError naming its field."""
         self._check_names()
-        check_options("advantage", self.advantage, self.advantage_options, "algorithm.advantage_options")
+        if self.advantage == GAE:  # its options are algorithm.critic's
+            if self.advantage_options:
+                raise ConfigError("algorithm.advantage_options", "gae takes its options from algorithm.critic")
+        else:
+            check_options("advantage", self.advantage, self.advantage_options, "algorithm.advantage_options")
         self._check_token_advantage()
         self._check_stage_fields()
         if self.mismatch == "none" and self.mismatch_options:
@@ -231,7 +299,8 @@ class AlgorithmConfig:
                                        ("advantage", self.advantage, "algorithm.advantage"),
                                        ("aggregation", self.loss_agg, "algorithm.loss_agg"),
                                        ("kl", self.kl_estimator, "algorithm.kl_estimator")):
-            known = registry_names(kind) + (["auto"] if kind == "aggregation" else [])
+            known = registry_names(kind) + (["auto"] if kind == "aggregation" else [GAE] if kind == "advantage"
+                                            else [])
             if name not in known:
                 raise ConfigError(field_name, f"unknown {kind} {name!r}; known: {', '.join(known)}")
         if self.mismatch != "none" and self.mismatch not in registry_names("correction"):

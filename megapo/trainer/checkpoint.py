@@ -324,19 +324,27 @@ def _read_manifest(path: Path) -> tuple[dict | None, str | None]:
 
 
 def _learner_problems(path: Path, model_dir: str | Path | None) -> list[str]:
-    """Megatron's pickle through the allow-list, common.pt as weights only, the model against model_dir."""
+    """Megatron's pickle through the allow-list, common.pt as weights only (the learner's and a critic's, when the
+    run has one beside it), the learner's model against model_dir."""
     learner = path / "learner"
     if not (learner / "metadata.json").is_file():
         return []  # not a torch_dist learner (a stand-in's own format): its load checks itself
     from megapo.convert import inputs
 
-    try:
-        stored = inputs.stored_model_shapes(learner)
-        torch.load(learner / "common.pt", map_location="cpu", weights_only=True)
-    except Exception as exc:  # UnsafePickle, a damaged file: nothing of the files' ran
-        return [f"learner/: {exc}"]
-    if model_dir is None:
-        return []
+    problems, stored = [], None
+    for part in ("learner", "critic"):
+        folder = path / part
+        if part != "learner" and not (folder / "metadata.json").is_file():
+            continue
+        try:
+            shapes = inputs.stored_model_shapes(folder)
+            torch.load(folder / "common.pt", map_location="cpu", weights_only=True)
+        except Exception as exc:  # UnsafePickle, a damaged file: nothing of the files' ran
+            problems.append(f"{part}/: {exc}")
+            continue
+        stored = shapes if part == "learner" else stored
+    if problems or model_dir is None:
+        return problems
     from megapo.layout import read_hf_config
     from megapo.models.family import family_for
 

@@ -552,6 +552,7 @@ def _check_teacher(cfg: RunConfig) -> None:
     """algorithm.distill: its folder, tokenizer and mode, and that the teacher fits the learner's layout."""
     from megapo.layout import check_layout, read_hf_config
 
+    cfg.algorithm.critic.validate(cfg.algorithm.advantage, cfg.model.path)  # (the critic is the other second model)
     d = cfg.algorithm.distill
     d.validate(cfg.model.path)
     if d.enabled:

@@ -22,6 +22,7 @@ from megapo.learner.protocol import Learner
 from megapo.learner.reference import Reference
 from megapo.trainer import checkpoint as ckpt
 from megapo.trainer.config import RunConfig
+from megapo.trainer.critic_step import CRITIC_DIR, build_critic
 from megapo.trainer.distill import build_teacher
 from megapo.trainer.fleet import make_fleet
 from megapo.trainer.handout import hand_out, rank_route_layers
@@ -91,6 +92,8 @@ class Run:
         self.reference: Reference | None = build_reference(cfg, self.model_dir)
         # on-policy distillation's teacher (megapo/trainer/distill.py): a frozen Megatron model on every rank
         self.teacher: Reference | None = build_teacher(cfg, self.model_dir) if cfg.algorithm.distill.enabled else None
+        # PPO's critic (megapo/trainer/critic_step.py): a trained Megatron value model on every rank
+        self.critic = build_critic(cfg, self.model_dir) if cfg.algorithm.critic.enabled else None
         self.transport = make_transport(cfg, self.out_dir, self.model_dir, self.learner, self.engine)
         self.step, self.version = 0, 0  # the last step trained (and logged), the engine's weight version
         self.made_ahead: list = []  # async batches a checkpoint kept, handed to the producer (start_rollouts)
@@ -117,7 +120,7 @@ class Run:
         latest = self.start.checkpoint
         if latest is None:
             return
-        state = ckpt.load_checkpoint(latest, self.learner.load, rank=rank(), model_dir=self.model_dir)  # verified
+        state = ckpt.load_checkpoint(latest, self.load_models, rank=rank(), model_dir=self.model_dir)  # verified
         if self.engine is not None and "engine" in ckpt.rng_extra(latest):  # sample as the unstopped run would
             self.engine.set_rng_state(ckpt.rng_extra(latest)["engine"])
         self.source.load_state_dict(state.data_cursor)
@@ -205,6 +208,7 @@ class Run:
         """Advantages, π_old, π_ref, token stages and the optimizer steps (megapo.trainer.update)."""
         cfg = self.cfg
         return update_policy(self.learner, groups, cfg, self.reference, self.loss, timer, teacher=self.teacher,
+                             critic=self.critic,
                              measure_free_kl=self.eval_due(step, last=False),
                              measure_free_routing=stability_step(cfg, step), step=step,
                              prompt_stats=self.prompt_stats)
@@ -246,6 +250,17 @@ class Run:
         every = self.cfg.train.ckpt_every
         return step == self.cfg.train.steps or bool(every and step % every == 0)
 
+    def save_models(self, learner_dir: Path) -> None:
+        """The learner into a checkpoint's learner/ and the critic, when there is one, beside it in critic/."""
+        self.learner.save(learner_dir)
+        if self.critic is not None:
+            self.critic.save(learner_dir.parent / CRITIC_DIR)
+
+    def load_models(self, learner_dir: Path) -> None:
+        self.learner.load(learner_dir)
+        if self.critic is not None:
+            self.critic.load(learner_dir.parent / CRITIC_DIR)
+
     def checkpoint(self, step: int) -> None:
         """Save the learner, the prompt cursor, the stages' state and the engine's RNG after `step` (collective);
         in async mode also the batches made ahead, the cursor and the RNG then after them (nothing redrawn)."""
@@ -258,7 +273,7 @@ class Run:
         state = ckpt.TrainerState(step, self.source.state_dict(), self.version, extra=extra)
         engine = self.engine
         engine_rng = {"engine": engine.rng_state()} if engine is not None and engine.capabilities.rng_state else {}
-        ckpt.save_checkpoint(self.out_dir / CHECKPOINTS, state, self.learner.save, self.cfg.train.keep_last,
+        ckpt.save_checkpoint(self.out_dir / CHECKPOINTS, state, self.save_models, self.cfg.train.keep_last,
                              rank() == 0, barrier, rank=rank(), rng_extra=engine_rng,
                              write_files=(lambda folder: save_batches(folder, ahead)) if ahead else None)
 

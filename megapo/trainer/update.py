@@ -4,12 +4,14 @@ R3 replaying routes), π_ref, the per-token stages, then the optimizer steps on 
     advantages (megapo.algorithms) ─► learner old log-probs (none when on-policy: then the train forward
     gives π_old and the routing metrics) ─► reference log-probs when a KL term needs them
     ─► token stages (per-token advantages, weights, masks) ─► learner.train_step per mini-batch
+With a critic (algorithm.critic), its GAE advantages replace the estimator's before the token stages.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megapo.algorithms.config import GAE
 from megapo.algorithms.spec import LossSpec
 from megapo.dist import broadcast_object
 from megapo.envs.base import Trajectory
@@ -28,7 +30,10 @@ def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_sta
     in by the old-log-prob pass (`old_logprob_pass`), the per-token stages after it (`token_stages`)."""
     from megapo.algorithms.trust_region import sentence_end_flags
 
-    adv = [a_g.tolist() for a_g in group_advantages(groups, cfg, step, prompt_stats)]
+    if cfg.algorithm.advantage == GAE:  # per token, from the critic's values (critic_advantages, later in the step)
+        adv = [[0.0] * len(g.samples) for g in groups]
+    else:
+        adv = [a_g.tolist() for a_g in group_advantages(groups, cfg, step, prompt_stats)]
     sentence_ends = _sentence_end_ids(cfg)  # the objective splits responses into sentences (sspo)
     replay = cfg.algorithm.routing_replay == "r3"
     return [TrainSample(
@@ -214,12 +219,14 @@ def mini_batch_bounds(group_sizes: list[int], mini_batches: int) -> list[tuple[i
 def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, reference: Reference | None, loss: LossSpec,
                   timer: StepTimer,
                   measure_free_kl: bool = False, measure_free_routing: bool = False, step: int = 1,
-                  prompt_stats=None, teacher: Reference | None = None) -> dict:
+                  prompt_stats=None, teacher: Reference | None = None, critic=None) -> dict:
     """All ranks: advantages, old (and reference) log-probs, then the optimizer steps on mini-batches under `loss`
     (the run's LossSpec, RunConfig.loss_spec).
     π_old (sample.old_logp) and the replayed routes (sample.routes) are set once, before the first
     update, and stay fixed over all of them. Under r3, `measure_free_kl` / `measure_free_routing` take one more
-    forward pass with the learner's own routing first (timed as "stability"): mismatch/k3_free, router/*."""
+    forward pass with the learner's own routing first (timed as "stability"): mismatch/k3_free, router/*.
+    `critic` (algorithm.critic): GAE advantages from its values and its own step; during its warm-up
+    (algorithm.critic.warmup_steps) the policy does not move."""
     from megapo.replay.modes import free_routing, on_policy_step
 
     metrics: dict[str, float] = {}
@@ -239,6 +246,15 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
             ref = reference_logprobs(reference, batch)
         for sample, lp in zip(batch, ref):
             sample.ref_logp = lp
+    if critic is not None:  # before the stages, which may reweight the advantages
+        from megapo.trainer.critic_step import critic_advantages
+
+        with timer("critic"):
+            metrics.update(critic_advantages(critic, batch, [r for g in groups for r in g.rewards],
+                                             cfg.algorithm.critic))
+        if step <= cfg.algorithm.critic.warmup_steps:  # the values first learn the returns; the policy waits
+            metrics["critic/warmup"] = 1
+            return metrics
     metrics.update(token_stages(batch, cfg, step))  # trainer step `step` (token_select's schedule, nat_prefix's cut)
     if teacher is not None:  # on-policy distillation: the teacher's reverse KL enters the (per-token) advantage
         with timer("teacher"):
