@@ -152,11 +152,7 @@ def test_no_import_cycles_between_packages():
 
 
 # Cycles known and owed, each with why it is still here; the test below fails when one is gone (remove it then).
-KNOWN_CYCLES = {
-    # Precision.check_hardware(use_te=None) asks model.detect_backend; megapo/learner is being changed in another
-    # session: the caller should pass use_te (model.py does), or detect_backend move below both
-    ("megapo.learner.model", "megapo.learner.precision"),
-}
+KNOWN_CYCLES: set[tuple[str, ...]] = set()  # none: a cycle found later is listed here only with its reason
 
 
 def test_no_import_cycles_between_modules():

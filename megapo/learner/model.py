@@ -13,36 +13,16 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from megapo import compat
 from megapo.config import ConfigError, ParallelConfig
+from megapo.learner.backend import Backend, detect_backend  # noqa: F401 (re-exported)
 from megapo.learner.precision import Precision
 from megapo.models.family import ModelSpec, padded_vocab
 from megapo.net import free_port
-
-
-@dataclass(frozen=True)
-class Backend:
-    device: str  # "cpu" | "cuda"
-    dist_backend: str  # "gloo" | "nccl"
-    use_te: bool  # Transformer Engine layer spec
-
-
-def detect_backend() -> Backend:
-    """TE only with a GPU: TE cannot be imported without libcuda, and on CPU it breaks megatron.core."""
-    if not torch.cuda.is_available():
-        return Backend("cpu", "gloo", False)
-    try:
-        import transformer_engine  # noqa: F401
-
-        use_te = True
-    except Exception:  # TE raises more than ImportError when its CUDA libraries are missing
-        use_te = False
-    return Backend("cuda", "nccl", use_te)
 
 
 def expert_tp(parallel: ParallelConfig, spec: ModelSpec | None = None) -> int:

@@ -80,7 +80,7 @@ class Precision:
         if self.fp8 == "none":
             return
         if use_te is None:
-            from megapo.learner.model import detect_backend
+            from megapo.learner.backend import detect_backend
 
             use_te = detect_backend().use_te
         if not use_te:
