@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from megapo.algorithms.spec import LossSpec
 
 __all__ = ["AlgorithmConfig", "DataConfig", "DistillConfig", "EnvConfig", "ModelConfig", "OptimConfig",
-           "OverlongConfig", "ParallelConfig", "ReplayMode", "RolloutConfig", "RunConfig", "SFTConfig",
-           "TinyModelConfig", "TOKENIZER_FILES", "TrainConfig", "min_group", "tiny_hf_config"]
+           "OverlongConfig", "ParallelConfig", "ReplayMode", "RewardModelConfig", "RolloutConfig", "RunConfig",
+           "SFTConfig", "TinyModelConfig", "TOKENIZER_FILES", "TrainConfig", "min_group", "tiny_hf_config"]
 
 MODES = ("sync", "async")
 LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
@@ -72,6 +72,40 @@ class OverlongConfig:
     enabled: bool = False  # subtract the penalty from the rewards of long responses
     buffer: int = bounded(16, ">= 1")  # tokens before max_new_tokens where the penalty starts
     penalty: float = bounded(1.0, ">= 0")  # the penalty at max_new_tokens, growing linearly over the buffer
+
+
+@dataclass
+class RewardModelConfig:
+    """data.reward_model: a reward model's score added to each sample's reward (megapo/trainer/reward_model.py)."""
+
+    # an HF *ForSequenceClassification folder (one label, e.g. `megapo tiny-model --head score` or `megapo
+    # rm-train`) scored at each sequence's last token by a frozen Megatron model under the learner's layout and
+    # precision; empty: no reward model
+    path: str = ""
+    # its score times this is added to the reward before the advantages (data.reward still applies: for the
+    # reward model alone, give a data.reward of 0 for every response, a "module:function" returning 0.0)
+    coef: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path)
+
+    def validate(self, policy_hf: dict | None) -> None:
+        """The folder is a one-label sequence-classification checkpoint of a registered family reading the policy's
+        token ids (`policy_hf`: the policy's config.json, None when unknown)."""
+        if not self.enabled:
+            return
+        from megapo.layout import read_hf_config
+        from megapo.learner.score import _family, check_score_folder
+
+        where, folder = "data.reward_model.path", Path(self.path)
+        if not (folder / "config.json").is_file():
+            raise ConfigError(where, f"{folder} is not an HF model folder (no config.json)")
+        hf = read_hf_config(folder, where)
+        check_score_folder(folder, hf, _family(hf, where), where)
+        if policy_hf is not None and hf.get("vocab_size") != policy_hf.get("vocab_size"):
+            raise ConfigError(where, f"the reward model's vocab_size is {hf.get('vocab_size')}, the policy's "
+                                     f"{policy_hf.get('vocab_size')}: it reads the policy's token ids")
 
 
 @dataclass
@@ -124,6 +158,8 @@ class DataConfig:
     group_filter_options: dict[str, Any] = field(default_factory=dict)  # the group filter's options
     # the verifier's verdict the length methods read: a response is correct when its reward is at least this
     correct_threshold: float = 0.5
+    # a reward model's score added to the verifier's reward before the advantages (path empty: none)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
     def validate(self) -> None:
@@ -525,6 +561,7 @@ def _check_model(cfg: RunConfig) -> None:
     _check_torch_model(cfg, hf, where)
     check_layout(cfg.parallel, hf)
     _check_teacher(cfg)
+    _check_reward_model(cfg, hf)
     _check_servable(cfg, hf)
     _check_moe(cfg, hf, spec)
     if m.exists():  # the safetensors hold exactly the tensors config.json describes
@@ -561,6 +598,20 @@ def _check_teacher(cfg: RunConfig) -> None:
         except ConfigError as err:
             raise ConfigError("algorithm.distill.teacher", f"the teacher does not fit the learner's layout: "
                                                            f"{err}") from None
+
+
+def _check_reward_model(cfg: RunConfig, hf: dict) -> None:
+    """data.reward_model: a one-label classification folder with the policy's vocabulary, fitting the layout."""
+    from megapo.layout import check_layout, read_hf_config
+
+    r = cfg.data.reward_model
+    r.validate(hf)
+    if r.enabled:
+        try:
+            check_layout(cfg.parallel, read_hf_config(r.path))
+        except ConfigError as err:
+            raise ConfigError("data.reward_model.path", f"the reward model does not fit the learner's layout: "
+                                                        f"{err}") from None
 
 
 def _check_servable(cfg: RunConfig, hf: dict) -> None:

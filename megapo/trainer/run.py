@@ -28,6 +28,7 @@ from megapo.trainer.fleet import make_fleet
 from megapo.trainer.handout import hand_out, rank_route_layers
 from megapo.trainer.length_stage import LengthStage
 from megapo.trainer.metrics import MetricsLogger, SampleLogger, StepTimer
+from megapo.trainer.reward_model import build_reward_model
 from megapo.trainer.run_dir import CHECKPOINTS
 from megapo.trainer.rollout import Group, collect_rollouts, make_reward_fn, sampling_params, turn_play
 from megapo.trainer.update import new_prompt_stats, stability_step, stage_state, update_policy
@@ -94,6 +95,9 @@ class Run:
         self.teacher: Reference | None = build_teacher(cfg, self.model_dir) if cfg.algorithm.distill.enabled else None
         # PPO's critic (megapo/trainer/critic_step.py): a trained Megatron value model on every rank
         self.critic = build_critic(cfg, self.model_dir) if cfg.algorithm.critic.enabled else None
+        # data.reward_model (megapo/trainer/reward_model.py): a frozen Megatron score model on every rank; not closed
+        # apart (it shares the learner's process groups, which the learner's close ends)
+        self.reward_model = build_reward_model(cfg) if cfg.data.reward_model.enabled else None
         self.transport = make_transport(cfg, self.out_dir, self.model_dir, self.learner, self.engine)
         self.step, self.version = 0, 0  # the last step trained (and logged), the engine's weight version
         self.made_ahead: list = []  # async batches a checkpoint kept, handed to the producer (start_rollouts)
@@ -208,7 +212,7 @@ class Run:
         """Advantages, π_old, π_ref, token stages and the optimizer steps (megapo.trainer.update)."""
         cfg = self.cfg
         return update_policy(self.learner, groups, cfg, self.reference, self.loss, timer, teacher=self.teacher,
-                             critic=self.critic,
+                             critic=self.critic, reward_model=self.reward_model,
                              measure_free_kl=self.eval_due(step, last=False),
                              measure_free_routing=stability_step(cfg, step), step=step,
                              prompt_stats=self.prompt_stats)

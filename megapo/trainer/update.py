@@ -219,18 +219,24 @@ def mini_batch_bounds(group_sizes: list[int], mini_batches: int) -> list[tuple[i
 def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, reference: Reference | None, loss: LossSpec,
                   timer: StepTimer,
                   measure_free_kl: bool = False, measure_free_routing: bool = False, step: int = 1,
-                  prompt_stats=None, teacher: Reference | None = None, critic=None) -> dict:
+                  prompt_stats=None, teacher: Reference | None = None, critic=None, reward_model=None) -> dict:
     """All ranks: advantages, old (and reference) log-probs, then the optimizer steps on mini-batches under `loss`
     (the run's LossSpec, RunConfig.loss_spec).
     π_old (sample.old_logp) and the replayed routes (sample.routes) are set once, before the first
     update, and stay fixed over all of them. Under r3, `measure_free_kl` / `measure_free_routing` take one more
     forward pass with the learner's own routing first (timed as "stability"): mismatch/k3_free, router/*.
     `critic` (algorithm.critic): GAE advantages from its values and its own step; during its warm-up
-    (algorithm.critic.warmup_steps) the policy does not move."""
+    (algorithm.critic.warmup_steps) the policy does not move. `reward_model` (data.reward_model, collective): its
+    score times data.reward_model.coef is added to each sample's reward in `groups` before the advantages."""
     from megapo.replay.modes import free_routing, on_policy_step
 
     metrics: dict[str, float] = {}
     mode = cfg.algorithm.routing_replay
+    if reward_model is not None:  # megapo/trainer/reward_model.py: every rank scores, every rank adds the same
+        from megapo.trainer.reward_model import add_model_rewards
+
+        with timer("reward_model"):
+            metrics.update(add_model_rewards(reward_model, groups, cfg.data.reward_model.coef))
     batch = train_samples(groups, cfg, step, prompt_stats)
     fused, free = on_policy(cfg, learner), None
     if mode == "r3" and (measure_free_kl or measure_free_routing):
