@@ -72,6 +72,15 @@ def run_command(name: str, args: argparse.Namespace) -> int:
     return report_errors(f"megapo {name} {sub}" if sub else f"megapo {name}", module.run, args)
 
 
+def module_main(prog: str, add_arguments, run) -> int:
+    """A command module run on its own (torchrun's worker processes): its arguments parsed, run under report_errors."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog)
+    add_arguments(parser)
+    return report_errors(prog, run, parser.parse_args())
+
+
 def report_errors(prog: str, run, args) -> int:
     """run(args); a ConfigError (LayoutError, InputError, CheckpointError too) ends as `prog: <message>` on
     stderr and exit code 2, no traceback. Also for modules run on their own (python -m tools.bench.scaling).

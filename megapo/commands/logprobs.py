@@ -119,11 +119,9 @@ def _work(args, parallel: ParallelConfig, sequences: list[list[int]]) -> int:
 
 
 def main() -> int:  # torchrun's processes (--worker)
-    from megapo.cli import report_errors
+    from megapo.cli import module_main
 
-    parser = argparse.ArgumentParser(prog="megapo logprobs")
-    add_arguments(parser)
-    return report_errors(parser.prog, run, parser.parse_args())
+    return module_main("megapo logprobs", add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -269,11 +269,9 @@ def pair_accuracy(model, pairs: list) -> float:
 
 
 def main() -> int:  # torchrun's processes (--worker)
-    from megapo.cli import report_errors
+    from megapo.cli import module_main
 
-    parser = argparse.ArgumentParser(prog="megapo rm-train")
-    add_arguments(parser)
-    return report_errors(parser.prog, run, parser.parse_args())
+    return module_main("megapo rm-train", add_arguments, run)
 
 
 if __name__ == "__main__":
