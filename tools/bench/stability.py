@@ -909,7 +909,7 @@ def write_dose_plot(plan: GridPlan, summary: dict) -> Path:
         for ax in (rate_ax, acc_ax):
             ax.set_xscale("log")
             ax.grid(alpha=0.3, which="both")
-        acc_ax.set_xlabel("router decisions differing, engine vs learner (%: the dose's cells' mean)")
+        acc_ax.set_xlabel("router decisions differing, engine vs learner (%)")  # (the dose's cells' mean)
         if acc_ax.get_legend_handles_labels()[0]:
             acc_ax.legend(fontsize=7)
     fig.suptitle("router disagreement dose (rollout.router_noise): collapse and accuracy by replay mode")
