@@ -560,8 +560,7 @@ def _check_model(cfg: RunConfig) -> None:
         raise ConfigError("data.chat_template", f"the tokenizer in {m.path} has no chat template")
     _check_torch_model(cfg, hf, where)
     check_layout(cfg.parallel, hf)
-    _check_teacher(cfg)
-    _check_reward_model(cfg, hf)
+    _check_second_models(cfg, hf)
     _check_servable(cfg, hf)
     _check_moe(cfg, hf, spec)
     if m.exists():  # the safetensors hold exactly the tensors config.json describes
@@ -585,33 +584,27 @@ def _check_torch_model(cfg: RunConfig, hf: dict, where: str) -> None:
         raise ConfigError(field_name, f"{user} runs megapo's PyTorch model, which cannot run {where}: {why}")
 
 
-def _check_teacher(cfg: RunConfig) -> None:
-    """algorithm.distill: its folder, tokenizer and mode, and that the teacher fits the learner's layout."""
+def _check_second_models(cfg: RunConfig, hf: dict) -> None:
+    """The teacher (algorithm.distill), the critic and the reward model (data.reward_model): each section's own rules
+    (folder, tokenizer, mode), then that the teacher and the reward model fit the learner's layout."""
+    a = cfg.algorithm
+    a.distill.validate(cfg.model.path)
+    a.critic.validate(a.advantage, cfg.model.path)
+    cfg.data.reward_model.validate(hf)
+    if a.distill.enabled:
+        _check_fits_layout(cfg, a.distill.teacher, "algorithm.distill.teacher", "the teacher")
+    if cfg.data.reward_model.enabled:
+        _check_fits_layout(cfg, cfg.data.reward_model.path, "data.reward_model.path", "the reward model")
+
+
+def _check_fits_layout(cfg: RunConfig, model_dir: str, field_name: str, role: str) -> None:
+    """A second model under the learner's layout: check_layout on its config.json, the error naming `field_name`."""
     from megapo.layout import check_layout, read_hf_config
 
-    cfg.algorithm.critic.validate(cfg.algorithm.advantage, cfg.model.path)  # (the critic is the other second model)
-    d = cfg.algorithm.distill
-    d.validate(cfg.model.path)
-    if d.enabled:
-        try:
-            check_layout(cfg.parallel, read_hf_config(d.teacher))
-        except ConfigError as err:
-            raise ConfigError("algorithm.distill.teacher", f"the teacher does not fit the learner's layout: "
-                                                           f"{err}") from None
-
-
-def _check_reward_model(cfg: RunConfig, hf: dict) -> None:
-    """data.reward_model: a one-label classification folder with the policy's vocabulary, fitting the layout."""
-    from megapo.layout import check_layout, read_hf_config
-
-    r = cfg.data.reward_model
-    r.validate(hf)
-    if r.enabled:
-        try:
-            check_layout(cfg.parallel, read_hf_config(r.path))
-        except ConfigError as err:
-            raise ConfigError("data.reward_model.path", f"the reward model does not fit the learner's layout: "
-                                                        f"{err}") from None
+    try:
+        check_layout(cfg.parallel, read_hf_config(model_dir))
+    except ConfigError as err:
+        raise ConfigError(field_name, f"{role} does not fit the learner's layout: {err}") from None
 
 
 def _check_servable(cfg: RunConfig, hf: dict) -> None:
