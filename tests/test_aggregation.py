@@ -127,7 +127,9 @@ PAPER_AGG = {"gspo": "seq-mean-token-mean", "gspo_token": "seq-mean-token-mean",
              "dppo": "token-mean", "cppo": "token-mean", "cppo_prefix_mean": "token-mean", "kpo": "token-mean",
              "aspo": "token-mean",
              # issue 32: FIPO and DGPO on DAPO's scaffold, the search agents' SAPO on GRPO's
-             "fipo": "token-mean", "dgpo": "token-mean", "search_sapo": "seq-mean-token-mean"}
+             "fipo": "token-mean", "dgpo": "token-mean", "search_sapo": "seq-mean-token-mean",
+             # ratio_gating.py: S-PPO / ST-PPO on PPO's token mean, FiberPO's trajectories weighted equally
+             "s_ppo": "token-mean", "st_ppo": "token-mean", "fiberpo": "seq-mean-token-mean"}
 
 
 def test_each_objective_defaults_to_its_papers_aggregation():

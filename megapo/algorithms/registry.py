@@ -59,6 +59,7 @@ _REGISTRY: dict[tuple[str, str], Entry] = {}
 _MODULES = (
     "megapo.algorithms.objectives",
     "megapo.algorithms.trust_region",
+    "megapo.algorithms.ratio_gating",
     "megapo.algorithms.advantages",
     "megapo.algorithms.corrections",
     "megapo.algorithms.aggregation",
