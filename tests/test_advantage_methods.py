@@ -1,5 +1,5 @@
-"""Advantage and token-weight stages of issue 14 (megapo/algorithms/stages.py): algorithm.kl_mode=future (FRPO's
-future-KL advantage), algorithm.token_mask stapo (STAPO's spurious-token mask, renormalised) and nat_prefix
+"""Advantage and token-weight stages of issue 14 (megapo/algorithms/stages.py), each an algorithm.stages entry:
+future_kl (FRPO's future-KL advantage), stapo (STAPO's spurious-token mask, renormalised) and nat_prefix
 (NAT's random prefix cutting with Horvitz-Thompson weights). Each against a loop written from its formula at
 float64; STAPO's batch-global renormalisation through policy_loss with float64 finite differences and the
 4 micro-batches x 2 DP shards split invariance; NAT's weights unbiased over every cut and reproducible from
@@ -64,10 +64,10 @@ def make_cfg(**algorithm):
     return cfg
 
 
-def test_kl_mode_future_in_the_loop_moves_the_kl_into_the_advantages():
+def test_future_kl_stage_in_the_loop_moves_the_kl_into_the_advantages():
     from megapo.trainer.update import token_stages
 
-    cfg = make_cfg(kl_coef=0.1, kl_mode="future")
+    cfg = make_cfg(kl_coef=0.1, stages=[{"name": "future_kl"}])
     assert cfg.loss_spec().kl_coef == 0.0  # no loss-side KL
     assert make_cfg(kl_coef=0.1).loss_spec().kl_coef == 0.1
     assert cfg.algorithm.needs_old_stats() and cfg.algorithm.needs_reference()
@@ -205,8 +205,8 @@ def test_nat_prefix_is_reproducible_from_seed_and_step():
 def test_token_mask_in_the_loop_multiplies_token_select():
     from megapo.trainer.update import token_stages
 
-    cfg = make_cfg(token_mask="nat_prefix", token_select={"rho": 0.5})
-    assert not make_cfg(token_mask="nat_prefix").algorithm.needs_old_stats()
+    cfg = make_cfg(stages=[{"name": "token_select", "rho": 0.5}, {"name": "nat_prefix"}])
+    assert not make_cfg(stages=[{"name": "nat_prefix"}]).algorithm.needs_old_stats()
     batch = [{"tokens": [1, 2, 3, 4, 5], "prompt_len": 2, "advantage": 1.0, "old_logp": [-0.1, -0.2, -0.3],
               "old_entropy": [0.9, 0.1, 0.8]},
              {"tokens": [1, 2, 3, 4], "prompt_len": 2, "advantage": -1.0, "old_logp": [-0.4, -0.5],
@@ -223,17 +223,16 @@ def test_token_mask_in_the_loop_multiplies_token_select():
 
 
 @pytest.mark.parametrize("algorithm, field, words", [
-    ({"kl_mode": "futur", "kl_coef": 0.1}, "algorithm.kl_mode", "loss, future"),
-    ({"kl_mode": "future"}, "algorithm.kl_coef", "> 0"),
-    ({"token_mask": "stapoo"}, "algorithm.token_mask", "unknown mask"),
-    ({"token_mask": "token_select"}, "algorithm.token_mask", "unknown mask"),
-    ({"token_mask_options": {"prob_max": 0.1}}, "algorithm.token_mask_options", "'none'"),
-    ({"token_mask": "stapo", "token_mask_options": {"prob_max": 0}}, "algorithm.token_mask_options", "prob_max"),
-    ({"token_mask": "stapo", "token_mask_options": {"entropy_max": -1}}, "algorithm.token_mask_options",
-     "entropy_max"),
-    ({"token_mask": "stapo", "token_mask_options": {"renorm": "group"}}, "algorithm.token_mask_options", "renorm"),
-    ({"token_mask": "nat_prefix", "token_mask_options": {"rho": 0.5}}, "algorithm.token_mask_options", "rho"),
-    ({"token_advantage": "future_kl"}, "algorithm.token_advantage", "unknown stage"),
+    ({"stages": [{"name": "futur_kl"}], "kl_coef": 0.1}, "algorithm.stages[0].name", "future_kl"),
+    ({"stages": [{"name": "future_kl"}]}, "algorithm.kl_coef", "> 0"),
+    ({"stages": [{"name": "stapoo"}]}, "algorithm.stages[0].name", "unknown stage"),
+    ({"stages": [{"name": "stapo"}, {"name": "polarity"}]}, "algorithm.stages[1]", "sequence stage"),
+    ({"stages": [{"prob_max": 0.1}]}, "algorithm.stages[0]", "name"),
+    ({"stages": [{"name": "stapo", "prob_max": 0}]}, "algorithm.stages[0]", "prob_max"),
+    ({"stages": [{"name": "stapo", "entropy_max": -1}]}, "algorithm.stages[0]", "entropy_max"),
+    ({"stages": [{"name": "stapo", "renorm": "group"}]}, "algorithm.stages[0]", "renorm"),
+    ({"stages": [{"name": "nat_prefix", "rho": 0.5}]}, "algorithm.stages[0]", "rho"),
+    ({"stages": [{"name": "future_kl", "beta": 0.1}], "kl_coef": 0.1}, "algorithm.stages[0]", "beta"),
 ])
 def test_bad_options_refused_at_config_time(algorithm, field, words):
     from megapo.config import ConfigError
@@ -244,7 +243,7 @@ def test_bad_options_refused_at_config_time(algorithm, field, words):
 
 
 def test_stapo_config_takes_the_old_pass_with_entropies():
-    cfg = make_cfg(token_mask="stapo", token_mask_options={"prob_max": 0.1, "renorm": "sequence"})
+    cfg = make_cfg(stages=[{"name": "stapo", "prob_max": 0.1, "renorm": "sequence"}])
     assert cfg.algorithm.needs_old_stats() and cfg.algorithm.needs_old_entropy()
 
 
@@ -306,11 +305,11 @@ def fake_groups(rewards_per_group, prompts):
     return [Group(Example(p, "0"), [sample() for _ in r], list(r)) for r, p in zip(rewards_per_group, prompts)]
 
 
-def test_sample_select_in_train_samples():
+def test_d3s_select_stage_in_train_samples():
     from megapo.algorithms import compute_advantages
     from megapo.trainer.update import train_samples
 
-    cfg = make_cfg(sample_select={"keep": 0.5})
+    cfg = make_cfg(stages=[{"name": "d3s_select", "keep": 0.5}])
     cfg.rollout.n_samples = 4
     rewards = [[1.0, 0.0, 0.0, 1.0], [0.2, 0.9, 0.4, 0.0]]
     batch = train_samples(fake_groups(rewards, ["a", "b"]), cfg, step=1)
@@ -371,7 +370,7 @@ def test_cumulative_statistics_survive_a_checkpoint(tmp_path):
     from megapo.trainer import checkpoint as ck
     from megapo.trainer.update import new_prompt_stats, stage_state, train_samples
 
-    cfg = make_cfg(advantage_smoothing="cumulative")
+    cfg = make_cfg(stages=[{"name": "cumulative_std"}])
     cfg.rollout.n_samples = 3
     assert new_prompt_stats(make_cfg()) is None and stage_state(None) == {}
     straight = new_prompt_stats(cfg)
@@ -390,12 +389,12 @@ def test_cumulative_statistics_survive_a_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("algorithm, field, words", [
-    ({"sample_select": {"keep": 0}}, "algorithm.sample_select", "keep"),
-    ({"sample_select": {"keep": 0.5, "keep_end": 0.9}}, "algorithm.sample_select", "anneal_steps"),
-    ({"sample_select": {"rho": 0.5}}, "algorithm.sample_select", "rho"),
-    ({"advantage_smoothing": "ema"}, "algorithm.advantage_smoothing", "none or cumulative"),
-    ({"advantage_smoothing": "cumulative", "advantage": "rloo"}, "algorithm.advantage_smoothing", "grpo"),
-    ({"token_advantage": "d3s_select"}, "algorithm.token_advantage", "unknown stage"),
+    ({"stages": [{"name": "d3s_select", "keep": 0}]}, "algorithm.stages[0]", "keep"),
+    ({"stages": [{"name": "d3s_select", "keep": 0.5, "keep_end": 0.9}]}, "algorithm.stages[0]", "anneal_steps"),
+    ({"stages": [{"name": "d3s_select", "rho": 0.5}]}, "algorithm.stages[0]", "rho"),
+    ({"stages": [{"name": "cumulative_ema"}]}, "algorithm.stages[0].name", "cumulative_std"),
+    ({"stages": [{"name": "cumulative_std"}], "advantage": "rloo"}, "algorithm.stages[0]", "grpo"),
+    ({"stages": [{"name": "polarity"}, {"name": "cumulative_std"}]}, "algorithm.stages[1]", "first stage"),
 ])
 def test_bad_sample_stage_options_refused_at_config_time(algorithm, field, words):
     from megapo.config import ConfigError

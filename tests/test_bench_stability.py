@@ -339,12 +339,12 @@ def test_variants_add_one_setting_each_with_their_overrides(tmp_path):
     st.run_grid(plan, runner=runner, warm_start=fake_warm_start)
     job = next(j for j in runner.calls if j.cell.variant == "kl_future")
     axes = job.argv.index("train.seed=0")  # the variant's overrides come after the cell's axes
-    assert job.argv[axes + 1: axes + 3] == ["algorithm.kl_mode=future", "algorithm.kl_coef=0.05"]
+    assert job.argv[axes + 1: axes + 3] == ["algorithm.stages=[{name: future_kl}]", "algorithm.kl_coef=0.05"]
     table = (plan.out / "table.md").read_text()
     m8 = table.split("train.mini_batches=8)")[1].split("## Variants")[0]
     assert "| ppo + stapo | off | none | 1 / 1 |" in m8  # the fake scenario collapses every off-m8-none cell
     assert m8.index("| dppo |") < m8.index("| ppo + kl_future |") < m8.index("| ppo + stapo |")
-    assert "| kl_future | `algorithm.kl_mode=future algorithm.kl_coef=0.05` |" in table
+    assert "| kl_future | `algorithm.stages=[{name: future_kl}] algorithm.kl_coef=0.05` |" in table
     summary = json.loads((plan.out / "summary.json").read_text())
     row = next(s for s in summary["settings"] if s["setting"] == "stapo-off-m8-none")
     assert (row["variant"], row["objective"], row["label"]) == ("stapo", "ppo", "ppo + stapo")
@@ -356,20 +356,20 @@ def test_variants_add_one_setting_each_with_their_overrides(tmp_path):
 def test_every_variant_config_is_valid_and_a_bad_one_stops_the_grid_first(tmp_path, monkeypatch):
     plan = make_plan(tmp_path, variants=st.variant_names("all"))
     st.validate_cells(plan, plan.cells(), STEPS)  # every listed variant is a valid config of the base
-    monkeypatch.setitem(st.VARIANTS, "bad_mask", ("algorithm.token_mask=nope",))
+    monkeypatch.setitem(st.VARIANTS, "bad_mask", ("algorithm.stages=[{name: nope}]",))
     plan = make_plan(tmp_path, variants=["stapo", "bad_mask"])
     runner = FakeRunner()
     with pytest.raises(ConfigError) as err:
         st.run_grid(plan, runner=runner, warm_start=fake_warm_start)
-    assert err.value.field == "algorithm.token_mask" and "(cell bad_mask-off-m8-none-s0)" in str(err.value)
+    assert err.value.field == "algorithm.stages[0].name" and "(cell bad_mask-off-m8-none-s0)" in str(err.value)
     assert runner.calls == [] and not (plan.out / "cells").exists()
 
 
 @pytest.mark.parametrize("variants, field, words", [
     ({"v": ("algorithm.objective=gspo",)}, "VARIANTS['v'][0]", "cell axis"),
-    ({"v": ("algorithm.token_mask=stapo", "train.mini_batches=4")}, "VARIANTS['v'][1]", "cell axis"),
-    ({"v": ("token_mask",)}, "VARIANTS['v'][0]", "section.field=value"),
-    ({"gspo": ("algorithm.token_mask=stapo",)}, "VARIANTS['gspo']", "objective's name"),
+    ({"v": ("algorithm.stages=[{name: stapo}]", "train.mini_batches=4")}, "VARIANTS['v'][1]", "cell axis"),
+    ({"v": ("stages",)}, "VARIANTS['v'][0]", "section.field=value"),
+    ({"gspo": ("algorithm.stages=[{name: stapo}]",)}, "VARIANTS['gspo']", "objective's name"),
 ])
 def test_malformed_variants_are_refused(variants, field, words):
     with pytest.raises(ConfigError) as err:

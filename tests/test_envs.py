@@ -268,7 +268,7 @@ def test_sft_rows_train_policy_turns_only(tiny_moe):
     ({"env.name": "calculator", "env.options": {"colour": 1}}, "env.options"),
     ({"env.name": "calculator", "env.options": {"call_format": "xml"}}, "env.options"),
     ({"env.options": {"call_format": "plain"}}, "env.options"),  # auto: the task builds its own
-    ({"algorithm.token_select": {"score": "entropy", "rho": 0.2}}, "algorithm.token_select"),
+    ({"algorithm.stages": [{"name": "token_select", "score": "entropy", "rho": 0.2}]}, "algorithm.stages[0]"),
     ({"data.overlong.enabled": True}, "data.overlong.enabled"),
 ])
 def test_env_config_errors_name_the_field(tiny_moe, tmp_path, over, field):

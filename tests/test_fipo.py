@@ -3,7 +3,7 @@
 The objective `fipo` (megapo/algorithms/objectives.py, algorithm.objective=fipo): the paper's Δ = log π_θ − log π_old
 inside the update, against a loop written out from its formula in float64, with finite-difference gradients.
 
-The stage `future_drift` (megapo/algorithms/stages.py, algorithm.token_advantage=future_drift; called fipo until
+The stage `future_drift` (megapo/algorithms/stages.py, algorithm.stages [{name: future_drift}]; called fipo until
 issue 32, a name that now refuses naming it): FIPO's weight on π_old's drift from π_ref (or μ) before the update,
 against a loop, each option's effect, through policy_loss with a float64 finite-difference gradient, bad options
 refused at config time naming the field, and the loop's wiring (which log-probs it reads, the reference it loads).
@@ -154,27 +154,27 @@ def test_bad_future_drift_options_refused_at_config_time(options, words):
     from megapo.config import ConfigError
 
     with pytest.raises(ConfigError) as err:
-        make_cfg(token_advantage="future_drift", token_advantage_options=options)
-    assert err.value.field == "algorithm.token_advantage_options" and words in str(err.value)
+        make_cfg(stages=[{"name": "future_drift", **options}])
+    assert err.value.field == "algorithm.stages[0]" and words in str(err.value)
 
 
 def test_future_drift_against_engine_refused_where_pi_old_is_the_engine():
     from megapo.config import ConfigError
 
     with pytest.raises(ConfigError) as err:
-        make_cfg(token_advantage="future_drift", token_advantage_options={"against": "engine"}, old_policy="engine")
-    assert err.value.field == "algorithm.token_advantage_options" and "old_policy" in str(err.value)
-    make_cfg(token_advantage="future_drift", token_advantage_options={"against": "engine"}, old_policy="learner")
+        make_cfg(stages=[{"name": "future_drift", "against": "engine"}], old_policy="engine")
+    assert err.value.field == "algorithm.stages[0]" and "old_policy" in str(err.value)
+    make_cfg(stages=[{"name": "future_drift", "against": "engine"}], old_policy="learner")
 
 
 def test_future_drift_in_the_loop_reads_the_reference_and_loads_it():
     from megapo.trainer.update import token_stages
 
-    cfg = make_cfg(token_advantage="future_drift", token_advantage_options={"clip": 0.5, "half_life": None})
+    cfg = make_cfg(stages=[{"name": "future_drift", "clip": 0.5, "half_life": None}])
     a = cfg.algorithm
     assert a.needs_reference() and a.needs_old_stats() and not a.needs_old_entropy()
     assert cfg.loss_spec().kl_coef == 0.0  # the reference feeds the advantage only: no loss-side KL
-    engine = make_cfg(token_advantage="future_drift", token_advantage_options={"against": "engine"})
+    engine = make_cfg(stages=[{"name": "future_drift", "against": "engine"}])
     assert not engine.algorithm.needs_reference()
     batch = [{"advantage": 1.0, "old_logp": [-0.5, -1.0], "ref_logp": [-0.7, -1.1], "rollout_logp": [0.0, 0.0]},
              {"advantage": -1.0, "old_logp": [-2.0], "ref_logp": [-1.5], "rollout_logp": [0.0]}]
@@ -188,7 +188,7 @@ def test_old_stage_name_refuses_naming_the_new_ones():
 
     for options in ({}, {"clip": 0.5}):
         with pytest.raises(ConfigError) as err:
-            make_cfg(token_advantage="fipo", token_advantage_options=options)
+            make_cfg(stages=[{"name": "fipo", **options}])
         assert "future_drift" in str(err.value) and "objective=fipo" in str(err.value)
     with pytest.raises(ValueError, match="future_drift"):
         token_advantages("fipo", torch.ones(2, dtype=F64), [[-0.1], [-0.2]], None, group_size=2, ref_logp=[[0.0], [0.0]])

@@ -72,8 +72,8 @@ def test_gfpo_keeps_the_shortest_and_groups_become_ragged():
         assert a.tolist() == pytest.approx([(x - mean) / (std + 1e-6) for x in r])
 
 
-def test_clamp_correct_adv_keeps_correct_answers_non_negative():
-    cfg = _cfg("algorithm.clamp_correct_adv=true", "data.length_reward=length_penalty",
+def test_clamp_correct_stage_keeps_correct_answers_non_negative():
+    cfg = _cfg("algorithm.stages=[{name: clamp_correct}]", "data.length_reward=length_penalty",
                "data.length_reward_options={coef: 0.02}")
     stage = LengthStage(cfg)
     stage.begin_batch()

@@ -3,7 +3,7 @@
 - every bad field is refused when the spec is built: LossSpecError (a ValueError) whose `field` is the spec
   field and whose message starts with the argument's name;
 - RunConfig.loss_spec maps the spec's fields from the algorithm / train sections (the rules written out here:
-  correction from algorithm.mismatch or the async default, the KL term only with kl_mode=loss) and a refused
+  correction from algorithm.mismatch or the async default, the KL term only without the stage future_kl) and a refused
   spec is a ConfigError naming the config field;
 - the spec is frozen and keeps copies of its option dicts; policy_loss / LossSpec.of take the flat form, and
   refuse options beside a spec.
@@ -100,8 +100,8 @@ def test_config_builds_the_spec_field_by_field():
     cfg = _cfg(objective="ppo", objective_options={"eps_high": 0.28}, loss_agg="token-mean", mismatch="tis",
                mismatch_options={"cap": 3.0}, kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01)
     assert cfg.loss_spec() == LossSpec("ppo", "token-mean", {"eps_high": 0.28}, "tis", {"cap": 3.0}, 0.1, "k1", 0.01)
-    # kl_mode=future: the KL lives in the advantages, no loss term (the kl metric on k3)
-    future = _cfg(kl_coef=0.1, kl_estimator="k1", kl_mode="future").loss_spec()
+    # stage future_kl: the KL lives in the advantages, no loss term (the kl metric on k3)
+    future = _cfg(kl_coef=0.1, kl_estimator="k1", stages=[{"name": "future_kl"}]).loss_spec()
     assert (future.kl_coef, future.kl_estimator) == (0.0, "k3")
     # async with π_old from the learner: stale samples get the TIS correction; sync and engine π_old: none
     data = config_data()

@@ -202,20 +202,18 @@ def config_data(**algorithm):
 
 
 @pytest.mark.parametrize("algorithm, field, words", [
-    ({"advantage_polarity": "neg"}, "algorithm.advantage_polarity", "both, positive, negative"),
-    ({"pos_scale": -1.0}, "algorithm.pos_scale", ">= 0"),
-    ({"token_advantage": "gtpoo"}, "algorithm.token_advantage", "unknown stage"),
-    ({"token_advantage": "polarity"}, "algorithm.token_advantage", "unknown stage"),
-    ({"token_advantage": "gtpo", "token_advantage_options": {"alpha3": 1}}, "algorithm.token_advantage_options",
-     "alpha3"),
-    ({"token_advantage": "advantage_reweighting", "token_advantage_options": {"alpha": 2}},
-     "algorithm.token_advantage_options", "alpha"),
-    ({"token_advantage_options": {"alpha": 0.1}}, "algorithm.token_advantage_options", "'none'"),
-    ({"token_select": {"rho": 0}}, "algorithm.token_select", "rho"),
-    ({"token_select": {"rho": 1.5}}, "algorithm.token_select", "rho"),
-    ({"token_select": {"score": "prob"}}, "algorithm.token_select", "score"),
-    ({"token_select": {"weight": -0.1}}, "algorithm.token_select", "weight"),
-    ({"token_select": {"rho_end": 0.5}}, "algorithm.token_select", "anneal_steps"),
+    ({"stages": [{"name": "polarity", "polarity": "neg"}]}, "algorithm.stages[0]", "both, positive, negative"),
+    ({"stages": [{"name": "polarity", "pos_scale": -1.0}]}, "algorithm.stages[0]", ">= 0"),
+    ({"stages": [{"name": "gtpoo"}]}, "algorithm.stages[0].name", "unknown stage"),
+    ({"stages": [{"name": "gtpo"}, {"name": "polarity"}]}, "algorithm.stages[1]", "sequence stage"),
+    ({"stages": [{"name": "gtpo", "alpha3": 1}]}, "algorithm.stages[0]", "alpha3"),
+    ({"stages": [{"name": "advantage_reweighting", "alpha": 2}]}, "algorithm.stages[0]", "alpha"),
+    ({"stages": [{"alpha": 0.1}]}, "algorithm.stages[0]", "name"),
+    ({"stages": [{"name": "token_select", "rho": 0}]}, "algorithm.stages[0]", "rho"),
+    ({"stages": [{"name": "token_select", "rho": 1.5}]}, "algorithm.stages[0]", "rho"),
+    ({"stages": [{"name": "token_select", "score": "prob"}]}, "algorithm.stages[0]", "score"),
+    ({"stages": [{"name": "token_select", "weight": -0.1}]}, "algorithm.stages[0]", "weight"),
+    ({"stages": [{"name": "token_select", "rho_end": 0.5}]}, "algorithm.stages[0]", "anneal_steps"),
 ])
 def test_bad_stage_options_refused_at_config_time(algorithm, field, words):
     from megapo.config import ConfigError, from_dict
@@ -230,8 +228,9 @@ def test_good_stage_options_accepted():
     from megapo.config import from_dict
     from megapo.trainer.config import RunConfig
 
-    cfg = from_dict(RunConfig, config_data(advantage_polarity="negative", neg_scale=0.5, token_advantage="gtpo",
-                                           token_select={"rho": 0.2, "rho_end": 0.8, "anneal_steps": 10}))
+    cfg = from_dict(RunConfig, config_data(stages=[
+        {"name": "polarity", "polarity": "negative", "neg_scale": 0.5}, {"name": "gtpo"},
+        {"name": "token_select", "rho": 0.2, "rho_end": 0.8, "anneal_steps": 10}]))
     cfg._validate_algorithm()
     assert cfg.algorithm.needs_old_stats() and cfg.algorithm.needs_old_entropy()
 
@@ -251,8 +250,8 @@ def test_loop_stages_take_the_old_pass_and_fill_the_samples():
     plain = from_dict(RunConfig, config_data())
     assert on_policy(plain, FusedLearner()) and not plain.algorithm.needs_old_entropy()
     assert token_stages([{"advantage": 1.0}], plain, 1) == {}  # default: nothing touched
-    cfg = from_dict(RunConfig, config_data(token_advantage="advantage_reweighting",
-                                           token_advantage_options={"alpha": 0.5}, token_select={"rho": 0.5}))
+    cfg = from_dict(RunConfig, config_data(stages=[{"name": "advantage_reweighting", "alpha": 0.5},
+                                                   {"name": "token_select", "rho": 0.5}]))
     assert not on_policy(cfg, FusedLearner())  # the stage needs π_old before the loss
     cfg.rollout.n_samples = 2
     batch = [{"advantage": 1.0, "old_logp": [-0.5, -1.0], "old_entropy": [0.2, 0.9]},

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from megapo.config import ConfigError, bounded
 
@@ -192,39 +192,31 @@ class AlgorithmConfig:
     # off | r2 (replay the learner's own routes from the old-log-prob pass) | r3 (replay the engine's routes).
     # YAML 1.1 reads a bare `off` as false, which means off too.
     routing_replay: ReplayMode = ReplayMode.OFF
-    # GRPO-λ's companion (seed 004 B22): a correct response's advantage is clamped at >= 0, so a length term
-    # cannot push a long correct answer below a wrong one (megapo.algorithms.length.clamp_correct_advantages)
-    clamp_correct_adv: bool = False
-    # stages after the estimator (megapo/algorithms/stages.py, `megapo objectives --kind advantage_stage`):
-    # both | positive | negative: which sequence advantages are kept, each side scaled by pos_scale / neg_scale
-    advantage_polarity: str = "both"
-    pos_scale: float = bounded(1.0, ">= 0")  # factor on the positive sequence advantages
-    neg_scale: float = bounded(1.0, ">= 0")  # factor on the negative sequence advantages
-    # none | gtpo | grpo_s | advantage_reweighting | fipo: per-token advantages from π_old's per-token statistics
-    # (takes the separate old-log-prob pass, with entropies for gtpo / grpo_s; fipo: with the reference's
-    # log-probs, or the engine's with against=engine)
-    token_advantage: str = "none"
-    token_advantage_options: dict[str, Any] = field(default_factory=dict)  # the token advantage's options
-    # token_select's options ({} = off; score, rho, weight, rho_end, anneal_steps): per-token loss weights,
-    # 1 for the top-rho fraction of the batch's tokens by π_old entropy (or |A|·entropy), `weight` for the rest
-    token_select: dict[str, Any] = field(default_factory=dict)
-    # none | stapo | nat_prefix: per-token loss weights of a token mask (megapo/algorithms/stages.py), multiplied
-    # with token_select's; stapo takes the old-log-prob pass with entropies
-    token_mask: str = "none"
-    token_mask_options: dict[str, Any] = field(default_factory=dict)  # the token mask's options
-    # loss: the KL to the reference is a loss term (kl_coef · k1/k2/k3); future: FRPO's future-KL advantage
-    # A_t - β·Σ_{s≥t}(log π_old - log π_ref) with β = kl_coef, and no KL term in the loss
-    kl_mode: str = "loss"
-    # D³S sample-level selection ({} = off; keep, keep_end, anneal_steps): per group, the rollouts that maximise
-    # Var(A) keep their advantage, the others get 0
-    sample_select: dict[str, Any] = field(default_factory=dict)
-    # none | cumulative: DCPO's smoothed standardisation, each prompt's rewards against its running mean / std
-    # over all steps so far (replaces grpo's group statistics; the statistics live in the checkpoint)
-    advantage_smoothing: str = "none"
+    # the stages between the estimator and the loss, in the order they run (megapo/algorithms/pipeline.py,
+    # `megapo objectives --stages`): [{name: <stage>, <its options>}, ...]; sequence stages (per group, on the
+    # estimator's advantages: polarity, d3s_select, cumulative_std, clamp_correct) before token stages (on the train
+    # batch after the old-log-prob pass: gtpo, grpo_s, advantage_reweighting, future_drift, future_kl, token_select,
+    # stapo, nat_prefix). The loop computes only the inputs some stage reads (π_old's entropy, π_ref, ...).
+    stages: list[dict[str, Any]] = field(default_factory=list)
     # on-policy distillation: a frozen teacher's per-token reverse KL enters the advantage (megapo/trainer/distill.py)
     distill: DistillConfig = field(default_factory=DistillConfig)
     # PPO's critic: a trained value model whose GAE advantages replace the estimator's (advantage: gae)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    # the stage fields before algorithm.stages (issue 32): each names the entry that replaces it
+    MOVED: ClassVar[dict[str, str]] = {
+        "advantage_polarity": "algorithm.stages: [{name: polarity, polarity: positive | negative, ...}]",
+        "pos_scale": "algorithm.stages: [{name: polarity, pos_scale: ...}]",
+        "neg_scale": "algorithm.stages: [{name: polarity, neg_scale: ...}]",
+        "sample_select": "algorithm.stages: [{name: d3s_select, keep: ...}]",
+        "advantage_smoothing": "algorithm.stages: [{name: cumulative_std}] (cumulative), first in the list",
+        "clamp_correct_adv": "algorithm.stages: [{name: clamp_correct}]",
+        "token_advantage": "algorithm.stages: [{name: gtpo | grpo_s | advantage_reweighting | future_drift, ...}]",
+        "token_advantage_options": "the options in the stage's entry: algorithm.stages: [{name: gtpo, alpha1: ...}]",
+        "kl_mode": "algorithm.stages: [{name: future_kl}] (future; β = algorithm.kl_coef)",
+        "token_select": "algorithm.stages: [{name: token_select, rho: ...}]",
+        "token_mask": "algorithm.stages: [{name: stapo | nat_prefix, ...}]",
+        "token_mask_options": "the options in the stage's entry: algorithm.stages: [{name: stapo, prob_max: ...}]",
+    }
 
     def __post_init__(self) -> None:
         # the loader hands the YAML value over as is: false (a bare `off`) and the mode names become the enum; any
@@ -234,10 +226,26 @@ class AlgorithmConfig:
         elif isinstance(self.routing_replay, str) and self.routing_replay in {m.value for m in ReplayMode}:
             self.routing_replay = ReplayMode(self.routing_replay)
 
+    def pipeline(self) -> list:
+        """algorithm.stages parsed (pipeline.Stage, in order); ConfigError naming the entry that is wrong."""
+        from megapo.algorithms.pipeline import parse_stages
+
+        return parse_stages(self.stages)
+
+    def stage_inputs(self) -> set[str]:
+        """What the stages read (pipeline.INPUTS): the loop computes these for them."""
+        from megapo.algorithms.pipeline import inputs_of
+
+        return inputs_of(self.pipeline())
+
+    def has_stage(self, name: str) -> bool:
+        return any(s.name == name for s in self.pipeline())
+
     def needs_reference(self) -> bool:
-        """Whether a term uses π_ref's log-probs (sample.ref_logp): a KL term, a token advantage reading them
-        (future_drift against=reference), or an objective that reads them (its options' reference_inputs: dgpo)."""
-        return (self.kl_coef > 0 or "ref_logp" in self.token_advantage_inputs()
+        """Whether a term uses π_ref's log-probs (sample.ref_logp): a KL term (in the loss, or stage future_kl), a
+        stage reading them (future_drift against=reference), or an objective that reads them (its options'
+        reference_inputs: dgpo)."""
+        return (self.kl_coef > 0 or "ref_logp" in self.stage_inputs()
                 or "ref_logp" in self.objective_reference_inputs())
 
     def objective_reference_inputs(self) -> tuple[str, ...]:
@@ -247,31 +255,25 @@ class AlgorithmConfig:
         entry = next((e for e in entries("objective") if e.name == self.objective), None)
         return tuple(getattr(entry.options, "reference_inputs", ())) if entry is not None else ()
 
-    def token_advantage_inputs(self) -> tuple[str, ...]:
-        """The other policies' per-token log-probs algorithm.token_advantage reads (stages.token_advantage_inputs);
-        () for none, or for a name / options that validation refuses (naming the field)."""
-        from megapo.algorithms.stages import token_advantage_inputs
-
-        if self.token_advantage == "none":
-            return ()
-        try:
-            return token_advantage_inputs(self.token_advantage, self.token_advantage_options)
-        except (TypeError, ValueError):
-            return ()
-
     def needs_old_stats(self) -> bool:
-        """Whether a stage needs π_old's per-token statistics before the loss (the separate old-log-prob pass)."""
-        return (self.token_advantage != "none" or bool(self.token_select) or self.token_mask == "stapo"
-                or self.kl_mode == "future" or self.distill.enabled)
+        """Whether π_old's per-token statistics are needed before the loss (the separate old-log-prob pass): a
+        stage reads them, or the teacher's reverse KL does."""
+        return bool(self.stage_inputs() & {"old_logp", "old_entropy"}) or self.distill.enabled
 
     def needs_old_entropy(self) -> bool:
         """Whether the old-log-prob pass keeps π_old's per-token entropy: for a stage, or for the objective's
         loss (sample.old_entropy; a fused on-policy step takes it from its own forward instead)."""
         from megapo.algorithms.loss import token_inputs
-        from megapo.algorithms.stages import NEEDS_ENTROPY
 
-        return (self.token_advantage in NEEDS_ENTROPY or bool(self.token_select) or self.token_mask == "stapo"
+        return ("old_entropy" in self.stage_inputs()
                 or "old_entropy" in token_inputs(self.objective, self.objective_options))
+
+    def computed_inputs(self) -> set[str]:
+        """The stage inputs this section's run computes (pipeline.INPUTS): all of them, but no per-sample advantage
+        under gae (the critic's GAE advantages are per token)."""
+        from megapo.algorithms.pipeline import INPUTS
+
+        return set(INPUTS) - ({"sequence_advantage"} if self.advantage == GAE else set())
 
     # --- the rules inside the section ------------------------------------------------------------
 
@@ -283,8 +285,7 @@ class AlgorithmConfig:
                 raise ConfigError("algorithm.advantage_options", "gae takes its options from algorithm.critic")
         else:
             check_options("advantage", self.advantage, self.advantage_options, "algorithm.advantage_options")
-        self._check_token_advantage()
-        self._check_stage_fields()
+        self._check_stages()
         if self.mismatch == "none" and self.mismatch_options:
             raise ConfigError("algorithm.mismatch_options", "given but algorithm.mismatch is 'none'")
         if self.old_policy not in OLD_POLICIES:
@@ -307,45 +308,17 @@ class AlgorithmConfig:
             raise ConfigError("algorithm.mismatch", f"unknown correction {self.mismatch!r}; known: none, "
                               f"{', '.join(registry_names('correction'))}")
 
-    def _check_token_advantage(self) -> None:
-        """advantage_polarity, token_advantage(_options), token_select."""
-        from megapo.algorithms.stages import NOT_TOKEN_ADVANTAGE, POLARITIES
+    def _check_stages(self) -> None:
+        """algorithm.stages: known names, options, order, inputs this run computes; future_kl's β and
+        cumulative_std's estimator."""
+        from megapo.algorithms.pipeline import check_inputs
 
-        if self.advantage_polarity not in POLARITIES:
-            raise ConfigError("algorithm.advantage_polarity", f"must be one of {', '.join(POLARITIES)}, "
-                              f"got {self.advantage_polarity!r}")
-        known = [n for n in registry_names("advantage_stage") if n not in NOT_TOKEN_ADVANTAGE]
-        if self.token_advantage != "none":
-            if self.token_advantage not in known:
-                raise ConfigError("algorithm.token_advantage", f"unknown stage {self.token_advantage!r}; known: none, "
-                                  f"{', '.join(known)}")
-            check_options("advantage_stage", self.token_advantage, self.token_advantage_options,
-                          "algorithm.token_advantage_options")
-        elif self.token_advantage_options:
-            raise ConfigError("algorithm.token_advantage_options", "given but algorithm.token_advantage is 'none'")
-        if self.token_select:
-            check_options("token_weight", "token_select", self.token_select, "algorithm.token_select")
-
-    def _check_stage_fields(self) -> None:
-        """token_mask(_options), kl_mode, sample_select, advantage_smoothing."""
-        from megapo.algorithms.stages import KL_MODES, TOKEN_MASKS
-
-        if self.token_mask != "none":
-            if self.token_mask not in TOKEN_MASKS:
-                raise ConfigError("algorithm.token_mask", f"unknown mask {self.token_mask!r}; known: none, "
-                                  f"{', '.join(TOKEN_MASKS)}")
-            check_options("token_weight", self.token_mask, self.token_mask_options, "algorithm.token_mask_options")
-        elif self.token_mask_options:
-            raise ConfigError("algorithm.token_mask_options", "given but algorithm.token_mask is 'none'")
-        if self.kl_mode not in KL_MODES:
-            raise ConfigError("algorithm.kl_mode", f"must be one of {', '.join(KL_MODES)}, got {self.kl_mode!r}")
-        if self.kl_mode == "future" and not self.kl_coef > 0:
-            raise ConfigError("algorithm.kl_coef", "algorithm.kl_mode=future takes its β from kl_coef: must be > 0")
-        if self.sample_select:
-            check_options("advantage_stage", "d3s_select", self.sample_select, "algorithm.sample_select")
-        if self.advantage_smoothing not in ("none", "cumulative"):
-            raise ConfigError("algorithm.advantage_smoothing", f"must be none or cumulative, "
-                              f"got {self.advantage_smoothing!r}")
-        if self.advantage_smoothing == "cumulative" and self.advantage != "grpo":
-            raise ConfigError("algorithm.advantage_smoothing", "cumulative replaces grpo's per-group standardisation; "
-                              f"algorithm.advantage is {self.advantage!r} (set grpo)")
+        stages = self.pipeline()
+        check_inputs(stages, self.computed_inputs())
+        for i, s in enumerate(stages):
+            if s.name == "future_kl" and not self.kl_coef > 0:
+                raise ConfigError("algorithm.kl_coef", f"stage future_kl (algorithm.stages[{i}]) takes its β from "
+                                  "kl_coef: must be > 0")
+            if s.name == "cumulative_std" and self.advantage != "grpo":
+                raise ConfigError(f"algorithm.stages[{i}]", "cumulative_std replaces grpo's per-group "
+                                  f"standardisation; algorithm.advantage is {self.advantage!r} (set grpo)")

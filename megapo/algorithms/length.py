@@ -471,7 +471,7 @@ class GrpoLambdaOptions:
 class GrpoLambda(LengthReward):
     """Per group: R' = the inner length reward (kimi | length_penalty | laser, with inner_options) when the
     group's correct fraction p̂ >= τ, the plain reward R otherwise (the abstract: length-agnostic rewards
-    while a prompt is rarely solved). Its companion clamp (B22, algorithm.clamp_correct_adv) keeps correct
+    while a prompt is rarely solved). Its companion stage clamp_correct (algorithm.stages) keeps correct
     responses' advantages >= 0."""
 
     def __init__(self, o: GrpoLambdaOptions, budget: int):
@@ -486,8 +486,13 @@ class GrpoLambda(LengthReward):
         return shaped
 
 
+@register(
+    "clamp_correct", "advantage_stage", "sequence",
+    "the correct-response clamp used with GRPO-λ's length rewards (Dai, Liu, Si 2025, Stable Reinforcement Learning "
+    "for Efficient Reasoning, arXiv:2505.18086)",
+)
 def clamp_correct_advantages(adv: Tensor, correct: Tensor) -> Tensor:
-    """A_i ← max(A_i, 0) for correct responses (seed 004 B22: under group-mean normalisation a length reward
+    """A_i ← max(A_i, 0) for correct responses (under group-mean normalisation a length reward
     turns long correct answers' advantages negative once the pass rate exceeds 2/3); others unchanged."""
     if not isinstance(adv, Tensor) or not adv.is_floating_point():
         raise ValueError("adv: expected a floating torch.Tensor")

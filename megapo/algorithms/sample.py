@@ -24,7 +24,7 @@ from typing import Any, Iterator
 class TrainSample:
     tokens: list[int]  # prompt + response token ids
     prompt_len: int  # tokens[:prompt_len] is the prompt
-    advantage: float | list[float]  # one per sample, or one per response token (algorithm.token_advantage)
+    advantage: float | list[float]  # one per sample, or one per response token (a token stage of algorithm.stages)
     rollout_logp: list[float] | None = None  # μ: the engine's log-prob of each response token
     old_logp: list[float] | None = None  # π_old per response token: the old-log-prob pass (or μ, old_policy=engine)
     old_entropy: list[float] | None = None  # π_old's entropy at each response token (stages that read it)

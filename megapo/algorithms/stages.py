@@ -56,7 +56,7 @@ class PolarityOptions:
 
     def __post_init__(self):
         if self.polarity not in POLARITIES:
-            raise ValueError(f"advantage_polarity: must be one of {', '.join(POLARITIES)}, got {self.polarity!r}")
+            raise ValueError(f"polarity: must be one of {', '.join(POLARITIES)}, got {self.polarity!r}")
         for name in ("pos_scale", "neg_scale"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
@@ -259,9 +259,9 @@ def future_drift(adv: Tensor, s: TokenStats, o: FutureDriftOptions) -> Tensor:
     return adv[..., None] * weight * s.mask
 
 
-FIPO_RENAMED = ("token_advantage: the stage registered as fipo measured π_old's drift from π_ref (or μ) once "
-                "before the update, not FIPO's drift of π_θ inside it: it is now token_advantage=future_drift "
-                "(same options); FIPO itself is algorithm.objective=fipo")
+FIPO_RENAMED = ("the stage registered as fipo measured π_old's drift from π_ref (or μ) once before the update, not "
+                "FIPO's drift of π_θ inside it: it is now algorithm.stages: [{name: future_drift, ...}] (same "
+                "options); FIPO itself is algorithm.objective=fipo")
 
 
 @dataclass
@@ -279,13 +279,13 @@ class RenamedFipoOptions(FutureDriftOptions):
     RenamedFipoOptions,
 )
 def renamed_fipo(adv: Tensor, s: TokenStats, o) -> Tensor:
-    """Refused: token_advantage=fipo is now future_drift (π_old's drift from π_ref before the update); FIPO's
+    """Refused: the stage fipo is now future_drift (π_old's drift from π_ref before the update); FIPO's
     in-update future-KL weight is objective fipo."""
     raise ValueError(FIPO_RENAMED)
 
 
 NEEDS_ENTROPY = ("gtpo", "grpo_s")
-# advantage_stage entries that are not algorithm.token_advantage values (they have their own config fields)
+# advantage_stage entries that do not turn sequence advantages into per-token ones (token_advantages refuses them)
 NOT_TOKEN_ADVANTAGE = ("polarity", "future_kl", "d3s_select", "cumulative_std")
 
 
@@ -295,13 +295,6 @@ def _padded(values: list, width: int, dtype) -> Tensor:
         v = torch.as_tensor(v, dtype=dtype).reshape(-1)
         out[i, : v.numel()] = v
     return out
-
-
-def token_advantage_inputs(name: str, options: dict) -> tuple[str, ...]:
-    """The per-token log-probs stage `name` with these options reads beyond π_old's: "ref_logp" (the reference's,
-    so the run loads one) or "rollout_logp" (the engine's). () for a stage that reads none."""
-    entry = get("advantage_stage", name, argument="token_advantage")
-    return tuple(getattr(entry.make_options(options), "token_inputs", ()))
 
 
 def _other_logp(name: str, values: list | None, lengths: list[int], width: int) -> Tensor:
@@ -318,11 +311,11 @@ def token_advantages(name: str, advantages: Tensor, old_logp: list, entropy: lis
                      **options) -> list[Tensor]:
     """Per-token advantages of stage `name`: `advantages` [S] (one per sample, groups of `group_size`
     contiguous), `old_logp` / `entropy` one sequence of π_old's response-token values per sample,
-    `rollout_logp` / `ref_logp` the engine's / reference's where the stage reads them (token_advantage_inputs).
+    `rollout_logp` / `ref_logp` the engine's / reference's where the stage reads them (its options' token_inputs).
     Returns one float64 tensor per sample, as long as its old_logp."""
     entry = get("advantage_stage", name, argument="token_advantage")
     if name in NOT_TOKEN_ADVANTAGE:
-        raise ValueError(f"token_advantage: {name!r} is not a per-token advantage stage (it has its own config field)")
+        raise ValueError(f"token_advantage: {name!r} is not a per-token advantage stage")
     opts = entry.make_options(options)
     lengths = [len(v) for v in old_logp]
     if advantages.numel() != len(lengths) or len(lengths) % group_size:
@@ -412,7 +405,7 @@ def token_select_weights(advantages: list, entropy: list, *, step: int = 1, **op
 @register(
     "future_kl", "advantage_stage", "token",
     "Yao, Wang, Bai, Zhang 2026, Future-KL Regularized GRPO: Process-Level Credit Assignment from f-Divergence "
-    "Regularization (arXiv:2601.10201), FRPO; seed 000 A64; algorithm.kl_mode=future, β = algorithm.kl_coef",
+    "Regularization (arXiv:2601.10201), FRPO; seed 000 A64; algorithm.stages {name: future_kl}, β = algorithm.kl_coef",
 )
 def future_kl(adv: Tensor, old_logp: Tensor, ref_logp: Tensor, mask: Tensor, beta: float) -> Tensor:
     """A_{i,t} = A_{i,t} − β·Σ_{s≥t}(log π_old(y_s) − log π_ref(y_s)) over the response's tokens s from t to
@@ -513,7 +506,6 @@ def nat_prefix(lengths: list[int], rng) -> list[Tensor]:
 
 
 TOKEN_MASKS = ("stapo", "nat_prefix")
-KL_MODES = ("loss", "future")  # algorithm.kl_mode: the KL to the reference as a loss term, or FRPO's future_kl
 
 
 def _sequence_sign(advantages: list, lengths: list[int]) -> Tensor:
@@ -612,7 +604,7 @@ def d3s_select(adv: Tensor, o: SampleSelectOptions, step: int) -> Tensor:
 
 def select_samples(adv: Tensor, *, step: int = 1, **options) -> Tensor:
     """d3s_select on [P, n] sequence advantages (groups as rows) at trainer step `step`."""
-    entry = get("advantage_stage", "d3s_select", argument="sample_select")
+    entry = get("advantage_stage", "d3s_select", argument="stage")
     return entry.fn(adv, entry.make_options(options), step)
 
 
@@ -688,7 +680,7 @@ def cumulative_std(rewards: Tensor, keys: list[str], stats: PromptRewardStats, o
 
 def cumulative_advantages(rewards: Tensor, prompts: list[str], stats: PromptRewardStats, **options) -> Tensor:
     """cumulative_std on [P, n] rewards of the prompts `prompts` (their text), updating `stats`."""
-    entry = get("advantage_stage", "cumulative_std", argument="advantage_smoothing")
+    entry = get("advantage_stage", "cumulative_std", argument="stage")
     if len(prompts) != rewards.shape[0]:
         raise ValueError(f"prompts: {len(prompts)} for {rewards.shape[0]} groups")
     return entry.fn(rewards.to(torch.float64), [prompt_key(p) for p in prompts], stats, entry.make_options(options))

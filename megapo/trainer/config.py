@@ -353,13 +353,13 @@ class RunConfig:
     def loss_spec(self) -> LossSpec:
         """The run's LossSpec (megapo/algorithms/spec.py), what the learner's every train step takes: the objective,
         its options and aggregation; the correction algorithm.mismatch, else for stale async samples the resolved
-        train.async_correction; the KL term with kl_mode=loss only (future puts the KL into the advantages; the
+        train.async_correction; the KL term unless the stage future_kl puts the KL into the advantages (the
         `kl` metric then uses k3); the entropy bonus. A spec the library refuses: ConfigError naming the field."""
         from megapo.algorithms.spec import LossSpec, LossSpecError
 
         a = self.algorithm
         correction = a.mismatch if a.mismatch != "none" else self.async_correction()
-        kl_term = bool(a.kl_coef) and a.kl_mode == "loss"
+        kl_term = bool(a.kl_coef) and not a.has_stage("future_kl")
         try:
             return LossSpec(a.objective, a.loss_agg, a.objective_options,
                             correction=None if correction == "none" else correction,
@@ -391,7 +391,7 @@ class RunConfig:
     def _validate_algorithm(self) -> None:
         self.algorithm.validate()
         self.loss_spec()  # the loss's own checks (objective and correction options, ...), naming the config field
-        _check_token_advantage_policy(self)
+        _check_stage_policy(self)
         _check_reference(self)
 
     def _validate_rollout(self) -> None:
@@ -411,13 +411,16 @@ class RunConfig:
 # ----------------------------------------------------------------------------- rules that span sections
 
 
-def _check_token_advantage_policy(cfg: RunConfig) -> None:
-    """A token advantage against the engine's log-probs needs π_old other than the engine's (train.mode)."""
-    a = cfg.algorithm
-    if "rollout_logp" in a.token_advantage_inputs() and cfg.old_policy() == "engine":
-        raise ConfigError("algorithm.token_advantage_options", f"{a.token_advantage} against=engine takes "
-                          "the log-ratio π_old/μ, and with algorithm.old_policy=engine π_old is μ (always 0); "
-                          "use against=reference or old_policy=learner")
+def _check_stage_policy(cfg: RunConfig) -> None:
+    """A stage against the engine's log-probs (future_drift against=engine) needs π_old other than the engine's
+    (algorithm.old_policy, resolved by train.mode)."""
+    if cfg.old_policy() != "engine":
+        return
+    for i, s in enumerate(cfg.algorithm.pipeline()):
+        if "rollout_logp" in s.inputs:
+            raise ConfigError(f"algorithm.stages[{i}]", f"{s.name} against=engine takes the log-ratio π_old/μ, and "
+                              "with algorithm.old_policy=engine π_old is μ (always 0); use against=reference or "
+                              "old_policy=learner")
 
 
 def _check_old_policy(cfg: RunConfig) -> None:
@@ -511,15 +514,18 @@ def _check_group_filter(cfg: RunConfig) -> None:
     """A group filter may keep groups of different sizes: refused where the stages need [P, n]."""
     from megapo.algorithms.registry import get
 
+    from megapo.algorithms.pipeline import entry
+
     d, a = cfg.data, cfg.algorithm
     if d.group_filter == "none":
         return
-    ragged_ok = get("advantage", a.advantage).granularity == "group" and not a.sample_select \
-        and a.advantage_smoothing != "cumulative"
-    if not ragged_ok:
+    if get("advantage", a.advantage).granularity != "group":
         raise ConfigError("data.group_filter", "a group filter may keep groups of different sizes; it needs a "
-                          f"group-level advantage (not {a.advantage!r}) and no algorithm.sample_select or "
-                          "advantage_smoothing")
+                          f"group-level advantage (not {a.advantage!r})")
+    for i, s in enumerate(a.pipeline()):
+        if entry(s.name).granularity == "group":  # it reads the [P, n] rows of equal groups
+            raise ConfigError("data.group_filter", "a group filter may keep groups of different sizes; the stage "
+                              f"{s.name} (algorithm.stages[{i}]) needs groups of rollout.n_samples each")
 
 
 def _check_sft(cfg: RunConfig) -> None:
@@ -537,12 +543,10 @@ def _check_env(cfg: RunConfig) -> None:
     if cfg.env_factory() is None:
         return
     a, d = cfg.algorithm, cfg.data
-    per_token = [name for name, on in (("algorithm.token_advantage", a.token_advantage != "none"),
-                                       ("algorithm.token_select", bool(a.token_select)),
-                                       ("algorithm.token_mask", a.token_mask != "none"),
-                                       ("data.length_reward", d.length_reward != "none"),
-                                       ("data.group_filter", d.group_filter != "none"),
-                                       ("data.overlong.enabled", d.overlong.enabled)) if on]
+    token_stages = [f"algorithm.stages[{i}]" for i, s in enumerate(a.pipeline()) if s.kind == "token"]
+    per_token = token_stages + [name for name, on in (("data.length_reward", d.length_reward != "none"),
+                                                      ("data.group_filter", d.group_filter != "none"),
+                                                      ("data.overlong.enabled", d.overlong.enabled)) if on]
     if per_token:  # their statistics would count the environment's tokens as the policy's
         raise ConfigError(per_token[0], "is not supported with multi-turn rollouts (an environment: env.name="
                           f"{cfg.env.name}) yet")

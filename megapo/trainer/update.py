@@ -25,9 +25,9 @@ from megapo.trainer.rollout import Group
 
 def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_stats=None) -> list[TrainSample]:
     """Learner train samples (megapo.algorithms.sample) with per-sequence advantages from the configured estimator
-    (or algorithm.advantage_smoothing=cumulative from `prompt_stats`, stages.PromptRewardStats, updated here),
-    then algorithm.sample_select (at trainer step `step`) and algorithm.advantage_polarity; `old_logp` is filled
-    in by the old-log-prob pass (`old_logprob_pass`), the per-token stages after it (`token_stages`)."""
+    and the sequence stages of algorithm.stages (`group_advantages`: at trainer step `step`, cumulative_std's
+    running statistics `prompt_stats`, stages.PromptRewardStats, updated here); `old_logp` is filled in by the
+    old-log-prob pass (`old_logprob_pass`), the token stages after it (`token_stages`)."""
     from megapo.algorithms.trust_region import sentence_end_flags
 
     if cfg.algorithm.advantage == GAE:  # per token, from the critic's values (critic_advantages, later in the step)
@@ -49,38 +49,43 @@ def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_sta
 
 
 def group_advantages(groups: list[Group], cfg: RunConfig, step: int, prompt_stats=None) -> list[torch.Tensor]:
-    """One advantage per sample, per group: the configured estimator (or algorithm.advantage_smoothing), then
-    algorithm.sample_select, algorithm.advantage_polarity and algorithm.clamp_correct_adv. Groups of different
-    sizes (a group filter kept k_i of each) get a group estimator one group at a time (RunConfig refuses the
-    batch-level ones and the [P, n] stages with ragged groups)."""
+    """One advantage per sample, per group: the configured estimator, then the sequence stages of algorithm.stages
+    (megapo.algorithms.pipeline) in order. Groups of different sizes (a group filter kept k_i of each) go through
+    the estimator and the stages one group at a time (RunConfig refuses the batch-level estimators and the
+    [P, n] stages with ragged groups)."""
     from megapo.algorithms import compute_advantages
-    from megapo.algorithms.length import clamp_correct_advantages
-    from megapo.algorithms.stages import apply_polarity, cumulative_advantages, select_samples
+    from megapo.algorithms.pipeline import run_sequence_stages
 
-    a = cfg.algorithm
-    sizes = [len(g.samples) for g in groups]
-    if len(set(sizes)) > 1:
-        per_group = [compute_advantages(a.advantage, torch.tensor([g.rewards], dtype=torch.float64),
-                                        lengths=torch.tensor([[len(s.output_ids) for s in g.samples]]),
-                                        **a.advantage_options)[0] for g in groups]
-        adv = [apply_polarity(x, a.advantage_polarity, a.pos_scale, a.neg_scale) for x in per_group]
-    else:
-        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
-        lengths = torch.tensor([[len(s.output_ids) for s in g.samples] for g in groups])  # token-weighted estimators
-        if a.advantage_smoothing == "cumulative":
-            if prompt_stats is None:
-                raise ValueError("prompt_stats: algorithm.advantage_smoothing=cumulative needs the running statistics")
-            full = cumulative_advantages(rewards, [g.example.prompt for g in groups], prompt_stats)
-        else:
-            full = compute_advantages(a.advantage, rewards, lengths=lengths, **a.advantage_options)
-        if a.sample_select:
-            full = select_samples(full, step=step, **a.sample_select)
-        adv = list(apply_polarity(full, a.advantage_polarity, a.pos_scale, a.neg_scale))
-    if a.clamp_correct_adv:
-        if any(g.correct is None for g in groups):
-            raise ValueError("algorithm.clamp_correct_adv: needs the verifier's verdicts (the length stage)")
-        adv = [clamp_correct_advantages(x, torch.tensor(g.correct)) for x, g in zip(adv, groups)]
-    return adv
+    a, stages = cfg.algorithm, cfg.algorithm.pipeline()
+
+    def advantages(part: list[Group]) -> torch.Tensor:
+        full = compute_advantages(a.advantage, _rewards(part), lengths=_lengths(part), **a.advantage_options)
+        return run_sequence_stages(stages, full, _rows(part, stages, step, prompt_stats))
+
+    if len({len(g.samples) for g in groups}) > 1:
+        return [advantages([g])[0] for g in groups]
+    return list(advantages(groups))
+
+
+def _rewards(groups: list[Group]) -> torch.Tensor:
+    return torch.tensor([g.rewards for g in groups], dtype=torch.float64)
+
+
+def _lengths(groups: list[Group]) -> torch.Tensor:
+    """[P, n] response lengths (the token-weighted estimators read them)."""
+    return torch.tensor([[len(s.output_ids) for s in g.samples] for g in groups])
+
+
+def _rows(groups: list[Group], stages: list, step: int, prompt_stats):
+    """What the sequence stages read about these groups (pipeline.GroupRows): the prompts and the verdicts only
+    where a stage reads them (prompt_stats, correct)."""
+    from megapo.algorithms.pipeline import GroupRows, inputs_of
+
+    wanted = inputs_of(stages)
+    prompts = [g.example.prompt for g in groups] if "prompt_stats" in wanted else []
+    scored = "correct" in wanted and all(g.correct is not None for g in groups)
+    return GroupRows(_rewards(groups), prompts, torch.tensor([g.correct for g in groups]) if scored else None, step,
+                     prompt_stats)
 
 
 def _sentence_end_ids(cfg: RunConfig) -> list[int] | None:
@@ -118,55 +123,22 @@ def on_policy(cfg: RunConfig, learner: Learner) -> bool:
     """Whether π_old is the policy being trained (one update on one mini-batch, π_old from the learner): the
     train forward then is the old-log-prob pass too (megapo.replay.modes.on_policy_step). A learner that is no
     OnPolicyLearner (megapo.learner.protocol: declares no train_step_on_policy) gets the separate pass, and so
-    does a stage that needs π_old's per-token statistics before the loss (algorithm.token_advantage,
-    algorithm.token_select)."""
+    does a stage that needs π_old's per-token statistics before the loss (a token stage reading old_logp or
+    old_entropy, AlgorithmConfig.needs_old_stats)."""
     return (cfg.train.updates_per_rollout == 1 and cfg.train.mini_batches == 1 and cfg.old_policy() == "learner"
             and not cfg.algorithm.needs_old_stats() and isinstance(learner, OnPolicyLearner))
 
 
 def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int) -> dict:
-    """The per-token stages after the old-log-prob pass, on the whole train batch at once (so their
-    batch-global statistics do not depend on mini-, micro-batches or DP ranks): algorithm.token_advantage
-    turns each sample's advantage into a per-token list, algorithm.token_select sets sample.token_weight
-    (the learner multiplies the per-token loss by it). π_old = sample.old_logp, its entropy
-    sample.old_entropy. In order: token_advantage, kl_mode=future (FRPO's future-KL advantage from
-    sample.ref_logp), token_select, token_mask (its weights multiply token_select's; nat_prefix draws from
-    (train.seed, `step`), so a resumed run cuts as the unstopped one)."""
-    from megapo.algorithms.stages import future_kl_advantages, token_advantages, token_mask_weights, \
-        token_select_weights
+    """The token stages of algorithm.stages after the old-log-prob pass, in order, on the whole train batch at once
+    (megapo.algorithms.pipeline: per-token advantages into sample.advantage, weights into sample.token_weight,
+    which the learner multiplies the per-token loss by). π_old = sample.old_logp, its entropy sample.old_entropy;
+    nat_prefix draws from (train.seed, `step`), so a resumed run cuts as the unstopped one."""
+    from megapo.algorithms.pipeline import TokenContext, run_token_stages
 
-    batch = as_train_samples(batch)
-    a, metrics = cfg.algorithm, {}
-    if a.token_advantage != "none":
-        adv = torch.tensor([s.advantage for s in batch], dtype=torch.float64)
-        per_token = token_advantages(a.token_advantage, adv, [s.old_logp for s in batch],
-                                     [s.old_entropy for s in batch], group_size=cfg.rollout.n_samples,
-                                     rollout_logp=[s.rollout_logp for s in batch],  # fipo's other policy
-                                     ref_logp=[s.ref_logp for s in batch], **a.token_advantage_options)
-        for sample, values in zip(batch, per_token):
-            sample.advantage = values.tolist()
-    if a.kl_mode == "future":
-        per_token = future_kl_advantages([s.advantage for s in batch], [s.old_logp for s in batch],
-                                         [s.ref_logp for s in batch], beta=a.kl_coef)
-        for sample, values in zip(batch, per_token):
-            sample.advantage = values.tolist()
-    if a.token_select:
-        weights = token_select_weights([s.advantage for s in batch], [s.old_entropy for s in batch],
-                                       step=step, **a.token_select)
-        for sample, w in zip(batch, weights):
-            sample.token_weight = w.tolist()
-        metrics["token_select/kept_frac"] = float(torch.cat(weights).eq(1).double().mean())
-    if a.token_mask != "none":
-        masks = token_mask_weights(a.token_mask, lengths=[len(s.tokens) - s.prompt_len for s in batch],
-                                   advantages=[s.advantage for s in batch],
-                                   old_logp=[s.old_logp for s in batch] if a.token_mask == "stapo" else None,
-                                   entropy=[s.old_entropy for s in batch], seed=cfg.train.seed, step=step,
-                                   **a.token_mask_options)
-        for sample, w in zip(batch, masks):
-            before = sample.token_weight
-            sample.token_weight = (w if before is None else w * torch.tensor(before, dtype=w.dtype)).tolist()
-        metrics[f"{a.token_mask}/kept_frac"] = float(torch.cat(masks).gt(0).double().mean())
-    return metrics
+    a = cfg.algorithm
+    ctx = TokenContext(group_size=cfg.rollout.n_samples, step=step, seed=cfg.train.seed, kl_coef=a.kl_coef)
+    return run_token_stages(a.pipeline(), as_train_samples(batch), ctx)
 
 
 def distill_advantages(teacher: Reference, batch: list[TrainSample], coef: float) -> dict:
@@ -247,7 +219,7 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
             metrics.update(old_logprob_pass(learner, batch, cfg, measure_free_kl, free_logps=free))
     if cfg.old_policy() == "engine":
         metrics.update(use_engine_logprobs(batch))
-    if cfg.algorithm.needs_reference():  # before the stages: kl_mode=future's advantages read it
+    if cfg.algorithm.needs_reference():  # before the stages: future_kl's and future_drift's advantages read it
         with timer("ref_logp"):
             ref = reference_logprobs(reference, batch)
         for sample, lp in zip(batch, ref):
@@ -294,11 +266,11 @@ def stability_step(cfg: RunConfig, step: int) -> bool:
 
 
 def new_prompt_stats(cfg: RunConfig, saved: dict | None = None):
-    """algorithm.advantage_smoothing=cumulative's running per-prompt reward statistics (stages.PromptRewardStats),
-    restored from a checkpoint's TrainerState.extra when `saved` is given; None when not configured."""
+    """The running per-prompt reward statistics (stages.PromptRewardStats) a stage reads (prompt_stats:
+    cumulative_std), restored from a checkpoint's TrainerState.extra when `saved` is given; None when none does."""
     from megapo.algorithms.stages import PromptRewardStats
 
-    if cfg.algorithm.advantage_smoothing != "cumulative":
+    if "prompt_stats" not in cfg.algorithm.stage_inputs():
         return None
     return PromptRewardStats((saved or {}).get("prompt_stats"))
 

@@ -176,19 +176,19 @@ def objective_names(spec: str) -> list[str]:
 # unless a value is needed (kl_future's β; token_select's ρ = 0.2, the high-entropy-minority rule's fraction).
 VARIANT_OBJECTIVE = "ppo"
 VARIANTS: dict[str, tuple[str, ...]] = {
-    "token_select_entropy": ("algorithm.token_select={score: entropy, rho: 0.2}",),
-    "token_select_adv_entropy": ("algorithm.token_select={score: adv_entropy, rho: 0.2}",),
-    "stapo": ("algorithm.token_mask=stapo",),
-    "nat_prefix": ("algorithm.token_mask=nat_prefix",),
-    "gtpo": ("algorithm.token_advantage=gtpo",),
-    "grpo_s": ("algorithm.token_advantage=grpo_s",),
-    "advantage_reweighting": ("algorithm.token_advantage=advantage_reweighting",),
-    "future_drift": ("algorithm.token_advantage=future_drift",),  # called fipo until issue 32
-    "polarity_positive": ("algorithm.advantage_polarity=positive",),
-    "polarity_negative": ("algorithm.advantage_polarity=negative",),
-    "kl_future": ("algorithm.kl_mode=future", "algorithm.kl_coef=0.05"),
-    "d3s_select": ("algorithm.sample_select={keep: 0.5}",),
-    "cumulative_std": ("algorithm.advantage_smoothing=cumulative",),
+    "token_select_entropy": ("algorithm.stages=[{name: token_select, score: entropy, rho: 0.2}]",),
+    "token_select_adv_entropy": ("algorithm.stages=[{name: token_select, score: adv_entropy, rho: 0.2}]",),
+    "stapo": ("algorithm.stages=[{name: stapo}]",),
+    "nat_prefix": ("algorithm.stages=[{name: nat_prefix}]",),
+    "gtpo": ("algorithm.stages=[{name: gtpo}]",),
+    "grpo_s": ("algorithm.stages=[{name: grpo_s}]",),
+    "advantage_reweighting": ("algorithm.stages=[{name: advantage_reweighting}]",),
+    "future_drift": ("algorithm.stages=[{name: future_drift}]",),  # called fipo until issue 32
+    "polarity_positive": ("algorithm.stages=[{name: polarity, polarity: positive}]",),
+    "polarity_negative": ("algorithm.stages=[{name: polarity, polarity: negative}]",),
+    "kl_future": ("algorithm.stages=[{name: future_kl}]", "algorithm.kl_coef=0.05"),
+    "d3s_select": ("algorithm.stages=[{name: d3s_select, keep: 0.5}]",),
+    "cumulative_std": ("algorithm.stages=[{name: cumulative_std}]",),
     "balanced": ("algorithm.loss_agg=balanced",),
     "clip_dynamic": ("algorithm.objective_options={clip_mode: dynamic}",),
     "clip_entropy": ("algorithm.objective_options={clip_mode: entropy}",),

@@ -1,0 +1,260 @@
+"""algorithm.stages: the declared pipeline of stages between the advantage estimator and the loss.
+
+    algorithm:
+      stages:
+        - {name: polarity, polarity: negative, neg_scale: 0.5}   # sequence: per group, after the estimator
+        - {name: gtpo}                                           # token: after the old-log-prob pass
+        - {name: token_select, rho: 0.2}
+
+A stage runs where its kind says: a `sequence` stage on the estimator's one advantage per sample, group by group
+(or on all groups' [P, n] rows at once), a `token` stage on the whole train batch after the old-log-prob pass
+(so its batch-global statistics do not depend on mini-, micro-batches or DP ranks). The list runs in its order,
+the sequence stages first. Each stage is declared once, in STAGES: its kind, its registry entry (paper, options
+dataclass and formula, megapo/algorithms/stages.py) and the INPUTS it reads beyond the advantages; the loop
+computes an input only when a stage, the objective or the KL term asks for it (AlgorithmConfig.needs_*).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from megapo.algorithms import stages as st
+from megapo.algorithms.length import clamp_correct_advantages
+from megapo.algorithms.registry import Entry, get
+from megapo.algorithms.sample import TrainSample
+from megapo.config import ConfigError
+
+KINDS = ("sequence", "token")
+# what a stage may read, and who computes it (megapo/trainer/update.py)
+INPUTS = {
+    "sequence_advantage": "the estimator's one advantage per sample, which gae does not give (its critic's are "
+                          "per token)",
+    "old_logp": "π_old's per-token log-probs (the separate old-log-prob pass)",
+    "old_entropy": "π_old's per-token entropy (the old-log-prob pass keeps it)",
+    "ref_logp": "π_ref's per-token log-probs (the reference, algorithm.reference)",
+    "rollout_logp": "the engine's per-token log-probs μ",
+    "correct": "the verifier's verdicts (reward >= data.correct_threshold)",
+    "prompt_stats": "each prompt's running reward statistics (kept in the checkpoint)",
+    "step": "the trainer step",
+    "seed": "train.seed",
+}
+
+
+@dataclass(frozen=True)
+class GroupRows:
+    """What a sequence stage reads besides the advantages, for the rows of its [P, n] input: each group's rewards,
+    prompt text and verdicts (the loop fills these two only where a stage reads prompt_stats / correct; verdicts
+    None where not scored), the trainer step and the running per-prompt statistics."""
+
+    rewards: Tensor
+    prompts: list[str]
+    correct: Tensor | None
+    step: int
+    prompt_stats: Any = None
+
+
+@dataclass(frozen=True)
+class TokenContext:
+    """What a token stage reads besides the train batch."""
+
+    group_size: int  # samples of a prompt, contiguous in the batch (rollout.n_samples)
+    step: int  # the trainer step (schedules; nat_prefix's draw with the seed)
+    seed: int  # train.seed
+    kl_coef: float  # future_kl's β (algorithm.kl_coef)
+
+
+@dataclass(frozen=True)
+class StageDecl:
+    kind: str  # sequence | token
+    registry_kind: str  # its registry entry's kind (advantage_stage | token_weight): paper, options, formula
+    inputs: tuple[str, ...]  # read beyond the advantages (INPUTS); an options class adds its `token_inputs`
+    run: Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One entry of algorithm.stages, its options checked."""
+
+    name: str
+    given: dict  # the options as written
+    options: Any  # the registry entry's options dataclass built from them (None: a stage without options)
+    decl: StageDecl
+
+    @property
+    def kind(self) -> str:
+        return self.decl.kind
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return self.decl.inputs + tuple(getattr(self.options, "token_inputs", ()))
+
+
+# ----------------------------------------------------------------------------- sequence stages: [P, n] -> [P, n]
+
+
+def _polarity(adv: Tensor, s: Stage, rows: GroupRows) -> Tensor:
+    return st.polarity(adv, s.options)
+
+
+def _d3s_select(adv: Tensor, s: Stage, rows: GroupRows) -> Tensor:
+    return st.d3s_select(adv, s.options, rows.step)
+
+
+def _cumulative_std(adv: Tensor, s: Stage, rows: GroupRows) -> Tensor:
+    if rows.prompt_stats is None:
+        raise ValueError("prompt_stats: stage cumulative_std needs the running per-prompt statistics")
+    return st.cumulative_advantages(rows.rewards, rows.prompts, rows.prompt_stats, **s.given)
+
+
+def _clamp_correct(adv: Tensor, s: Stage, rows: GroupRows) -> Tensor:
+    if rows.correct is None:
+        raise ValueError("correct: stage clamp_correct needs the verifier's verdicts (the length stage)")
+    return clamp_correct_advantages(adv, rows.correct)
+
+
+# ----------------------------------------------------------------------------- token stages: the batch in place
+
+
+def _set_advantages(batch: list[TrainSample], per_token: list[Tensor]) -> None:
+    for sample, values in zip(batch, per_token):
+        sample.advantage = values.tolist()
+
+
+def _multiply_weights(batch: list[TrainSample], weights: list[Tensor]) -> None:
+    for sample, w in zip(batch, weights):
+        before = sample.token_weight
+        sample.token_weight = (w if before is None else w * torch.tensor(before, dtype=w.dtype)).tolist()
+
+
+def _token_advantage(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+    adv = torch.tensor([x.advantage for x in batch], dtype=torch.float64)
+    _set_advantages(batch, st.token_advantages(
+        s.name, adv, [x.old_logp for x in batch], [x.old_entropy for x in batch], group_size=ctx.group_size,
+        rollout_logp=[x.rollout_logp for x in batch], ref_logp=[x.ref_logp for x in batch], **s.given))
+    return {}
+
+
+def _future_kl(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+    _set_advantages(batch, st.future_kl_advantages([x.advantage for x in batch], [x.old_logp for x in batch],
+                                                   [x.ref_logp for x in batch], beta=ctx.kl_coef))
+    return {}
+
+
+def _token_select(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+    weights = st.token_select_weights([x.advantage for x in batch], [x.old_entropy for x in batch], step=ctx.step,
+                                      **s.given)
+    _multiply_weights(batch, weights)
+    return {"token_select/kept_frac": float(torch.cat(weights).eq(1).double().mean())}
+
+
+def _token_mask(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+    masks = st.token_mask_weights(s.name, lengths=[len(x.tokens) - x.prompt_len for x in batch],
+                                  advantages=[x.advantage for x in batch],
+                                  old_logp=[x.old_logp for x in batch] if "old_logp" in s.inputs else None,
+                                  entropy=[x.old_entropy for x in batch], seed=ctx.seed, step=ctx.step, **s.given)
+    _multiply_weights(batch, masks)
+    return {f"{s.name}/kept_frac": float(torch.cat(masks).gt(0).double().mean())}
+
+
+_PER_SAMPLE = ("sequence_advantage", "old_logp")
+STAGES: dict[str, StageDecl] = {
+    "cumulative_std": StageDecl("sequence", "advantage_stage", ("prompt_stats",), _cumulative_std),
+    "d3s_select": StageDecl("sequence", "advantage_stage", ("sequence_advantage", "step"), _d3s_select),
+    "polarity": StageDecl("sequence", "advantage_stage", ("sequence_advantage",), _polarity),
+    "clamp_correct": StageDecl("sequence", "advantage_stage", ("sequence_advantage", "correct"), _clamp_correct),
+    "gtpo": StageDecl("token", "advantage_stage", (*_PER_SAMPLE, "old_entropy"), _token_advantage),
+    "grpo_s": StageDecl("token", "advantage_stage", (*_PER_SAMPLE, "old_entropy"), _token_advantage),
+    "advantage_reweighting": StageDecl("token", "advantage_stage", _PER_SAMPLE, _token_advantage),
+    "future_drift": StageDecl("token", "advantage_stage", _PER_SAMPLE, _token_advantage),  # + ref_logp | rollout_logp
+    "fipo": StageDecl("token", "advantage_stage", _PER_SAMPLE, _token_advantage),  # renamed: its options refuse
+    "future_kl": StageDecl("token", "advantage_stage", ("old_logp", "ref_logp"), _future_kl),
+    "token_select": StageDecl("token", "token_weight", ("old_entropy", "step"), _token_select),
+    "stapo": StageDecl("token", "token_weight", ("old_logp", "old_entropy"), _token_mask),
+    "nat_prefix": StageDecl("token", "token_weight", ("seed", "step"), _token_mask),
+}
+
+
+def entry(name: str) -> Entry:
+    """The registry entry of stage `name`: its paper, options and formula."""
+    return get(STAGES[name].registry_kind, name)
+
+
+# ----------------------------------------------------------------------------- the list, checked
+
+
+def parse_stages(items: list, field: str = "algorithm.stages") -> list[Stage]:
+    """The entries of `field` as Stages, in order; ConfigError naming `field[i]` (or `field[i].name`) for an entry
+    that is no mapping with a known name and options its stage accepts, and for a sequence stage after a token
+    stage."""
+    if not isinstance(items, list):
+        raise ConfigError(field, f"expected a list of {{name: ..., <options>}}, got {items!r}")
+    out = [_parse_one(item, f"{field}[{i}]") for i, item in enumerate(items)]
+    _check_order(out, field)
+    return out
+
+
+def _parse_one(item, where: str) -> Stage:
+    if not isinstance(item, dict) or "name" not in item:
+        raise ConfigError(where, f"expected a mapping {{name: <stage>, <options>}}, got {item!r}")
+    name = item["name"]
+    if name not in STAGES:
+        raise ConfigError(f"{where}.name", f"unknown stage {name!r}; known: {', '.join(STAGES)}")
+    given = {k: v for k, v in item.items() if k != "name"}
+    try:
+        options = entry(name).make_options(dict(given))
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(where, f"{name}: {str(exc).removeprefix('options: ')}") from None
+    return Stage(name, given, options, STAGES[name])
+
+
+def _check_order(stages: list[Stage], field: str) -> None:
+    """Sequence stages before token stages; cumulative_std, which computes the advantages from the rewards in
+    place of the estimator, first."""
+    for i, s in enumerate(stages):
+        if s.kind == "sequence" and any(t.kind == "token" for t in stages[:i]):
+            first = next(j for j, t in enumerate(stages) if t.kind == "token")
+            raise ConfigError(f"{field}[{i}]", f"{s.name} is a sequence stage (it runs per group, before the "
+                              f"old-log-prob pass) listed after the token stage {stages[first].name} at "
+                              f"{field}[{first}]: list the sequence stages first")
+        if s.name == "cumulative_std" and i > 0:
+            raise ConfigError(f"{field}[{i}]", "cumulative_std computes the advantages from the rewards in place of "
+                              "the estimator's: it must be the first stage")
+
+
+def check_inputs(stages: list[Stage], computed: set[str], field: str = "algorithm.stages") -> None:
+    """Every input a stage reads is one the run computes; else ConfigError naming the stage's entry."""
+    for i, s in enumerate(stages):
+        missing = [name for name in s.inputs if name not in computed]
+        if missing:
+            raise ConfigError(f"{field}[{i}]", f"{s.name} reads {missing[0]} ({INPUTS[missing[0]]}), which this run "
+                              "does not compute")
+
+
+def inputs_of(stages: list[Stage]) -> set[str]:
+    """The union of the stages' inputs: what the loop has to compute for them."""
+    return {name for s in stages for name in s.inputs}
+
+
+# ----------------------------------------------------------------------------- running them
+
+
+def run_sequence_stages(stages: list[Stage], adv: Tensor, rows: GroupRows) -> Tensor:
+    """The sequence stages, in order, on [P, n] advantages (a group per row, `rows` describing them)."""
+    for s in stages:
+        if s.kind == "sequence":
+            adv = s.decl.run(adv, s, rows)
+    return adv
+
+
+def run_token_stages(stages: list[Stage], batch: list[TrainSample], ctx: TokenContext) -> dict:
+    """The token stages, in order, on the whole train batch: a token advantage makes sample.advantage a per-token
+    list, a token weight multiplies sample.token_weight. Returns their metrics."""
+    metrics: dict[str, float] = {}
+    for s in stages:
+        if s.kind == "token":
+            metrics.update(s.decl.run(batch, s, ctx))
+    return metrics
