@@ -81,8 +81,9 @@ def test_token_whitening_needs_lengths():
 
 # Why each estimator needs two samples per prompt: grpo divides by the std of the group (undefined for
 # one sample), rloo by n-1 (no sample left out), dr_grpo and reinforce_pp_baseline subtract the group
-# mean (one sample is its own baseline: every advantage 0, nothing to learn).
-MIN_GROUP = {"grpo": 2, "rloo": 2, "dr_grpo": 2, "reinforce_pp_baseline": 2, "riskpo": 2}
+# mean (one sample is its own baseline: every advantage 0, nothing to learn); drpo and canon compare two
+# subgroups of the group (correct vs incorrect, shorter vs longer half), each needing a response.
+MIN_GROUP = {"grpo": 2, "rloo": 2, "dr_grpo": 2, "reinforce_pp_baseline": 2, "riskpo": 2, "drpo": 2, "canon": 2}
 
 
 @pytest.mark.parametrize("name", sorted(MIN_GROUP))

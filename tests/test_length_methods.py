@@ -411,7 +411,7 @@ def test_task_difficulty_needs_a_label():
 MINIMAL = {  # the fewest options each registered method needs; a new method must be added here
     "dapo_overlong": {"cache_len": 16}, "length_penalty": {"coef": 0.01}, "alp": {}, "laser": {"target_len": 20},
     "laser_d": {}, "kimi": {}, "laconic": {}, "grpo_lambda": {}, "hapo": {}, "curriculum": {"end": 20, "steps": 5},
-    "dler": {}, "dast": {}, "deepcompress": {},
+    "dler": {}, "dast": {}, "deepcompress": {}, "hmpo": {}, "lead": {},
 }
 
 

@@ -805,3 +805,140 @@ def check_kept(groups: list[ScoredGroup], kept: list[Tensor], name: str) -> list
             raise ValueError(f"{name}: kept indices {idx} of prompt {g.prompt_key} are not sorted distinct "
                              f"indices in [0, {g.size})")
     return [k.to(torch.int64) for k in kept]
+
+
+# ----------------------------------------------------------------------------- median and adaptive targets
+
+
+@dataclass
+class HmpoOptions:
+    weight: float = 0.5  # w: the length factor's share of a correct response's reward, in [0, 1)
+    max_len: int = 0  # L_max, where the cosine decay reaches 0 (0: the generation budget)
+
+    def __post_init__(self):
+        _check_number("weight", self.weight, low=0)
+        if not self.weight < 1:
+            raise ValueError(f"weight: must be < 1 (a correct response must out-earn an incorrect one), "
+                             f"got {self.weight!r}")
+        _check_number("max_len", self.max_len, low=0, integer=True)
+
+
+def median_length(lengths: Tensor) -> float:
+    """The median of the lengths (the mean of the two middle ones for an even count)."""
+    ranked = sorted(lengths.tolist())
+    mid = len(ranked) // 2
+    return float(ranked[mid]) if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
+
+
+def cosine_decay(lengths: Tensor, budget: float, max_len: float) -> Tensor:
+    """f(L) = 1 for L <= B; ½·(1 + cos(π·min(1, (L − B)/(L_max − B)))) for L > B (0 from L_max on; 0 for any
+    L > B when L_max <= B)."""
+    lengths = lengths.to(torch.float64)
+    if max_len <= budget:
+        return (lengths <= budget).to(torch.float64)
+    x = ((lengths - budget) / (max_len - budget)).clamp(min=0.0, max=1.0)
+    return 0.5 * (1 + torch.cos(math.pi * x))
+
+
+@register("hmpo", "length_reward", "group",
+          "Hybrid Median-length Policy Optimization, HMPO (Mach-Mind-4-Flash technical report; the method's own "
+          "paper: HMPO: Hybrid Median-length Policy Optimization for Chain-of-Thought Compression, arXiv:2606.01934)",
+          HmpoOptions)
+class Hmpo(LengthReward):
+    """B = the median length of the group's correct responses; f(L) = 1 for L <= B, ½·(1 + cos(π·min(1,
+    (L − B)/(L_max − B)))) above (a cosine decay from 1 at B to 0 at L_max = max_len or the generation
+    budget); R' = R·(1 − w + w·f(L)) (multiplicative: an incorrect response's R = 0 stays 0 whatever its length,
+    a correct one keeps at least (1 − w)·R, so correctness always comes first); R' = R in a group with no correct
+    response.
+    Assumption: the seed's abstract names HMPO only; the median budget from successful rollouts, the cosine decay
+    and the multiplicative form come from the HMPO paper's abstract, and the decay's shape (flat to B, zero at
+    L_max), the floor 1 − w and the per-group (stateless) median are this implementation's choices."""
+
+    def __init__(self, o: HmpoOptions, budget: int):
+        super().__init__(o, budget)
+        self.max_len = _or_budget("max_len", o.max_len, budget)
+
+    def shape(self, groups, step):
+        return [self._shape_group(g) for g in groups]
+
+    def _shape_group(self, g: ScoredGroup) -> Tensor:
+        if not bool(g.correct.any()):
+            return g.rewards.clone()
+        f = cosine_decay(g.lengths, median_length(g.lengths[g.correct]), float(self.max_len))
+        return g.rewards * (1 - self.o.weight + self.o.weight * f)
+
+
+@dataclass
+class LeadOptions:
+    weight: float = 0.5  # w: the efficiency reward's weight once correctness has settled (PSI = 0)
+    momentum: float = 0.5  # m: a prompt's target T ← (1 − m)·T + m·(its shortest correct length)
+
+    def __post_init__(self):
+        _check_number("weight", self.weight, low=0)
+        _check_number("momentum", self.momentum, above=0, high=1)
+
+
+def symmetric_efficiency(lengths: Tensor, target: float) -> Tensor:
+    """e(L) = max(−1, 1 − |L − T|/T): 1 at the target T, falling alike for longer (overthinking) and shorter
+    (over-compression) responses."""
+    return (1 - (lengths.to(torch.float64) - target).abs() / target).clamp(min=-1.0)
+
+
+def potential_scaled_instability(groups: list[ScoredGroup]) -> float:
+    """PSI = I·P over one call's groups: instability I = mean_g 4·p̂_g·(1 − p̂_g) (how unsettled each prompt's
+    correctness still is; 0 when every prompt is always or never solved), potential P = 1 − mean_g p̂_g (the
+    accuracy still to gain). PSI is in [0, 1]."""
+    rates = [pass_rate(g) for g in groups]
+    instability = sum(4 * p * (1 - p) for p in rates) / len(rates)
+    return instability * (1 - sum(rates) / len(rates))
+
+
+@register("lead", "length_reward", "batch",
+          "LEAD: Length-Efficient Adaptive and Dynamic Reasoning for Large Language Models (arXiv:2605.09806)",
+          LeadOptions)
+class Lead(LengthReward):
+    """Per call: λ = w·(1 − PSI), PSI = I·P the Potential-Scaled Instability of the call's groups (I = mean_g
+    4·p̂_g(1 − p̂_g), P = 1 − mean_g p̂_g): while correctness is still being learnt the efficiency term steps back.
+    Per prompt p, target T_p ← s (first time) or (1 − m)·T_p + m·s, s its group's shortest correct length (not
+    moved by a group with no correct response), before shaping. R' = R + λ·max(−1, 1 − |L − T_p|/T_p) for
+    a correct response, R for an incorrect one or a prompt with no target yet.
+    Assumption: the abstract names PSI, the online per-problem target from the model's own correct rollouts and a
+    symmetric efficiency reward, not their forms: PSI as I·P above, the target as a moving average of the shortest
+    correct length, e(L) = max(−1, 1 − |L − T|/T), and the additive combination are this implementation's;
+    state: T per prompt key."""
+
+    def __init__(self, o: LeadOptions, budget: int):
+        super().__init__(o, budget)
+        self.targets: dict[str, float] = {}
+        self.efficiency_weight = float(o.weight)
+
+    def shape(self, groups, step):
+        if not groups:
+            return []
+        self.efficiency_weight = self.o.weight * (1 - potential_scaled_instability(groups))
+        return [self._shape_group(g) for g in groups]
+
+    def _shape_group(self, g: ScoredGroup) -> Tensor:
+        if bool(g.correct.any()):
+            shortest = float(g.lengths[g.correct].min().clamp(min=1))
+            t = self.targets.get(g.prompt_key)
+            m = self.o.momentum
+            self.targets[g.prompt_key] = shortest if t is None else (1 - m) * t + m * shortest
+        target = self.targets.get(g.prompt_key)
+        if target is None:
+            return g.rewards.clone()
+        bonus = torch.where(g.correct, symmetric_efficiency(g.lengths, target), torch.zeros_like(g.rewards))
+        return g.rewards + self.efficiency_weight * bonus
+
+    def metrics(self) -> dict[str, float]:
+        return {"efficiency_weight": self.efficiency_weight}
+
+    def state_dict(self):
+        return {"targets": dict(self.targets)}
+
+    def load_state_dict(self, state):
+        _check_state_keys(state, ("targets",), "lead")
+        targets = state["targets"]
+        if not (isinstance(targets, dict) and all(_is_number(v) and v > 0 for v in targets.values())):
+            raise ValueError(f"length state: lead targets must map prompt keys to numbers > 0, got {targets!r}")
+        self.targets = {str(k): float(v) for k, v in targets.items()}

@@ -61,6 +61,7 @@ _MODULES = (
     "megapo.algorithms.trust_region",
     "megapo.algorithms.ratio_gating",
     "megapo.algorithms.advantages",
+    "megapo.algorithms.subgroup_advantages",
     "megapo.algorithms.corrections",
     "megapo.algorithms.aggregation",
     "megapo.algorithms.kl",
