@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from megapo.algorithms import stages as st
+from megapo.algorithms import token_credit
 from megapo.algorithms.length import clamp_correct_advantages
 from megapo.algorithms.registry import Entry, get
 from megapo.algorithms.sample import TrainSample
@@ -41,6 +42,7 @@ INPUTS = {
     "prompt_stats": "each prompt's running reward statistics (kept in the checkpoint)",
     "step": "the trainer step",
     "seed": "train.seed",
+    "response_tokens": "the response token ids (sample.tokens after prompt_len; always at hand)",
 }
 
 
@@ -160,7 +162,24 @@ def _token_mask(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
     return {f"{s.name}/kept_frac": float(torch.cat(masks).gt(0).double().mean())}
 
 
+def _group_credit(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+    """A stage on group statistics (token_credit.GROUP_TOKEN_STAGES), group by group: per-token advantages into
+    sample.advantage (advantage_stage) or weights multiplying sample.token_weight (token_weight)."""
+    reads = s.inputs
+    values = token_credit.group_token_stage(
+        s.name, [x.tokens[x.prompt_len:] for x in batch], group_size=ctx.group_size,
+        advantages=[x.advantage for x in batch] if "sequence_advantage" in reads else None,
+        old_logp=[x.old_logp for x in batch] if "old_logp" in reads else None,
+        entropy=[x.old_entropy for x in batch] if "old_entropy" in reads else None, **s.given)
+    if s.decl.registry_kind == "token_weight":
+        _multiply_weights(batch, values)
+        return {f"{s.name}/weight_mean": float(torch.cat(values).mean())} if values else {}
+    _set_advantages(batch, values)
+    return {}
+
+
 _PER_SAMPLE = ("sequence_advantage", "old_logp")
+_GROUP_TOKENS = ("sequence_advantage", "response_tokens")
 STAGES: dict[str, StageDecl] = {
     "cumulative_std": StageDecl("sequence", "advantage_stage", ("prompt_stats",), _cumulative_std),
     "d3s_select": StageDecl("sequence", "advantage_stage", ("sequence_advantage", "step"), _d3s_select),
@@ -175,6 +194,10 @@ STAGES: dict[str, StageDecl] = {
     "token_select": StageDecl("token", "token_weight", ("old_entropy", "step"), _token_select),
     "stapo": StageDecl("token", "token_weight", ("old_logp", "old_entropy"), _token_mask),
     "nat_prefix": StageDecl("token", "token_weight", ("seed", "step"), _token_mask),
+    "tempo": StageDecl("token", "advantage_stage", _GROUP_TOKENS, _group_credit),
+    "ktae": StageDecl("token", "advantage_stage", _GROUP_TOKENS, _group_credit),
+    "gtpo_trajectory": StageDecl("token", "advantage_stage", _GROUP_TOKENS, _group_credit),  # + old_entropy: filter
+    "tw_grpo": StageDecl("token", "token_weight", ("old_logp",), _group_credit),
 }
 
 

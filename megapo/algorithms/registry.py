@@ -67,6 +67,7 @@ _MODULES = (
     "megapo.algorithms.kl",
     "megapo.algorithms.length",
     "megapo.algorithms.stages",
+    "megapo.algorithms.token_credit",
 )
 
 

@@ -8,6 +8,7 @@
   advantages, the others turn them into per-token advantages from π_old's per-token statistics
   (sample.old_logp, sample.old_entropy: the old-log-prob pass's); future_drift also from the reference's
   (sample.ref_logp) or the engine's (sample.rollout_logp) log-probs.
+- tempo, ktae, gtpo_trajectory and tw_grpo: token credit from group statistics, megapo/algorithms/token_credit.py.
 - `token_weight` entries give a detached weight per token that multiplies the objective's per-token
   loss as a correction does (policy_loss's `token_weight`); the normaliser's token count is unchanged.
 
@@ -286,7 +287,7 @@ def renamed_fipo(adv: Tensor, s: TokenStats, o) -> Tensor:
 
 NEEDS_ENTROPY = ("gtpo", "grpo_s")
 # advantage_stage entries that do not turn sequence advantages into per-token ones (token_advantages refuses them)
-NOT_TOKEN_ADVANTAGE = ("polarity", "future_kl", "d3s_select", "cumulative_std")
+NOT_TOKEN_ADVANTAGE = ("polarity", "future_kl", "d3s_select", "cumulative_std", "tempo", "gtpo_trajectory", "ktae")
 
 
 def _padded(values: list, width: int, dtype) -> Tensor:
@@ -684,3 +685,4 @@ def cumulative_advantages(rewards: Tensor, prompts: list[str], stats: PromptRewa
     if len(prompts) != rewards.shape[0]:
         raise ValueError(f"prompts: {len(prompts)} for {rewards.shape[0]} groups")
     return entry.fn(rewards.to(torch.float64), [prompt_key(p) for p in prompts], stats, entry.make_options(options))
+
