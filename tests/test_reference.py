@@ -4,6 +4,9 @@ References: transformers' fp32 forward of the same HF weights (free routing, and
 with test_replay_layouts.hf_forced); the learner's log-probs on the same weights and routes before any update.
 Layouts: TP=1 in one process; TP=2 x EP=2 and PP=2 in one launch of two gloo processes
 (tests/distributed/reference_layouts.py).
+The distillation teacher (megapo/trainer/distill.py builds it on the same frozen-model seam) in the same launches:
+folders of other random weights than the student's, one of the student's MoE shape (it replays the student's
+routes under r3) and one with 4 experts (it routes itself); reference: transformers on the teacher's folder.
 A `megapo train` run with kl_coef > 0: KL 0 at step 1 (π_ref is the starting policy) and > 0 after updates.
 Bad combinations refused at config time naming algorithm.reference.
 """
@@ -34,6 +37,7 @@ LAYOUTS = {1: {"tp1": dict(tp=1, pp=1, ep=1, dp=1)},
            2: {"tp2xep2": dict(tp=2, pp=1, ep=2, dp=1), "pp2": dict(tp=1, pp=2, ep=1, dp=1)}}
 NAMES = [name for layouts in LAYOUTS.values() for name in layouts]
 TOL = 1e-4
+TEACHER_TOL = 1e-5  # issue 31: the teacher's log-probs equal transformers' in fp32 to 1e-5
 
 
 def make_batch(vocab=512, layers=2, experts=8, topk=2, seed=0):
@@ -48,12 +52,16 @@ def make_batch(vocab=512, layers=2, experts=8, topk=2, seed=0):
 
 @pytest.fixture(scope="module")
 def runs(tiny_moe, tmp_path_factory):
+    from family_checks import write_variant
+
     tmp = tmp_path_factory.mktemp("reference")
     batch, routes = make_batch()
+    teachers = {"same_shape": write_variant(Path(tiny_moe), tmp / "teacher", seed=7),
+                "four_experts": write_variant(Path(tiny_moe), tmp / "teacher4", seed=8, num_local_experts=4)}
     results = {}
     for world, layouts in LAYOUTS.items():
         spec = dict(model=str(tiny_moe), batch=batch, routes=routes, micro_batch_tokens=24,
-                    layouts=list(layouts.values()))
+                    layouts=list(layouts.values()), teachers={k: str(v) for k, v in teachers.items()})
         spec_path, out = tmp / f"spec{world}.json", tmp / f"out{world}.pt"
         spec_path.write_text(json.dumps(spec))
         args = [str(SCRIPT), "--spec", str(spec_path), "--out", str(out)]
@@ -63,13 +71,13 @@ def runs(tiny_moe, tmp_path_factory):
             rc = run_torchrun(args, world, timeout_s=600)
         assert rc == 0, f"world {world}: exit code {rc}"
         results.update(zip(layouts, torch.load(out, weights_only=False).values()))  # in layout order
-    return dict(results=results, batch=batch, routes=routes, model=tiny_moe)
+    return dict(results=results, batch=batch, routes=routes, model=tiny_moe, teachers=teachers)
 
 
-def _close(got, want):
+def _close(got, want, tol=TOL):
     for g, w in zip(got, want, strict=True):
         assert len(g) == len(w)
-        assert (torch.tensor(g) - torch.as_tensor(w)).abs().max().item() < TOL
+        assert (torch.tensor(g) - torch.as_tensor(w)).abs().max().item() < tol
 
 
 @pytest.mark.parametrize("layout", NAMES)
@@ -96,6 +104,36 @@ def test_megatron_reference_stays_frozen(runs, layout):
     f = r["frozen"]
     assert not f["requires_grad"] and not f["grads"] and not f["optimizer"] and f["train_refused"]
     assert f["numel"] == f["learner_numel"]  # this rank's shard of the model, as the learner's
+
+
+@pytest.fixture(scope="module")
+def teacher_references(runs):
+    """transformers on each teacher's folder: free log-probs, and forced onto the batch's routes where the teacher
+    has the student's MoE shape (it replays the student's routes; the 4-expert one routes itself)."""
+    out = {}
+    for name, folder in runs["teachers"].items():
+        model, replays = hf_model(folder), name == "same_shape"
+        with torch.no_grad():
+            free = [hf_forced(model, s["tokens"])[0][s["prompt_len"] - 1:] for s in runs["batch"]]
+            forced = [hf_forced(model, s["tokens"], np.asarray(rt))[0][s["prompt_len"] - 1:]
+                      for s, rt in zip(runs["batch"], runs["routes"])] if replays else free
+        out[name] = dict(free=free, replayed=forced, replays=replays)
+    return out
+
+
+@pytest.mark.parametrize("layout", NAMES)
+def test_teacher_logprobs_match_transformers_on_the_teachers_folder(runs, teacher_references, layout):
+    r = runs["results"][layout]
+    for name, want in teacher_references.items():
+        got = r["teachers"][name]
+        assert got["replays"] == want["replays"], name
+        _close(got["free"], want["free"], TEACHER_TOL)
+        _close(got["replayed"], want["replayed"], TEACHER_TOL)
+        if want["replays"]:  # the routes were applied: they move the log-probs away from free routing
+            assert max((torch.tensor(a) - torch.tensor(b)).abs().max().item()
+                       for a, b in zip(got["replayed"], got["free"])) > 1e-2
+        # the teacher's own weights, not the student's: far from the student's log-probs
+        assert max((torch.tensor(a) - torch.tensor(b)).abs().max().item() for a, b in zip(got["free"], r["free"])) > 1e-2
 
 
 def test_train_with_kl_reference_is_zero_at_step_1_then_positive(tmp_path, tiny_moe):

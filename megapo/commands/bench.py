@@ -11,14 +11,16 @@
     megapo bench mismatch --out DIR [--quick] [--models ...] [--pairs ...]   (train-inference mismatch by precision)
     megapo bench share-prefix --out FILE.json [--repeats 5] [--cases main,long]   (shared-prefix packing)
     megapo bench memory --out FILE.json [--threads 1] [--steps 10] [--layouts ...]   (bytes per parameter)
+    megapo bench second-models --out FILE.json [--rounds 5]   (teacher, reward model, critic vs the policy's step)
     megapo bench train-step --out FILE.json [...]     (tools/bench/train_step.py, its own arguments)
     megapo bench rollout --engine embedded [...]      (tools/bench/rollout.py)
     megapo bench weight-sync [...]                    (tools/bench/weight_sync.py)
     megapo bench learner-passes --baseline REV --out benchmarks/results/learner_passes.json [...]
                                                       (tools/bench/learner_passes.py)
 
-scaling, projection, stability, length, tools, routes, floor, memory, distill, share-prefix and mismatch parse their arguments here; the other four get the rest of the
-command line unchanged, as if their module had been run with `python -m tools.bench.<name>`.
+scaling, projection, stability, length, tools, routes, floor, memory, distill, second-models, share-prefix and mismatch
+parse their arguments here; the other four get the rest of the command line unchanged, as if their module had
+been run with `python -m tools.bench.<name>`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ OWN = {"scaling": ("tools.bench.scaling", "RL step over layouts x model sizes: J
        "memory": ("tools.bench.memory", "bytes per parameter of weights, grads and optimizer state (fp32 / bf16, "
                                        "distributed optimizer) on the tiny model, bf16 vs fp32 step time; projected "
                                        "GiB per GPU for Qwen3-30B-A3B and DeepSeek-V3"),
+       "second-models": ("tools.bench.second_models", "each second model's cost per step (teacher log-probs, reward "
+                         "model scores, critic values + update) against the policy's own train step, in one run; the "
+                         "bytes of each role's weights"),
        "share-prefix": ("tools.bench.share_prefix", "the learner's train pass with each prompt held once "
                         "(train.share_prefix) vs unshared packing: tokens run and step time, main-job and long-prompt "
                         "batches"),

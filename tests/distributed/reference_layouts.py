@@ -7,7 +7,10 @@
 - "after":     the reference's free log-probs again after the learner took an optimizer step, and the
                learner's own (which the step moved);
 - "frozen":    the reference's local parameters all without requires_grad and grad, its optimizer None, its
-               local parameter count beside the learner's, and whether its train_step refused.
+               local parameter count beside the learner's, and whether its train_step refused;
+- "teachers":  for each of the spec's teacher folders (other weights than the student's), the teacher that
+               megapo/trainer/distill.py builds for `algorithm.distill.teacher` under this layout with
+               routing_replay r3: its free and replayed log-probs, and whether it replays the student's routes.
 Rank 0 saves everything to --out.
 """
 
@@ -16,9 +19,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megapo.config import OptimConfig, ParallelConfig
+from megapo.config import OptimConfig, ParallelConfig, load_config
 from megapo.learner.learner import Learner
 from megapo.learner.reference import MegatronReference
+from megapo.trainer.config import RunConfig
+from megapo.trainer.distill import build_teacher
 from spec_io import finish, read_spec  # this script's folder is on sys.path
 
 
@@ -51,8 +56,24 @@ def run_layout(spec: dict, layout: dict) -> dict:
     out["frozen"] = {"requires_grad": any(p.requires_grad for p in params), "grads": any(p.grad is not None for p in params),
                      "optimizer": ref.model.optimizer is not None, "numel": sum(p.numel() for p in params),
                      "learner_numel": sum(p.numel() for p in learner.module.parameters()), "train_refused": refused}
+    out["teachers"] = {name: teacher_logprobs(spec, layout, path, batch, routed)
+                       for name, path in spec.get("teachers", {}).items()}
     ref.close()
     learner.close()
+    return out
+
+
+def teacher_logprobs(spec: dict, layout: dict, teacher: str, batch: list, routed: list) -> dict:
+    """The teacher of a run config with algorithm.distill.teacher=`teacher` (built by megapo.trainer.distill)."""
+    items = {"model.path": spec["model"], "data.task": "addition", "algorithm.distill.teacher": teacher,
+             "algorithm.routing_replay": "r3", "train.micro_batch_tokens": spec["micro_batch_tokens"],
+             "data.max_prompt_tokens": 16, "rollout.max_new_tokens": 8, "train.output_dir": "/tmp/unused_teacher",
+             **{f"parallel.{k}": v for k, v in layout.items()}}
+    cfg = load_config(RunConfig, None, [f"{k}={v}" for k, v in items.items()])
+    model = build_teacher(cfg, spec["model"])
+    out = {"free": model.response_logprobs(batch), "replayed": model.response_logprobs(routed),
+           "replays": model.model.route_hook is not None}
+    model.close()
     return out
 
 
