@@ -318,6 +318,35 @@ def test_objectives_add_one_setting_each_in_the_collapse_regime(tmp_path):
     assert m8.index("| minirl |") < m8.index("| dppo |")
 
 
+def test_sspo_cells_carry_the_tokenizers_sentence_ends(tmp_path, tiny_moe):
+    """sspo without sentence_end_ids is refused by a run's config (one sentence per response: GSPO with sspo's
+    clip); its cells split at the run's tokenizer's '.', '?', '!', newline and EOS, resolved when the cells are
+    built: from the tiny model the grid will write (not there yet), or from the model folder the config names."""
+    from transformers import AutoTokenizer
+
+    plan = make_plan(tmp_path, objectives=st.objective_names("sspo,gspo"))
+    (cell,) = [c for c in plan.cells() if c.objective == "sspo"]
+    tok = AutoTokenizer.from_pretrained(tiny_moe)  # the same tiny tokenizer the grid's base model gets (vocab 512)
+    ids = st.sentence_end_ids(tok)
+    assert ids and tok.eos_token_id in ids and tok.encode(".", add_special_tokens=False)[0] in ids
+    assert cell.objective_options == f"{{sentence_end_ids: {ids}}}"
+    assert f"algorithm.objective_options={{sentence_end_ids: {ids}}}" in cell.overrides()
+    assert all(not c.objective_options for c in plan.cells() if c.objective != "sspo")
+    st.validate_cells(plan, plan.cells(), STEPS)  # the config accepts the sspo cell
+    assert plan.cells()[-1] == cell  # the same cell each time the plan lists them
+
+    on_folder = make_plan(tmp_path, objectives=["sspo"], sets=[f"model.path={tiny_moe}"])
+    (cell,) = [c for c in on_folder.cells() if c.objective == "sspo"]
+    assert cell.objective_options == f"{{sentence_end_ids: {ids}}}"
+    cfg = st.load_base(on_folder, st.cell_overrides(on_folder, cell, str(tiny_moe), STEPS))
+    assert cfg.algorithm.objective_options["sentence_end_ids"] == ids
+
+    bare = st.Cell("sspo", "off", 8, "none", 0)  # without the ids the run's config refuses the cell
+    with pytest.raises(ConfigError) as err:
+        st.load_base(plan, st.cell_overrides(plan, bare, str(tiny_moe), STEPS))
+    assert err.value.field == "algorithm.objective_options.sentence_end_ids"
+
+
 # ----------------------------------------------------------------------------- --variants
 
 

@@ -81,13 +81,17 @@ def test_section_configs_live_with_their_packages():
 def test_valid_base(tmp_path, tiny_moe):
     cfg = _load(tmp_path, _base(tiny_moe))
     assert cfg.rollout.bucket_mb == 512 and cfg.rollout.host == "127.0.0.1"
-    # every objective, estimator and correction the algorithms registry lists is accepted
+    # every objective, estimator and correction the algorithms registry lists is accepted (with the options a run
+    # must give: sspo's sentence ends, refused when missing in tests/test_entropy_methods.py)
     from megapo.algorithms.registry import entries
 
+    required = {"sspo": {"sentence_end_ids": [13]}}
     for kind, key in (("objective", "algorithm.objective"), ("advantage", "algorithm.advantage"),
                       ("correction", "algorithm.mismatch"), ("aggregation", "algorithm.loss_agg")):
         for e in entries(kind):
             data = _set(_base(tiny_moe), key, e.name)
+            if kind == "objective" and e.name in required:
+                _set(data, "algorithm.objective_options", required[e.name])
             if kind == "correction":
                 _set(data, "algorithm.objective_options", {})
             assert getattr(_load(tmp_path, data).algorithm, key.split(".")[1]) == e.name

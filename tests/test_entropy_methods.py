@@ -277,6 +277,24 @@ def test_bad_options_refused_at_config_time(objective, options, words):
     assert err.value.field == "algorithm.objective_options" and words in str(err.value)
 
 
+@pytest.mark.parametrize("options", [{}, {"sentence_end_ids": []}, {"eps_low": 0.1, "eps_high": 0.1}])
+def test_sspo_without_sentence_ends_refused_at_config_time(options):
+    """A run's sspo must split responses into sentences: without sentence_end_ids the whole response is one
+    sentence (GSPO with sspo's entropy-scaled clip), so the config refuses it, naming the option; policy_loss
+    itself keeps the one-sentence form (test_sspo_without_sentence_ends_is_gspo)."""
+    from megapo.config import ConfigError, from_dict
+    from megapo.trainer.config import RunConfig
+
+    with pytest.raises(ConfigError) as err:
+        from_dict(RunConfig, config_data(objective="sspo", objective_options=options))._validate_algorithm()
+    assert err.value.field == "algorithm.objective_options.sentence_end_ids"
+    assert "one sentence" in err.value.message and "GSPO" in err.value.message and "'.'" in err.value.message
+    from_dict(RunConfig, config_data(objective="sspo", objective_options={**options, "sentence_end_ids": [13]})
+              )._validate_algorithm()
+    # st_ppo's [] is documented as one turn per response (Turn-PPO): not refused
+    from_dict(RunConfig, config_data(objective="st_ppo"))._validate_algorithm()
+
+
 def test_config_asks_for_old_entropy_only_when_the_objective_reads_it():
     from megapo.config import from_dict
     from megapo.trainer.update import on_policy

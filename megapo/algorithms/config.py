@@ -42,13 +42,27 @@ def registry_names(kind: str) -> list[str]:
 
 
 def check_options(kind: str, name: str, options: dict, field_name: str) -> None:
-    """The registry entry `name` of `kind` accepts `options`; ConfigError naming `field_name` if not."""
+    """The registry entry `name` of `kind` accepts `options`; ConfigError naming `field_name` if not. Then the
+    options' own config-time rule, where its dataclass has one (`config_check()`: what a run's config must give
+    although the function itself is defined without it, e.g. sspo's sentence_end_ids); its ValueError
+    "OPTION: why" names `field_name`.OPTION."""
     from megapo.algorithms.registry import get
 
+    entry = get(kind, name)
     try:
-        get(kind, name).make_options(dict(options))
+        built = entry.make_options(dict(options))
     except (ValueError, TypeError) as exc:
         raise ConfigError(field_name, str(exc).removeprefix("options: ")) from None
+    rule = getattr(built, "config_check", None)
+    if rule is None:
+        return
+    try:
+        rule()
+    except ValueError as exc:
+        option, _, why = str(exc).partition(": ")
+        if option in entry.option_names() and why:
+            raise ConfigError(f"{field_name}.{option}", why) from None
+        raise ConfigError(field_name, str(exc)) from None
 
 
 def min_group(estimator: str) -> int:
@@ -280,6 +294,7 @@ class AlgorithmConfig:
     def validate(self) -> None:
         """The names and options of this section; the first violated rule raises ConfigError naming its field."""
         self._check_names()
+        check_options("objective", self.objective, self.objective_options, "algorithm.objective_options")
         if self.advantage == GAE:  # its options are algorithm.critic's
             if self.advantage_options:
                 raise ConfigError("algorithm.advantage_options", "gae takes its options from algorithm.critic")

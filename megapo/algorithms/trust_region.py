@@ -353,6 +353,15 @@ class SSPOOptions:
     def token_inputs(self) -> tuple[str, ...]:
         return ("old_entropy",) + (("sentence_end",) if self.sentence_end_ids else ())
 
+    def config_check(self) -> None:
+        """A run's config must give the sentence ends (megapo.algorithms.config.check_options asks; policy_loss
+        does not: there, no ids is one sentence per response, the form its tests compare with GSPO)."""
+        if not self.sentence_end_ids:
+            raise ValueError(
+                "sentence_end_ids: sspo needs the tokenizer's ids of the sentence-ending tokens (e.g. the ids of "
+                "'.', '?', '!' and newline); without them the whole response is one sentence and sspo is GSPO "
+                "with sspo's entropy-scaled clip, not subsentence-level policy optimization")
+
 
 def sentence_ids(b: TokenBatch) -> Tensor:
     """[S, T] long: each valid token's sentence index within its row (0, 1, ...): a sentence ends at a token
@@ -383,7 +392,8 @@ def sentence_mean(values: Tensor, seg: Tensor, mask: Tensor) -> Tensor:
 def sspo(b: TokenBatch, o: SSPOOptions) -> ObjectiveOut:
     """A response splits into sentences k at its sentence-ending tokens (the tokenizer's ids in
     sentence_end_ids; the token ends its sentence; the tail after the last one, or the whole response when
-    none is given, is one sentence). s_{i,k} = exp((1/|k|)·Σ_{t∈k} log r_t) (the sentence ratio, gradient
+    none is given, is one sentence: GSPO with this clip, which a run's config refuses, SSPOOptions.config_check).
+    s_{i,k} = exp((1/|k|)·Σ_{t∈k} log r_t) (the sentence ratio, gradient
     through each of its tokens); H_k = the mean over k of π_old's per-token entropy, H̄_i its mean over the
     response; g_k = clamp(H_k/H̄_i, scale_min, scale_max) (1 when H̄_i = 0) [A: the abstract says sentence
     entropy widens the clip range of high-entropy and narrows that of low-entropy sentences; the relative

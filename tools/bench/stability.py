@@ -10,7 +10,8 @@ Axes (every cell is `megapo train CONFIG` with config overrides only): objective
 minirl, cispo} x routing replay {off, r2, r3} x train.mini_batches {1, 4, 8} (optimizer steps per rollout: the
 off-policy degree) x mismatch correction {none, tis} x seeds. `full` is the whole product; `small` is the union
 of the cells that answer the three questions in SMALL_QUESTIONS. `--objectives all` (or a list) adds every
-registered objective at no replay, no correction, m=8 (OBJECTIVE_REGIME); `--variants all` (or a list) adds the
+registered objective at no replay, no correction, m=8 (OBJECTIVE_REGIME; default options, but sspo's cells split
+at the run's tokenizer's sentence ends, TOKENIZER_OPTIONS); `--variants all` (or a list) adds the
 named VARIANTS there too: ppo with one stage or option of issue 14 switched on (a config override list each), the
 methods that are not objectives. The train-inference mismatch itself comes from the config's rollout.dtype (the
 engine in bfloat16, the learner in fp32; megapo/configs/stability_base.yaml).
@@ -37,6 +38,8 @@ The collapse rule is megapo.trainer.collapse.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -117,6 +120,9 @@ class Cell:
     seed: int
     variant: str = ""  # a VARIANTS name: its overrides come after the axes' (cells made before variants have none)
     noise: float = 0.0  # rollout.router_noise σ (--grid dose); 0: the config's (cells made before doses have none)
+    # algorithm.objective_options the objective needs from the run's tokenizer (TOKENIZER_OPTIONS, resolved by
+    # GridPlan.cells); "": the objective's defaults (cells made before issue 32 have none)
+    objective_options: str = ""
 
     @property
     def setting(self) -> str:
@@ -138,6 +144,7 @@ class Cell:
         return [f"algorithm.objective={self.objective}", f"algorithm.routing_replay={self.replay}",
                 f"train.mini_batches={self.mini_batches}", f"algorithm.mismatch={self.mismatch}",
                 f"train.seed={self.seed}", *([f"rollout.router_noise={self.noise:g}"] if self.noise else []),
+                *([f"algorithm.objective_options={self.objective_options}"] if self.objective_options else []),
                 *VARIANTS.get(self.variant, ())]
 
     @property
@@ -168,6 +175,62 @@ def objective_names(spec: str) -> list[str]:
     if unknown:
         raise ConfigError("--objectives", f"unknown objective {unknown[0]!r}; known: {', '.join(known)} (or all)")
     return names
+
+
+# Objectives whose defaults do not run what their name says: their cells get options from the run's tokenizer
+# (GridPlan.cells). sspo without sentence ends is one sentence per response, GSPO with sspo's clip, and a run's
+# config refuses it (megapo.algorithms.config.check_options): its cells split at the tokenizer's '.', '?', '!',
+# newline and EOS.
+SENTENCE_END_TEXTS = (".", "?", "!", "\n")
+TOKENIZER_OPTIONS = {"sspo": lambda tok: {"sentence_end_ids": sentence_end_ids(tok)}}
+
+
+def sentence_end_ids(tokenizer) -> list[int]:
+    """The ids of the sentence-ending tokens `tokenizer` has (each text of SENTENCE_END_TEXTS that is one token
+    of its own), then its EOS id."""
+    ids = []
+    for text in SENTENCE_END_TEXTS:
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) == 1 and encoded[0] != tokenizer.unk_token_id and encoded[0] not in ids:
+            ids.append(int(encoded[0]))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(int(tokenizer.eos_token_id))
+    return ids
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(folder: str | None, tiny_vocab: int | None):
+    if folder is not None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder)
+    from megapo.models.tiny import build_tokenizer
+
+    return build_tokenizer(tiny_vocab)  # what write_tiny_model saves with the tiny model (deterministic)
+
+
+def run_tokenizer(plan: GridPlan):
+    """The tokenizer the cells run with, nothing downloaded: the warm start's folder, else the base model's; a
+    tiny model the grid has not written yet: the tokenizer megapo.models.tiny writes with it (built here)."""
+    for folder in (plan.out / "warm_start" / "sft", Path(base_model_path(plan))):
+        if (folder / "config.json").is_file():
+            return _tokenizer(str(folder), None)
+    cfg = load_base(plan)
+    if cfg.model.tiny is None:
+        raise ConfigError("model.path", f"{cfg.model.path} is not an HF model folder (no config.json): the sspo "
+                          "cells need its tokenizer's sentence-ending ids")
+    return _tokenizer(None, cfg.model.tiny.vocab)
+
+
+def with_tokenizer_options(plan: GridPlan, cells: list[Cell]) -> list[Cell]:
+    """`cells` with the TOKENIZER_OPTIONS of their objectives (the tokenizer is read only when one needs it)."""
+    if not any(c.objective in TOKENIZER_OPTIONS and not c.objective_options for c in cells):
+        return cells
+    tok = run_tokenizer(plan)
+    flow = {name: "{" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in make(tok).items()) + "}"
+            for name, make in TOKENIZER_OPTIONS.items()}
+    return [dataclasses.replace(c, objective_options=flow[c.objective])
+            if c.objective in flow and not c.objective_options else c for c in cells]
 
 
 # --variants: the methods of issue 14 that are stages or options rather than objectives (so --objectives cannot
@@ -279,7 +342,8 @@ class GridPlan:
     variants: list[str] = field(default_factory=list)  # --variants: one more setting each
 
     def cells(self) -> list[Cell]:
-        cells = grid_cells(self.grid, self.seeds, tuple(self.objectives), tuple(self.variants))
+        cells = with_tokenizer_options(self, grid_cells(self.grid, self.seeds, tuple(self.objectives),
+                                                        tuple(self.variants)))
         if not self.only:
             return cells
         names = {c.name for c in cells}
@@ -619,10 +683,12 @@ def cells_on_disk(plan: GridPlan) -> list[Cell]:
 
 
 def report_cells(plan: GridPlan) -> list[Cell]:
-    """The plan's cells and any other cell a previous run of this folder started (e.g. of the full grid)."""
+    """The plan's cells and any other cell a previous run of this folder started (e.g. of the full grid); a cell
+    that ran is reported as its cell.json says (the options it ran with, e.g. an sspo cell of before issue 32)."""
     cells = plan.cells()
+    ran = {c.name: c for c in cells_on_disk(plan)}
     names = {c.name for c in cells}
-    return cells + [c for c in cells_on_disk(plan) if c.name not in names]
+    return [ran.get(c.name, c) for c in cells] + [c for c in ran.values() if c.name not in names]
 
 
 COLLAPSE_RULE = ("eval/accuracy < start - 0.1 from some eval to the last one, or reward < 0.05 on 10 consecutive "
