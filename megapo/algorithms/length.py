@@ -21,6 +21,7 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
+from megapo.algorithms.options import check_choice, check_number
 from megapo.algorithms.registry import get, register
 from megapo.algorithms.stages import _annealed
 
@@ -159,26 +160,6 @@ def shape_rewards(name: str, rewards: Tensor, lengths: Tensor, budget: int = 0, 
 # ----------------------------------------------------------------------------- option checks, difficulty
 
 
-def _check_number(name: str, value, *, low=None, above=None, high=None, integer: bool = False) -> None:
-    """One numeric option: finite (an int when `integer`), >= low, > above, <= high where given."""
-    kinds = (int,) if integer else (int, float)
-    ok = not isinstance(value, bool) and isinstance(value, kinds) and math.isfinite(value)
-    bounds = []
-    for sign, bound, holds in ((">=", low, lambda v, b: v >= b), (">", above, lambda v, b: v > b),
-                               ("<=", high, lambda v, b: v <= b)):
-        if bound is not None:
-            bounds.append(f"{sign} {bound}")
-            ok = ok and holds(value, bound)
-    if not ok:
-        what = "an int" if integer else "a finite number"
-        raise ValueError(f"{name}: must be {what} {' and '.join(bounds)}".rstrip() + f", got {value!r}")
-
-
-def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}: must be one of {', '.join(choices)}, got {value!r}")
-
-
 def _or_budget(name: str, value: int, budget: int) -> int:
     """An option where 0 means the generation budget (rollout.max_new_tokens)."""
     if value:
@@ -198,7 +179,7 @@ class DifficultyOptions:
     task_range: list | None = None  # with difficulty: task, [easiest, hardest] task label (addition_cot: [2, 6])
 
     def __post_init__(self):
-        _check_choice("difficulty", self.difficulty, DIFFICULTIES)
+        check_choice("difficulty", self.difficulty, DIFFICULTIES)
         if self.difficulty == "pass_rate":
             if self.task_range is not None:
                 raise ValueError(f"task_range: only with difficulty: task, got {self.task_range!r}")
@@ -240,8 +221,8 @@ class AlpOptions:
     norm: int = 0  # N (0: the generation budget)
 
     def __post_init__(self):
-        _check_number("beta", self.beta, low=0)
-        _check_number("norm", self.norm, low=0, integer=True)
+        check_number("beta", self.beta, low=0)
+        check_number("norm", self.norm, low=0, integer=True)
 
 
 @register("alp", "length_reward", "group", "Adaptive Length Penalty, ALP (seed 004 B58)", AlpOptions)
@@ -267,8 +248,8 @@ class LaserOptions:
     alpha: float = 0.5  # α, the bonus of a correct response within L_T
 
     def __post_init__(self):
-        _check_number("target_len", self.target_len, above=0, integer=True)
-        _check_number("alpha", self.alpha, low=0)
+        check_number("target_len", self.target_len, above=0, integer=True)
+        check_number("alpha", self.alpha, low=0)
 
 
 def _step_bonus(g: ScoredGroup, target: float, alpha: float) -> Tensor:
@@ -296,12 +277,12 @@ class LaserDOptions(DifficultyOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        _check_number("alpha", self.alpha, low=0)
-        _check_number("buckets", self.buckets, above=0, integer=True)
-        _check_number("update_every", self.update_every, above=0, integer=True)
-        _check_number("coverage", self.coverage, above=0, high=1)
-        _check_number("window", self.window, above=0, integer=True)
-        _check_number("init_len", self.init_len, low=0, integer=True)
+        check_number("alpha", self.alpha, low=0)
+        check_number("buckets", self.buckets, above=0, integer=True)
+        check_number("update_every", self.update_every, above=0, integer=True)
+        check_number("coverage", self.coverage, above=0, high=1)
+        check_number("window", self.window, above=0, integer=True)
+        check_number("init_len", self.init_len, low=0, integer=True)
 
 
 def _coverage_length(lengths: list[int], coverage: float) -> int:
@@ -381,7 +362,7 @@ class KimiOptions:
     weight: float = 1.0  # w, the length reward's scale
 
     def __post_init__(self):
-        _check_number("weight", self.weight, low=0)
+        check_number("weight", self.weight, low=0)
 
 
 @register("kimi", "length_reward", "group",
@@ -407,9 +388,9 @@ class LaconicOptions:
     lambda_init: float = 0.0  # λ at the start
 
     def __post_init__(self):
-        _check_number("target", self.target, low=0, integer=True)
-        _check_number("dual_lr", self.dual_lr, low=0)
-        _check_number("lambda_init", self.lambda_init, low=0)
+        check_number("target", self.target, low=0, integer=True)
+        check_number("dual_lr", self.dual_lr, low=0)
+        check_number("lambda_init", self.lambda_init, low=0)
 
 
 @register("laconic", "length_reward", "batch", "LACONIC, target token budget by an adaptive cost (seed 004 B5)",
@@ -457,14 +438,14 @@ class GrpoLambdaOptions:
     min_correct_ratio: float = 0.5  # τ
 
     def __post_init__(self):
-        _check_choice("inner", self.inner, GRPO_LAMBDA_INNER)
+        check_choice("inner", self.inner, GRPO_LAMBDA_INNER)
         if not isinstance(self.inner_options, dict):
             raise ValueError(f"inner_options: must be a mapping of {self.inner}'s options, got {self.inner_options!r}")
         try:
             get("length_reward", self.inner).make_options(dict(self.inner_options))
         except (TypeError, ValueError) as e:
             raise ValueError(f"inner_options: {e}") from None
-        _check_number("min_correct_ratio", self.min_correct_ratio, low=0, high=1)
+        check_number("min_correct_ratio", self.min_correct_ratio, low=0, high=1)
 
 
 @register("grpo_lambda", "length_reward", "group", "GRPO-lambda (seed 004 B23)", GrpoLambdaOptions)
@@ -506,7 +487,7 @@ class HapoOptions:
     weight: float = 1.0  # w, the length reward's scale
 
     def __post_init__(self):
-        _check_number("weight", self.weight, low=0)
+        check_number("weight", self.weight, low=0)
 
 
 @register("hapo", "length_reward", "group", "History-Aware Policy Optimization, HAPO (seed 004 B54)", HapoOptions)
@@ -555,10 +536,10 @@ class CurriculumOptions:
     over_reward: float = 0.0  # the reward of a response over the current budget
 
     def __post_init__(self):
-        _check_number("start", self.start, low=0, integer=True)
-        _check_number("end", self.end, above=0, integer=True)
-        _check_number("steps", self.steps, above=0, integer=True)
-        _check_number("over_reward", self.over_reward)
+        check_number("start", self.start, low=0, integer=True)
+        check_number("end", self.end, above=0, integer=True)
+        check_number("steps", self.steps, above=0, integer=True)
+        check_number("over_reward", self.over_reward)
 
 
 @register("curriculum", "length_reward", "sequence", "Curriculum length budget for GRPO (seed 004 B36)",
@@ -592,11 +573,11 @@ class DlerOptions(DifficultyOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        _check_number("truncate_at", self.truncate_at, low=0, integer=True)
-        _check_number("truncated_reward", self.truncated_reward)
+        check_number("truncate_at", self.truncate_at, low=0, integer=True)
+        check_number("truncated_reward", self.truncated_reward)
         if self.easy_pass_rate is not None:
-            _check_number("easy_pass_rate", self.easy_pass_rate, low=0, high=1)
-        _check_number("easy_scale", self.easy_scale, above=0, high=1)
+            check_number("easy_pass_rate", self.easy_pass_rate, low=0, high=1)
+        check_number("easy_scale", self.easy_scale, above=0, high=1)
 
 
 @register("dler", "length_reward", "group", "Doing Length pEnalty Right, DLER (seed 004 B45)", DlerOptions)
@@ -626,8 +607,8 @@ class DastOptions(DifficultyOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        _check_number("weight", self.weight, low=0)
-        _check_number("max_len", self.max_len, low=0, integer=True)
+        check_number("weight", self.weight, low=0)
+        check_number("max_len", self.max_len, low=0, integer=True)
 
 
 @register("dast", "length_reward", "group", "Difficulty-Adaptive Slow Thinking, DAST (seed 004 B10)", DastOptions)
@@ -664,9 +645,9 @@ class DeepCompressOptions(DifficultyOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        _check_number("alpha", self.alpha, low=0)
-        _check_number("threshold", self.threshold, low=0, high=1)
-        _check_number("momentum", self.momentum, above=0, high=1)
+        check_number("alpha", self.alpha, low=0)
+        check_number("threshold", self.threshold, low=0, high=1)
+        check_number("momentum", self.momentum, above=0, high=1)
 
 
 @register("deepcompress", "length_reward", "group", "DeepCompress, dual length reward (seed 004 B1)",
@@ -724,12 +705,12 @@ class GfpoOptions(DifficultyOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        _check_choice("metric", self.metric, GFPO_METRICS)
+        check_choice("metric", self.metric, GFPO_METRICS)
         if (self.keep is None) == (self.adaptive_keep is None):
             raise ValueError(f"keep: give keep or adaptive_keep (exactly one), got keep={self.keep!r}, "
                              f"adaptive_keep={self.adaptive_keep!r}")
         if self.keep is not None:
-            _check_number("keep", self.keep, above=0, integer=True)
+            check_number("keep", self.keep, above=0, integer=True)
         elif not (isinstance(self.adaptive_keep, (list, tuple)) and self.adaptive_keep
                   and all(_is_int(k) and k > 0 for k in self.adaptive_keep)):
             raise ValueError(f"adaptive_keep: must be a non-empty list of ints > 0 (easy .. hard), "
@@ -816,11 +797,11 @@ class HmpoOptions:
     max_len: int = 0  # L_max, where the cosine decay reaches 0 (0: the generation budget)
 
     def __post_init__(self):
-        _check_number("weight", self.weight, low=0)
+        check_number("weight", self.weight, low=0)
         if not self.weight < 1:
             raise ValueError(f"weight: must be < 1 (a correct response must out-earn an incorrect one), "
                              f"got {self.weight!r}")
-        _check_number("max_len", self.max_len, low=0, integer=True)
+        check_number("max_len", self.max_len, low=0, integer=True)
 
 
 def median_length(lengths: Tensor) -> float:
@@ -874,8 +855,8 @@ class LeadOptions:
     momentum: float = 0.5  # m: a prompt's target T ← (1 − m)·T + m·(its shortest correct length)
 
     def __post_init__(self):
-        _check_number("weight", self.weight, low=0)
-        _check_number("momentum", self.momentum, above=0, high=1)
+        check_number("weight", self.weight, low=0)
+        check_number("momentum", self.momentum, above=0, high=1)
 
 
 def symmetric_efficiency(lengths: Tensor, target: float) -> Tensor:

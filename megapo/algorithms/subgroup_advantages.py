@@ -10,28 +10,13 @@ prompt's group alone, so the advantages do not depend on how the batch's prompts
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from megapo.algorithms.options import check_number
 from megapo.algorithms.registry import register
-
-
-def _check_number(name: str, value, *, low=None, above=None, high=None, integer: bool = False) -> None:
-    """One numeric option: finite (an int when `integer`), >= low, > above, <= high where given."""
-    kinds = (int,) if integer else (int, float)
-    ok = not isinstance(value, bool) and isinstance(value, kinds) and math.isfinite(value)
-    bounds = []
-    for sign, bound, holds in ((">=", low, lambda v, b: v >= b), (">", above, lambda v, b: v > b),
-                               ("<=", high, lambda v, b: v <= b)):
-        if bound is not None:
-            bounds.append(f"{sign} {bound}")
-            ok = ok and holds(value, bound)
-    if not ok:
-        what = "an int" if integer else "a finite number"
-        raise ValueError(f"{name}: must be {what} {' and '.join(bounds)}".rstrip() + f", got {value!r}")
 
 
 def _need_lengths(lengths: Tensor | None, name: str) -> Tensor:
@@ -50,9 +35,9 @@ class DrpoOptions:
     correct_threshold: float = 0.5  # a response is correct when R >= this (as data.correct_threshold)
 
     def __post_init__(self):
-        _check_number("lam", self.lam, above=0)
-        _check_number("max_len", self.max_len, low=0, integer=True)
-        _check_number("correct_threshold", self.correct_threshold)
+        check_number("lam", self.lam, above=0)
+        check_number("max_len", self.max_len, low=0, integer=True)
+        check_number("correct_threshold", self.correct_threshold)
 
 
 def drpo_positive_weights(lengths: Tensor, correct: Tensor, lam: float, max_len: Tensor | int) -> Tensor:
@@ -104,7 +89,7 @@ class CanonOptions:
     metric: str = "length"  # what the group is split by (entropy: not built, see the formula)
 
     def __post_init__(self):
-        _check_number("mu", self.mu, low=0, high=1)
+        check_number("mu", self.mu, low=0, high=1)
         if self.metric == "entropy":
             raise ValueError("metric: entropy is not built: the estimator runs before the old-log-prob pass that "
                              "computes π_old's entropy; use metric: length")

@@ -23,6 +23,7 @@ from megapo.algorithms.objectives import (
     ObjectiveOut, _check_nonneg, _log_bounds, _log_ratio, _pessimistic, _seq_ratio_clip, check_entropy_scale,
     entropy_level, log_bounds_per_token, old_entropy,
 )
+from megapo.algorithms.options import check_choice
 from megapo.algorithms.registry import register
 
 DIVERGENCES = ("tv", "kl")
@@ -32,11 +33,6 @@ def _check_positive(**values) -> None:
     for key, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{key}: must be a finite number > 0, got {value!r}")
-
-
-def _check_choice(key: str, value, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{key}: must be one of {', '.join(choices)}, got {value!r}")
 
 
 def _ppo_mask_flags(adv: Tensor, ratio: Tensor, eps_low: float, eps_high: float):
@@ -124,7 +120,7 @@ class DPPOOptions:
     delta: float = 0.15  # [A] not in the abstract
 
     def __post_init__(self):
-        _check_choice("divergence", self.divergence, DIVERGENCES)
+        check_choice("divergence", self.divergence, DIVERGENCES)
         _check_positive(delta=self.delta)
 
 
@@ -159,7 +155,7 @@ class CPPOOptions:
     budget: float = 1.0  # [A] the cumulative prefix budget: Σ_{s<=t} w_s·D_s may not pass it
 
     def __post_init__(self):
-        _check_choice("divergence", self.divergence, DIVERGENCES)
+        check_choice("divergence", self.divergence, DIVERGENCES)
         _check_positive(delta=self.delta, w_min=self.w_min)
         if self.w_min > 1:
             raise ValueError(f"w_min: must be in (0, 1], got {self.w_min!r}")
@@ -218,7 +214,7 @@ class PrefixMeanOptions:
     budget: float | None = None  # bound on the weighted prefix mean; None: delta
 
     def __post_init__(self):
-        _check_choice("divergence", self.divergence, DIVERGENCES)
+        check_choice("divergence", self.divergence, DIVERGENCES)
         _check_positive(delta=self.delta, w_min=self.w_min)
         if self.w_min > 1:
             raise ValueError(f"w_min: must be in (0, 1], got {self.w_min!r}")
@@ -481,7 +477,7 @@ class KPOOptions:
         _check_nonneg(process_var=self.process_var, init_var=self.init_var,
                       eps_low=self.eps_low, eps_high=self.eps_high)
         _check_positive(obs_var=self.obs_var)
-        _check_choice("gradient", self.gradient, ("token", "filter"))
+        check_choice("gradient", self.gradient, ("token", "filter"))
 
 
 def kalman_gains(n: int, q: float, r: float, p0: float) -> list[float]:
