@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ from megapo.algorithms.loss import token_inputs
 from megapo.algorithms.ratio_gating import FiberPOOptions, fiber_gated_log_ratio
 from megapo.cli import main
 
-F64 = torch.float64
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import objective_loops  # noqa: E402
+from objective_loops import F64, check_split_sums, clip, make_cfg, seq_mean, token_mean  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- data
@@ -40,31 +43,11 @@ def make_seqs(seed, lengths, noise=0.5, end_rate=0.3):
 
 
 def padded(seqs, width=None):
-    width = width or max(len(s["lp"]) for s in seqs)
-    out = {}
-    for key in ("lp", "old", "adv", "end"):
-        t = torch.zeros(len(seqs), width, dtype=F64)
-        for i, s in enumerate(seqs):
-            t[i, : len(s[key])] = torch.tensor(s[key], dtype=F64)
-        out[key] = t
-    out["mask"] = torch.arange(width)[None, :] < torch.tensor([len(s["lp"]) for s in seqs])[:, None]
-    return out
+    return objective_loops.padded(seqs, ("lp", "old", "adv", "end"), width)
 
 
 def call(name, p, x=None, **kw):
     return policy_loss(name, p["lp"] if x is None else x, p["old"], p["adv"], p["mask"], sentence_end=p["end"], **kw)
-
-
-def token_mean(rows):
-    return sum(sum(r) for r in rows) / sum(len(r) for r in rows)
-
-
-def seq_mean(rows):
-    return sum(sum(r) / len(r) for r in rows) / len(rows)
-
-
-def clip(x, lo, hi):
-    return min(max(x, lo), hi)
 
 
 # ----------------------------------------------------------------------------- references
@@ -148,23 +131,9 @@ CASES = [
 IDS = [f"{n}-{o}" for n, o in CASES]
 
 
-def fd_grad(name, seqs, opts, h=1e-6):
-    frozen = [list(s["lp"]) for s in seqs]
-    grads = []
-    for i, s in enumerate(seqs):
-        row = []
-        for t in range(len(s["lp"])):
-            vals = []
-            for sign in (1, -1):
-                def lp_of(j, sign=sign, i=i, t=t):
-                    v = list(frozen[j])
-                    if j == i:
-                        v[t] += sign * h
-                    return v
-                vals.append(AGG[name](LOOPS[name](seqs, **opts, lp_of=lp_of, frozen_of=lambda j: frozen[j])))
-            row.append((vals[0] - vals[1]) / (2 * h))
-        grads.append(row)
-    return grads
+def fd_grad(name, seqs, opts):
+    return objective_loops.fd_grad(
+        lambda lp_of, frozen_of: AGG[name](LOOPS[name](seqs, **opts, lp_of=lp_of, frozen_of=frozen_of)), seqs)
 
 
 # ----------------------------------------------------------------------------- objectives
@@ -195,26 +164,7 @@ def test_loss_and_gradient_match_the_loop(name, opts):
 def test_split_4_micro_batches_x_2_dp_shards_sums_to_the_batch(name, opts):
     """8 sequences, 2 DP ranks x 4 micro-batches of one sequence each, with the batch's global_tokens and
     global_seqs: the shards' losses and gradients sum to the full batch's (every statistic is per sequence)."""
-    lengths = [3, 6, 2, 5, 4, 7, 1, 5]
-    seqs = make_seqs(2, lengths)
-    p = padded(seqs)
-    x = p["lp"].clone().requires_grad_(True)
-    n_tok, n_seq = sum(lengths), len(lengths)
-    for agg in ("auto", "token-mean", "seq-mean-token-mean"):
-        x.grad = None
-        full, _ = call(name, p, x, loss_agg=agg, global_tokens=n_tok, global_seqs=n_seq, **opts)
-        full.backward()
-        total = 0.0
-        for rank in range(2):
-            for mb in range(4):
-                i = rank * 4 + mb
-                sp = padded([seqs[i]], width=lengths[i] + 2)
-                sx = sp["lp"].clone().requires_grad_(True)
-                loss, _ = call(name, sp, sx, loss_agg=agg, global_tokens=n_tok, global_seqs=n_seq, **opts)
-                loss.backward()
-                total += loss.item()
-                assert torch.allclose(sx.grad[0, : lengths[i]], x.grad[i, : lengths[i]], rtol=1e-12, atol=1e-15)
-        assert total == pytest.approx(full.item(), rel=1e-12, abs=1e-14), agg
+    check_split_sums(call, name, make_seqs(2, [3, 6, 2, 5, 4, 7, 1, 5]), padded, opts)
 
 
 def _loss_and_grad(name, p, **kw):
@@ -308,21 +258,6 @@ def test_overflowing_ratio_gives_finite_loss_and_gradient():
 
 
 # ----------------------------------------------------------------------------- config and listing
-
-
-def make_cfg(**algorithm):
-    from megapo.config import from_dict
-    from megapo.trainer.config import RunConfig
-
-    cfg = from_dict(RunConfig, {
-        "model": {"path": "/nonexistent"},
-        "algorithm": {"objective": "ppo", "advantage": "grpo", **algorithm},
-        "rollout": {"engine": "embedded", "n_samples": 4, "max_new_tokens": 8},
-        "data": {"task": "addition", "max_prompt_tokens": 16, "prompts_per_step": 8},
-        "train": {"steps": 3, "output_dir": "/tmp/unused"},
-    })
-    cfg._validate_algorithm()
-    return cfg
 
 
 BAD = [
