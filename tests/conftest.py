@@ -19,6 +19,12 @@ SLOW_MODULES = ("test_learner_layouts.py", "test_rm_train.py", "test_fleet_vllm.
                 "test_critic.py", "test_shared_prefix.py", "test_reference.py", "test_family_engines.py")
 
 
+def pytest_configure(config):
+    # xdist would otherwise reorder the modules by their number of tests, which puts the few slow ones last
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items):
     first = {name: i for i, name in enumerate(SLOW_MODULES)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: a module's tests stay in order

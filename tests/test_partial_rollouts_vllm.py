@@ -369,16 +369,17 @@ class Recording:
         self.samples.update({tuple(s.prompt_ids + s.output_ids): s for g in out for s in g})
         return out
 
-    def mid_batch(self, after_s: float, timeout_s: float = 60.0) -> None:
-        """Release batch 2 and return once a batch has been generating for after_s seconds."""
+    def mid_batch(self, tokens_of, after_tokens: int, timeout_s: float = 300.0) -> None:
+        """Release batch 2 and return once the server has generated `after_tokens` tokens of it (`tokens_of`: the
+        server's count so far). An event, not a time: on a loaded machine a batch's first token can take seconds."""
+        before = tokens_of()
         self.release.set()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            since = self.busy_since
-            if since is not None and time.monotonic() - since >= after_s:
+            if self.busy_since is not None and tokens_of() - before >= after_tokens:
                 return
             time.sleep(0.01)
-        raise TimeoutError("no batch in flight")
+        raise TimeoutError(f"batch 2 did not generate {after_tokens} tokens in {timeout_s} s")
 
     @property
     def max_versions(self):
@@ -413,7 +414,7 @@ def test_async_run_with_partial_rollouts_on_the_real_server(real, tmp_path, rewa
 
         class Learner(SnapshotLearner):
             """Each step moves every weight by fixed noise (no gradient: quick); step 1 (of 2) lets batch 2 start and
-            ends once it has been generating for a second, so the sync after it lands mid-batch (most runs)."""
+            ends once the server has generated 8 tokens of batch 2, so the sync after it lands mid-batch."""
 
             def train_step(self, batch, loss):
                 self.batches.append(batch)
@@ -423,7 +424,7 @@ def test_async_run_with_partial_rollouts_on_the_real_server(real, tmp_path, rewa
                         p.add_(0.05 * torch.randn(p.shape, generator=g))
                 self.snapshots[len(self.snapshots)] = copy.deepcopy(self.model.state_dict())
                 if len(self.snapshots) - 1 < 2:
-                    recording.mid_batch(after_s=1.0)
+                    recording.mid_batch(lambda: generated_tokens(served), after_tokens=8)
                 return {"loss": 0.0}
 
         learner = Learner(base)
@@ -451,8 +452,8 @@ def test_async_run_with_partial_rollouts_on_the_real_server(real, tmp_path, rewa
               f"responses span versions; max |dlogprob| vs the learner under each token's version {worst:.2e}")
         return spanning, worst
 
-    # the preemption is timed from the client (after a second of batch 2): when it lands between two requests or
-    # before a request's first token, nothing spans; the log-prob check holds on every attempt, spanning is retried
+    # the sync follows the server's 8th token of batch 2; when it lands between two requests nothing spans; the
+    # log-prob check holds on every attempt, spanning is retried
     results = []
     for k in range(3):
         results.append(attempt(tmp_path / f"run{k}"))

@@ -27,6 +27,7 @@ def tensors():
 
 def receiver(port, rank, workers, generation, results, timeout_s=GROUP_TIMEOUT_S):
     address = GroupAddress("127.0.0.1", port, workers, timeout_s=timeout_s, generation=generation)
+    results.put((rank, generation, "joining", None, time.monotonic()))  # started (imports done): the sender may join
     group = join_group(address, 0, rank, host_store=False)
     results.put((rank, generation, "joined", None, time.monotonic()))
     got = {}
@@ -49,6 +50,7 @@ def test_a_receiver_killed_mid_sync_fails_the_sync_at_once_and_the_next_generati
     for p in procs:
         p.start()
     try:
+        assert {results.get(timeout=120)[2] for _ in procs} == {"joining"}
         address = GroupAddress("127.0.0.1", port, 2, timeout_s=GROUP_TIMEOUT_S)
         transport = BroadcastTransport(BroadcastSender(join_group(address, 0, 0, host_store=False)), stores,
                                        timeout_s=GROUP_TIMEOUT_S, address=address)
@@ -81,6 +83,7 @@ def test_a_receiver_killed_mid_sync_fails_the_sync_at_once_and_the_next_generati
         again = ctx.Process(target=receiver, args=(port, 1, 1, 1, results))
         again.start()
         procs.append(again)
+        assert results.get(timeout=120)[2] == "joining"
         address = GroupAddress("127.0.0.1", port, 1, timeout_s=GROUP_TIMEOUT_S, generation=1)
         transport.replace_sender(BroadcastSender(join_group(address, 0, 0, host_store=False)), address)
         assert results.get(timeout=60)[2] == "joined"
@@ -108,6 +111,9 @@ def test_a_stalled_receiver_fails_the_sync_after_the_group_timeout_not_later(mon
     for p in procs:
         p.start()
     try:
+        # the group forms within timeout_s only once both receivers have started (a spawned process imports torch
+        # first: seconds on a loaded machine), so the sender joins when they say they are joining
+        assert {results.get(timeout=120)[2] for _ in procs} == {"joining"}
         address = GroupAddress("127.0.0.1", port, 2, timeout_s=timeout_s)
         transport = BroadcastTransport(BroadcastSender(join_group(address, 0, 0, host_store=False)), stores,
                                        timeout_s=timeout_s, address=address)
