@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,9 @@ from megapo.algorithms import compute_advantages, entries
 from megapo.algorithms.length import ScoredGroup, build_length_reward, check_shaped
 from megapo.cli import main
 from megapo.config import ConfigError, load_config
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from objective_loops import make_cfg  # noqa: E402
 
 F64 = torch.float64
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,21 +138,6 @@ def test_estimators_need_lengths(name, options):
 
 
 # ----------------------------------------------------------------------------- estimator options at config time
-
-
-def make_cfg(**algorithm):
-    from megapo.config import from_dict
-    from megapo.trainer.config import RunConfig
-
-    cfg = from_dict(RunConfig, {
-        "model": {"path": "/nonexistent"},
-        "algorithm": {"objective": "ppo", "advantage": "grpo", **algorithm},
-        "rollout": {"engine": "embedded", "n_samples": 4, "max_new_tokens": 8},
-        "data": {"task": "addition", "max_prompt_tokens": 16, "prompts_per_step": 8},
-        "train": {"steps": 3, "output_dir": "/tmp/unused"},
-    })
-    cfg._validate_algorithm()
-    return cfg
 
 
 BAD_ESTIMATOR = [
