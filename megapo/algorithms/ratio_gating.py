@@ -13,7 +13,6 @@ shards (whole sequences each) changes nothing. In the docstrings "Assumption:" m
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -21,23 +20,9 @@ from torch import Tensor
 
 from megapo.algorithms.batch import TokenBatch
 from megapo.algorithms.objectives import ObjectiveOut, _log_bounds, _log_ratio
+from megapo.algorithms.options import check_number, check_token_ids
 from megapo.algorithms.registry import register
 from megapo.algorithms.trust_region import sentence_ids, sentence_mean
-
-
-def _is_finite_nonneg(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
-
-
-def _check_nonneg(key: str, value) -> None:
-    if not _is_finite_nonneg(value):
-        raise ValueError(f"{key}: must be a finite number >= 0, got {value!r}")
-
-
-def _check_below_one(key: str, value) -> None:
-    """A lower clip ε: in [0, 1), so that log(1 - ε) is finite."""
-    if not (_is_finite_nonneg(value) and value < 1):
-        raise ValueError(f"{key}: must be in [0, 1), got {value!r}")
 
 
 def _pessimistic_gated(log_r: Tensor, gated: Tensor, adv: Tensor, cap: float) -> Tensor:
@@ -57,9 +42,9 @@ class SPPOOptions:
     bias_scale: float = 1.0  # Assumption: κ of the clipping-bias weight 1/(1 + κ·β_i); 0: no correction
 
     def __post_init__(self):
-        _check_below_one("eps_low", self.eps_low)
-        _check_nonneg("eps_high", self.eps_high)
-        _check_nonneg("bias_scale", self.bias_scale)
+        check_number("eps_low", self.eps_low, low=0, below=1)  # log(1 - ε) finite
+        check_number("eps_high", self.eps_high, low=0)
+        check_number("bias_scale", self.bias_scale, low=0)
 
 
 @dataclass
@@ -70,10 +55,7 @@ class STPPOOptions(SPPOOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        ids = self.sentence_end_ids
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) or \
-                any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-            raise ValueError(f"sentence_end_ids: must be a list of token ids (integers >= 0), got {ids!r}")
+        check_token_ids("sentence_end_ids", self.sentence_end_ids)
 
     @property
     def token_inputs(self) -> tuple[str, ...]:
@@ -166,9 +148,9 @@ class FiberPOOptions:
 
     def __post_init__(self):
         for key in ("base_eps_low", "fiber_eps_low"):
-            _check_below_one(key, getattr(self, key))
+            check_number(key, getattr(self, key), low=0, below=1)
         for key in ("base_eps_high", "fiber_eps_high"):
-            _check_nonneg(key, getattr(self, key))
+            check_number(key, getattr(self, key), low=0)
 
 
 def fiber_gated_log_ratio(b: TokenBatch, o: FiberPOOptions) -> tuple[Tensor, Tensor]:

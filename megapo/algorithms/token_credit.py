@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megapo.algorithms.options import check_number
 from megapo.algorithms.registry import get, register
 from megapo.algorithms.stages import _padded
 
@@ -31,21 +32,12 @@ class GroupTokens:
     entropy: list[Tensor] | None = None
 
 
-def _finite_number(name: str, v, lo: float | None = None, hi: float | None = None, *, open_lo: bool = False) -> None:
-    """ValueError naming option `name` unless v is a finite number in [lo, hi] ((lo, hi] with open_lo)."""
-    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-    ok = ok and (lo is None or (v > lo if open_lo else v >= lo)) and (hi is None or v <= hi)
-    if not ok:
-        bounds = f"{'>' if open_lo else '>='} {lo}" if hi is None else f"in {'(' if open_lo else '['}{lo}, {hi}]"
-        raise ValueError(f"{name}: must be a finite number {bounds}, got {v!r}")
-
-
 @dataclass
 class TempoOptions:
     coef: float = 1.0  # λ: weight of the tree's TD correction
 
     def __post_init__(self):
-        _finite_number("coef", self.coef, 0.0)
+        check_number("coef", self.coef, low=0.0)
 
 
 def _common_prefix_lengths(responses: list[list[int]]) -> Tensor:
@@ -103,9 +95,9 @@ class GtpoTrajectoryOptions:
     entropy_max: float | None = None  # nats: responses whose mean π_old entropy exceeds it get no update (null: off)
 
     def __post_init__(self):
-        _finite_number("amplify", self.amplify, 1.0)
+        check_number("amplify", self.amplify, low=1.0)
         if self.entropy_max is not None:
-            _finite_number("entropy_max", self.entropy_max, 0.0, open_lo=True)
+            check_number("entropy_max", self.entropy_max, above=0.0)
 
     @property
     def token_inputs(self) -> tuple[str, ...]:
@@ -157,7 +149,7 @@ class KtaeOptions:
 
     def __post_init__(self):
         for name in ("coef", "fisher", "info_gain"):
-            _finite_number(name, getattr(self, name), 0.0)
+            check_number(name, getattr(self, name), low=0.0)
         if not self.fisher + self.info_gain > 0:
             raise ValueError(f"info_gain: fisher + info_gain must be > 0, got {self.fisher} + {self.info_gain}")
         if not isinstance(self.term_frequency, bool):
@@ -264,7 +256,7 @@ class TwGrpoOptions:
     max_weight: float = 1.4  # the weight of the group's most divergent position (the least gets 1)
 
     def __post_init__(self):
-        _finite_number("max_weight", self.max_weight, 1.0)
+        check_number("max_weight", self.max_weight, low=1.0)
 
 
 def _position_variance(probs: list[Tensor], lengths: list[int]) -> list[float]:

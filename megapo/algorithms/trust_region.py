@@ -23,7 +23,7 @@ from megapo.algorithms.objectives import (
     ObjectiveOut, _check_nonneg, _log_bounds, _log_ratio, _pessimistic, _seq_ratio_clip, check_entropy_scale,
     entropy_level, log_bounds_per_token, old_entropy,
 )
-from megapo.algorithms.options import check_choice
+from megapo.algorithms.options import check_choice, check_token_ids
 from megapo.algorithms.registry import register
 
 DIVERGENCES = ("tv", "kl")
@@ -340,10 +340,7 @@ class SSPOOptions:
         _check_positive(scale_min=self.scale_min, scale_max=self.scale_max)
         if self.scale_max < self.scale_min:
             raise ValueError(f"scale_max: must be >= scale_min ({self.scale_min!r}), got {self.scale_max!r}")
-        ids = self.sentence_end_ids
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) or \
-                any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-            raise ValueError(f"sentence_end_ids: must be a list of token ids (integers >= 0), got {ids!r}")
+        check_token_ids("sentence_end_ids", self.sentence_end_ids)
 
     @property
     def token_inputs(self) -> tuple[str, ...]:
