@@ -1,7 +1,7 @@
 """Scaffolding the objective tests share (test_objectives_seed32.py, test_objectives_ratio_gating.py): sequences
-padded into [S, T] tensors, the aggregations written as loops, float64 central finite differences of a loop, the
-split of a batch over 4 micro-batches x 2 DP shards, and a RunConfig built to check options at config time. Each
-test file keeps its own data (make_seqs) and its loops of the formulas."""
+padded into [S, T] tensors, the aggregations written as loops, float64 central finite differences of a loop and the
+split of a batch over 4 micro-batches x 2 DP shards (the config they check options against: algorithm_configs.py).
+Each test file keeps its own data (make_seqs) and its loops of the formulas."""
 
 from __future__ import annotations
 
@@ -80,19 +80,3 @@ def check_split_sums(call, name: str, seqs: list[dict], pad, opts: dict) -> None
                 total += loss.item()
                 assert torch.allclose(sx.grad[0, : lengths[i]], x.grad[i, : lengths[i]], rtol=1e-12, atol=1e-15)
         assert total == pytest.approx(full.item(), rel=1e-12, abs=1e-14), agg
-
-
-def make_cfg(**algorithm):
-    """A RunConfig with these algorithm fields, its algorithm section validated (ConfigError names the field)."""
-    from megapo.config import from_dict
-    from megapo.trainer.config import RunConfig
-
-    cfg = from_dict(RunConfig, {
-        "model": {"path": "/nonexistent"},
-        "algorithm": {"objective": "ppo", "advantage": "grpo", **algorithm},
-        "rollout": {"engine": "embedded", "n_samples": 4, "max_new_tokens": 8},
-        "data": {"task": "addition", "max_prompt_tokens": 16, "prompts_per_step": 8},
-        "train": {"steps": 3, "output_dir": "/tmp/unused"},
-    })
-    cfg._validate_algorithm()
-    return cfg

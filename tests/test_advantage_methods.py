@@ -8,12 +8,20 @@ float64; STAPO's batch-global renormalisation through policy_loss with float64 f
 from __future__ import annotations
 
 import math
+import sys
+from functools import partial
 
 import pytest
 import torch
 
 from megapo.algorithms import policy_loss
 from megapo.algorithms.stages import future_kl_advantages, token_mask_weights
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import algorithm_configs  # noqa: E402
+
+config_data = partial(algorithm_configs.config_data, n_samples=3, seed=5)
+make_cfg = partial(algorithm_configs.make_cfg, n_samples=3, seed=5)
 
 F64 = torch.float64
 
@@ -43,25 +51,6 @@ def test_future_kl_against_a_loop():
         future_kl_advantages(advantages, old, [ref[0], [], ref[2], ref[3]], beta=0.1)
     with pytest.raises(ValueError, match="beta"):
         future_kl_advantages(advantages, old, ref, beta=-1.0)
-
-
-def config_data(**algorithm):
-    return {
-        "model": {"path": "/nonexistent"},
-        "algorithm": {"objective": "ppo", "advantage": "grpo", **algorithm},
-        "rollout": {"engine": "embedded", "n_samples": 2, "max_new_tokens": 8},
-        "data": {"task": "addition", "max_prompt_tokens": 16, "prompts_per_step": 8},
-        "train": {"steps": 3, "output_dir": "/tmp/unused", "seed": 5},
-    }
-
-
-def make_cfg(**algorithm):
-    from megapo.config import from_dict
-    from megapo.trainer.config import RunConfig
-
-    cfg = from_dict(RunConfig, config_data(**algorithm))
-    cfg._validate_algorithm()
-    return cfg
 
 
 def test_future_kl_stage_in_the_loop_moves_the_kl_into_the_advantages():

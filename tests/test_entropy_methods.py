@@ -8,11 +8,18 @@ and the loop's and learner's wiring."""
 from __future__ import annotations
 
 import math
+import sys
+from functools import partial
 
 import pytest
 import torch
 
 from megapo.algorithms import policy_loss
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import algorithm_configs  # noqa: E402
+
+config_data = partial(algorithm_configs.config_data, objective=None)  # RunConfig's default objective
 
 F64 = torch.float64
 
@@ -241,16 +248,6 @@ def test_old_entropy_and_sentence_end_refused_missing_and_ignored_unasked():
     assert token_inputs("dhpo", {"alpha": "entropy"}) == ("old_entropy",)
     assert token_inputs("sspo", {"sentence_end_ids": [2]}) == ("old_entropy", "sentence_end")
     assert token_inputs("not_registered", {"x": 1}) == ()
-
-
-def config_data(**algorithm):
-    return {
-        "model": {"path": "/nonexistent"},
-        "algorithm": {"advantage": "grpo", **algorithm},
-        "rollout": {"engine": "embedded", "n_samples": 4, "max_new_tokens": 8},
-        "data": {"task": "addition", "max_prompt_tokens": 16, "prompts_per_step": 8},
-        "train": {"steps": 3, "output_dir": "/tmp/unused"},
-    }
 
 
 @pytest.mark.parametrize("objective, options, words", [

@@ -21,7 +21,7 @@ from megapo.cli import main
 from megapo.config import ConfigError, load_config
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from objective_loops import make_cfg  # noqa: E402
+from algorithm_configs import make_cfg  # noqa: E402
 
 F64 = torch.float64
 ROOT = Path(__file__).resolve().parents[1]

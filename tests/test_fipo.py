@@ -12,12 +12,20 @@ No split-invariance check: the weight of a token reads only its own response."""
 from __future__ import annotations
 
 import math
+import sys
+from functools import partial
 
 import pytest
 import torch
 
 from megapo.algorithms import policy_loss
 from megapo.algorithms.stages import token_advantages
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import algorithm_configs  # noqa: E402
+
+config_data = partial(algorithm_configs.config_data, n_samples=2)
+make_cfg = partial(algorithm_configs.make_cfg, n_samples=2)
 
 F64 = torch.float64
 
@@ -124,25 +132,6 @@ def test_future_drift_advantages_through_policy_loss_formula_and_gradient():
 
 
 # ----------------------------------------------------------------------------- config and the loop
-
-
-def config_data(**algorithm):
-    return {
-        "model": {"path": "/nonexistent"},
-        "algorithm": {"objective": "ppo", "advantage": "grpo", **algorithm},
-        "rollout": {"engine": "embedded", "n_samples": 2, "max_new_tokens": 8},
-        "data": {"task": "addition", "max_prompt_tokens": 16, "prompts_per_step": 8},
-        "train": {"steps": 3, "output_dir": "/tmp/unused"},
-    }
-
-
-def make_cfg(**algorithm):
-    from megapo.config import from_dict
-    from megapo.trainer.config import RunConfig
-
-    cfg = from_dict(RunConfig, config_data(**algorithm))
-    cfg._validate_algorithm()
-    return cfg
 
 
 @pytest.mark.parametrize("options, words", [

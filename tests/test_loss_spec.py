@@ -14,18 +14,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_entropy_methods import config_data  # noqa: E402
+import algorithm_configs  # noqa: E402
 
 from megapo.algorithms import policy_loss  # noqa: E402
 from megapo.algorithms.spec import LossSpec, LossSpecError  # noqa: E402
 from megapo.config import ConfigError, from_dict  # noqa: E402
 from megapo.trainer.config import RunConfig  # noqa: E402
+
+config_data = partial(algorithm_configs.config_data, objective=None)  # RunConfig's default objective
 
 BAD_SPECS = [
     (dict(objective="nope"), "objective", "objective"),

@@ -22,7 +22,8 @@ from megapo.cli import main
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import objective_loops  # noqa: E402
-from objective_loops import F64, check_split_sums, clip, make_cfg, seq_mean, token_mean  # noqa: E402
+from algorithm_configs import make_cfg  # noqa: E402
+from objective_loops import F64, check_split_sums, clip, seq_mean, token_mean  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- data

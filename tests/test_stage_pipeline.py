@@ -6,6 +6,8 @@ objectives --stages` lists the stages."""
 
 from __future__ import annotations
 
+import sys
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -14,23 +16,13 @@ import torch
 from megapo.config import ConfigError, from_dict, load_config
 from megapo.trainer.config import RunConfig
 
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import algorithm_configs  # noqa: E402
+
+config_data = partial(algorithm_configs.config_data, n_samples=3, seed=5)
+make_cfg = partial(algorithm_configs.make_cfg, n_samples=3, seed=5)
+
 F64 = torch.float64
-
-
-def config_data(**algorithm):
-    return {
-        "model": {"path": "/nonexistent"},
-        "algorithm": {"objective": "ppo", "advantage": "grpo", **algorithm},
-        "rollout": {"engine": "embedded", "n_samples": 3, "max_new_tokens": 8},
-        "data": {"task": "addition", "max_prompt_tokens": 16, "prompts_per_step": 8},
-        "train": {"steps": 3, "output_dir": "/tmp/unused", "seed": 5},
-    }
-
-
-def make_cfg(**algorithm) -> RunConfig:
-    cfg = from_dict(RunConfig, config_data(**algorithm))
-    cfg._validate_algorithm()
-    return cfg
 
 
 def refused(**algorithm) -> ConfigError:

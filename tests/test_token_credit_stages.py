@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import math
 import random
+import sys
+from functools import partial
 
 import pytest
 
 from megapo.algorithms.token_credit import group_token_stage
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import algorithm_configs  # noqa: E402
+
+config_data = partial(algorithm_configs.config_data, n_samples=4)
+make_cfg = partial(algorithm_configs.make_cfg, n_samples=4)
 
 
 def rand_groups(seed, n_groups, group_size, vocab=4, max_len=7, shared_prefix=2):
@@ -269,25 +277,6 @@ def test_a_sample_depends_on_its_group_only(name, options):
 
 
 # ----------------------------------------------------------------------------- (c) refusals at config time
-
-
-def config_data(**algorithm):
-    return {
-        "model": {"path": "/nonexistent"},
-        "algorithm": {"objective": "ppo", "advantage": "grpo", **algorithm},
-        "rollout": {"engine": "embedded", "n_samples": 4, "max_new_tokens": 8},
-        "data": {"task": "addition", "max_prompt_tokens": 16, "prompts_per_step": 8},
-        "train": {"steps": 3, "output_dir": "/tmp/unused"},
-    }
-
-
-def make_cfg(**algorithm):
-    from megapo.config import from_dict
-    from megapo.trainer.config import RunConfig
-
-    cfg = from_dict(RunConfig, config_data(**algorithm))
-    cfg._validate_algorithm()
-    return cfg
 
 
 @pytest.mark.parametrize("stages, field, words", [

@@ -7,12 +7,19 @@ refused at config time naming the field; the loop's wiring (which pass, which sa
 from __future__ import annotations
 
 import math
+import sys
+from functools import partial
 
 import pytest
 import torch
 
 from megapo.algorithms import policy_loss
 from megapo.algorithms.stages import apply_polarity, token_advantages, token_select_weights
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import algorithm_configs  # noqa: E402
+
+config_data = partial(algorithm_configs.config_data, n_samples=2, seed=5)
 
 F64 = torch.float64
 
@@ -189,16 +196,6 @@ def test_token_weight_through_policy_loss_formula_gradient_and_split():
 
 
 # ----------------------------------------------------------------------------- config
-
-
-def config_data(**algorithm):
-    return {
-        "model": {"path": "/nonexistent"},
-        "algorithm": {"objective": "ppo", "advantage": "grpo", **algorithm},
-        "rollout": {"engine": "embedded", "n_samples": 4, "max_new_tokens": 8},
-        "data": {"task": "addition", "max_prompt_tokens": 16, "prompts_per_step": 8},
-        "train": {"steps": 3, "output_dir": "/tmp/unused"},
-    }
 
 
 @pytest.mark.parametrize("algorithm, field, words", [
