@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megapo.cli import main
-from tools.bench.second_models import param_bytes, run_config, summary
+from tools.bench.second_models import run_config, summary
+from tools.bench.side_by_side import param_bytes
 
 
 def test_summary_is_the_medians_over_the_policy_step():

@@ -18,22 +18,12 @@ import os
 import random
 import statistics
 import tempfile
-import time
 from pathlib import Path
+
+from tools.bench.side_by_side import alternating_rounds, param_bytes, routed_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "megapo" / "configs" / "tiny_moe_addition.yaml"
-
-
-def timed(fn):
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def _bytes(module, with_state: bool = False) -> int:
-    params = sum(p.numel() * p.element_size() for p in module.parameters())
-    return params * 4 if with_state else params  # + fp32 grad + Adam's two moments
 
 
 def measure(rounds: int, seed: int = 0) -> tuple[dict[str, list[float]], dict[str, int]]:
@@ -55,27 +45,20 @@ def measure(rounds: int, seed: int = 0) -> tuple[dict[str, list[float]], dict[st
             "megatron_replay": MegatronReference(model, cfg.parallel, micro_batch_tokens=budget, routing_replay=True),
             "plain": PlainReference(model)}
     rng = random.Random(seed)
-    n_seqs = cfg.data.prompts_per_step * cfg.rollout.n_samples
-    out: dict[str, list[float]] = {}
-    for r in range(rounds + 1):  # round 0 warms up
-        batch = []
-        for _ in range(n_seqs):
-            n = 8 + cfg.rollout.max_new_tokens
-            routes = [[rng.sample(range(t.experts), t.topk) for _ in range(t.layers)] for _ in range(n - 1)]
-            batch.append(dict(tokens=[rng.randrange(3, t.vocab) for _ in range(n)], prompt_len=8,
-                              advantage=rng.uniform(-1, 1), routes=routes))
+    n_seqs, n = cfg.data.prompts_per_step * cfg.rollout.n_samples, 8 + cfg.rollout.max_new_tokens
+
+    def passes():
+        batch = routed_batch(rng, n_seqs, n, 8, t)
         free = [{k: v for k, v in s.items() if k != "routes"} for s in batch]
-        runs = [("train", lambda: modes.on_policy_step(learner, [dict(s) for s in free], "off", "gspo",
+        return [("train", lambda: modes.on_policy_step(learner, [dict(s) for s in free], "off", "gspo",
                                                        "seq-mean-token-mean")),
                 ("megatron_free", lambda: refs["megatron_free"].response_logprobs(free)),
                 ("megatron_replay", lambda: refs["megatron_replay"].response_logprobs(batch)),
                 ("plain", lambda: refs["plain"].response_logprobs(free))]
-        for name, fn in (runs if r % 2 else runs[::-1]):
-            out.setdefault(name, []).append(timed(fn))
-        if r == 0:
-            out = {}
-    memory = {"learner_with_grads_and_adam": _bytes(learner.module, with_state=True),
-              "megatron_reference": _bytes(refs["megatron_free"].model.module),
+
+    out = alternating_rounds(rounds, passes)
+    memory = {"learner_with_grads_and_adam": param_bytes(learner.module, trained=True),
+              "megatron_reference": param_bytes(refs["megatron_free"].model.module),
               "plain_reference": refs["plain"].model.num_parameters() * refs["plain"].model.dtype.itemsize}
     return out, memory
 

@@ -22,8 +22,9 @@ import os
 import random
 import statistics
 import tempfile
-import time
 from pathlib import Path
+
+from tools.bench.side_by_side import alternating_rounds, param_bytes, routed_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "megapo" / "configs" / "tiny_moe_addition.yaml"
@@ -34,18 +35,6 @@ ROLES = ("teacher", "reward_model", "critic")  # each added to the policy's step
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round); medians reported")
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def param_bytes(module, trained: bool = False) -> int:
-    """Bytes of the module's parameters; trained: x4 (+ the fp32 gradient and Adam's two moments)."""
-    params = sum(p.numel() * p.element_size() for p in module.parameters())
-    return params * 4 if trained else params
 
 
 def write_models(cfg, folder: Path) -> dict[str, Path]:
@@ -73,13 +62,8 @@ def run_config(models: dict[str, Path]):
 
 def random_batch(cfg, rng: random.Random) -> tuple[list[dict], list[float]]:
     """One step's samples (tokens, prompt_len, advantage, the engine's routes) and a 0/1 reward each."""
-    t = cfg.model.tiny
-    n = PROMPT_LEN + cfg.rollout.max_new_tokens
-    batch = []
-    for _ in range(cfg.data.prompts_per_step * cfg.rollout.n_samples):
-        routes = [[rng.sample(range(t.experts), t.topk) for _ in range(t.layers)] for _ in range(n - 1)]
-        batch.append(dict(tokens=[rng.randrange(3, t.vocab) for _ in range(n)], prompt_len=PROMPT_LEN,
-                          advantage=rng.uniform(-1, 1), routes=routes))
+    batch = routed_batch(rng, cfg.data.prompts_per_step * cfg.rollout.n_samples,
+                         PROMPT_LEN + cfg.rollout.max_new_tokens, PROMPT_LEN, cfg.model.tiny)
     return batch, [float(rng.random() < 0.5) for _ in batch]
 
 
@@ -122,13 +106,7 @@ def measure(rounds: int, seed: int = 0) -> tuple[dict[str, list[float]], dict[st
         cfg = run_config(models)
         m = build_roles(cfg, models["policy"])
     rng = random.Random(seed)
-    out: dict[str, list[float]] = {}
-    for r in range(rounds + 1):  # round 0 warms up
-        runs = timed_passes(cfg, m, *random_batch(cfg, rng))
-        for name, fn in (runs if r % 2 else runs[::-1]):
-            out.setdefault(name, []).append(timed(fn))
-        if r == 0:
-            out = {}
+    out = alternating_rounds(rounds, lambda: timed_passes(cfg, m, *random_batch(cfg, rng)))
     memory = {"policy_with_grads_and_adam": param_bytes(m["policy"].module, trained=True),
               "teacher": param_bytes(m["teacher"].model.module),
               "reward_model": param_bytes(m["reward_model"].learner.module),
