@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import io
 import threading
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -171,11 +172,23 @@ class VLLMEngine(Engine):
         self.pause()
         try:
             self.client.post("/collective_rpc", rpc)
-            self.client.post("/reset_prefix_cache")
+            self._reset_prefix_cache(version)
             self.client.post("/update_weight_version", {"new_version": str(int(version))})
             self.weight_version = int(version)
         finally:
             self.resume()
+
+    def _reset_prefix_cache(self, version: int, tries: int = 20) -> None:
+        """Drop the KV blocks of the old weights. vLLM answers {"success": false} while some request still holds
+        blocks; a prefix cache left in place would serve KV of the old weights to the new version's requests
+        (prefix hashes are by token ids), so a reset that never succeeds stops the sync."""
+        for _ in range(tries):
+            answer = self.client.post("/reset_prefix_cache")
+            if not (isinstance(answer, dict) and answer.get("success") is False):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.url}: the prefix cache could not be reset after loading weight version {version} "
+                           f"({tries} tries): requests still hold KV blocks of the old weights")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Stage the tensors as one safetensors file (plus config files) and reload from there."""
