@@ -3,7 +3,9 @@
 References: the loss −log σ(r_c − r_r) and its derivatives written here in float64 and checked by finite
 differences; transformers' AutoModelForSequenceClassification with torch autograd on the same weights and pairs
 (the gradient the Megatron score model leaves, one process and TP=2 x DP=2 in one torchrun launch, pairs split
-over micro-batches and DP ranks); the folder rm-train writes, loaded by transformers, scoring held-out pairs.
+over micro-batches and DP ranks); the folder rm-train writes, loaded by transformers, scoring held-out pairs; a
+reward model started from a causal LM, its folder compared tensor by tensor with the causal LM's; the addition
+pairs' negatives against the digits of the sums and the old uniform draw written out here.
 """
 
 from __future__ import annotations
@@ -138,19 +140,29 @@ def rm_args(model, tmp_path, **kw):
     return argparse.Namespace(**base)
 
 
+def bert_folder(tmp_path) -> Path:
+    """A folder that is neither a reward model nor a causal LM: a masked LM's config.json."""
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert",
+                                                    "hidden_size": 64, "vocab_size": 512}))
+    return folder
+
+
 @pytest.mark.parametrize("content, kw, words", [
     ('{"prompt": "1+1=", "chosen": "0002"}\n', {}, ["--pairs", "pairs.jsonl:1:", "rejected"]),
     ('{"prompt": "1+1=", "chosen": [], "rejected": "0003"}\n', {}, ["--pairs", "pairs.jsonl:1:", "chosen"]),
     ('{"prompt": [1, 9999], "chosen": [2], "rejected": [3]}\n', {}, ["--pairs", "row 1", "512"]),
-    ('{"prompt": "1+1=", "chosen": "0002", "rejected": "0003"}\n', dict(lm=True), ["--model", "architectures"]),
+    ('{"prompt": "1+1=", "chosen": "0002", "rejected": "0003"}\n', dict(bert=True),
+     ["--model", "architectures", "BertForMaskedLM", "ForCausalLM"]),
     ('{"prompt": "1+1=", "chosen": "0002", "rejected": "0003"}\n', dict(steps=0), ["--steps", "0"]),
     ('{"prompt": "1+1=", "chosen": "0002", "rejected": "0003"}\n', dict(lr=-1.0), ["--lr"]),
     ('{"prompt": "1+1=", "chosen": "0002", "rejected": "0003"}\n', dict(tp=3), ["tp=3"]),
 ])
-def test_rm_train_bad_inputs_refused_before_any_process(tiny_model_factory, tiny_moe, tmp_path, capsys, no_rm_launch,
+def test_rm_train_bad_inputs_refused_before_any_process(tiny_model_factory, tmp_path, capsys, no_rm_launch,
                                                         content, kw, words):
     (tmp_path / "pairs.jsonl").write_text(content)
-    model = tiny_moe if kw.pop("lm", False) else tiny_model_factory("qwen3_moe", head="score")
+    model = bert_folder(tmp_path) if kw.pop("bert", False) else tiny_model_factory("qwen3_moe", head="score")
     assert run_command("rm-train", rm_args(model, tmp_path, **kw)) == 2
     err = capsys.readouterr().err
     for w in words:
@@ -197,3 +209,149 @@ def test_rm_train_ranks_correct_above_wrong(tiny_model_factory, tmp_path):
     assert accuracy >= THRESHOLD, accuracy
     # the folder it wrote, scored by transformers, ranks the same pairs the same
     assert abs(hf_pair_accuracy(out, held_out) - accuracy) <= 1 / HELD_OUT
+
+
+# ----------------------------------------------------------------------------- negatives of the addition pairs
+
+
+def test_near_negatives_change_exactly_one_digit():
+    from megapo.commands.rm_train import addition_pairs
+
+    rows = addition_pairs("train", 200, 3, negatives="near")
+    assert len(rows) == 200
+    for r in rows:
+        chosen, rejected = r["chosen"], r["rejected"]
+        assert len(chosen) == len(rejected) == 4 and chosen.isdigit() and rejected.isdigit(), r
+        assert int(r["prompt"][:3]) + int(r["prompt"][4:7]) == int(chosen), r
+        assert sum(a != b for a, b in zip(chosen, rejected)) == 1, r
+        assert int(rejected) <= 999 + 999, r
+    # every position gets changed somewhere (not only the last digit)
+    assert {next(i for i in range(4) if r["chosen"][i] != r["rejected"][i]) for r in rows} == {0, 1, 2, 3}
+
+
+def test_uniform_negatives_unchanged():
+    """The default draw, written out as it was before negatives= existed: the same rng calls, the same pairs."""
+    from megapo.commands.rm_train import addition_pairs
+    from megapo.tasks import addition
+
+    for seed, n in ((0, 50), (3, 300)):  # seed 3's 221st draw is the right sum (shifted past it)
+        rng = random.Random(seed)
+        old = []
+        for ex in addition.examples("train", n, seed):
+            wrong = rng.randrange(1998)
+            wrong += wrong >= int(ex.answer)
+            old.append({"prompt": ex.prompt, "chosen": ex.answer, "rejected": f"{wrong:04d}"})
+        assert addition_pairs("train", n, seed) == old
+        assert addition_pairs("train", n, seed, negatives="uniform") == old
+        assert all(r["rejected"] != r["chosen"] for r in old)
+
+
+def test_other_negatives_refused():
+    from megapo.commands.rm_train import addition_pairs
+
+    with pytest.raises(ValueError, match="negatives"):
+        addition_pairs("train", 3, 0, negatives="far")
+
+
+# ----------------------------------------------------------------------------- a reward model from a causal LM
+
+
+def test_rm_train_accepts_causal_lm_before_any_process(tiny_moe, tmp_path, no_rm_launch):
+    from megapo.commands.rm_train import check_args, head_source
+
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "1+1=", "chosen": "0002", "rejected": "0003"}\n')
+    _, hf = check_args(rm_args(tiny_moe, tmp_path))
+    assert hf["architectures"] == ["Qwen3MoeForCausalLM"] and head_source(hf, tiny_moe) == "zeros"
+
+
+def test_rm_train_causal_lm_without_weights_or_score_head_refused(tiny_moe, tmp_path, capsys, monkeypatch,
+                                                                  no_rm_launch):
+    import dataclasses
+
+    import megapo.models.family
+
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "1+1=", "chosen": "0002", "rejected": "0003"}\n')
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((tiny_moe / "config.json").read_text())  # no safetensors
+    assert run_command("rm-train", rm_args(bare, tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and "safetensors" in err, err
+
+    family_for = megapo.models.family.family_for
+    monkeypatch.setattr(megapo.models.family, "family_for",
+                        lambda hf: dataclasses.replace(family_for(hf), score_rules=None))
+    assert run_command("rm-train", rm_args(tiny_moe, tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and "no score head" in err, err
+
+
+def run_rm_train(model, tmp_path, *flags) -> Path:
+    """`megapo rm-train` in a subprocess on 8 addition pairs (text); the folder it wrote."""
+    from megapo.commands.rm_train import addition_pairs
+
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in addition_pairs("train", 8, 0)))
+    out = tmp_path / "rm"
+    cmd = [sys.executable, "-m", "megapo.cli", "rm-train", "--model", str(model),
+           "--pairs", str(tmp_path / "pairs.jsonl"), "--out", str(out), "--batch-pairs", "4", *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def load_classifier(out):
+    """transformers' sequence classifier of `out`, refusing any missing, unexpected or mismatched tensor."""
+    import transformers
+
+    model, info = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32,
+                                                                                    output_loading_info=True)
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+SEQUENCES = [[5, 17, 200, 42], [9, 8, 7, 6, 5, 4, 3], [100]]  # byte symbols: no special token, no pad
+
+
+def test_rm_train_from_causal_lm_keeps_its_body_and_zero_head(tiny_moe, tmp_path):
+    """One step at learning rate 0 (the first warmup step: its rate is logged), so the folder written is the causal
+    LM's body, tensor for tensor, and a zero score head; transformers loads it as a one-label classifier."""
+    from safetensors.torch import load_file
+
+    out = run_rm_train(tiny_moe, tmp_path, "--steps", "1", "--warmup-steps", "1", "--lr", "1e-3")
+    log = [json.loads(line) for line in (out / "rm_train.jsonl").read_text().splitlines()]
+    assert len(log) == 1 and log[0]["lr"] == 0.0, log
+    config, source_config = (json.loads((d / "config.json").read_text()) for d in (out, tiny_moe))
+    assert config["architectures"] == ["Qwen3MoeForSequenceClassification"]
+    assert len(config["id2label"]) == 1 and len(config["label2id"]) == 1
+    assert config["pad_token_id"] == source_config["pad_token_id"] is not None
+
+    def tensors(folder):
+        return {k: v for f in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    got, source = tensors(out), tensors(tiny_moe)
+    assert set(got) == set(source) - {"lm_head.weight"} | {"score.weight"}
+    for name, tensor in source.items():
+        if name != "lm_head.weight":
+            assert torch.equal(got[name], tensor.float()), name
+    assert got["score.weight"].shape == (1, source_config["hidden_size"]) and not got["score.weight"].any()
+    model = load_classifier(out)
+    with torch.no_grad():
+        assert [model(torch.tensor([s])).logits[0, 0].item() for s in SEQUENCES] == [0.0, 0.0, 0.0]
+
+
+def test_rm_train_from_causal_lm_scores_as_transformers(tiny_moe, tmp_path):
+    """Two steps that move the head: transformers' classifier of the folder scores each sequence as its body's last
+    hidden state (AutoModel) times score.weight, and the head is no longer zero."""
+    import transformers
+
+    out = run_rm_train(tiny_moe, tmp_path, "--steps", "2", "--lr", "1e-2")
+    model = load_classifier(out)
+    body = transformers.AutoModel.from_pretrained(out, dtype=torch.float32).eval()
+    weight = model.score.weight.detach()
+    assert weight.shape == (1, body.config.hidden_size) and weight.abs().max() > 0
+    with torch.no_grad():
+        for s in SEQUENCES:
+            hidden = body(torch.tensor([s])).last_hidden_state[0, -1]
+            expected = float(hidden @ weight[0])
+            assert abs(model(torch.tensor([s])).logits[0, 0].item() - expected) <= 1e-5 * (1 + abs(expected)), s

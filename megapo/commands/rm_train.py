@@ -4,16 +4,20 @@
                     --eval-pairs HELD_OUT.jsonl --chat-template --tp N --pp N --ep N --dp N ...]
 
 RM_DIR: an HF *ForSequenceClassification folder with one label (`megapo tiny-model --head score`, or one this
-command wrote). PAIRS lines: {"prompt": P, "chosen": C, "rejected": R}, each a string (encoded with RM_DIR's
-tokenizer: the prompt as the trainer encodes prompts, raw or through the chat template with --chat-template; a
-response as the answer then end-of-sequence, the shape of the policy's samples) or a list of token ids (used as
-they are). The loss is −log σ(r(P+C) − r(P+R)), averaged over --batch-pairs pairs per Adam step, the score r taken
-at each sequence's last token (megapo.learner.score). OUT_DIR: the trained model as an HF folder transformers loads
-(AutoModelForSequenceClassification), with rm_train.jsonl (one line of metrics per step, then the held-out
+command wrote), or a *ForCausalLM folder of a family with a score head (the SFT policy, as InstructGPT starts its
+reward model: the body's weights, the LM head left out, the score head starting at zeros). PAIRS lines:
+{"prompt": P, "chosen": C, "rejected": R}, each a string (encoded with RM_DIR's tokenizer: the prompt as the
+trainer encodes prompts, raw or through the chat template with --chat-template; a response as the answer then
+end-of-sequence, the shape of the policy's samples) or a list of token ids (used as they are). The loss is
+−log σ(r(P+C) − r(P+R)), averaged over --batch-pairs pairs per Adam step, the score r taken at each sequence's last
+token (megapo.learner.score). OUT_DIR: the trained model as an HF folder transformers loads
+(AutoModelForSequenceClassification; from a causal LM, its config.json made a one-label
+<Family>ForSequenceClassification one), with rm_train.jsonl (one line of metrics per step, then the held-out
 accuracy on --eval-pairs). Inputs and layout are checked before any process starts; a layout of more than one
 process runs under torchrun.
 
-`addition_pairs(split, n, seed)` makes pairs from the addition task (the correct sum vs a wrong one).
+`addition_pairs(split, n, seed, negatives)` makes pairs from the addition task: the correct sum against a wrong one,
+drawn uniformly or one digit away from it (negatives="near", the mistakes a policy makes).
 """
 
 from __future__ import annotations
@@ -27,10 +31,13 @@ from pathlib import Path
 from megapo.config import ConfigError, OptimConfig, ParallelConfig
 
 FIELDS = ("prompt", "chosen", "rejected")
+CAUSAL_SUFFIX = "ForCausalLM"
+MAX_SUM = 1998  # 999 + 999: the largest answer of the addition task
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="HF *ForSequenceClassification folder to start from")
+    parser.add_argument("--model", required=True,
+                        help="HF *ForSequenceClassification folder, or a *ForCausalLM one (head at zeros)")
     parser.add_argument("--pairs", required=True, help='JSONL of {"prompt", "chosen", "rejected"} (text or token ids)')
     parser.add_argument("--out", required=True, help="where to write the trained HF folder")
     parser.add_argument("--eval-pairs", default=None, help="held-out pairs: the accuracy r_chosen > r_rejected at the end")
@@ -55,19 +62,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- pairs
 
 
-def addition_pairs(split: str, n: int, seed: int) -> list[dict]:
-    """`n` pairs of the addition task's `split`: the prompt, its correct sum, and a wrong sum drawn uniformly from
-    the other possible sums 0..1998 (four digits, as the answers are)."""
+def addition_pairs(split: str, n: int, seed: int, negatives: str = "uniform") -> list[dict]:
+    """`n` pairs of the addition task's `split`: the prompt, its correct sum, and a wrong sum (four digits, as the
+    answers are). `negatives`: "uniform" draws it from the other possible sums 0..1998; "near" changes one digit of
+    the correct sum (see `near_miss`)."""
     from megapo.tasks import addition
 
+    wrong_sum = {"uniform": uniform_miss, "near": near_miss}.get(negatives)
+    if wrong_sum is None:
+        raise ValueError(f"negatives: must be uniform or near, got {negatives!r}")
     rng = random.Random(seed)
-    out = []
-    for ex in addition.examples(split, n, seed):
-        right = int(ex.answer)
-        wrong = rng.randrange(1998)
-        wrong += wrong >= right  # uniform over the sums other than the right one
-        out.append({"prompt": ex.prompt, "chosen": ex.answer, "rejected": f"{wrong:04d}"})
-    return out
+    return [{"prompt": ex.prompt, "chosen": ex.answer, "rejected": wrong_sum(ex.answer, rng)}
+            for ex in addition.examples(split, n, seed)]
+
+
+def uniform_miss(answer: str, rng: random.Random) -> str:
+    """A sum other than `answer`, uniform over 0..1998."""
+    wrong = rng.randrange(MAX_SUM)
+    wrong += wrong >= int(answer)  # skips the right one
+    return f"{wrong:04d}"
+
+
+def near_miss(answer: str, rng: random.Random) -> str:
+    """`answer` with one digit changed (a random position, a random other digit), redrawn until it is a sum the
+    task can have (<= 1998): the near misses a policy makes, harder to tell apart than a uniform wrong sum."""
+    while True:
+        i = rng.randrange(len(answer))
+        digit = rng.choice([d for d in "0123456789" if d != answer[i]])
+        wrong = answer[:i] + digit + answer[i + 1:]
+        if int(wrong) <= MAX_SUM:
+            return wrong
 
 
 def read_pairs(path, field: str) -> list[dict]:
@@ -143,16 +167,59 @@ def _optim(args) -> OptimConfig:
     return optim
 
 
+def head_source(hf: dict, model_dir) -> str:
+    """Where the score head starts: "score" for a *ForSequenceClassification folder, "zeros" for a *ForCausalLM
+    one; ConfigError("--model") for any other."""
+    from megapo.learner.score import SCORE_SUFFIX
+
+    archs = [str(a) for a in hf.get("architectures") or []]
+    if any(a.endswith(SCORE_SUFFIX) for a in archs):
+        return "score"
+    if any(a.endswith(CAUSAL_SUFFIX) for a in archs):
+        return "zeros"
+    raise ConfigError("--model", f"{model_dir}: config.json architectures {archs} has neither a *{SCORE_SUFFIX} "
+                      f"(a reward model) nor a *{CAUSAL_SUFFIX} (a policy to start one from)")
+
+
+def check_model_folder(model_dir, parallel: ParallelConfig) -> dict:
+    """config.json of a reward-model folder, or of a causal LM of a family with a score head, that fits
+    `parallel`; ConfigError naming --model or the layout's field."""
+    from megapo.commands.score import check_model
+    from megapo.layout import check_layout, read_hf_config
+
+    hf = read_hf_config(model_dir, "--model")
+    if head_source(hf, model_dir) == "score":
+        return check_model(model_dir, parallel)  # the reward-model checks `megapo score` makes
+    check_layout(parallel, hf)
+    _check_causal_folder(model_dir, hf)
+    return hf
+
+
+def _check_causal_folder(model_dir, hf: dict) -> None:
+    """ConfigError("--model") unless the causal LM's family has a score head and the folder has weights."""
+    from megapo.learner.score import score_family
+    from megapo.models.family import family_for
+    from megapo.weights.hf_load import SafetensorsReader
+
+    try:
+        family = family_for(hf)
+    except ConfigError as err:  # it names "model"
+        raise ConfigError("--model", err.message) from None
+    score_family(family, "--model")
+    try:
+        SafetensorsReader(model_dir)
+    except FileNotFoundError as err:
+        raise ConfigError("--model", str(err).removeprefix("model: ")) from None
+
+
 def check_args(args) -> tuple[ParallelConfig, dict]:
     """Everything checked before a process starts (ConfigError naming the flag)."""
-    from megapo.commands.score import check_model
-
     for name in ("steps", "batch_pairs", "micro_batch_tokens"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}", f"must be >= 1, got {getattr(args, name)}")
     _optim(args)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp, dispatcher=args.dispatcher)
-    hf = check_model(args.model, parallel)
+    hf = check_model_folder(args.model, parallel)
     load_pairs(args.pairs, args.model, args.chat_template, hf["vocab_size"], "--pairs")
     if args.eval_pairs is not None:
         load_pairs(args.eval_pairs, args.model, args.chat_template, hf["vocab_size"], "--eval-pairs")
@@ -195,7 +262,7 @@ def _work(args, parallel: ParallelConfig, hf: dict) -> int:
 
     pairs = load_pairs(args.pairs, args.model, args.chat_template, hf["vocab_size"], "--pairs")
     model = ScoreModel(args.model, parallel, _optim(args), seed=args.seed, micro_batch_tokens=args.micro_batch_tokens,
-                       total_steps=args.steps, frozen=False)
+                       total_steps=args.steps, frozen=False, head=head_source(hf, args.model), field="--model")
     rank0 = torch.distributed.get_rank() == 0
     log = []
     for step, batch in enumerate(_batches(pairs, args.batch_pairs, args.steps, args.seed), 1):
@@ -223,12 +290,14 @@ def _work(args, parallel: ParallelConfig, hf: dict) -> int:
 
 def write_hf_folder(model, source_dir, out_dir) -> Path | None:
     """The score model as an HF folder transformers loads (collective; rank 0 writes): its tensors, the source
-    folder's config.json and tokenizer files. Returns the folder on rank 0."""
+    folder's config.json (a causal LM's made a one-label *ForSequenceClassification one) and tokenizer files.
+    Returns the folder on rank 0."""
     import shutil
 
     import torch
 
     from megapo.convert.hf_writer import ShardWriter
+    from megapo.layout import read_hf_config
 
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     out_dir, source_dir = Path(out_dir), Path(source_dir)
@@ -245,7 +314,23 @@ def write_hf_folder(model, source_dir, out_dir) -> Path | None:
     for f in source_dir.iterdir():  # config, tokenizer, chat template: everything but the weights
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
             shutil.copy2(f, out_dir / f.name)
+    if head_source(read_hf_config(source_dir, "--model"), source_dir) == "zeros":  # a causal LM's config
+        write_score_config(source_dir, out_dir)
     return out_dir
+
+
+def write_score_config(source_dir, out_dir) -> None:
+    """out_dir/config.json: the causal LM's config as transformers writes a one-label sequence classifier's
+    (num_labels 1 as id2label / label2id, architectures <Family>ForSequenceClassification, pad_token_id kept)."""
+    import transformers
+
+    from megapo.learner.score import SCORE_SUFFIX
+
+    config = transformers.AutoConfig.from_pretrained(source_dir)
+    config.num_labels = 1
+    config.architectures = [a.removesuffix(CAUSAL_SUFFIX) + SCORE_SUFFIX for a in config.architectures or []
+                            if a.endswith(CAUSAL_SUFFIX)]
+    config.save_pretrained(out_dir)
 
 
 def _batches(pairs: list, size: int, steps: int, seed: int):
