@@ -257,11 +257,12 @@ def test_other_negatives_refused():
 
 
 def test_rm_train_accepts_causal_lm_before_any_process(tiny_moe, tmp_path, no_rm_launch):
-    from megapo.commands.rm_train import check_args, head_source
+    from megapo.commands.rm_train import check_args
+    from megapo.learner.score import head_source
 
     (tmp_path / "pairs.jsonl").write_text('{"prompt": "1+1=", "chosen": "0002", "rejected": "0003"}\n')
     _, hf = check_args(rm_args(tiny_moe, tmp_path))
-    assert hf["architectures"] == ["Qwen3MoeForCausalLM"] and head_source(hf, tiny_moe) == "zeros"
+    assert hf["architectures"] == ["Qwen3MoeForCausalLM"] and head_source(hf, "--model", tiny_moe) == "zeros"
 
 
 def test_rm_train_causal_lm_without_weights_or_score_head_refused(tiny_moe, tmp_path, capsys, monkeypatch,

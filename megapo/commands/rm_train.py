@@ -31,7 +31,6 @@ from pathlib import Path
 from megapo.config import ConfigError, OptimConfig, ParallelConfig
 
 FIELDS = ("prompt", "chosen", "rejected")
-CAUSAL_SUFFIX = "ForCausalLM"
 MAX_SUM = 1998  # 999 + 999: the largest answer of the addition task
 
 
@@ -167,28 +166,15 @@ def _optim(args) -> OptimConfig:
     return optim
 
 
-def head_source(hf: dict, model_dir) -> str:
-    """Where the score head starts: "score" for a *ForSequenceClassification folder, "zeros" for a *ForCausalLM
-    one; ConfigError("--model") for any other."""
-    from megapo.learner.score import SCORE_SUFFIX
-
-    archs = [str(a) for a in hf.get("architectures") or []]
-    if any(a.endswith(SCORE_SUFFIX) for a in archs):
-        return "score"
-    if any(a.endswith(CAUSAL_SUFFIX) for a in archs):
-        return "zeros"
-    raise ConfigError("--model", f"{model_dir}: config.json architectures {archs} has neither a *{SCORE_SUFFIX} "
-                      f"(a reward model) nor a *{CAUSAL_SUFFIX} (a policy to start one from)")
-
-
 def check_model_folder(model_dir, parallel: ParallelConfig) -> dict:
     """config.json of a reward-model folder, or of a causal LM of a family with a score head, that fits
     `parallel`; ConfigError naming --model or the layout's field."""
     from megapo.commands.score import check_model
     from megapo.layout import check_layout, read_hf_config
+    from megapo.learner.score import head_source
 
     hf = read_hf_config(model_dir, "--model")
-    if head_source(hf, model_dir) == "score":
+    if head_source(hf, "--model", model_dir) == "score":
         return check_model(model_dir, parallel)  # the reward-model checks `megapo score` makes
     check_layout(parallel, hf)
     _check_causal_folder(model_dir, hf)
@@ -258,11 +244,12 @@ def _to_argv(args) -> list[str]:
 def _work(args, parallel: ParallelConfig, hf: dict) -> int:
     import torch
 
-    from megapo.learner.score import ScoreModel
+    from megapo.learner.score import ScoreModel, head_source
 
     pairs = load_pairs(args.pairs, args.model, args.chat_template, hf["vocab_size"], "--pairs")
     model = ScoreModel(args.model, parallel, _optim(args), seed=args.seed, micro_batch_tokens=args.micro_batch_tokens,
-                       total_steps=args.steps, frozen=False, head=head_source(hf, args.model), field="--model")
+                       total_steps=args.steps, frozen=False, head=head_source(hf, "--model", args.model),
+                       field="--model")
     rank0 = torch.distributed.get_rank() == 0
     log = []
     for step, batch in enumerate(_batches(pairs, args.batch_pairs, args.steps, args.seed), 1):
@@ -298,6 +285,7 @@ def write_hf_folder(model, source_dir, out_dir) -> Path | None:
 
     from megapo.convert.hf_writer import ShardWriter
     from megapo.layout import read_hf_config
+    from megapo.learner.score import head_source
 
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     out_dir, source_dir = Path(out_dir), Path(source_dir)
@@ -314,7 +302,7 @@ def write_hf_folder(model, source_dir, out_dir) -> Path | None:
     for f in source_dir.iterdir():  # config, tokenizer, chat template: everything but the weights
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
             shutil.copy2(f, out_dir / f.name)
-    if head_source(read_hf_config(source_dir, "--model"), source_dir) == "zeros":  # a causal LM's config
+    if head_source(read_hf_config(source_dir, "--model"), "--model", source_dir) == "zeros":  # a causal LM's config
         write_score_config(source_dir, out_dir)
     return out_dir
 
@@ -324,7 +312,7 @@ def write_score_config(source_dir, out_dir) -> None:
     (num_labels 1 as id2label / label2id, architectures <Family>ForSequenceClassification, pad_token_id kept)."""
     import transformers
 
-    from megapo.learner.score import SCORE_SUFFIX
+    from megapo.learner.score import CAUSAL_SUFFIX, SCORE_SUFFIX
 
     config = transformers.AutoConfig.from_pretrained(source_dir)
     config.num_labels = 1

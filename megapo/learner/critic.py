@@ -26,15 +26,9 @@ from megapo.algorithms.gae import clipped_value_loss
 from megapo.algorithms.sample import TrainSample, as_train_samples
 from megapo.config import OptimConfig, ParallelConfig
 from megapo.learner.precision import Precision
-from megapo.learner.score import SCORE_SUFFIX, ScoreModel
+from megapo.learner.score import ScoreModel, head_source
 
 FIELD = "algorithm.critic.path"
-
-
-def head_source(hf: dict) -> str:
-    """Where the value head comes from: "score" for a *ForSequenceClassification folder, else "zeros"."""
-    archs = hf.get("architectures") or []
-    return "score" if any(str(a).endswith(SCORE_SUFFIX) for a in archs) else "zeros"
 
 
 class Critic:
@@ -45,7 +39,7 @@ class Critic:
         from megapo.layout import read_hf_config
         from megapo.learner.model import layout_initialized
 
-        head = head_source(read_hf_config(model_dir, field))
+        head = head_source(read_hf_config(model_dir, field), field, model_dir)
         # built beside a policy learner, the critic shares its process groups and must leave them to it
         self._own_groups = not layout_initialized(parallel)
         self.model = ScoreModel(model_dir, parallel, optim, seed=seed, micro_batch_tokens=micro_batch_tokens,

@@ -31,6 +31,19 @@ SCORE_SUFFIX = "ForSequenceClassification"
 # where the head's weights come from: a *ForSequenceClassification folder's score tensor, or zeros (the body from a
 # causal-LM folder, as verl / OpenRLHF start a critic from the policy)
 HEAD_SOURCES = ("score", "zeros")
+CAUSAL_SUFFIX = "ForCausalLM"
+
+
+def head_source(hf: dict, field: str = "model", model_dir=None) -> str:
+    """Where a score model's head starts: "score" for a *ForSequenceClassification folder, "zeros" for a *ForCausalLM
+    one (a policy's body); ConfigError(field) for any other."""
+    archs = [str(a) for a in hf.get("architectures") or []]
+    if any(a.endswith(SCORE_SUFFIX) for a in archs):
+        return "score"
+    if any(a.endswith(CAUSAL_SUFFIX) for a in archs):
+        return "zeros"
+    raise ConfigError(field, f"{model_dir or 'the folder'}: config.json architectures {archs} has neither a "
+                             f"*{SCORE_SUFFIX} (a score model) nor a *{CAUSAL_SUFFIX} (a policy to start one from)")
 
 
 class ScoreHead(torch.nn.Module):
