@@ -80,20 +80,28 @@ class RewardModelConfig:
 
     # an HF *ForSequenceClassification folder (one label, e.g. `megapo tiny-model --head score` or `megapo
     # rm-train`) scored at each sequence's last token by a frozen Megatron model under the learner's layout and
-    # precision; empty: no reward model
+    # precision; path and url empty: no reward model
     path: str = ""
+    # or a scorer service (http:// or https://) that rank 0 POSTs each step's token ids to, under data.reward_timeout_s
+    # and data.reward_errors (the protocol: docs/CONTRACTS.md, "Remote reward model"); give path or url
+    url: str = ""
+    # a file holding the scorer's API key, sent as the engine servers' header (rollout.api_key_file's); empty: none
+    api_key_file: str = ""
     # its score times this is added to the reward before the advantages (data.reward still applies: for the
     # reward model alone, give a data.reward of 0 for every response, a "module:function" returning 0.0)
     coef: float = 1.0
 
     @property
     def enabled(self) -> bool:
-        return bool(self.path)
+        return bool(self.path or self.url)
 
     def validate(self, policy_hf: dict | None) -> None:
-        """The folder is a one-label sequence-classification checkpoint of a registered family reading the policy's
-        token ids (`policy_hf`: the policy's config.json, None when unknown)."""
-        if not self.enabled:
+        """One source: a url (check_url), or a folder that is a one-label sequence-classification checkpoint of a
+        registered family reading the policy's token ids (`policy_hf`: the policy's config.json, None when
+        unknown)."""
+        if self.url or self.api_key_file:
+            self.check_url()
+        if not self.path or self.url:
             return
         from megapo.layout import read_hf_config
         from megapo.learner.score import _family, check_score_folder
@@ -106,6 +114,27 @@ class RewardModelConfig:
         if policy_hf is not None and hf.get("vocab_size") != policy_hf.get("vocab_size"):
             raise ConfigError(where, f"the reward model's vocab_size is {hf.get('vocab_size')}, the policy's "
                                      f"{policy_hf.get('vocab_size')}: it reads the policy's token ids")
+
+    def check_url(self) -> None:
+        """The url alone (not with path), http(s)://host; a key file only with it, private, holding a key."""
+        from urllib.parse import urlsplit
+
+        from megapo.engines.auth import read_key_file
+
+        if not self.url:
+            raise ConfigError("data.reward_model.api_key_file", "given but data.reward_model.url is not set")
+        if self.path:
+            raise ConfigError("data.reward_model.url", "give data.reward_model.path (a model run in the learner) or "
+                                                       "url (a scorer service), not both")
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError("data.reward_model.url", f"must look like http(s)://HOST[:PORT][/PATH], got {self.url!r}")
+        if self.api_key_file:
+            try:
+                read_key_file(self.api_key_file, "data.reward_model.api_key_file")
+            except (OSError, ValueError) as err:
+                raise ConfigError("data.reward_model.api_key_file",
+                                  str(err).removeprefix("data.reward_model.api_key_file: ")) from None
 
 
 @dataclass
@@ -158,7 +187,7 @@ class DataConfig:
     group_filter_options: dict[str, Any] = field(default_factory=dict)  # the group filter's options
     # the verifier's verdict the length methods read: a response is correct when its reward is at least this
     correct_threshold: float = 0.5
-    # a reward model's score added to the verifier's reward before the advantages (path empty: none)
+    # a reward model's score added to the verifier's reward before the advantages (path and url empty: none)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
@@ -597,7 +626,7 @@ def _check_second_models(cfg: RunConfig, hf: dict) -> None:
     cfg.data.reward_model.validate(hf)
     if a.distill.enabled:
         _check_fits_layout(cfg, a.distill.teacher, "algorithm.distill.teacher", "the teacher")
-    if cfg.data.reward_model.enabled:
+    if cfg.data.reward_model.path:  # a url's scorer runs elsewhere
         _check_fits_layout(cfg, cfg.data.reward_model.path, "data.reward_model.path", "the reward model")
 
 

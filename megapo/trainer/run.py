@@ -95,8 +95,8 @@ class Run:
         self.teacher: Reference | None = build_teacher(cfg, self.model_dir) if cfg.algorithm.distill.enabled else None
         # PPO's critic (megapo/trainer/critic_step.py): a trained Megatron value model on every rank
         self.critic = build_critic(cfg, self.model_dir) if cfg.algorithm.critic.enabled else None
-        # data.reward_model (megapo/trainer/reward_model.py): a frozen Megatron score model on every rank; not closed
-        # apart (it shares the learner's process groups, which the learner's close ends)
+        # data.reward_model (megapo/trainer/reward_model.py): a frozen Megatron score model on every rank (not closed
+        # apart: it shares the learner's process groups, which the learner's close ends), or a remote scorer's client
         self.reward_model = build_reward_model(cfg) if cfg.data.reward_model.enabled else None
         self.transport = make_transport(cfg, self.out_dir, self.model_dir, self.learner, self.engine)
         self.step, self.version = 0, 0  # the last step trained (and logged), the engine's weight version

@@ -204,7 +204,7 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
 
     metrics: dict[str, float] = {}
     mode = cfg.algorithm.routing_replay
-    if reward_model is not None:  # megapo/trainer/reward_model.py: every rank scores, every rank adds the same
+    if reward_model is not None:  # megapo/trainer/reward_model.py: every rank gets and adds the same scores
         from megapo.trainer.reward_model import add_model_rewards
 
         with timer("reward_model"):
