@@ -255,6 +255,12 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "balanced": ("algorithm.loss_agg=balanced",),
     "clip_dynamic": ("algorithm.objective_options={clip_mode: dynamic}",),
     "clip_entropy": ("algorithm.objective_options={clip_mode: entropy}",),
+    "tempo": ("algorithm.stages=[{name: tempo}]",),
+    "ktae": ("algorithm.stages=[{name: ktae}]",),
+    "gtpo_trajectory": ("algorithm.stages=[{name: gtpo_trajectory}]",),
+    "tw_grpo": ("algorithm.stages=[{name: tw_grpo}]",),
+    "drpo": ("algorithm.advantage=drpo",),  # advantage estimators: grpo's place, the stages as configured
+    "canon": ("algorithm.advantage=canon",),
 }
 # what a variant may not override: the cell's axes (its row would then say what it did not run)
 CELL_FIELDS = ("algorithm.objective", "algorithm.routing_replay", "train.mini_batches", "algorithm.mismatch",
