@@ -341,22 +341,30 @@ def preempted_batch(engine, prompts, params, folder, version, after_tokens):
 def test_real_server_preempted_samples_continue_on_new_weights(real):
     """Version v+1 loaded mid-batch; each token's log-prob is transformers' under the version that produced it
     (version v: the base weights when v is even, the changed ones when odd). The preemption follows the server's
-    count of generated tokens (GET /metrics, whose answer can take a second on a busy machine), so each sample is
-    long (400 tokens, 2400 in the batch) next to that count (at most 200): one too late is tried again, up to 3 times."""
+    count of generated tokens (GET /metrics), whose answer comes late when the server's core is busy: seconds, in a
+    loaded suite run, after a parallel batch had ended. So the batch goes one request at a time (a second client of
+    the module's server, max_concurrency=1): some request is in flight at every moment until the batch ends, and 8
+    requests of 2 × 400 tokens last far longer than that lag. One that still came too late is tried again."""
     from transformers import AutoModelForCausalLM
 
-    engine, base, changed = real
+    served, base, changed = real
+    engine = VLLMEngine(served.url, api_key=served._server.api_key, max_concurrency=1,
+                        weight_version=served.weight_version)
     hf = {v: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for v, d in ((0, base), (1, changed))}
-    prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23]]
-    params = SamplingParams(n=2, max_new_tokens=400, seed=0)  # 6 samples, 2400 tokens
-    for attempt in range(3):
-        start, old = time.monotonic(), engine.weight_version
-        samples, cuts = preempted_batch(engine, prompts, params, changed if old % 2 == 0 else base, old + 1,
-                                        after_tokens=200 // (attempt + 1))
-        print(f"attempt {attempt}: {time.monotonic() - start:.1f} s, {len(cuts)} cut samples")
-        if any(c.output_ids for c in cuts):
-            break
-    assert engine.server_weight_version() == str(old + 1)
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23], [30, 31], [40, 41, 42], [50], [60, 61], [70, 71, 72, 73]]
+    params = SamplingParams(n=2, max_new_tokens=400, seed=0)  # 16 samples, 6400 tokens, one request at a time
+    try:
+        for attempt in range(3):
+            start, old = time.monotonic(), engine.weight_version
+            samples, cuts = preempted_batch(engine, prompts, params, changed if old % 2 == 0 else base, old + 1,
+                                            after_tokens=200 // (attempt + 1))
+            print(f"attempt {attempt}: {time.monotonic() - start:.1f} s, {len(cuts)} cut samples")
+            if any(c.output_ids for c in cuts):
+                break
+    finally:
+        served.weight_version = engine.weight_version
+        engine.close()  # the client only: the server is the module's
+    assert served.server_weight_version() == str(old + 1)
     spanning, worst, worst_other = 0, 0.0, np.inf
     for s in samples:
         assert s.finish_reason == "length" and len(s.output_ids) == 400
