@@ -105,11 +105,18 @@ def test_server_joins_mid_run_with_current_weights_and_killed_one_is_dropped(tmp
         def train_step(self, batch, *args, **kwargs):  # whatever the learner contract passes besides the batch
             step = len(self.snapshots)
             if step == 1:
-                started["thread"] = threading.Thread(target=lambda: started.update(second=second.start(timeout=400)))
+                def start_second():
+                    try:
+                        started["second"] = second.start(timeout=400)
+                    except Exception as err:  # the thread's error goes into the assertion below
+                        started["error"] = repr(err)
+
+                started["thread"] = threading.Thread(target=start_second)
                 started["thread"].start()
             if step == 2:
                 started["thread"].join()
-                assert "second" in started, f"the second server did not start; its log ends:\n{second.tail()}"
+                assert "second" in started, (f"the second server did not start ({started.get('error')}); its log "
+                                             f"ends:\n{second.tail()}")
                 servers_file.write_text(f"# the fleet\n127.0.0.1:{first.port}\n127.0.0.1:{second.port}\n")
                 started["listed"] = time.monotonic()
             metrics = super().train_step(batch, *args, **kwargs)

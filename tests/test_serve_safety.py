@@ -5,6 +5,7 @@ taken for ours. A stand-in `python` (a shell script in a fake venv) plays vLLM: 
 
 import argparse
 import json
+import socket
 import stat
 import subprocess
 import threading
@@ -107,6 +108,32 @@ def test_busy_port_is_refused_before_starting(tiny_model_factory, fake_venv, squ
     with pytest.raises(PortInUse, match=f"port {port}"):
         VLLMServer(VLLMServerConfig(str(tiny_model_factory()), venv=str(venv), port=port))
     assert not ran.exists()
+
+
+def test_a_chosen_port_taken_before_start_is_chosen_again(tiny_model_factory, fake_venv):
+    """No --port: the free port picked at construction can be taken before start() (in the suite, by another
+    server or a weight-sync group); start picks a free one again, url with it. A port the user gave is kept, and a
+    server never started says so in tail() instead of failing."""
+    venv, _ = fake_venv
+    server = VLLMServer(VLLMServerConfig(str(tiny_model_factory()), venv=str(venv)))
+    assert server.tail() == "(no log: the server was not started)"
+    taken = server.port
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", taken))
+        sock.listen()
+        server._repick_port()
+        assert server.port != taken and server.url == f"http://127.0.0.1:{server.port}"
+        given = VLLMServer(VLLMServerConfig(str(tiny_model_factory()), venv=str(venv), port=server.port))
+        sock2 = socket.socket()
+        sock2.bind(("127.0.0.1", given.port))
+        sock2.listen()
+        try:
+            given._repick_port()
+            assert given.port == server.port  # the user's port: start() refuses it rather than moving
+            with pytest.raises(PortInUse, match=f"port {given.port}"):
+                given._check_port_free(given.port)
+        finally:
+            sock2.close()
 
 
 def test_another_server_on_the_port_is_not_taken_for_ours(tiny_model_factory, fake_venv, squatter, tmp_path,

@@ -170,15 +170,27 @@ class VLLMServer:
             self.port = config.port or free_port(config.host)
         except OSError as err:  # not an address of this machine (or a name that does not resolve)
             raise ValueError(f"host {config.host} cannot be bound here: {err.strerror or err}") from None
-        self.url = f"http://{f'[{config.host}]' if ':' in config.host else config.host}:{self.port}"
+        self.url = self._url(self.port)
         self.process: subprocess.Popen | None = None
         self._log = None
+        self.log_path: Path | None = None  # set by start()
         self._key_dir: str | None = None  # the private folder of a generated key (removed on stop)
         self.api_key_file = config.api_key_file
         self.api_key = key_from_file(config.api_key_file) if config.api_key_file else None
         self.nonce = secrets.token_hex(16)  # this launch's: readiness checks the server on the port returns it
         self.weights_dirs = [str(Path(d).resolve()) for d in config.weights_dirs or [config.model_dir]]
         self.client = JSONClient(self.url, timeout=300, api_key=self.api_key)
+
+    def _url(self, port: int) -> str:
+        host = self.config.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+    def _repick_port(self) -> None:
+        """A port chosen here (no config.port) that another program took since: choose a free one again (url too);
+        a port the user gave stays, and start() refuses it if it is busy."""
+        if not self.config.port and port_taken(self.config.host, self.port):
+            self.port = free_port(self.config.host)
+            self.url = self._url(self.port)
 
     def _check_port_free(self, port: int | None) -> None:
         if port is not None and port_taken(self.config.host, port):
@@ -219,7 +231,8 @@ class VLLMServer:
     def start(self, timeout: float = 300.0, warmup: bool = True) -> "VLLMServer":
         if self.process is not None:
             raise ServerError("server already started")
-        self._check_port_free(self.port)  # again: time has passed since __init__ (or free_port) chose it
+        self._repick_port()  # time has passed since __init__ chose it (a test suite's other servers, groups)
+        self._check_port_free(self.port)  # again: time has passed since __init__ checked a given one
         self._ensure_key()
         log_path = Path(self.config.log_path or Path(self.config.model_dir).parent / f"vllm-{self.port}.log")
         self._log = open(log_path, "w")
@@ -272,6 +285,8 @@ class VLLMServer:
         self.client.post("/inference/v1/generate", body, timeout=300)
 
     def tail(self, lines: int = 30) -> str:
+        if self.log_path is None:
+            return "(no log: the server was not started)"
         try:
             return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
         except OSError:
