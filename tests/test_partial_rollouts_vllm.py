@@ -394,31 +394,47 @@ class Recording:
     def __init__(self, inner):
         self.inner, self.samples, self.calls = inner, {}, 0
         self.busy_since: float | None = None  # when the generate call in flight began
+        self.ended = 0  # generate calls that have returned or raised
+        self.error: BaseException | None = None  # what a generate call raised (in the trainer's rollout thread)
         self.release = threading.Event()
 
     def generate(self, prompts, params):
         self.calls += 1
-        if self.calls == 2 and not self.release.wait(120):
-            raise TimeoutError("batch 2 was never released")
-        self.busy_since = time.monotonic()
         try:
+            if self.calls == 2 and not self.release.wait(600):
+                raise TimeoutError("batch 2 was never released")
+            self.busy_since = time.monotonic()
             out = self.inner.generate(prompts, params)
+        except BaseException as e:
+            self.error = e
+            raise
         finally:
             self.busy_since = None
+            self.ended += 1
         self.samples.update({tuple(s.prompt_ids + s.output_ids): s for g in out for s in g})
         return out
 
     def mid_batch(self, tokens_of, after_tokens: int, timeout_s: float = 300.0) -> None:
         """Release batch 2 and return once the server has generated `after_tokens` tokens of it (`tokens_of`: the
-        server's count so far). An event, not a time: on a loaded machine a batch's first token can take seconds."""
+        server's count so far), or once batch 2 has ended: the server's count can answer late on a loaded machine,
+        and the sync then lands after the batch (no response spans two versions; the caller tries again). An
+        event, not a time: on a loaded machine a batch's first token can take seconds."""
         before = tokens_of()
         self.release.set()
-        deadline = time.monotonic() + timeout_s
+        deadline, seen = time.monotonic() + timeout_s, 0.0
         while time.monotonic() < deadline:
-            if self.busy_since is not None and tokens_of() - before >= after_tokens:
+            if self.error is not None:
+                raise RuntimeError("batch 2's generate call failed") from self.error
+            if self.ended >= 2:
                 return
+            if self.busy_since is not None:
+                seen = tokens_of() - before
+                if seen >= after_tokens:
+                    return
             time.sleep(0.01)
-        raise TimeoutError(f"batch 2 did not generate {after_tokens} tokens in {timeout_s} s")
+        raise TimeoutError(f"batch 2 did not generate {after_tokens} tokens in {timeout_s} s (generate calls "
+                           f"{self.calls}, ended {self.ended}, in flight {self.busy_since is not None}, "
+                           f"tokens seen {seen})")
 
     @property
     def max_versions(self):
