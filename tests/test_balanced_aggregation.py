@@ -1,6 +1,7 @@
-"""loss_agg="balanced" (Balanced Aggregation, seed 000 A48): the formula written out here as a loop, a
-float64 finite-difference gradient check, the split invariance (4 micro-batches x 2 simulated DP shards
-give the single-batch gradient to 1e-12 with the global counts) and the learner's counts."""
+"""loss_agg="balanced" (Zeng et al. 2026, Balanced Aggregation: Understanding and Fixing Aggregation Bias in
+GRPO): the formula written out here as a loop, a float64 finite-difference gradient check, the split invariance
+(4 micro-batches x 2 simulated DP shards give the single-batch gradient to 1e-12 with the global counts) and the
+learner's counts."""
 
 from __future__ import annotations
 

@@ -18,12 +18,13 @@ CONFIG = Path(__file__).resolve().parents[1] / "megapo/configs/tiny_moe_addition
 
 def _leaves(cls: type, prefix: str = ""):
     """(dotted name, owning class, field) of every non-section field under dataclass `cls`; each section
-    (a dataclass field, optional or not) as ("name/", section class, field)."""
+    (a dataclass field, optional or not) as ("name/", section class, field). A list of entries (e.g.
+    algorithm.distill.teachers) is one field, shown as its value."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         name = f"{prefix}.{f.name}" if prefix else f.name
         inner = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
-        if dataclasses.is_dataclass(inner[0]):
+        if typing.get_origin(hints[f.name]) is not list and dataclasses.is_dataclass(inner[0]):
             yield name + "/", cls, f, inner[0]
             yield from _leaves(inner[0], name)
         else:

@@ -93,8 +93,9 @@ def seq_mean_token_sum_norm(loss: Tensor, b: TokenBatch, n: Norm) -> Tensor:
 
 @register(
     "balanced", "aggregation", "sequence",
-    "Balanced Aggregation (BA): token means within the positive and negative subsets, weighted by their "
-    "sequence counts (seed 000, A48)",
+    "Zeng et al. 2026, Balanced Aggregation: Understanding and Fixing Aggregation Bias in GRPO "
+    "(arXiv:2605.04077), BA: token means within the positive and negative subsets, weighted by their "
+    "sequence counts",
 )
 def balanced(loss: Tensor, b: TokenBatch, n: Norm) -> Tensor:
     """L = (S₊/S)·Σ_{A_i>0} Σ_t ℓ_{i,t} / T₊ + (S₋/S)·Σ_{A_i<0} Σ_t ℓ_{i,t} / T₋, S± the numbers of

@@ -15,7 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar
 
-from megapo.config import ConfigError, bounded
+from megapo.config import ConfigError, bounded, check_fields
 
 # Which log-probs the objective's ratio π_θ/π_old takes as π_old (AlgorithmConfig.old_policy).
 OLD_POLICIES = ("auto", "learner", "engine")
@@ -127,38 +127,83 @@ class CriticConfig:
 
 
 @dataclass
-class DistillConfig:
-    """algorithm.distill: on-policy distillation from a teacher (megapo/trainer/distill.py)."""
+class TeacherConfig:
+    """algorithm.distill.teachers[j]: one teacher and the weight of its reverse KL."""
 
-    teacher: str = ""  # HF folder of the teacher (any registered family, the student's tokenizer); empty: off
-    coef: float = bounded(1.0, ">= 0")  # β: weight of the per-token reverse KL in the advantage
-    mode: str = "reverse_kl"  # reverse_kl: A_t - β (log π_old - log π_T) on the student's samples
+    path: str = ""  # HF folder of the teacher (any registered family, the student's tokenizer)
+    coef: float = bounded(1.0, ">= 0")  # β_j: weight of this teacher's per-token reverse KL in the advantage
+
+
+@dataclass
+class DistillConfig:
+    """algorithm.distill: on-policy distillation from one or several teachers (megapo/trainer/distill.py)."""
+
+    # one teacher: HF folder (any registered family, the student's tokenizer), weighed by coef; the same as
+    # teachers: [{path: teacher, coef: coef}]. Empty (and no teachers): off
+    teacher: str = ""
+    coef: float = bounded(1.0, ">= 0")  # β of `teacher`: weight of its per-token reverse KL in the advantage
+    # several teachers, each with its weight: A_t - Σ_j β_j (log π_old - log π_Tj), [{path: DIR, coef: β_j}, ...];
+    # instead of teacher/coef, not with them (each entry carries its own coef)
+    teachers: list[TeacherConfig] = field(default_factory=list)
+    mode: str = "reverse_kl"  # reverse_kl: A_t - β (log π_old - log π_T) on the student's samples, per teacher
 
     @property
     def enabled(self) -> bool:
-        return bool(self.teacher)
+        return bool(self.all_teachers())
+
+    def all_teachers(self) -> list[TeacherConfig]:
+        """Every teacher in order: `teachers`, or the single `teacher` with `coef` as one entry."""
+        if self.teachers:
+            return list(self.teachers)
+        return [TeacherConfig(self.teacher, self.coef)] if self.teacher else []
+
+    def path_fields(self, prefix: str = "algorithm.distill") -> list[str]:
+        """The dotted field that names each teacher's folder, in all_teachers() order (for errors)."""
+        if self.teachers:
+            return [f"{prefix}.teachers[{j}].path" for j in range(len(self.teachers))]
+        return [f"{prefix}.teacher"] if self.teacher else []
 
     def validate(self, student_dir: str, prefix: str = "algorithm.distill") -> None:
-        """The mode, and that the teacher folder exists with a config.json megapo reads and the student's
-        tokenizer (vocabulary size and tokenizer files); ConfigError naming the field."""
+        """The mode, one way of naming the teachers, and each teacher's folder (a config.json megapo reads, the
+        student's tokenizer: vocabulary size and tokenizer files); ConfigError naming the field."""
         if self.mode not in DISTILL_MODES:
             raise ConfigError(f"{prefix}.mode", f"must be one of {', '.join(DISTILL_MODES)} (topk_forward_kl is not "
                                                 f"built), got {self.mode!r}")
-        if not self.enabled:
-            return
-        teacher = Path(self.teacher)
-        if not (teacher / "config.json").is_file():
-            raise ConfigError(f"{prefix}.teacher", f"{teacher} is not an HF model folder (no config.json)")
-        from megapo.layout import read_hf_config
-        from megapo.models.family import family_for
+        self._check_one_form(prefix)
+        for j, t in enumerate(self.teachers):  # (the loader checked these; a config built in Python is held to it)
+            check_fields(t, f"{prefix}.teachers[{j}]")
+        for t, name in zip(self.all_teachers(), self.path_fields(prefix)):
+            check_teacher_folder(t.path, student_dir, name)
 
-        try:
-            family_for(read_hf_config(teacher))
-        except ValueError as exc:
-            raise ConfigError(f"{prefix}.teacher", str(exc)) from None
-        student = Path(student_dir)
-        if (student / "config.json").is_file():  # (a tiny student written at start-up is checked when it exists)
-            check_same_tokenizer(teacher, student, f"{prefix}.teacher")
+    def _check_one_form(self, prefix: str) -> None:
+        """teacher/coef or teachers, not both: a coef beside teachers would weigh nothing."""
+        if not self.teachers:
+            return
+        if self.teacher:
+            raise ConfigError(f"{prefix}.teachers", f"give the teachers either as {prefix}.teacher (one, weighed by "
+                                                    f"coef) or as {prefix}.teachers, not both")
+        if self.coef != type(self).coef:
+            raise ConfigError(f"{prefix}.coef", f"weighs {prefix}.teacher only; with {prefix}.teachers each entry "
+                                                "carries its own coef")
+
+
+def check_teacher_folder(path: str, student_dir: str, field_name: str) -> None:
+    """A teacher folder: an HF model folder of a registered family with the student's tokenizer."""
+    teacher = Path(path)
+    if not path:
+        raise ConfigError(field_name, "must name the teacher's HF folder")
+    if not (teacher / "config.json").is_file():
+        raise ConfigError(field_name, f"{teacher} is not an HF model folder (no config.json)")
+    from megapo.layout import read_hf_config
+    from megapo.models.family import family_for
+
+    try:
+        family_for(read_hf_config(teacher))
+    except ValueError as exc:
+        raise ConfigError(field_name, str(exc)) from None
+    student = Path(student_dir)
+    if (student / "config.json").is_file():  # (a tiny student written at start-up is checked when it exists)
+        check_same_tokenizer(teacher, student, field_name)
 
 
 def check_same_tokenizer(teacher: Path, student: Path, field: str) -> None:
@@ -210,9 +255,11 @@ class AlgorithmConfig:
     # `megapo objectives --stages`): [{name: <stage>, <its options>}, ...]; sequence stages (per group, on the
     # estimator's advantages: polarity, d3s_select, cumulative_std, clamp_correct) before token stages (on the train
     # batch after the old-log-prob pass: gtpo, grpo_s, advantage_reweighting, future_drift, future_kl, token_select,
-    # stapo, nat_prefix). The loop computes only the inputs some stage reads (π_old's entropy, π_ref, ...).
+    # stapo, nat_prefix, ...; self-distillation: opid, intro, credit, srpo). The loop computes only the inputs some
+    # stage reads (π_old's entropy, π_ref, the self-teacher's log-probs, ...).
     stages: list[dict[str, Any]] = field(default_factory=list)
-    # on-policy distillation: a frozen teacher's per-token reverse KL enters the advantage (megapo/trainer/distill.py)
+    # on-policy distillation: frozen teachers' weighted per-token reverse KLs enter the advantage
+    # (megapo/trainer/distill.py)
     distill: DistillConfig = field(default_factory=DistillConfig)
     # PPO's critic: a trained value model whose GAE advantages replace the estimator's (advantage: gae)
     critic: CriticConfig = field(default_factory=CriticConfig)
@@ -268,6 +315,13 @@ class AlgorithmConfig:
 
         entry = next((e for e in entries("objective") if e.name == self.objective), None)
         return tuple(getattr(entry.options, "reference_inputs", ())) if entry is not None else ()
+
+    def self_teacher(self):
+        """What the self-teacher pass computes for the self-distillation stages (self_distill.TeacherSpec: context,
+        template, entropy, contrast), None when no stage reads its inputs (then it is not run)."""
+        from megapo.algorithms.self_distill import teacher_spec
+
+        return teacher_spec(self.pipeline())
 
     def needs_old_stats(self) -> bool:
         """Whether π_old's per-token statistics are needed before the loss (the separate old-log-prob pass): a
@@ -337,3 +391,16 @@ class AlgorithmConfig:
             if s.name == "cumulative_std" and self.advantage != "grpo":
                 raise ConfigError(f"algorithm.stages[{i}]", "cumulative_std replaces grpo's per-group "
                                   f"standardisation; algorithm.advantage is {self.advantage!r} (set grpo)")
+        _check_self_teacher_contexts(stages)
+
+
+def _check_self_teacher_contexts(stages: list) -> None:
+    """The self-distillation stages share one context (one self-teacher pass serves them): ConfigError naming
+    algorithm.stages[i].<option> of the first that differs."""
+    from megapo.algorithms.self_distill import check_contexts
+
+    try:
+        check_contexts(stages)
+    except ValueError as exc:
+        index, option, why = str(exc).split(": ", 2)
+        raise ConfigError(f"algorithm.stages[{index}].{option}", why) from None

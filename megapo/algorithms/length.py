@@ -225,7 +225,9 @@ class AlpOptions:
         check_number("norm", self.norm, low=0, integer=True)
 
 
-@register("alp", "length_reward", "group", "Adaptive Length Penalty, ALP (seed 004 B58)", AlpOptions)
+@register("alp", "length_reward", "group",
+          "Xiang et al. 2025, Just Enough Thinking: Efficient Reasoning with Adaptive Length Penalties "
+          "Reinforcement Learning (arXiv:2506.05256), ALP", AlpOptions)
 class Alp(LengthReward):
     """r_i = 1[correct_i] − (β/N)·max(p̂, 1/G)·L_i: p̂ the group's correct fraction (its online solve rate over
     its G rollouts), N = norm or the generation budget. Easy prompts pay per token, prompts nobody solves
@@ -258,7 +260,8 @@ def _step_bonus(g: ScoredGroup, target: float, alpha: float) -> Tensor:
 
 
 @register("laser", "length_reward", "sequence",
-          "Length-bAsed StEp Reward shaping, LASER (seed 004 B14)", LaserOptions)
+          "Liu et al. 2025, Learn to Reason Efficiently with Adaptive Length-based Reward Shaping, "
+          "LASER (Length-bAsed StEp Reward shaping)", LaserOptions)
 class Laser(LengthReward):
     """R' = R + α·1[correct]·1[L <= L_T]: a step bonus for a correct response within the target length L_T."""
 
@@ -292,7 +295,8 @@ def _coverage_length(lengths: list[int], coverage: float) -> int:
 
 
 @register("laser_d", "length_reward", "group",
-          "LASER-D, Dynamic and Difficulty-aware LASER (seed 004 B14)", LaserDOptions)
+          "Liu et al. 2025, Learn to Reason Efficiently with Adaptive Length-based Reward Shaping, "
+          "LASER-D (Dynamic and Difficulty-aware LASER)", LaserDOptions)
 class LaserD(LengthReward):
     """R' = R + α·1[correct]·1[L <= L_T(b)], b the prompt's difficulty bucket: hardness h = 1 − p̂ (difficulty:
     pass_rate, the default; or the task label, difficulty: task) in `buckets` equal bins, b = min(n−1, ⌊h·n⌋), 0 the
@@ -366,7 +370,8 @@ class KimiOptions:
 
 
 @register("kimi", "length_reward", "group",
-          "Kimi k1.5 length reward, in LASER's unified view of length rewards (seed 004 B14)", KimiOptions)
+          "Kimi k1.5 length reward, in the unified view of length rewards of Liu et al. 2025, Learn to Reason "
+          "Efficiently with Adaptive Length-based Reward Shaping", KimiOptions)
 class Kimi(LengthReward):
     """λ_i = 0.5 − (L_i − L_min)/(L_max − L_min) over the group (λ_i = 0 when all lengths are equal);
     R' = R + w·λ_i for a correct response, R + w·min(0, λ_i) for an incorrect one."""
@@ -393,8 +398,9 @@ class LaconicOptions:
         check_number("lambda_init", self.lambda_init, low=0)
 
 
-@register("laconic", "length_reward", "batch", "LACONIC, target token budget by an adaptive cost (seed 004 B5)",
-          LaconicOptions)
+@register("laconic", "length_reward", "batch",
+          "LACONIC: Length-Aware Constrained Reinforcement Learning for LLM (arXiv:2602.14468), "
+          "target token budget by an adaptive cost", LaconicOptions)
 class Laconic(LengthReward):
     """R' = R − λ·max(0, L − B)/B, then (dual ascent, once per call, over all its responses)
     λ ← max(0, λ + η·(mean L − B)/B). B = target or the generation budget. [A] the cost c(L) = max(0, L − B)/B
@@ -448,7 +454,8 @@ class GrpoLambdaOptions:
         check_number("min_correct_ratio", self.min_correct_ratio, low=0, high=1)
 
 
-@register("grpo_lambda", "length_reward", "group", "GRPO-lambda (seed 004 B23)", GrpoLambdaOptions)
+@register("grpo_lambda", "length_reward", "group", "Dai, Liu, Si 2025, Stable Reinforcement Learning for Efficient "
+          "Reasoning (arXiv:2505.18086), GRPO-λ", GrpoLambdaOptions)
 class GrpoLambda(LengthReward):
     """Per group: R' = the inner length reward (kimi | length_penalty | laser, with inner_options) when the
     group's correct fraction p̂ >= τ, the plain reward R otherwise (the abstract: length-agnostic rewards
@@ -490,7 +497,8 @@ class HapoOptions:
         check_number("weight", self.weight, low=0)
 
 
-@register("hapo", "length_reward", "group", "History-Aware Policy Optimization, HAPO (seed 004 B54)", HapoOptions)
+@register("hapo", "length_reward", "group", "Huang et al. 2025, HAPO: Training Language Models to Reason "
+          "Concisely via History-Aware Policy Optimization", HapoOptions)
 class Hapo(LengthReward):
     """h_p = the shortest correct response prompt p has had at earlier calls (none at first);
     f(L) = cos(min(π/2·L/h_p, π)) (1 at L = 0, 0 at L = h_p, −1 from 2·h_p on); R' = R + w·f(L) for a correct
@@ -542,8 +550,8 @@ class CurriculumOptions:
         check_number("over_reward", self.over_reward)
 
 
-@register("curriculum", "length_reward", "sequence", "Curriculum length budget for GRPO (seed 004 B36)",
-          CurriculumOptions)
+@register("curriculum", "length_reward", "sequence", "Hammoud et al. 2025, Train Long, Think Short: Curriculum "
+          "Learning for Efficient Reasoning, a token budget tightened over training", CurriculumOptions)
 class Curriculum(LengthReward):
     """B_t = start + (end − start)·min(1, (t − 1)/steps) at trainer step t (1-based; start = the generation
     budget when 0); R' = over_reward when L > B_t or the response was truncated (it is treated as cut at
@@ -580,7 +588,8 @@ class DlerOptions(DifficultyOptions):
         check_number("easy_scale", self.easy_scale, above=0, high=1)
 
 
-@register("dler", "length_reward", "group", "Doing Length pEnalty Right, DLER (seed 004 B45)", DlerOptions)
+@register("dler", "length_reward", "group", "Liu et al. 2025, DLER: Doing Length pEnalty Right - Incentivizing "
+          "More Intelligence per Token via Reinforcement Learning (arXiv:2510.15110)", DlerOptions)
 class Dler(LengthReward):
     """R' = truncated_reward when L > L_g or the response was truncated, R otherwise; L_g = γ·L_T for an easy
     prompt (ease 1 − h >= τ: by default the group's pass rate p̂ >= τ; under difficulty: task the label's place),
@@ -611,7 +620,8 @@ class DastOptions(DifficultyOptions):
         check_number("max_len", self.max_len, low=0, integer=True)
 
 
-@register("dast", "length_reward", "group", "Difficulty-Adaptive Slow Thinking, DAST (seed 004 B10)", DastOptions)
+@register("dast", "length_reward", "group", "Shen et al. 2025, DAST: Difficulty-Adaptive Slow-Thinking for "
+          "Large Reasoning Models", DastOptions)
 class Dast(LengthReward):
     """Token length budget B = e·L̄_c + (1 − e)·L_max: e the prompt's ease (its pass rate p̂ by default, or 1 − h under
     difficulty: task), L̄_c the group's mean correct length (L_max when none is correct), L_max = max_len or the
@@ -650,8 +660,8 @@ class DeepCompressOptions(DifficultyOptions):
         check_number("momentum", self.momentum, above=0, high=1)
 
 
-@register("deepcompress", "length_reward", "group", "DeepCompress, dual length reward (seed 004 B1)",
-          DeepCompressOptions)
+@register("deepcompress", "length_reward", "group", "Liang et al. 2025, DeepCompress: A Dual Reward Strategy for "
+          "Dynamically Exploring and Compressing Reasoning Chains (arXiv:2510.27419)", DeepCompressOptions)
 class DeepCompress(LengthReward):
     """Running accuracy per prompt, this group included: a_p ← (1 − m)·a_p + m·p̂ (a_p = p̂ at its first group).
     Simple when a_p >= τ (the default; under difficulty: task, when the label's ease 1 − h >= τ), Hard otherwise.
@@ -717,8 +727,8 @@ class GfpoOptions(DifficultyOptions):
                              f"got {self.adaptive_keep!r}")
 
 
-@register("gfpo", "group_filter", "group", "Group Filtered Policy Optimization, GFPO (seed 004 B16 = A93)",
-          GfpoOptions)
+@register("gfpo", "group_filter", "group", "Shrivastava et al. 2025, Sample More to Think Less: Group "
+          "Filtered Policy Optimization for Concise Reasoning, GFPO", GfpoOptions)
 class Gfpo(GroupFilter):
     """Keep, of each group of G, the min(k, G) responses first by the metric, ties by index: `length` the shortest L_i,
     `reward_per_token` the highest R_i/L_i. k = keep, or adaptive_keep[b] with b the prompt's difficulty bucket

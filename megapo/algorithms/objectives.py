@@ -154,9 +154,9 @@ def dynamic_bounds(old_logp: Tensor, eps_low: float, eps_high: float, ratio_cap:
     "ppo", "objective", "token",
     "Schulman et al. 2017, PPO (arXiv:1707.06347); clip-higher: DAPO, Yu et al. 2025 "
     "(arXiv:2503.14476); dual clip: Ye et al. 2020 (arXiv:1912.09729); clip_mode=dynamic: Yang et al. "
-    "2025, DCPO: Dynamic Clipping Policy Optimization (arXiv:2509.02333), seed 000 A20; clip_mode=entropy: "
+    "2025, DCPO: Dynamic Clipping Policy Optimization (arXiv:2509.02333); clip_mode=entropy: "
     "Liu et al. 2025, From Uniform to Heterogeneous: Tailoring Policy Optimization to Every Token's Nature "
-    "(arXiv:2509.16591), HAPO's Asymmetric Adaptive Clipping, seed 000 A15",
+    "(arXiv:2509.16591), HAPO's Asymmetric Adaptive Clipping",
     PPOOptions,
     loss_agg="token-mean",  # PPO's per-token mean, as DAPO writes it
 )

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from megapo.algorithms import self_distill
 from megapo.algorithms import stages as st
 from megapo.algorithms import token_credit
 from megapo.algorithms.length import clamp_correct_advantages
@@ -43,6 +44,12 @@ INPUTS = {
     "step": "the trainer step",
     "seed": "train.seed",
     "response_tokens": "the response token ids (sample.tokens after prompt_len; always at hand)",
+    # the self-distillation stages' (megapo/algorithms/self_distill.py), from one more learner forward of the batch
+    # behind prompts with a context (megapo/trainer/self_teacher.py)
+    "self_teacher_logp": "π_old's log-probs of each response token with a context (a hint) in the prompt",
+    "self_teacher_entropy": "the self-teacher's entropy at each response token (the same forward)",
+    "contrast_teacher_logp": "the self-teacher's log-probs of each response behind other prompts of the batch with "
+                             "the same hint, averaged (credit's baseline: `contrast` more forwards)",
 }
 
 
@@ -67,6 +74,8 @@ class TokenContext:
     step: int  # the trainer step (schedules; nat_prefix's draw with the seed)
     seed: int  # train.seed
     kl_coef: float  # future_kl's β (algorithm.kl_coef)
+    self_teacher: Any = None  # self_distill.TeacherInputs: the self-teacher pass's values (None: no stage reads them)
+    correct: list | None = None  # the verifier's verdict per sample (srpo routes on it)
 
 
 @dataclass(frozen=True)
@@ -178,6 +187,29 @@ def _group_credit(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict
     return {}
 
 
+def _self_distill(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+    """A self-distillation stage (megapo/algorithms/self_distill.py) on the whole train batch: per-token advantages
+    into sample.advantage, or weights multiplying sample.token_weight (intro)."""
+    if ctx.self_teacher is None:
+        raise ValueError(f"self_teacher_logp: stage {s.name} needs the self-teacher pass "
+                         "(megapo/trainer/self_teacher.py)")
+    values = self_distill.self_distill_advantages(s.name, lengths=[len(x.tokens) - x.prompt_len for x in batch],
+                                advantages=[x.advantage for x in batch], teacher=ctx.self_teacher,
+                                old_logp=[x.old_logp for x in batch], correct=ctx.correct, **s.given)
+    if s.decl.registry_kind == "token_weight":
+        _multiply_weights(batch, values)
+        flat = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
+        return {f"{s.name}/weight_max": float(flat.max()) if flat.numel() else 0.0}
+    before = [torch.as_tensor(x.advantage, dtype=torch.float64).reshape(-1).expand(len(v))
+              for x, v in zip(batch, values)]
+    _set_advantages(batch, values)
+    shift = torch.cat([v - b for v, b in zip(values, before)]) if values else torch.zeros(0, dtype=torch.float64)
+    out = {f"{s.name}/adv_shift": float(shift.abs().mean()) if shift.numel() else 0.0}  # mean |A' − A| per token
+    if s.name == "credit":
+        out["credit/contrast_inputs"] = float(ctx.self_teacher.contrast_inputs)
+    return out
+
+
 _PER_SAMPLE = ("sequence_advantage", "old_logp")
 _GROUP_TOKENS = ("sequence_advantage", "response_tokens")
 STAGES: dict[str, StageDecl] = {
@@ -198,6 +230,11 @@ STAGES: dict[str, StageDecl] = {
     "ktae": StageDecl("token", "advantage_stage", _GROUP_TOKENS, _group_credit),
     "gtpo_trajectory": StageDecl("token", "advantage_stage", _GROUP_TOKENS, _group_credit),  # + old_entropy: filter
     "tw_grpo": StageDecl("token", "token_weight", ("old_logp",), _group_credit),
+    # self-distillation; the self-teacher inputs each reads come from its options' token_inputs
+    "opid": StageDecl("token", "advantage_stage", ("old_logp",), _self_distill),
+    "intro": StageDecl("token", "token_weight", ("old_logp",), _self_distill),
+    "credit": StageDecl("token", "advantage_stage", (), _self_distill),
+    "srpo": StageDecl("token", "advantage_stage", ("old_logp", "correct"), _self_distill),
 }
 
 
@@ -230,7 +267,12 @@ def _parse_one(item, where: str) -> Stage:
     try:
         options = entry(name).make_options(dict(given))
     except (ValueError, TypeError) as exc:
-        raise ConfigError(where, f"{name}: {str(exc).removeprefix('options: ')}") from None
+        why = str(exc).removeprefix("options: ")
+        option, _, rest = why.partition(": ")
+        # an options class that says so has its refusals name the option's field (the older stages name the entry)
+        if getattr(entry(name).options, "option_field", False) and option in entry(name).option_names() and rest:
+            raise ConfigError(f"{where}.{option}", f"{name}: {rest}") from None
+        raise ConfigError(where, f"{name}: {why}") from None
     return Stage(name, given, options, STAGES[name])
 
 

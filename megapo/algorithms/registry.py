@@ -68,6 +68,7 @@ _MODULES = (
     "megapo.algorithms.length",
     "megapo.algorithms.stages",
     "megapo.algorithms.token_credit",
+    "megapo.algorithms.self_distill",
 )
 
 

@@ -66,7 +66,8 @@ class PolarityOptions:
 
 @register(
     "polarity", "advantage_stage", "sequence",
-    "sample polarity (seed 000 A53, A3PO's positive/negative split); negative-only and weighted-positive "
+    "sample polarity (Tang et al. 2025, Rethinking Sample Polarity in Reinforcement Learning with Verifiable "
+    "Rewards (arXiv:2512.21625), A3PO's positive/negative split); negative-only and weighted-positive "
     "training as Zhu et al. 2025, The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning "
     "(NSR, W-REINFORCE)",
     PolarityOptions,
@@ -148,7 +149,7 @@ def _side_share(values: Tensor, side: Tensor, mask: Tensor) -> Tensor:
 @register(
     "gtpo", "advantage_stage", "token",
     "Tan et al. 2025, GTPO and GRPO-S: Token and Sequence-Level Reward Shaping with Policy Entropy "
-    "(arXiv:2508.04349), GTPO (seed 000 A57)",
+    "(arXiv:2508.04349), GTPO",
     EntropyWeightOptions,
 )
 def gtpo(adv: Tensor, s: TokenStats, o: EntropyWeightOptions) -> Tensor:
@@ -166,7 +167,7 @@ def gtpo(adv: Tensor, s: TokenStats, o: EntropyWeightOptions) -> Tensor:
 @register(
     "grpo_s", "advantage_stage", "sequence",
     "Tan et al. 2025, GTPO and GRPO-S: Token and Sequence-Level Reward Shaping with Policy Entropy "
-    "(arXiv:2508.04349), GRPO-S (seed 000 A57)",
+    "(arXiv:2508.04349), GRPO-S",
     EntropyWeightOptions,
 )
 def grpo_s(adv: Tensor, s: TokenStats, o: EntropyWeightOptions) -> Tensor:
@@ -183,7 +184,7 @@ def grpo_s(adv: Tensor, s: TokenStats, o: EntropyWeightOptions) -> Tensor:
 @register(
     "advantage_reweighting", "advantage_stage", "token",
     "Yang et al. 2025, Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs, Advantage "
-    "Reweighting (seed 000 A100; Lopti's separate low-probability update is not included)",
+    "Reweighting (Lopti's separate low-probability update is not included)",
     ReweightOptions,
 )
 def advantage_reweighting(adv: Tensor, s: TokenStats, o: ReweightOptions) -> Tensor:
@@ -287,7 +288,8 @@ def renamed_fipo(adv: Tensor, s: TokenStats, o) -> Tensor:
 
 NEEDS_ENTROPY = ("gtpo", "grpo_s")
 # advantage_stage entries that do not turn sequence advantages into per-token ones (token_advantages refuses them)
-NOT_TOKEN_ADVANTAGE = ("polarity", "future_kl", "d3s_select", "cumulative_std", "tempo", "gtpo_trajectory", "ktae")
+NOT_TOKEN_ADVANTAGE = ("polarity", "future_kl", "d3s_select", "cumulative_std", "tempo", "gtpo_trajectory", "ktae",
+                       "opid", "credit", "srpo")  # the last three: megapo/algorithms/self_distill.py
 
 
 def _padded(values: list, width: int, dtype) -> Tensor:
@@ -370,9 +372,12 @@ class TokenSelectOptions:
 
 @register(
     "token_select", "token_weight", "batch",
-    "token selection by entropy: D³S token level, |A|·H (seed 000 A14); EGSPO's entropy gate, attenuated "
-    "low-entropy tokens (A9); the high-entropy-minority rule (Wang et al. 2025, Beyond the 80/20 Rule); "
-    "a schedule of the selection over training (A71)",
+    "token selection by entropy: D³S token level, |A|·H (Wang et al. 2025, Learning More with Less: A Dynamic "
+    "Dual-Level Down-Sampling Framework for Efficient Policy Optimization, arXiv:2509.22115); EGSPO's entropy "
+    "gate, attenuated low-entropy tokens (Hu et al. 2026, Entropy-Gated Selective Policy Optimization, "
+    "arXiv:2602.03309); the high-entropy-minority rule (Wang et al. 2025, Beyond the 80/20 Rule); a schedule "
+    "of the selection over training (Zhang et al. 2026, Not only where, But when: Temporal Scheduling for RLVR, "
+    "arXiv:2605.25381)",
     TokenSelectOptions,
 )
 def token_select(scores: Tensor, o: TokenSelectOptions, step: int) -> Tensor:
@@ -406,7 +411,7 @@ def token_select_weights(advantages: list, entropy: list, *, step: int = 1, **op
 @register(
     "future_kl", "advantage_stage", "token",
     "Yao, Wang, Bai, Zhang 2026, Future-KL Regularized GRPO: Process-Level Credit Assignment from f-Divergence "
-    "Regularization (arXiv:2601.10201), FRPO; seed 000 A64; algorithm.stages {name: future_kl}, β = algorithm.kl_coef",
+    "Regularization (arXiv:2601.10201), FRPO; algorithm.stages {name: future_kl}, β = algorithm.kl_coef",
 )
 def future_kl(adv: Tensor, old_logp: Tensor, ref_logp: Tensor, mask: Tensor, beta: float) -> Tensor:
     """A_{i,t} = A_{i,t} − β·Σ_{s≥t}(log π_old(y_s) − log π_ref(y_s)) over the response's tokens s from t to
@@ -463,7 +468,7 @@ class StapoOptions:
 @register(
     "stapo", "token_weight", "batch",
     "Liu et al. 2026, STAPO: Stabilizing Reinforcement Learning for LLMs by Silencing Rare Spurious Tokens "
-    "(arXiv:2602.15620), the S2T mask; seed 000 A77",
+    "(arXiv:2602.15620), the S2T mask",
     StapoOptions,
 )
 def stapo(prob: Tensor, entropy: Tensor, positive: Tensor, owner: Tensor, o: StapoOptions) -> Tensor:
@@ -490,7 +495,7 @@ def stapo(prob: Tensor, entropy: Tensor, positive: Tensor, owner: Tensor, o: Sta
 @register(
     "nat_prefix", "token_weight", "sequence",
     "Sang et al. 2026, Not all tokens are needed (NAT): token efficient reinforcement learning (arXiv:2603.06619), "
-    "Random Prefix Cutting with Horvitz-Thompson reweighting; seed 000 A79",
+    "Random Prefix Cutting with Horvitz-Thompson reweighting",
 )
 def nat_prefix(lengths: list[int], rng) -> list[Tensor]:
     """Per response of L tokens a cut c ~ Uniform{1, …, L}; tokens t ≤ c are kept with weight
@@ -583,7 +588,7 @@ def max_variance_subset(values: list[float], k: int) -> list[int]:
 @register(
     "d3s_select", "advantage_stage", "group",
     "Wang et al. 2025, Learning More with Less: A Dynamic Dual-Level Down-Sampling Framework for Efficient Policy "
-    "Optimization (arXiv:2509.22115), D³S sample level; seed 000 A14",
+    "Optimization (arXiv:2509.22115), D³S sample level",
     SampleSelectOptions,
 )
 def d3s_select(adv: Tensor, o: SampleSelectOptions, step: int) -> Tensor:
@@ -662,7 +667,7 @@ def prompt_key(prompt: str) -> str:
 @register(
     "cumulative_std", "advantage_stage", "group",
     "Yang et al. 2025, DCPO: Dynamic Clipping Policy Optimization (arXiv:2509.02333), smooth advantage "
-    "standardisation (seed 000 A20)",
+    "standardisation",
     CumulativeStdOptions,
 )
 def cumulative_std(rewards: Tensor, keys: list[str], stats: PromptRewardStats, o: CumulativeStdOptions) -> Tensor:

@@ -1,4 +1,4 @@
-"""Ratio and trust-region objectives of seed 000 (issue 14): minpro, dppo, cppo (and cppo_prefix_mean), dhpo, sspo,
+"""Ratio and trust-region objectives (issue 14): minpro, dppo, cppo (and cppo_prefix_mean), dhpo, sspo,
 holder, kpo, aspo.
 
 Conventions are objectives.py's: a per-token loss on the padded [S, T] view, r_t = π_θ(y_t)/π_old(y_t),
@@ -91,7 +91,7 @@ class MinPROOptions:
 @register(
     "minpro", "objective", "token",
     "Lei, Cheng, Tao 2026, A Step Back: Prefix Importance Ratio Stabilizes Policy Optimization "
-    "(arXiv:2601.22718), MinPRO; seed 000 A31",
+    "(arXiv:2601.22718), MinPRO",
     MinPROOptions,
     loss_agg="token-mean",  # [A] the paper's aggregation is not in the abstract: DAPO's token mean
 )
@@ -127,7 +127,7 @@ class DPPOOptions:
 @register(
     "dppo", "objective", "token",
     "Qi et al. 2026, Rethinking the Trust Region in LLM Reinforcement Learning (arXiv:2602.04879), "
-    "DPPO, Binary approximation; seed 000 A108",
+    "DPPO, Binary approximation",
     DPPOOptions,
     loss_agg="token-mean",  # [A] the paper's aggregation is not in the abstract: DAPO's token mean
 )
@@ -284,8 +284,7 @@ def _dhpo_alpha(b: TokenBatch, o: DHPOOptions) -> Tensor:
 @register(
     "dhpo", "objective", "token",
     "Min et al. 2026, Orchestrating Tokens and Sequences: Dynamic Hybrid Policy Optimization for RLVR "
-    "(arXiv:2601.05607), DHPO, averaged mixing (alpha a number) and entropy-guided mixing (alpha=entropy); "
-    "seed 000 A18",
+    "(arXiv:2601.05607), DHPO, averaged mixing (alpha a number) and entropy-guided mixing (alpha=entropy)",
     DHPOOptions,
     loss_agg="seq-mean-token-mean",  # [A] GRPO's and GSPO's 1/G Σ_i 1/|y_i| Σ_t, the two it bridges
 )
@@ -378,7 +377,7 @@ def sentence_mean(values: Tensor, seg: Tensor, mask: Tensor) -> Tensor:
 
 @register(
     "sspo", "objective", "token",
-    "Yang et al. 2025, SSPO: Subsentence-level Policy Optimization (arXiv:2511.04256); seed 000 A3",
+    "Yang et al. 2025, SSPO: Subsentence-level Policy Optimization (arXiv:2511.04256)",
     SSPOOptions,
     loss_agg="seq-mean-token-mean",  # [A] the 1/G Σ_i 1/|y_i| Σ_t of the GRPO and GSPO it balances
 )
@@ -444,7 +443,7 @@ def log_power_mean(b: TokenBatch, log_r: Tensor, p: float) -> Tensor:
 
 @register(
     "holder", "objective", "sequence",
-    "Chen et al. 2026, Hölder Policy Optimisation (arXiv:2605.12058), HölderPO; seed 000 A72",
+    "Chen et al. 2026, Hölder Policy Optimisation (arXiv:2605.12058), HölderPO",
     HolderOptions,
     loss_agg="seq-mean-token-mean",  # [A] the 1/G Σ_i form of the GSPO it contains (p = 0)
 )
@@ -516,7 +515,7 @@ def causal_filter(values: Tensor, gains: Tensor, mask: Tensor, chunk: int = 64) 
 @register(
     "kpo", "objective", "token",
     "He et al. 2026, Online Causal Kalman Filtering for Stable and Effective Policy Optimization "
-    "(arXiv:2602.10609), KPO; seed 000 A23",
+    "(arXiv:2602.10609), KPO",
     KPOOptions,
     loss_agg="token-mean",  # [A] the paper's aggregation is not in the abstract: DAPO's token mean
 )
@@ -563,8 +562,7 @@ class ASPOOptions:
 
 @register(
     "aspo", "objective", "token",
-    "Wang et al. 2025, ASPO: Asymmetric Importance Sampling Policy Optimization (arXiv:2510.06062); "
-    "seed 000 A24",
+    "Wang et al. 2025, ASPO: Asymmetric Importance Sampling Policy Optimization (arXiv:2510.06062)",
     ASPOOptions,
     loss_agg="token-mean",  # [A] DAPO's token mean, the baseline it modifies
 )

@@ -91,6 +91,8 @@ def _docstring(cls: type) -> str:
 
 def _section_class(hint) -> type | None:
     """The dataclass a field holds (a section), also when it is optional (`X | None`), else None."""
+    if typing.get_origin(hint) in (list, tuple, dict):  # a list of entries (algorithm.distill.teachers) is a value
+        return None
     options = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     return options[0] if len(options) == 1 and dataclasses.is_dataclass(options[0]) else None
 
@@ -98,6 +100,8 @@ def _section_class(hint) -> type | None:
 def _text(value) -> str:
     """The value as it would be written in the YAML file or an override (an enum field: its value, e.g. r3)."""
     value = value.value if isinstance(value, enum.Enum) else value
+    if isinstance(value, list):  # entries written as mappings, as in the YAML file
+        value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]
     return yaml.safe_dump(value, default_flow_style=True, width=float("inf")).removesuffix("\n...\n").strip()
 
 

@@ -421,6 +421,7 @@ class RunConfig:
         self.algorithm.validate()
         self.loss_spec()  # the loss's own checks (objective and correction options, ...), naming the config field
         _check_stage_policy(self)
+        _check_contrast(self)
         _check_reference(self)
 
     def _validate_rollout(self) -> None:
@@ -441,8 +442,8 @@ class RunConfig:
 
 
 def _check_stage_policy(cfg: RunConfig) -> None:
-    """A stage against the engine's log-probs (future_drift against=engine) needs π_old other than the engine's
-    (algorithm.old_policy, resolved by train.mode)."""
+    """A stage against the engine's log-probs (future_drift against=engine), or a self-distillation stage against
+    the learner's self-teacher, needs π_old other than the engine's (algorithm.old_policy, resolved by train.mode)."""
     if cfg.old_policy() != "engine":
         return
     for i, s in enumerate(cfg.algorithm.pipeline()):
@@ -450,6 +451,22 @@ def _check_stage_policy(cfg: RunConfig) -> None:
             raise ConfigError(f"algorithm.stages[{i}]", f"{s.name} against=engine takes the log-ratio π_old/μ, and "
                               "with algorithm.old_policy=engine π_old is μ (always 0); use against=reference or "
                               "old_policy=learner")
+        # the self-teacher is the learner's forward: its gap to μ would hold numerics (credit compares two of its own)
+        if {"self_teacher_logp", "old_logp"} <= set(s.inputs):
+            raise ConfigError(f"algorithm.stages[{i}]", f"{s.name} compares the learner's self-teacher log-probs with "
+                              "π_old's, and with algorithm.old_policy=engine π_old is the engine's μ (the gap would "
+                              "hold the engine-learner mismatch); set algorithm.old_policy=learner")
+
+
+def _check_contrast(cfg: RunConfig) -> None:
+    """credit's baseline averages over `contrast` other prompts of the step's batch: at most data.prompts_per_step − 1
+    of them exist."""
+    for i, s in enumerate(cfg.algorithm.pipeline()):
+        k = getattr(s.options, "contrast", None) if "contrast_teacher_logp" in s.inputs else None
+        if k is not None and k > cfg.data.prompts_per_step - 1:
+            raise ConfigError(f"algorithm.stages[{i}].contrast", f"{s.name} contrasts each response with {k} other "
+                              f"prompts of the batch, which holds data.prompts_per_step={cfg.data.prompts_per_step} "
+                              f"(at most {cfg.data.prompts_per_step - 1} others)")
 
 
 def _check_old_policy(cfg: RunConfig) -> None:
@@ -618,14 +635,14 @@ def _check_torch_model(cfg: RunConfig, hf: dict, where: str) -> None:
 
 
 def _check_second_models(cfg: RunConfig, hf: dict) -> None:
-    """The teacher (algorithm.distill), the critic and the reward model (data.reward_model): each section's own rules
-    (folder, tokenizer, mode), then that the teacher and the reward model fit the learner's layout."""
+    """The teachers (algorithm.distill), the critic and the reward model (data.reward_model): each section's own rules
+    (folder, tokenizer, mode), then that each teacher and the reward model fit the learner's layout."""
     a = cfg.algorithm
     a.distill.validate(cfg.model.path)
     a.critic.validate(a.advantage, cfg.model.path)
     cfg.data.reward_model.validate(hf)
-    if a.distill.enabled:
-        _check_fits_layout(cfg, a.distill.teacher, "algorithm.distill.teacher", "the teacher")
+    for teacher, field_name in zip(a.distill.all_teachers(), a.distill.path_fields()):  # each its own model
+        _check_fits_layout(cfg, teacher.path, field_name, "the teacher")
     if cfg.data.reward_model.path:  # a url's scorer runs elsewhere
         _check_fits_layout(cfg, cfg.data.reward_model.path, "data.reward_model.path", "the reward model")
 

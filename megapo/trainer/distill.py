@@ -1,19 +1,23 @@
-"""On-policy distillation from a teacher: the student samples, a frozen teacher scores the student's tokens, and
-the per-token reverse KL between them enters the advantage.
+"""On-policy distillation from one or several teachers: the student samples, each frozen teacher scores the
+student's tokens, and the weighted per-token reverse KLs enter the advantage.
 
-    A_t <- A_t - β · (log π_old(y_t) - log π_T(y_t))      (algorithm.distill: teacher, coef β, mode reverse_kl)
+    A_t <- A_t - Σ_j β_j · (log π_old(y_t) - log π_Tj(y_t))      (algorithm.distill, mode reverse_kl)
 
-log π_old - log π_T at a sampled token is a one-sample estimate of KL(π_old || π_T) at that position; subtracting it
-from the advantage is the reverse-KL policy gradient of on-policy distillation (Agarwal et al. 2024, "On-Policy
-Distillation of Language Models: Learning from Self-Generated Mistakes", arXiv:2306.13649; Thinking Machines'
-"On-Policy Distillation", 2025; slime's --use-opd). With data.reward the verifier's, it is distillation + RL; with
-a reward of 0 for every sample (a user reward returning 0.0), pure distillation.
+with the teachers of algorithm.distill.teachers: [{path, coef: β_j}, ...], or the single algorithm.distill.teacher
+weighed by algorithm.distill.coef (the same as a one-entry list). log π_old - log π_T at a sampled token is a
+one-sample estimate of KL(π_old || π_T) at that position; subtracting it from the advantage is the reverse-KL
+policy gradient of on-policy distillation (Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning
+from Self-Generated Mistakes", arXiv:2306.13649; Thinking Machines' "On-Policy Distillation", 2025; slime's
+--use-opd); several teachers with weights are the sum of their terms (verl's multi-teacher distillation). With
+data.reward the verifier's, it is distillation + RL; with a reward of 0 for every sample (a user reward returning
+0.0), pure distillation.
 
-The teacher is a second Megatron model under the learner's layout and precision (megapo.learner.reference's
+Each teacher is a second Megatron model under the learner's layout and precision (megapo.learner.reference's
 MegatronReference), frozen; it replays the policy's routes when it has the policy's MoE shape (the same MoE layers,
 experts and top-k) and routing replay is on, and routes itself otherwise. Its tokenizer must be the student's.
-The metric distill/reverse_kl is the mean of log π_old - log π_T over the batch's policy tokens: exactly 0 when
-the teacher is the student's own weights (the same forward on the same routes).
+The metric distill/reverse_kl is the first teacher's mean of log π_old - log π_T over the batch's policy tokens
+(exactly 0 when the teacher is the student's own weights: the same forward on the same routes); with several
+teachers, distill/reverse_kl/<j> is teacher j's (0-based, in the order of algorithm.distill.teachers).
 """
 
 from __future__ import annotations
@@ -33,17 +37,34 @@ def same_moe_shape(teacher_hf: dict, student_hf: dict) -> bool:
         (b.num_layers, b.num_experts, b.topk, tuple(b.moe_layers or ()))
 
 
-def build_teacher(cfg, student_dir: Path):
-    """The teacher as a frozen Megatron model under the learner's layout and precision (collective: every rank)."""
+def build_teachers(cfg, student_dir: Path) -> list:
+    """Every teacher of algorithm.distill, in order (collective: every rank)."""
+    return [build_teacher(cfg, student_dir, t.path) for t in cfg.algorithm.distill.all_teachers()]
+
+
+def build_teacher(cfg, student_dir: Path, path: str | None = None):
+    """A teacher (`path`; None: the first of algorithm.distill) as a frozen Megatron model under the learner's layout
+    and precision (collective: every rank)."""
     from megapo.layout import read_hf_config
     from megapo.learner.reference import MegatronReference
 
-    d = cfg.algorithm.distill
-    replay = cfg.algorithm.routing_replay != "off" and same_moe_shape(read_hf_config(d.teacher),
-                                                                      read_hf_config(student_dir))
-    return MegatronReference(d.teacher, cfg.parallel, micro_batch_tokens=cfg.train.micro_batch_tokens,
+    path = path if path is not None else cfg.algorithm.distill.all_teachers()[0].path
+    replay = cfg.algorithm.routing_replay != "off" and same_moe_shape(read_hf_config(path), read_hf_config(student_dir))
+    return MegatronReference(path, cfg.parallel, micro_batch_tokens=cfg.train.micro_batch_tokens,
                              row_tokens=cfg.train.row_tokens, routing_replay=replay, seed=cfg.train.seed,
                              precision=cfg.train.precision_spec())
+
+
+def teachers_advantages(advantages: list, old_logp: list, teacher_logps: list[list], coefs: list[float],
+                        loss_mask: list | None = None) -> tuple[list, list[float]]:
+    """A_t - Σ_j coefs[j] · (old_t - teacher_j_t) per response token, teacher j's log-probs teacher_logps[j]; and
+    each teacher's mean of old_t - teacher_j_t over the policy tokens. The terms add up, so the teachers are
+    subtracted one after the other (reverse_kl_advantages each)."""
+    kls = []
+    for logp, coef in zip(teacher_logps, coefs, strict=True):
+        advantages, kl = reverse_kl_advantages(advantages, old_logp, logp, coef, loss_mask)
+        kls.append(kl)
+    return advantages, kls
 
 
 def reverse_kl_advantages(advantages: list, old_logp: list, teacher_logp: list, coef: float,
@@ -61,3 +82,11 @@ def reverse_kl_advantages(advantages: list, old_logp: list, teacher_logp: list, 
         total += sum(g for g, m in zip(gaps, mask) if m)
         count += sum(1 for m in mask if m)
     return out, total / max(count, 1)
+
+
+def reverse_kl_metrics(kls: list[float]) -> dict:
+    """distill/reverse_kl: the first (or only) teacher's mean gap; with several, distill/reverse_kl/<j> each one's."""
+    metrics = {"distill/reverse_kl": kls[0]} if kls else {}
+    if len(kls) > 1:
+        metrics.update({f"distill/reverse_kl/{j}": kl for j, kl in enumerate(kls)})
+    return metrics

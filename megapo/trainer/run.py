@@ -23,7 +23,7 @@ from megapo.learner.reference import Reference
 from megapo.trainer import checkpoint as ckpt
 from megapo.trainer.config import RunConfig
 from megapo.trainer.critic_step import CRITIC_DIR, build_critic
-from megapo.trainer.distill import build_teacher
+from megapo.trainer.distill import build_teachers
 from megapo.trainer.fleet import make_fleet
 from megapo.trainer.handout import hand_out, rank_route_layers
 from megapo.trainer.length_stage import LengthStage
@@ -91,8 +91,8 @@ class Run:
         """The reference policy, the weight transport, the stages and what each rollout is drawn with."""
         cfg = self.cfg
         self.reference: Reference | None = build_reference(cfg, self.model_dir)
-        # on-policy distillation's teacher (megapo/trainer/distill.py): a frozen Megatron model on every rank
-        self.teacher: Reference | None = build_teacher(cfg, self.model_dir) if cfg.algorithm.distill.enabled else None
+        # on-policy distillation's teachers (megapo/trainer/distill.py): frozen Megatron models on every rank
+        self.teachers: list[Reference] = build_teachers(cfg, self.model_dir)
         # PPO's critic (megapo/trainer/critic_step.py): a trained Megatron value model on every rank
         self.critic = build_critic(cfg, self.model_dir) if cfg.algorithm.critic.enabled else None
         # data.reward_model (megapo/trainer/reward_model.py): a frozen Megatron score model on every rank (not closed
@@ -211,11 +211,11 @@ class Run:
     def update(self, step: int, groups: list[Group], timer: StepTimer) -> dict:
         """Advantages, π_old, π_ref, token stages and the optimizer steps (megapo.trainer.update)."""
         cfg = self.cfg
-        return update_policy(self.learner, groups, cfg, self.reference, self.loss, timer, teacher=self.teacher,
+        return update_policy(self.learner, groups, cfg, self.reference, self.loss, timer, teachers=self.teachers,
                              critic=self.critic, reward_model=self.reward_model,
                              measure_free_kl=self.eval_due(step, last=False),
                              measure_free_routing=stability_step(cfg, step), step=step,
-                             prompt_stats=self.prompt_stats)
+                             prompt_stats=self.prompt_stats, tokenizer=self.tokenizer)
 
     def sync_weights(self, step: int) -> dict:
         """The learner's new weights (after `step`) to the engine, as the next version; async mode waits first

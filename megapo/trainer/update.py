@@ -129,28 +129,62 @@ def on_policy(cfg: RunConfig, learner: Learner) -> bool:
             and not cfg.algorithm.needs_old_stats() and isinstance(learner, OnPolicyLearner))
 
 
-def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int) -> dict:
+def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int, self_teacher=None,
+                 correct: list[bool] | None = None) -> dict:
     """The token stages of algorithm.stages after the old-log-prob pass, in order, on the whole train batch at once
     (megapo.algorithms.pipeline: per-token advantages into sample.advantage, weights into sample.token_weight,
     which the learner multiplies the per-token loss by). π_old = sample.old_logp, its entropy sample.old_entropy;
-    nat_prefix draws from (train.seed, `step`), so a resumed run cuts as the unstopped one."""
+    nat_prefix draws from (train.seed, `step`), so a resumed run cuts as the unstopped one. `self_teacher`: the
+    self-teacher pass's values (self_teacher_inputs), `correct`: each sample's verdict (verdicts)."""
     from megapo.algorithms.pipeline import TokenContext, run_token_stages
 
     a = cfg.algorithm
-    ctx = TokenContext(group_size=cfg.rollout.n_samples, step=step, seed=cfg.train.seed, kl_coef=a.kl_coef)
+    ctx = TokenContext(group_size=cfg.rollout.n_samples, step=step, seed=cfg.train.seed, kl_coef=a.kl_coef,
+                       self_teacher=self_teacher, correct=correct)
     return run_token_stages(a.pipeline(), as_train_samples(batch), ctx)
 
 
-def distill_advantages(teacher: Reference, batch: list[TrainSample], coef: float) -> dict:
-    """A_t - coef (log π_old - log π_T) on every response token (megapo/trainer/distill.py; every rank: a Megatron
-    teacher is collective); distill/reverse_kl, the mean of log π_old - log π_T over the policy tokens."""
-    from megapo.trainer.distill import reverse_kl_advantages
+def self_teacher_inputs(learner: Learner, batch: list[TrainSample], groups: list[Group], cfg: RunConfig,
+                        tokenizer) -> object | None:
+    """The self-distillation stages' self-teacher values (megapo/trainer/self_teacher.py: one more learner forward
+    of the batch behind prompts with a context, collective, routing freely); None, and no forward, when no stage
+    reads them. `tokenizer` re-encodes the prompts as the run encodes them (data.chat_template)."""
+    spec = cfg.algorithm.self_teacher()
+    if spec is None:
+        return None
+    if tokenizer is None:
+        raise ValueError("tokenizer: the self-distillation stages re-encode each prompt with its context; "
+                         "update_policy needs the run's tokenizer")
+    from megapo.trainer.data import encode_example
+    from megapo.trainer.self_teacher import self_teacher_pass
 
-    adv, kl = reverse_kl_advantages([s.advantage for s in batch], [s.old_logp for s in batch],
-                                    reference_logprobs(teacher, batch), coef, [s.loss_mask for s in batch])
+    return self_teacher_pass(learner, batch, groups, spec,
+                             encode=lambda ex: encode_example(tokenizer, ex, cfg.data.chat_template),
+                             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def verdicts(groups: list[Group], cfg: RunConfig) -> list[bool]:
+    """Each sample's verifier verdict in batch order: Group.correct where the length stage set it, else its score
+    (the reward before length shaping) >= data.correct_threshold."""
+    out: list[bool] = []
+    for g in groups:
+        scores = g.scores if g.scores is not None else g.rewards
+        out += [bool(c) for c in g.correct] if g.correct is not None else [
+            r >= cfg.data.correct_threshold for r in scores]
+    return out
+
+
+def distill_advantages(teachers: list[Reference], batch: list[TrainSample], coefs: list[float]) -> dict:
+    """A_t - Σ_j coefs[j] (log π_old - log π_Tj) on every response token (megapo/trainer/distill.py; every rank: a
+    Megatron teacher is collective); distill/reverse_kl[/<j>], each teacher's mean gap over the policy tokens."""
+    from megapo.trainer.distill import reverse_kl_metrics, teachers_advantages
+
+    adv, kls = teachers_advantages([s.advantage for s in batch], [s.old_logp for s in batch],
+                                   [reference_logprobs(t, batch) for t in teachers], coefs,
+                                   [s.loss_mask for s in batch])
     for sample, values in zip(batch, adv):
         sample.advantage = values
-    return {"distill/reverse_kl": kl}
+    return reverse_kl_metrics(kls)
 
 
 def use_engine_logprobs(batch: list[TrainSample]) -> dict:
@@ -191,7 +225,8 @@ def mini_batch_bounds(group_sizes: list[int], mini_batches: int) -> list[tuple[i
 def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, reference: Reference | None, loss: LossSpec,
                   timer: StepTimer,
                   measure_free_kl: bool = False, measure_free_routing: bool = False, step: int = 1,
-                  prompt_stats=None, teacher: Reference | None = None, critic=None, reward_model=None) -> dict:
+                  prompt_stats=None, teachers: list[Reference] | None = None, critic=None, reward_model=None,
+                  tokenizer=None) -> dict:
     """All ranks: advantages, old (and reference) log-probs, then the optimizer steps on mini-batches under `loss`
     (the run's LossSpec, RunConfig.loss_spec).
     π_old (sample.old_logp) and the replayed routes (sample.routes) are set once, before the first
@@ -199,7 +234,9 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
     forward pass with the learner's own routing first (timed as "stability"): mismatch/k3_free, router/*.
     `critic` (algorithm.critic): GAE advantages from its values and its own step; during its warm-up
     (algorithm.critic.warmup_steps) the policy does not move. `reward_model` (data.reward_model, collective): its
-    score times data.reward_model.coef is added to each sample's reward in `groups` before the advantages."""
+    score times data.reward_model.coef is added to each sample's reward in `groups` before the advantages.
+    `teachers` (algorithm.distill, in its order, collective): their weighted reverse KLs enter the advantage.
+    `tokenizer`: the run's, for the self-distillation stages' prompts with a context (self_teacher_inputs)."""
     from megapo.replay.modes import free_routing, on_policy_step
 
     metrics: dict[str, float] = {}
@@ -233,10 +270,16 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
         if step <= cfg.algorithm.critic.warmup_steps:  # the values first learn the returns; the policy waits
             metrics["critic/warmup"] = 1
             return metrics
-    metrics.update(token_stages(batch, cfg, step))  # trainer step `step` (token_select's schedule, nat_prefix's cut)
-    if teacher is not None:  # on-policy distillation: the teacher's reverse KL enters the (per-token) advantage
+    self_teacher = None
+    if cfg.algorithm.self_teacher() is not None:  # the self-distillation stages' extra forward (collective)
+        with timer("self_teacher"):
+            self_teacher = self_teacher_inputs(learner, batch, groups, cfg, tokenizer)
+    # trainer step `step` (token_select's schedule, nat_prefix's cut)
+    metrics.update(token_stages(batch, cfg, step, self_teacher, verdicts(groups, cfg)))
+    if teachers:  # on-policy distillation: the teachers' weighted reverse KLs enter the (per-token) advantage
         with timer("teacher"):
-            metrics.update(distill_advantages(teacher, batch, cfg.algorithm.distill.coef))
+            coefs = [t.coef for t in cfg.algorithm.distill.all_teachers()]
+            metrics.update(distill_advantages(teachers, batch, coefs))
     with timer("train"):
         last: dict = {}
         if fused:  # one update on the whole batch, π_old from its own forward
