@@ -92,6 +92,9 @@ def test_valid_base(tmp_path, tiny_moe):
             data = _set(_base(tiny_moe), key, e.name)
             if kind == "objective" and e.name in required:
                 _set(data, "algorithm.objective_options", required[e.name])
+            if kind == "objective" and e.name == "haepo":  # its stage and entropy term (tests/test_haepo.py)
+                _set(data, "algorithm.stages", [{"name": "plackett_luce"}])
+                _set(data, "algorithm.entropy_coef", 0.01)
             if kind == "correction":
                 _set(data, "algorithm.objective_options", {})
             assert getattr(_load(tmp_path, data).algorithm, key.split(".")[1]) == e.name

@@ -255,8 +255,9 @@ class AlgorithmConfig:
     # `megapo objectives --stages`): [{name: <stage>, <its options>}, ...]; sequence stages (per group, on the
     # estimator's advantages: polarity, d3s_select, cumulative_std, clamp_correct) before token stages (on the train
     # batch after the old-log-prob pass: gtpo, grpo_s, advantage_reweighting, future_drift, future_kl, token_select,
-    # stapo, nat_prefix, ...; self-distillation: opid, intro, credit, srpo). The loop computes only the inputs some
-    # stage reads (π_old's entropy, π_ref, the self-teacher's log-probs, ...).
+    # stapo, nat_prefix, ...; self-distillation: opid, intro, credit, srpo; entropy credit: erpo, aepo; haepo's
+    # plackett_luce). The loop computes only the inputs some stage reads (π_old's entropy, π_ref, the self-teacher's
+    # log-probs, ...).
     stages: list[dict[str, Any]] = field(default_factory=list)
     # on-policy distillation: frozen teachers' weighted per-token reverse KLs enter the advantage
     # (megapo/trainer/distill.py)
@@ -392,7 +393,24 @@ class AlgorithmConfig:
                 raise ConfigError(f"algorithm.stages[{i}]", "cumulative_std replaces grpo's per-group "
                                   f"standardisation; algorithm.advantage is {self.advantage!r} (set grpo)")
         _check_self_teacher_contexts(stages)
+        _check_haepo(self, stages)
 
+
+def _check_haepo(a: "AlgorithmConfig", stages: list) -> None:
+    """HAEPO's two pieces come together (megapo/algorithms/plackett_luce.py): objective haepo reads the stage
+    plackett_luce's per-trajectory weights, which no other objective reads as advantages; its entropy regularisation
+    is algorithm.entropy_coef."""
+    from megapo.algorithms.plackett_luce import STAGE
+
+    where = [i for i, s in enumerate(stages) if s.name == STAGE]
+    if a.objective == "haepo" and not where:
+        raise ConfigError("algorithm.stages", f"objective haepo reads the Plackett-Luce trajectory weights of stage "
+                          f"{STAGE}: add {{name: {STAGE}}}")
+    if where and a.objective != "haepo":
+        raise ConfigError(f"algorithm.stages[{where[0]}]", f"{STAGE} gives HAEPO's trajectory weights, which only "
+                          f"objective haepo reads; algorithm.objective is {a.objective!r}")
+    if a.objective == "haepo" and not a.entropy_coef > 0:
+        raise ConfigError("algorithm.entropy_coef", "haepo's entropy regularisation: must be > 0")
 
 def _check_self_teacher_contexts(stages: list) -> None:
     """The self-distillation stages share one context (one self-teacher pass serves them): ConfigError naming

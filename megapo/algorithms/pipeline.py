@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from megapo.algorithms import entropy_credit
+from megapo.algorithms import plackett_luce
 from megapo.algorithms import self_distill
 from megapo.algorithms import stages as st
 from megapo.algorithms import token_credit
@@ -210,6 +212,22 @@ def _self_distill(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict
     return out
 
 
+def _entropy_credit(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+    """An entropy-credit stage (megapo/algorithms/entropy_credit.py: erpo, aepo) on the whole train batch: per-token
+    advantages into sample.advantage."""
+    reads = s.inputs
+    values = entropy_credit.entropy_credit_advantages(
+        s.name, advantages=[x.advantage for x in batch], entropy=[x.old_entropy for x in batch],
+        group_size=ctx.group_size, correct=ctx.correct if "correct" in reads else None,
+        old_logp=[x.old_logp for x in batch] if "old_logp" in reads else None,
+        ref_logp=[x.ref_logp for x in batch] if "ref_logp" in reads else None, **s.given)
+    before = [torch.as_tensor(x.advantage, dtype=torch.float64).reshape(-1).expand(len(v))
+              for x, v in zip(batch, values)]
+    _set_advantages(batch, values)
+    shift = torch.cat([v - b for v, b in zip(values, before)]) if values else torch.zeros(0, dtype=torch.float64)
+    return {f"{s.name}/adv_shift": float(shift.abs().mean()) if shift.numel() else 0.0}  # mean |A' − A| per token
+
+
 _PER_SAMPLE = ("sequence_advantage", "old_logp")
 _GROUP_TOKENS = ("sequence_advantage", "response_tokens")
 STAGES: dict[str, StageDecl] = {
@@ -235,6 +253,11 @@ STAGES: dict[str, StageDecl] = {
     "intro": StageDecl("token", "token_weight", ("old_logp",), _self_distill),
     "credit": StageDecl("token", "advantage_stage", (), _self_distill),
     "srpo": StageDecl("token", "advantage_stage", ("old_logp", "correct"), _self_distill),
+    # HAEPO's Plackett-Luce trajectory weights (megapo/algorithms/plackett_luce.py; objective haepo)
+    "plackett_luce": StageDecl("token", "advantage_stage", _PER_SAMPLE, plackett_luce.run_stage),
+    # entropy credit (megapo/algorithms/entropy_credit.py); aepo's KL term adds old_logp, ref_logp (token_inputs)
+    "erpo": StageDecl("token", "advantage_stage", ("sequence_advantage", "old_entropy"), _entropy_credit),
+    "aepo": StageDecl("token", "advantage_stage", ("sequence_advantage", "old_entropy", "correct"), _entropy_credit),
 }
 
 

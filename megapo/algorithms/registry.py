@@ -69,6 +69,9 @@ _MODULES = (
     "megapo.algorithms.stages",
     "megapo.algorithms.token_credit",
     "megapo.algorithms.self_distill",
+    "megapo.algorithms.entropy_credit",
+    "megapo.algorithms.plackett_luce",
+    "megapo.algorithms.value_tracker",
 )
 
 

@@ -289,7 +289,8 @@ def renamed_fipo(adv: Tensor, s: TokenStats, o) -> Tensor:
 NEEDS_ENTROPY = ("gtpo", "grpo_s")
 # advantage_stage entries that do not turn sequence advantages into per-token ones (token_advantages refuses them)
 NOT_TOKEN_ADVANTAGE = ("polarity", "future_kl", "d3s_select", "cumulative_std", "tempo", "gtpo_trajectory", "ktae",
-                       "opid", "credit", "srpo")  # the last three: megapo/algorithms/self_distill.py
+                       "opid", "credit", "srpo",  # these three: megapo/algorithms/self_distill.py
+                       "erpo", "aepo")  # megapo/algorithms/entropy_credit.py
 
 
 def _padded(values: list, width: int, dtype) -> Tensor:

@@ -58,6 +58,13 @@ def group_advantages(groups: list[Group], cfg: RunConfig, step: int, prompt_stat
 
     a, stages = cfg.algorithm, cfg.algorithm.pipeline()
 
+    if a.advantage == "spo":  # SPO: the persistent value tracker `prompt_stats` (value_tracker.ValueTracker), no groups
+        from megapo.algorithms.stages import prompt_key
+        from megapo.algorithms.value_tracker import spo_advantages
+
+        adv = spo_advantages([g.rewards for g in groups], [prompt_key(g.example.prompt) for g in groups], prompt_stats,
+                             step, **a.advantage_options)
+        return [run_sequence_stages(stages, x[None, :], _rows([g], stages, step, None))[0] for x, g in zip(adv, groups)]
     def advantages(part: list[Group]) -> torch.Tensor:
         full = compute_advantages(a.advantage, _rewards(part), lengths=_lengths(part), **a.advantage_options)
         return run_sequence_stages(stages, full, _rows(part, stages, step, prompt_stats))
@@ -310,9 +317,13 @@ def stability_step(cfg: RunConfig, step: int) -> bool:
 
 def new_prompt_stats(cfg: RunConfig, saved: dict | None = None):
     """The running per-prompt reward statistics (stages.PromptRewardStats) a stage reads (prompt_stats:
-    cumulative_std), restored from a checkpoint's TrainerState.extra when `saved` is given; None when none does."""
+    cumulative_std), or SPO's value tracker (algorithm.advantage spo: value_tracker.ValueTracker), restored from a
+    checkpoint's TrainerState.extra when `saved` is given; None when none does."""
     from megapo.algorithms.stages import PromptRewardStats
+    from megapo.algorithms.value_tracker import STATE_KEY, ValueTracker
 
+    if cfg.algorithm.advantage == "spo":  # SPO's value tracker (megapo/algorithms/value_tracker.py)
+        return ValueTracker((saved or {}).get(STATE_KEY))
     if "prompt_stats" not in cfg.algorithm.stage_inputs():
         return None
     return PromptRewardStats((saved or {}).get("prompt_stats"))
@@ -320,4 +331,8 @@ def new_prompt_stats(cfg: RunConfig, saved: dict | None = None):
 
 def stage_state(prompt_stats) -> dict:
     """What the stages keep across steps, for TrainerState.extra (JSON)."""
+    from megapo.algorithms.value_tracker import STATE_KEY, ValueTracker
+
+    if isinstance(prompt_stats, ValueTracker):
+        return {STATE_KEY: prompt_stats.state_dict()}
     return {} if prompt_stats is None else {"prompt_stats": prompt_stats.state_dict()}
