@@ -231,16 +231,21 @@ def test_stopped_job_checkpoints_requeues_resumes_and_cancel_is_final(cluster, m
     assert json.loads((out_dir / "checkpoints" / "latest.json").read_text()) == {"step": ends[-1]}
 
 
+TRAINER_JOB_STEPS = 30  # the stop lands mid-run: a fresh-clone run had done 5 of 6 tiny steps when SIGTERM came
+
+
 def test_real_trainer_job_is_stopped_requeued_and_resumes_from_its_checkpoint(cluster, model, tmp_path, capsys, jobs):
     """The tiny main job itself (`megapo train`, Megatron learner, embedded engine) under sbatch:
-    SIGTERM after step 2 -> checkpoint -> requeue -> the rerun resumes at step 3 and completes."""
+    SIGTERM once step 2 is logged -> checkpoint after the current step -> requeue -> the rerun resumes at the next
+    step and completes."""
     cfg = yaml.safe_load((REPO / "megapo" / "configs" / "tiny_moe_addition.yaml").read_text())
     out_dir = tmp_path / "out"
     cfg["model"] = {"path": str(model)}
     cfg["sft"]["enabled"] = False
     cfg["data"].update(prompts_per_step=4, dynamic_sampling=False)
     cfg["rollout"]["n_samples"] = 4
-    cfg["train"].update(steps=6, eval_every=0, ckpt_every=100, keep_last=2, output_dir=str(out_dir), log=["jsonl"])
+    cfg["train"].update(steps=TRAINER_JOB_STEPS, eval_every=0, ckpt_every=100, keep_last=2, output_dir=str(out_dir),
+                        log=["jsonl"])
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(cfg))
     rc = main(["launch", "slurm", str(config), "--gpus-per-node", "0", "--procs-per-node", "1", "--nodes", "1",
@@ -259,8 +264,8 @@ def test_real_trainer_job_is_stopped_requeued_and_resumes_from_its_checkpoint(cl
     info = wait_done(job, out_dir, timeout=300)
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), info
     steps = steps_logged()
-    # every step 1..6 was trained and logged exactly once: the rerun started after the checkpoint of the stop
-    assert sorted(steps) == list(range(1, 7)), steps
-    assert (out_dir / "checkpoints" / "step_00000006" / "trainer_state.json").is_file()
+    # every step was trained and logged exactly once: the rerun started after the checkpoint of the stop
+    assert sorted(steps) == list(range(1, TRAINER_JOB_STEPS + 1)), steps
+    assert (out_dir / "checkpoints" / f"step_{TRAINER_JOB_STEPS:08d}" / "trainer_state.json").is_file()
     log = (out_dir / "logs" / f"slurm-{job}.out").read_text()
     assert "requeue" in log.lower()

@@ -9,6 +9,7 @@
   tests/test_trainer_resume.py's SIGTERM test: the stop after the signal is the same code.)
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -99,3 +100,38 @@ def test_ctrl_c_checkpoints_and_exits_75(tmp_path, tiny_moe):
     assert f"step_{stopped_at:08d}" in saved and not any(n.endswith(".tmp") for n in saved)  # ... with its checkpoint
     state = json.loads((out / "checkpoints" / f"step_{stopped_at:08d}" / "trainer_state.json").read_text())
     assert state["step"] == stopped_at and state["weight_version"] == stopped_at  # every logged step was trained
+
+
+CHILD = "import sys; print('ready', flush=True); sys.stdin.readline(); print('alive', flush=True)"
+
+
+def _child_after_sigterm(hold: bool) -> tuple[str, int]:
+    """Start a child (inside signals_held when `hold`), SIGTERM it once it is up, then ask it to answer."""
+    from megapo.trainer.stop import signals_held
+
+    with signals_held() if hold else contextlib.nullcontext():
+        child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        child.send_signal(signal.SIGTERM)
+        out, _ = child.communicate("go\n", timeout=60)
+    except BrokenPipeError:  # it died before reading
+        out = ""
+        child.wait(60)
+    return out.strip(), child.returncode
+
+
+def test_a_process_started_while_signals_are_held_survives_a_stop_signal():
+    """A helper a checkpoint save starts (Megatron's writer spawns one) while a stop signal is on its way: started
+    inside signals_held it keeps SIGTERM blocked and answers; started outside, SIGTERM ends it (the control)."""
+    assert _child_after_sigterm(hold=True) == ("alive", 0)
+    assert _child_after_sigterm(hold=False)[1] == -signal.SIGTERM
+
+
+def test_signals_held_restores_the_mask():
+    from megapo.trainer.stop import signals_held
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    with signals_held():
+        assert signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before

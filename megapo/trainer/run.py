@@ -31,6 +31,7 @@ from megapo.trainer.metrics import MetricsLogger, SampleLogger, StepTimer
 from megapo.trainer.reward_model import build_reward_model
 from megapo.trainer.run_dir import CHECKPOINTS
 from megapo.trainer.rollout import Group, collect_rollouts, make_reward_fn, sampling_params, turn_play
+from megapo.trainer.stop import signals_held
 from megapo.trainer.update import new_prompt_stats, stability_step, stage_state, update_policy
 
 log = logging.getLogger(__name__)
@@ -277,9 +278,10 @@ class Run:
         state = ckpt.TrainerState(step, self.source.state_dict(), self.version, extra=extra)
         engine = self.engine
         engine_rng = {"engine": engine.rng_state()} if engine is not None and engine.capabilities.rng_state else {}
-        ckpt.save_checkpoint(self.out_dir / CHECKPOINTS, state, self.save_models, self.cfg.train.keep_last,
-                             rank() == 0, barrier, rank=rank(), rng_extra=engine_rng,
-                             write_files=(lambda folder: save_batches(folder, ahead)) if ahead else None)
+        with signals_held():  # a stop signal now must not kill the helper processes the save starts
+            ckpt.save_checkpoint(self.out_dir / CHECKPOINTS, state, self.save_models, self.cfg.train.keep_last,
+                                 rank() == 0, barrier, rank=rank(), rng_extra=engine_rng,
+                                 write_files=(lambda folder: save_batches(folder, ahead)) if ahead else None)
 
     def log(self, step: int, metrics: dict, timer: StepTimer, tokens: int) -> dict:
         """Write the step's metrics row (rank 0) with the collapse watch and the phase times; returns the row."""

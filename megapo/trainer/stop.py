@@ -4,7 +4,10 @@ SIGTERM / SIGUSR1 / SIGINT (Ctrl-C) only set a flag. The first one is enough: fr
 by this process and by every process it starts while it saves (an ignored signal stays ignored in children), and
 a line on stderr says so (a second Ctrl-C does not abort: SIGKILL does, losing the step). They do arrive
 again: Slurm signals every process of the step and torchrun then sends SIGTERM to the worker's whole process
-group, which would kill the helper process Megatron's checkpoint writer spawns, and the save with it.
+group, which would kill the helper process Megatron's checkpoint writer spawns, and the save with it. A signal
+that lands while a save is starting such a helper, before this process's handler has run, would still reach the
+helper (a spawned process starts with the default action), so the save runs with the stop signals blocked
+(`signals_held`): a child inherits the blocked mask and cannot be stopped by them; this process handles them after.
 The loop asks `StopFlag.agreed()` at every step boundary: an all-reduce of the flag, so every rank
 stops after the same step, saves the same checkpoint and raises `TrainingStopped`; `megapo train`
 then exits with EXIT_CHECKPOINTED (75) and a rerun with `--resume` continues at the next step.
@@ -12,6 +15,7 @@ then exits with EXIT_CHECKPOINTED (75) and a rerun with `--resume` continues at 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from dataclasses import dataclass, field
@@ -20,6 +24,18 @@ from dataclasses import dataclass, field
 EXIT_CHECKPOINTED = 75
 # SIGINT: a terminal sends it to the whole foreground process group, like torchrun's SIGTERM
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def signals_held(signals=STOP_SIGNALS):
+    """Block `signals` in this thread for the body (a checkpoint save); a signal that arrives meanwhile stays
+    pending, or is taken by another thread, and the flag handler runs as usual. Every process the body starts
+    inherits the blocked mask, across exec too."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class TrainingStopped(Exception):
