@@ -312,24 +312,28 @@ def generated_tokens(engine) -> float:
                if line.startswith("vllm:generation_tokens_total"))
 
 
-def preempted_batch(engine, prompts, params, folder, version, after_tokens):
-    """engine.generate in a thread, preempted once the server has generated `after_tokens` more tokens; the new
-    weights (`folder`) are loaded as `version` and the server resumed. Returns the samples and, as the first
-    requests returned them, the samples the preemption cut."""
-    request, cuts, out = engine._request, [], {}
+def preempted_batch(engine, prompts, params, folder, version, into: float):
+    """engine.generate in a thread (one request at a time), preempted `into` of a request's duration after the first
+    request has returned (the duration measured as the server is loaded now, not guessed); the new weights
+    (`folder`) are then loaded as `version` and the server resumed. Returns the samples and, as the first requests
+    returned them, the samples the preemption cut."""
+    request, cuts, out, returned = engine._request, [], {}, []
 
     def recording(prompt, p, seed):
+        start = time.monotonic()
         answer = request(prompt, p, seed)
         cuts.extend(s for s in answer if s.finish_reason == "abort")
+        returned.append(time.monotonic() - start)
         return answer
 
     engine._request = recording
     try:
-        before = generated_tokens(engine)
         worker = threading.Thread(target=lambda: out.setdefault("groups", engine.generate(prompts, params)))
         worker.start()
-        while generated_tokens(engine) - before < after_tokens and worker.is_alive():
-            time.sleep(0.01)
+        deadline = time.monotonic() + 300
+        while not returned and worker.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(into * returned[0] if returned else 0.0)
         engine.preempt()
         engine.update_weights_from_disk(str(folder), version)
         worker.join(300)
@@ -340,24 +344,26 @@ def preempted_batch(engine, prompts, params, folder, version, after_tokens):
 
 def test_real_server_preempted_samples_continue_on_new_weights(real):
     """Version v+1 loaded mid-batch; each token's log-prob is transformers' under the version that produced it
-    (version v: the base weights when v is even, the changed ones when odd). The preemption follows the server's
-    count of generated tokens (GET /metrics), whose answer comes late when the server's core is busy: seconds, in a
-    loaded suite run, after a parallel batch had ended. So the batch goes one request at a time (a second client of
-    the module's server, max_concurrency=1): some request is in flight at every moment until the batch ends, and 8
-    requests of 2 × 400 tokens last far longer than that lag. One that still came too late is tried again."""
+    (version v: the base weights when v is even, the changed ones when odd). A busy server answers any HTTP call
+    late (/metrics, and the /pause?mode=abort of the preemption itself: about 1.2 s in a measured try, where
+    requests of 2 × 400 tokens took 0.85 s; a fresh-clone run cut nothing in 3 tries), and the client holds new
+    requests from the moment it preempts; so the batch goes one request at a time (a second client of the module's
+    server, max_concurrency=1), each request 8 × 400 tokens, longer than that lag, and the preemption is sent a
+    tenth of a request's duration (measured as the first one ran) after the first request returned: it lands inside
+    the second. An attempt that still cut nothing is tried again."""
     from transformers import AutoModelForCausalLM
 
     served, base, changed = real
     engine = VLLMEngine(served.url, api_key=served._server.api_key, max_concurrency=1,
                         weight_version=served.weight_version)
     hf = {v: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for v, d in ((0, base), (1, changed))}
-    prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23], [30, 31], [40, 41, 42], [50], [60, 61], [70, 71, 72, 73]]
-    params = SamplingParams(n=2, max_new_tokens=400, seed=0)  # 16 samples, 6400 tokens, one request at a time
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23], [30, 31]]
+    params = SamplingParams(n=8, max_new_tokens=400, seed=0)  # 4 requests of 8 × 400 tokens, one at a time
     try:
         for attempt in range(3):
             start, old = time.monotonic(), engine.weight_version
             samples, cuts = preempted_batch(engine, prompts, params, changed if old % 2 == 0 else base, old + 1,
-                                            after_tokens=200 // (attempt + 1))
+                                            into=(0.1, 0.3, 0.0)[attempt])
             print(f"attempt {attempt}: {time.monotonic() - start:.1f} s, {len(cuts)} cut samples")
             if any(c.output_ids for c in cuts):
                 break

@@ -110,7 +110,8 @@ def _child_after_sigterm(hold: bool) -> tuple[str, int]:
     from megapo.trainer.stop import signals_held
 
     with signals_held() if hold else contextlib.nullcontext():
-        child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
         child.send_signal(signal.SIGTERM)

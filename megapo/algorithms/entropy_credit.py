@@ -22,6 +22,7 @@ from torch import Tensor
 
 from megapo.algorithms.options import check_choice, check_number
 from megapo.algorithms.registry import get, register
+from megapo.algorithms.token_tensors import per_token_advantages, per_token_values
 
 STAGES = ("erpo", "aepo")
 LEVELS = ("easy", "medium", "hard")
@@ -173,26 +174,6 @@ def aepo(adv: Tensor, hwe: Tensor, level: str, kl: Tensor | None, o: AepoOptions
 # ----------------------------------------------------------------------------- one stage over a train batch
 
 
-def _per_token(name: str, values: list | None, lengths: list[int]) -> list[Tensor]:
-    out = []
-    for i, (v, n) in enumerate(zip(values if values is not None else [None] * len(lengths), lengths)):
-        if v is None or len(v) != n:
-            raise ValueError(f"{name}[{i}]: expected {n} values (one per response token), got "
-                             f"{None if v is None else len(v)}")
-        out.append(torch.as_tensor(v, dtype=torch.float64).reshape(-1))
-    return out
-
-
-def _advantages(advantages: list, lengths: list[int]) -> list[Tensor]:
-    out = []
-    for i, (a, n) in enumerate(zip(advantages, lengths)):
-        a = torch.as_tensor(a, dtype=torch.float64).reshape(-1)
-        if a.numel() not in (1, n):
-            raise ValueError(f"advantages[{i}]: {a.numel()} values for {n} response tokens")
-        out.append(a.expand(n).clone())
-    return out
-
-
 def entropy_credit_advantages(name: str, *, advantages: list, entropy: list, group_size: int,
                               correct: list | None = None, old_logp: list | None = None, ref_logp: list | None = None,
                               **options) -> list[Tensor]:
@@ -208,8 +189,8 @@ def entropy_credit_advantages(name: str, *, advantages: list, entropy: list, gro
     lengths = [len(e) for e in entropy]
     if len(advantages) != len(lengths) or len(lengths) % group_size:
         raise ValueError(f"advantages: {len(advantages)} for {len(lengths)} samples in groups of {group_size}")
-    h = _per_token("entropy", entropy, lengths)
-    adv = _advantages(advantages, lengths)
+    h = per_token_values("entropy", entropy, lengths)
+    adv = per_token_advantages(advantages, lengths)
     groups = range(0, len(lengths), group_size)
     if name == "erpo":
         return [a for g in groups for a in erpo(adv[g:g + group_size], h[g:g + group_size], o)]
@@ -217,8 +198,8 @@ def entropy_credit_advantages(name: str, *, advantages: list, entropy: list, gro
         raise ValueError(f"correct: aepo needs the verifier's verdict of each of the {len(lengths)} samples")
     kl = [None] * len(lengths)
     if o.token_inputs:
-        kl = [p - r for p, r in zip(_per_token("old_logp", old_logp, lengths), _per_token("ref_logp", ref_logp,
-                                                                                             lengths))]
+        old, ref = per_token_values("old_logp", old_logp, lengths), per_token_values("ref_logp", ref_logp, lengths)
+        kl = [p - r for p, r in zip(old, ref)]
     windows = [window_entropy(x, o.window) for x in h]
     tau = hwe_threshold(torch.cat(windows) if windows else torch.zeros(0, dtype=torch.float64), o.hwe_frac)
     out = []

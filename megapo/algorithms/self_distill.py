@@ -31,6 +31,7 @@ from torch import Tensor
 
 from megapo.algorithms.options import check_choice, check_number
 from megapo.algorithms.registry import get, register
+from megapo.algorithms.token_tensors import per_token_advantages, per_token_values
 
 CONTEXTS = ("reference_answer", "best_sample")
 # assumption (ours): the hint goes before the prompt, so a raw-text prompt still ends where the response begins
@@ -229,27 +230,6 @@ class TeacherInputs:
     contrast_inputs: int = 0  # K actually used by the contrast (min(contrast, groups − 1))
 
 
-def _per_token(name: str, values: list | None, lengths: list[int]) -> list[Tensor]:
-    out = []
-    for i, (v, n) in enumerate(zip(values if values is not None else [None] * len(lengths), lengths)):
-        if v is None or len(v) != n:
-            raise ValueError(f"{name}[{i}]: expected {n} values (one per response token), got "
-                             f"{None if v is None else len(v)}")
-        out.append(torch.as_tensor(v, dtype=torch.float64).reshape(-1))
-    return out
-
-
-def _advantages(advantages: list, lengths: list[int]) -> list[Tensor]:
-    """One float64 tensor per sample: a sequence advantage repeated per token, or an earlier stage's per-token."""
-    out = []
-    for i, (a, n) in enumerate(zip(advantages, lengths)):
-        a = torch.as_tensor(a, dtype=torch.float64).reshape(-1)
-        if a.numel() not in (1, n):
-            raise ValueError(f"advantages[{i}]: {a.numel()} values for {n} response tokens")
-        out.append(a.expand(n).clone())
-    return out
-
-
 def self_distill_advantages(name: str, *, lengths: list[int], advantages: list, teacher: TeacherInputs,
                             old_logp: list | None = None, correct: list | None = None, **options) -> list[Tensor]:
     """Stage `name` (STAGES) on a train batch of responses of `lengths` tokens: `advantages` per sample (a number, or
@@ -261,21 +241,21 @@ def self_distill_advantages(name: str, *, lengths: list[int], advantages: list, 
     entry = get(KIND[name], name, argument="stage")
     o = entry.make_options(options)
     lengths = [int(n) for n in lengths]
-    logp = _per_token("self_teacher_logp", teacher.logp, lengths)
-    adv = _advantages(advantages, lengths)
+    logp = per_token_values("self_teacher_logp", teacher.logp, lengths)
+    adv = per_token_advantages(advantages, lengths)
     if name == "credit":
         if teacher.contrast_inputs == 0:  # a batch of one prompt: no other input to contrast with
             return adv
-        contrast = _per_token("contrast_teacher_logp", teacher.contrast, lengths)
+        contrast = per_token_values("contrast_teacher_logp", teacher.contrast, lengths)
         return [credit(a, t, c, o) for a, t, c in zip(adv, logp, contrast)]
-    student = _per_token("old_logp", old_logp, lengths)
+    student = per_token_values("old_logp", old_logp, lengths)
     if name == "intro":
         return [intro(s, t, o) for s, t in zip(student, logp)]
     if name == "opid":
         return [opid(a, s, t, o) for a, s, t in zip(adv, student, logp)]
     if correct is None or len(correct) != len(lengths):
         raise ValueError(f"correct: srpo needs the verifier's verdict of each of the {len(lengths)} samples")
-    entropy = (_per_token("self_teacher_entropy", teacher.entropy, lengths) if o.entropy_temperature is not None
+    entropy = (per_token_values("self_teacher_entropy", teacher.entropy, lengths) if o.entropy_temperature is not None
                else [None] * len(lengths))
     return [srpo(a, s, t, h, bool(c), o) for a, s, t, h, c in zip(adv, student, logp, entropy, correct)]
 
