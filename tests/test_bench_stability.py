@@ -347,6 +347,52 @@ def test_sspo_cells_carry_the_tokenizers_sentence_ends(tmp_path, tiny_moe):
     assert err.value.field == "algorithm.objective_options.sentence_end_ids"
 
 
+def test_haepo_cells_carry_their_overrides(tmp_path, monkeypatch):
+    """haepo is refused by a run's config without stage plackett_luce and an entropy bonus: its cells get
+    OBJECTIVE_OVERRIDES after their axes, in their argv, cell.json and row's options; other cells do not."""
+    plan = make_plan(tmp_path, objectives=st.objective_names("haepo,dppo"), only=["haepo-off-m8-none-s0",
+                                                                                 "dppo-off-m8-none-s0"])
+    (cell,) = [c for c in plan.cells() if c.objective == "haepo"]
+    extra = list(st.OBJECTIVE_OVERRIDES["haepo"])
+    assert extra == ["algorithm.stages=[{name: plackett_luce}]", "algorithm.entropy_coef=0.01"]
+    assert cell.name == "haepo-off-m8-none-s0" and cell.overrides()[-2:] == extra
+    assert not any(o in c.overrides() for c in plan.cells() if c.objective != "haepo" for o in extra)
+    runner = FakeRunner()
+    st.run_grid(plan, runner=runner, warm_start=fake_warm_start)  # validate_cells: the config accepts the cell
+    job = next(j for j in runner.calls if j.cell.objective == "haepo")
+    axes = job.argv.index("train.seed=0")
+    assert job.argv[axes + 1: axes + 3] == extra
+    assert json.loads((plan.cell_dir(cell) / st.CELL_FILE).read_text())["overrides"][-6:-4] == extra
+    summary = json.loads((plan.out / "summary.json").read_text())
+    row = next(s for s in summary["settings"] if s["setting"] == "haepo-off-m8-none")
+    assert row["options"][-2:] == extra and row["label"] == "haepo"
+    table = (plan.out / "table.md").read_text()
+    assert f"| haepo | `{' '.join(extra)}` |" in table.split("OBJECTIVE_OVERRIDES")[1]
+
+    monkeypatch.setitem(st.OBJECTIVE_OVERRIDES, "haepo", ())  # without them the run's config refuses the cell
+    with pytest.raises(ConfigError) as err:
+        st.validate_cells(plan, plan.cells(), STEPS)
+    assert err.value.field == "algorithm.stages" and "(cell haepo-off-m8-none-s0)" in str(err.value)
+
+
+@pytest.mark.parametrize("table, field, words", [
+    ({"haepo": ("algorithm.stages=[{name: plackett_luce}]", "train.mini_batches=4")},
+     "OBJECTIVE_OVERRIDES['haepo'][1]", "cell axis"),
+    ({"haepo": ("algorithm.routing_replay=r3",)}, "OBJECTIVE_OVERRIDES['haepo'][0]", "cell axis"),
+    ({"haepo": ("entropy_coef",)}, "OBJECTIVE_OVERRIDES['haepo'][0]", "section.field=value"),
+    ({"ppo": ("algorithm.entropy_coef=0.01",)}, "OBJECTIVE_OVERRIDES['ppo']", "variants' baseline"),
+])
+def test_objective_overrides_that_set_a_cell_axis_are_refused(tmp_path, monkeypatch, table, field, words):
+    with pytest.raises(ConfigError) as err:
+        st.check_objective_overrides(table)
+    assert err.value.field == field and words in str(err.value)
+    monkeypatch.setattr(st, "OBJECTIVE_OVERRIDES", table)  # and the grid stops before any cell runs
+    runner = FakeRunner()
+    with pytest.raises(ConfigError) as err:
+        st.run_grid(make_plan(tmp_path, objectives=["haepo"]), runner=runner, warm_start=fake_warm_start)
+    assert err.value.field == field and runner.calls == []
+
+
 # ----------------------------------------------------------------------------- --variants
 
 

@@ -11,7 +11,8 @@ minirl, cispo} x routing replay {off, r2, r3} x train.mini_batches {1, 4, 8} (op
 off-policy degree) x mismatch correction {none, tis} x seeds. `full` is the whole product; `small` is the union
 of the cells that answer the three questions in SMALL_QUESTIONS. `--objectives all` (or a list) adds every
 registered objective at no replay, no correction, m=8 (OBJECTIVE_REGIME; default options, but sspo's cells split
-at the run's tokenizer's sentence ends, TOKENIZER_OPTIONS); `--variants all` (or a list) adds the
+at the run's tokenizer's sentence ends, TOKENIZER_OPTIONS, and haepo's cells add the stage and entropy bonus it
+needs, OBJECTIVE_OVERRIDES); `--variants all` (or a list) adds the
 named VARIANTS there too: ppo with one stage or option of issue 14 switched on (a config override list each), the
 methods that are not objectives. The train-inference mismatch itself comes from the config's rollout.dtype (the
 engine in bfloat16, the learner in fp32; megapo/configs/stability_base.yaml).
@@ -145,7 +146,7 @@ class Cell:
                 f"train.mini_batches={self.mini_batches}", f"algorithm.mismatch={self.mismatch}",
                 f"train.seed={self.seed}", *([f"rollout.router_noise={self.noise:g}"] if self.noise else []),
                 *([f"algorithm.objective_options={self.objective_options}"] if self.objective_options else []),
-                *VARIANTS.get(self.variant, ())]
+                *OBJECTIVE_OVERRIDES.get(self.objective, ()), *VARIANTS.get(self.variant, ())]
 
     @property
     def options(self) -> list[str]:
@@ -183,6 +184,13 @@ def objective_names(spec: str) -> list[str]:
 # newline and EOS.
 SENTENCE_END_TEXTS = (".", "?", "!", "\n")
 TOKENIZER_OPTIONS = {"sspo": lambda tok: {"sentence_end_ids": sentence_end_ids(tok)}}
+# Objectives a run's config refuses without other fields set: the overrides (not cell axes:
+# check_objective_overrides) every cell of that objective gets after its axes, in its cell.json, its argv and its
+# row's options. haepo reads the Plackett-Luce trajectory weights of stage plackett_luce and regularises by entropy
+# (megapo.algorithms.config._check_haepo); entropy_coef 0.01 is ours (HAEPO gives no value for this task).
+OBJECTIVE_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "haepo": ("algorithm.stages=[{name: plackett_luce}]", "algorithm.entropy_coef=0.01"),
+}
 
 
 def sentence_end_ids(tokenizer) -> list[int]:
@@ -261,10 +269,32 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "tw_grpo": ("algorithm.stages=[{name: tw_grpo}]",),
     "drpo": ("algorithm.advantage=drpo",),  # advantage estimators: grpo's place, the stages as configured
     "canon": ("algorithm.advantage=canon",),
+    "spo": ("algorithm.advantage=spo",),  # its value tracker persists across steps (the checkpoint keeps it)
+    # self-distillation (the policy as its own teacher behind the task's reference answer; the regime's π_old is
+    # the learner's, as these need: megapo.trainer.config._check_stage_policy); credit's contrast K = 1 of the
+    # prompts_per_step − 1 others
+    "opid": ("algorithm.stages=[{name: opid}]",),
+    "intro": ("algorithm.stages=[{name: intro}]",),
+    "credit": ("algorithm.stages=[{name: credit}]",),
+    "srpo": ("algorithm.stages=[{name: srpo}]",),
+    "erpo": ("algorithm.stages=[{name: erpo}]",),  # entropy credit (aepo's KL terms are 0 by default: no π_ref)
+    "aepo": ("algorithm.stages=[{name: aepo}]",),
 }
-# what a variant may not override: the cell's axes (its row would then say what it did not run)
+# what a variant (or an objective's OBJECTIVE_OVERRIDES) may not override: the cell's axes (its row would then say
+# what it did not run)
 CELL_FIELDS = ("algorithm.objective", "algorithm.routing_replay", "train.mini_batches", "algorithm.mismatch",
                "train.seed", "rollout.router_noise")
+
+
+def _check_overrides(where: str, overrides: tuple[str, ...]) -> None:
+    """Each item of `overrides` (VARIANTS[name] or OBJECTIVE_OVERRIDES[name], `where`) is section.field=value and
+    sets no cell axis."""
+    for i, item in enumerate(overrides):
+        key = item.split("=", 1)[0].strip()
+        if "=" not in item or "." not in key:
+            raise ConfigError(f"{where}[{i}]", f"expected section.field=value, got {item!r}")
+        if key in CELL_FIELDS:
+            raise ConfigError(f"{where}[{i}]", f"sets {key}, a cell axis (the row would not say it)")
 
 
 def check_variants(variants: dict[str, tuple[str, ...]], objectives: list[str]) -> None:
@@ -274,12 +304,17 @@ def check_variants(variants: dict[str, tuple[str, ...]], objectives: list[str]) 
         if name in objectives:
             raise ConfigError(f"VARIANTS[{name!r}]", "has an objective's name; its cells would clash with the "
                                                    "objective's")
-        for i, item in enumerate(overrides):
-            key = item.split("=", 1)[0].strip()
-            if "=" not in item or "." not in key:
-                raise ConfigError(f"VARIANTS[{name!r}][{i}]", f"expected section.field=value, got {item!r}")
-            if key in CELL_FIELDS:
-                raise ConfigError(f"VARIANTS[{name!r}][{i}]", f"sets {key}, a cell axis (the row would not say it)")
+        _check_overrides(f"VARIANTS[{name!r}]", overrides)
+
+
+def check_objective_overrides(table: dict[str, tuple[str, ...]]) -> None:
+    """OBJECTIVE_OVERRIDES: `section.field=value` items, none a cell axis, and none for VARIANT_OBJECTIVE (the
+    variants' cells would carry them: their rows are one stage or option on the plain baseline)."""
+    for name, overrides in table.items():
+        if name == VARIANT_OBJECTIVE:
+            raise ConfigError(f"OBJECTIVE_OVERRIDES[{name!r}]", f"{name} is the variants' baseline "
+                              "(VARIANT_OBJECTIVE); its cells run the config as it is")
+        _check_overrides(f"OBJECTIVE_OVERRIDES[{name!r}]", overrides)
 
 
 def variant_names(spec: str) -> list[str]:
@@ -425,6 +460,7 @@ def validate_cells(plan: GridPlan, cells: list[Cell], steps: int) -> None:
     """Every distinct setting's config is loaded and validated before anything is written or started (a bad
     override is a ConfigError naming the field and the cell). Before the warm start exists, a cell is checked
     against the model it will be made from."""
+    check_objective_overrides(OBJECTIVE_OVERRIDES)
     warm = plan.out / "warm_start" / "sft"
     model = str(warm) if (warm / "config.json").is_file() else base_model_path(plan)
     seen = set()
@@ -837,6 +873,13 @@ def table_markdown(summary: dict) -> str:
         lines += [f"## Variants: {VARIANT_OBJECTIVE} with one stage or option of issue 14 (`--variants`)", "",
                   "| variant | overrides |", "|---|---|"]
         lines += [f"| {name} | `{' '.join(o)}` |" for name, o in sorted(variants.items())]
+        lines.append("")
+    extra = {r["objective"]: OBJECTIVE_OVERRIDES[r["objective"]] for r in summary["cells"]
+             if r["objective"] in OBJECTIVE_OVERRIDES and not r.get("variant")}
+    if extra:
+        lines += ["## Objectives with overrides a run needs (OBJECTIVE_OVERRIDES; in the options column too)", "",
+                  "| objective | overrides |", "|---|---|"]
+        lines += [f"| {name} | `{' '.join(o)}` |" for name, o in sorted(extra.items())]
         lines.append("")
     lines += ["## Cells", "", "| cell | status | start acc | final acc | collapsed at | reason | dipped at |",
               "|---|---|---|---|---|---|---|"]
