@@ -1,4 +1,5 @@
-"""Scaffolding the objective tests share (test_objectives_seed32.py, test_objectives_ratio_gating.py): sequences
+"""Scaffolding the objective tests share (test_objectives_seed32.py, test_objectives_ratio_gating.py, the token
+stages' split checks of test_self_distill.py and test_entropy_credit.py): sequences
 padded into [S, T] tensors, the aggregations written as loops, float64 central finite differences of a loop and the
 split of a batch over 4 micro-batches x 2 DP shards (the config they check options against: algorithm_configs.py).
 Each test file keeps its own data (make_seqs) and its loops of the formulas."""
@@ -80,3 +81,35 @@ def check_split_sums(call, name: str, seqs: list[dict], pad, opts: dict) -> None
                 total += loss.item()
                 assert torch.allclose(sx.grad[0, : lengths[i]], x.grad[i, : lengths[i]], rtol=1e-12, atol=1e-15)
         assert total == pytest.approx(full.item(), rel=1e-12, abs=1e-14), agg
+
+
+def pad_rows(rows: list, width: int) -> torch.Tensor:
+    """Float lists (one per sequence) as a zero-padded [S, width] float64 tensor."""
+    out = torch.zeros(len(rows), width, dtype=F64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(r, dtype=F64)
+    return out
+
+
+def assert_ppo_split_invariant(old: list, adv: list, lengths: list[int], seed: int) -> None:
+    """PPO's token-mean loss and gradient on per-token advantages `adv` (computed once on the whole batch) equal
+    over 8 one-sequence pieces (2 DP ranks x 4 micro-batches, each normalised by the global token count), 1e-12;
+    the policy's log-probs are `old` moved by seeded noise."""
+    from megapo.algorithms import policy_loss
+
+    width = max(lengths)
+    g = torch.Generator().manual_seed(seed)
+    lp = pad_rows([[x + 0.1 * float(torch.randn(1, generator=g)) for x in row] for row in old], width)
+    o, a, mask = pad_rows(old, width), pad_rows(adv, width), pad_rows([[1] * n for n in lengths], width).bool()
+    x = lp.clone().requires_grad_(True)
+    full, _ = policy_loss("ppo", x, o, a, mask, loss_agg="token-mean")
+    full.backward()
+    total = 0.0
+    for k in range(len(lengths)):
+        sl = slice(k, k + 1)
+        y = lp[sl].clone().requires_grad_(True)
+        loss, _ = policy_loss("ppo", y, o[sl], a[sl], mask[sl], loss_agg="token-mean", global_tokens=sum(lengths))
+        loss.backward()
+        total += loss.item()
+        assert torch.allclose(y.grad, x.grad[sl], rtol=1e-12, atol=1e-15)
+    assert total == pytest.approx(full.item(), rel=1e-12)

@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megapo.algorithms import policy_loss
 from megapo.algorithms.entropy_credit import entropy_credit_advantages
 from megapo.config import ConfigError
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from objective_loops import assert_ppo_split_invariant  # noqa: E402
 import algorithm_configs  # noqa: E402
 
 make_cfg = partial(algorithm_configs.make_cfg, n_samples=2)
@@ -209,13 +209,6 @@ def test_inputs_missing_or_of_the_wrong_length_are_refused():
 # ----------------------------------------------------------------------------- batch statistics and the split
 
 
-def pad(rows, width):
-    out = torch.zeros(len(rows), width, dtype=F64)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(r, dtype=F64)
-    return out
-
-
 def test_aepo_threshold_is_the_whole_batch_and_the_loss_splits():
     """aepo's τ is a quantile of the whole train batch's window entropies: the stage runs once before the split (a
     τ taken per DP shard differs), and 4 micro-batches x 2 DP shards of the loss with those advantages give the
@@ -228,22 +221,7 @@ def test_aepo_threshold_is_the_whole_batch_and_the_loss_splits():
     shard = entropy_credit_advantages("aepo", advantages=adv[:4], entropy=entropy[:4], correct=CORRECT[:4], **kw)
     assert any(a.tolist() != pytest.approx(b.tolist(), rel=1e-9) for a, b in zip(whole[:4], shard))
     old = rand_lists(8, LENGTHS, -3.0, 0.0)
-    width = max(LENGTHS)
-    g = torch.Generator().manual_seed(9)
-    lp = pad([[x + 0.1 * float(torch.randn(1, generator=g)) for x in row] for row in old], width)
-    o, a, mask = pad(old, width), pad(whole, width), pad([[1] * n for n in LENGTHS], width).bool()
-    x = lp.clone().requires_grad_(True)
-    full, _ = policy_loss("ppo", x, o, a, mask, loss_agg="token-mean")
-    full.backward()
-    total = 0.0
-    for k in range(8):  # 2 DP ranks x 4 micro-batches of one sequence
-        sl = slice(k, k + 1)
-        y = lp[sl].clone().requires_grad_(True)
-        loss, _ = policy_loss("ppo", y, o[sl], a[sl], mask[sl], loss_agg="token-mean", global_tokens=sum(LENGTHS))
-        loss.backward()
-        total += loss.item()
-        assert torch.allclose(y.grad, x.grad[sl], rtol=1e-12, atol=1e-15)
-    assert total == pytest.approx(full.item(), rel=1e-12)
+    assert_ppo_split_invariant(old, whole, LENGTHS, seed=9)
 
 
 # ----------------------------------------------------------------------------- in the pipeline

@@ -29,6 +29,7 @@ from megapo.algorithms.self_distill import TeacherInputs, TeacherSpec, self_dist
 from megapo.config import ConfigError
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from objective_loops import assert_ppo_split_invariant, pad_rows  # noqa: E402
 import algorithm_configs  # noqa: E402
 
 make_cfg = partial(algorithm_configs.make_cfg, n_samples=2)
@@ -161,13 +162,6 @@ def test_the_stages_in_the_pipeline_set_advantages_weights_and_metrics():
 # ----------------------------------------------------------------------------- through the loss
 
 
-def pad(rows, width):
-    out = torch.zeros(len(rows), width, dtype=F64)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(r, dtype=F64)
-    return out
-
-
 def test_opid_advantages_and_intro_weights_through_policy_loss_formula_and_gradient():
     """The per-token advantages (opid) and weights (intro) drive ppo's token-mean loss as Σ w_t·clip-term(A_t)/N,
     written out; the float64 autograd gradient matches finite differences."""
@@ -179,8 +173,8 @@ def test_opid_advantages_and_intro_weights_through_policy_loss_formula_and_gradi
     width = max(LENGTHS)
     g = torch.Generator().manual_seed(13)
     rows = [[x + 0.1 * float(torch.randn(1, generator=g)) for x in lp] for lp in old]
-    lp, o, a, weights = pad(rows, width), pad(old, width), pad(adv, width), pad(w, width)
-    mask = pad([[1] * n for n in LENGTHS], width).bool()
+    lp, o, a, weights = pad_rows(rows, width), pad_rows(old, width), pad_rows(adv, width), pad_rows(w, width)
+    mask = pad_rows([[1] * n for n in LENGTHS], width).bool()
     loss, _ = policy_loss("ppo", lp, o, a, mask, loss_agg="token-mean", token_weight=weights)
     expect = 0.0
     for i, n in enumerate(LENGTHS):
@@ -470,22 +464,7 @@ def test_credit_baseline_is_the_whole_batch_and_the_loss_splits():
     adv_seq = [0.7, -0.7, -0.7, 0.7, 0.7, -0.7, -0.7, 0.7]
     adv = self_distill_advantages("credit", lengths=lengths, advantages=adv_seq, teacher=whole, beta=0.5)
     old = [stand_in_logp(s.tokens)[s.prompt_len - 1:].tolist() for s in batch]
-    width = max(lengths)
-    g = torch.Generator().manual_seed(17)
-    lp = pad([[x + 0.1 * float(torch.randn(1, generator=g)) for x in row] for row in old], width)
-    o, a, mask = pad(old, width), pad(adv, width), pad([[1] * n for n in lengths], width).bool()
-    x = lp.clone().requires_grad_(True)
-    full, _ = policy_loss("ppo", x, o, a, mask, loss_agg="token-mean")
-    full.backward()
-    total = 0.0
-    for k in range(8):  # 2 DP ranks x 4 micro-batches of one sequence
-        sl = slice(k, k + 1)
-        y = lp[sl].clone().requires_grad_(True)
-        loss, _ = policy_loss("ppo", y, o[sl], a[sl], mask[sl], loss_agg="token-mean", global_tokens=sum(lengths))
-        loss.backward()
-        total += loss.item()
-        assert torch.allclose(y.grad, x.grad[sl], rtol=1e-12, atol=1e-15)
-    assert total == pytest.approx(full.item(), rel=1e-12)
+    assert_ppo_split_invariant(old, adv, lengths, seed=17)
 
 
 # ----------------------------------------------------------------------------- config
