@@ -13,9 +13,7 @@ one: exactly one, routing freely, the replayed routes untouched); config refusal
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
 import sys
 from functools import partial
 from pathlib import Path
@@ -31,9 +29,9 @@ from megapo.config import ConfigError
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from objective_loops import assert_ppo_split_invariant, pad_rows  # noqa: E402
 import algorithm_configs  # noqa: E402
+from train_runs import train_rows  # noqa: E402
 
 make_cfg = partial(algorithm_configs.make_cfg, n_samples=2)
-ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64
 LENGTHS = [3, 5, 2, 4]
 
@@ -533,16 +531,9 @@ def test_objectives_lists_them_with_paper_and_formula(capsys):
 def test_megapo_train_with_credit_and_srpo(tmp_path, tiny_moe):
     """Two steps of `megapo train` (the Megatron learner on CPU, routing replay r3 from the config) with credit and
     srpo: the self-teacher pass runs (timed) and the stages log their metrics."""
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megapo.cli", "train", str(ROOT / "megapo/configs/tiny_moe_addition.yaml"),
-           f"model.path={tiny_moe}", "sft.enabled=false", f"train.output_dir={out}", "train.steps=2",
-           "train.eval_every=0", "train.ckpt_every=0", "train.log=[jsonl]", "data.prompts_per_step=4",
-           "rollout.n_samples=4", "rollout.max_new_tokens=6", "data.dynamic_sampling=false",
-           "algorithm.stages=[{name: credit, contrast: 1}, {name: srpo}]"]
-    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = train_rows(tmp_path, "credit_srpo", f"model.path={tiny_moe}", "train.steps=2", "data.prompts_per_step=4",
+                      "rollout.n_samples=4", "rollout.max_new_tokens=6",
+                      "algorithm.stages=[{name: credit, contrast: 1}, {name: srpo}]")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["time/self_teacher"] > 0 and r["credit/contrast_inputs"] == 1.0
