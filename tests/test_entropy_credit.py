@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import sys
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
