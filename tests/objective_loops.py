@@ -113,3 +113,18 @@ def assert_ppo_split_invariant(old: list, adv: list, lengths: list[int], seed: i
         total += loss.item()
         assert torch.allclose(y.grad, x.grad[sl], rtol=1e-12, atol=1e-15)
     assert total == pytest.approx(full.item(), rel=1e-12)
+
+
+class RecordingLearner:
+    """learner.logprobs of the old-log-prob pass: records whether π_old's entropy was asked for (the pipeline tests:
+    an input no stage asks for is not computed)."""
+
+    route_hook = None
+
+    def __init__(self):
+        self.asked = []
+
+    def logprobs(self, sequences, with_entropy=False, prompt_lens=None):
+        self.asked.append(with_entropy)
+        logps = [torch.full((len(s),), -0.5, dtype=F64) for s in sequences]
+        return (logps, [torch.full((len(s),), 0.7, dtype=F64) for s in sequences]) if with_entropy else logps

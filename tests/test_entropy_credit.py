@@ -23,7 +23,7 @@ from megapo.algorithms.entropy_credit import entropy_credit_advantages
 from megapo.config import ConfigError
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from objective_loops import assert_ppo_split_invariant  # noqa: E402
+from objective_loops import RecordingLearner, assert_ppo_split_invariant  # noqa: E402
 import algorithm_configs  # noqa: E402
 from train_runs import train_rows  # noqa: E402
 
@@ -240,20 +240,6 @@ def test_the_stages_in_the_pipeline_set_advantages_and_metrics():
     assert batch[1]["advantage"] == pytest.approx([-1.0, -1.0], rel=1e-13)
     assert metrics["erpo/adv_shift"] == pytest.approx((0.4 + 0.4 + 1.2 + 0.4) / 6, rel=1e-13)
     assert metrics["aepo/adv_shift"] == pytest.approx(0.2 / 6, rel=1e-13)
-
-
-class RecordingLearner:
-    """learner.logprobs of the old-log-prob pass: records whether π_old's entropy was asked for."""
-
-    route_hook = None
-
-    def __init__(self):
-        self.asked = []
-
-    def logprobs(self, sequences, with_entropy=False, prompt_lens=None):
-        self.asked.append(with_entropy)
-        logps = [torch.full((len(s),), -0.5, dtype=F64) for s in sequences]
-        return (logps, [torch.full((len(s),), 0.7, dtype=F64) for s in sequences]) if with_entropy else logps
 
 
 @pytest.mark.parametrize("stages, entropy, reference", [

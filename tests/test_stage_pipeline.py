@@ -18,6 +18,7 @@ from megapo.trainer.config import RunConfig
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import algorithm_configs  # noqa: E402
+from objective_loops import RecordingLearner  # noqa: E402
 
 config_data = partial(algorithm_configs.config_data, n_samples=3, seed=5)
 make_cfg = partial(algorithm_configs.make_cfg, n_samples=3, seed=5)
@@ -91,20 +92,6 @@ def test_stage_inputs_decide_what_the_loop_computes():
         assert (a.needs_old_stats(), a.needs_old_entropy(), a.needs_reference()) == want, names
     engine = make_cfg(stages=[{"name": "future_drift", "against": "engine"}]).algorithm
     assert engine.stage_inputs() >= {"old_logp", "rollout_logp"} and not engine.needs_reference()
-
-
-class RecordingLearner:
-    """learner.logprobs of the old-log-prob pass: records whether π_old's entropy was asked for."""
-
-    route_hook = None
-
-    def __init__(self):
-        self.asked = []
-
-    def logprobs(self, sequences, with_entropy=False, prompt_lens=None):
-        self.asked.append(with_entropy)
-        logps = [torch.full((len(s),), -0.5, dtype=F64) for s in sequences]
-        return (logps, [torch.full((len(s),), 0.7, dtype=F64) for s in sequences]) if with_entropy else logps
 
 
 def test_an_input_no_stage_asks_for_is_not_computed():
