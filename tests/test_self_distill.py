@@ -361,7 +361,7 @@ def test_self_teacher_logp_against_transformers(tiny_dense):
     groups = make_groups(tok, num_groups=2)
     batch = batch_of(groups)
     cfg = make_cfg(stages=[{"name": "srpo", "template": "answer {hint}: {prompt}"}])
-    out = self_teacher_inputs(HFLogprobs(tiny_dense), batch, groups, cfg, tok)
+    out = self_teacher_inputs(HFLogprobs(tiny_dense), batch, groups, cfg, tok, cfg.algorithm.self_teacher())
     model = AutoModelForCausalLM.from_pretrained(tiny_dense, dtype=torch.float64).eval()
     bos = [] if tok.bos_token_id is None else [tok.bos_token_id]
     for i, s in enumerate(batch):

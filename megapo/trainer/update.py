@@ -152,13 +152,11 @@ def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int, self_teach
 
 
 def self_teacher_inputs(learner: Learner, batch: list[TrainSample], groups: list[Group], cfg: RunConfig,
-                        tokenizer) -> object | None:
+                        tokenizer, spec) -> object:
     """The self-distillation stages' self-teacher values (megapo/trainer/self_teacher.py: one more learner forward
-    of the batch behind prompts with a context, collective, routing freely); None, and no forward, when no stage
-    reads them. `tokenizer` re-encodes the prompts as the run encodes them (data.chat_template)."""
-    spec = cfg.algorithm.self_teacher()
-    if spec is None:
-        return None
+    of the batch behind prompts with a context, collective, routing freely), as `spec`
+    (cfg.algorithm.self_teacher()) asks. `tokenizer` re-encodes the prompts as the run encodes them
+    (data.chat_template)."""
     if tokenizer is None:
         raise ValueError("tokenizer: the self-distillation stages re-encode each prompt with its context; "
                          "update_policy needs the run's tokenizer")
@@ -277,12 +275,13 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
         if step <= cfg.algorithm.critic.warmup_steps:  # the values first learn the returns; the policy waits
             metrics["critic/warmup"] = 1
             return metrics
-    self_teacher = None
-    if cfg.algorithm.self_teacher() is not None:  # the self-distillation stages' extra forward (collective)
+    self_teacher, spec = None, cfg.algorithm.self_teacher()
+    if spec is not None:  # the self-distillation stages' extra forward (collective)
         with timer("self_teacher"):
-            self_teacher = self_teacher_inputs(learner, batch, groups, cfg, tokenizer)
+            self_teacher = self_teacher_inputs(learner, batch, groups, cfg, tokenizer, spec)
     # trainer step `step` (token_select's schedule, nat_prefix's cut)
-    metrics.update(token_stages(batch, cfg, step, self_teacher, verdicts(groups, cfg)))
+    correct = verdicts(groups, cfg) if "correct" in cfg.algorithm.stage_inputs() else None
+    metrics.update(token_stages(batch, cfg, step, self_teacher, correct))
     if teachers:  # on-policy distillation: the teachers' weighted reverse KLs enter the (per-token) advantage
         with timer("teacher"):
             coefs = [t.coef for t in cfg.algorithm.distill.all_teachers()]
