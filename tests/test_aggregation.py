@@ -131,7 +131,9 @@ PAPER_AGG = {"gspo": "seq-mean-token-mean", "gspo_token": "seq-mean-token-mean",
              # ratio_gating.py: S-PPO / ST-PPO on PPO's token mean, FiberPO's trajectories weighted equally
              "s_ppo": "token-mean", "st_ppo": "token-mean", "fiberpo": "seq-mean-token-mean",
              # plackett_luce.py: HAEPO's sum over trajectories, as a mean over them
-             "haepo": "seq-mean-token-mean"}
+             "haepo": "seq-mean-token-mean",
+             # SimKO's released code: PPO's masked mean over all tokens
+             "simko": "token-mean"}
 
 
 def test_each_objective_defaults_to_its_papers_aggregation():

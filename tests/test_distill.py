@@ -117,13 +117,32 @@ def test_several_teachers_refusals_name_the_field(tmp_path, tiny_moe):
         str(tiny_moe))
 
 
+def test_a_teacher_saved_by_transformers_keeps_the_students_tokenizer(tmp_path, tiny_moe):
+    """A teacher whose tokenizer was loaded from the student's folder and saved again (as `megapo sft` does:
+    tokenizer_config.json gains load-time keys) is the student's tokenizer; a changed special token is not."""
+    from transformers import AutoTokenizer
+
+    saved = tmp_path / "saved"
+    shutil.copytree(tiny_moe, saved)
+    AutoTokenizer.from_pretrained(tiny_moe).save_pretrained(saved)
+    DistillConfig(teacher=str(saved)).validate(str(tiny_moe))
+    changed = tmp_path / "changed"
+    shutil.copytree(tiny_moe, changed)
+    tc = json.loads((changed / "tokenizer_config.json").read_text())
+    tc["eos_token"] = "<not-the-students>"
+    (changed / "tokenizer_config.json").write_text(json.dumps(tc))
+    with pytest.raises(ConfigError) as err:
+        DistillConfig(teacher=str(changed)).validate(str(tiny_moe))
+    assert "tokenizer_config.json differs" in str(err.value)
+
+
 def test_teacher_refusals_name_the_field(tmp_path, tiny_moe, tiny_dense):
     with pytest.raises(ConfigError) as err:
         DistillConfig(teacher=str(tmp_path / "none")).validate(str(tiny_moe))
     assert err.value.field == "algorithm.distill.teacher" and "no config.json" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        DistillConfig(teacher=str(tiny_moe), mode="topk_forward_kl").validate(str(tiny_moe))
-    assert err.value.field == "algorithm.distill.mode"
+        DistillConfig(teacher=str(tiny_moe), mode="forward_kl").validate(str(tiny_moe))
+    assert err.value.field == "algorithm.distill.mode"  # (topk_forward_kl is built: tests/test_topk_distill.py)
     other = tmp_path / "other_tokenizer"
     shutil.copytree(tiny_moe, other)
     (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text().replace('"<', '"<x', 1))

@@ -117,7 +117,10 @@ def teacher_references(runs):
             free = [hf_forced(model, s["tokens"])[0][s["prompt_len"] - 1:] for s in runs["batch"]]
             forced = [hf_forced(model, s["tokens"], np.asarray(rt))[0][s["prompt_len"] - 1:]
                       for s, rt in zip(runs["batch"], runs["routes"])] if replays else free
-        out[name] = dict(free=free, replayed=forced, replays=replays)
+            full = [torch.log_softmax(model(torch.tensor([s["tokens"]])).logits[0].float(), -1)[s["prompt_len"] - 1:-1]
+                    for s in runs["batch"]]
+        out[name] = dict(free=free, replayed=forced, replays=replays,
+                         topk=[(ids, logp) for logp, ids in (f.topk(5, dim=-1) for f in full)])
     return out
 
 
@@ -134,6 +137,10 @@ def test_teacher_logprobs_match_transformers_on_the_teachers_folder(runs, teache
                        for a, b in zip(got["replayed"], got["free"])) > 1e-2
         # the teacher's own weights, not the student's: far from the student's log-probs
         assert max((torch.tensor(a) - torch.tensor(b)).abs().max().item() for a, b in zip(got["free"], r["free"])) > 1e-2
+        # its top-k (topk_forward_kl): transformers' top 5 of the full log_softmax, ids and log-probs, in every layout
+        for (ids, logp), (want_ids, want_logp) in zip(got["topk"], want["topk"], strict=True):
+            assert torch.equal(torch.tensor(ids), want_ids), name
+            assert (torch.tensor(logp) - want_logp).abs().max().item() < TEACHER_TOL
 
 
 def test_train_with_kl_reference_is_zero_at_step_1_then_positive(tmp_path, tiny_moe):

@@ -65,6 +65,17 @@ def random_pairs(seed=0, vocab=512):
     return [(seq(a), seq(b)) for a, b in [(9, 5), (13, 13), (4, 17), (7, 2), (11, 6)]]
 
 
+def prefix_inputs(seed=1, vocab=512, pad=0):
+    """Sequences for prefix_scores and where their scored prefixes start: several lengths, the pad id (0) inside one,
+    at the end of another and first in a third (whose one-token prefix is all pad), so a wrong position shows."""
+    rng = random.Random(seed)
+    sequences = [[rng.randrange(1, vocab) for _ in range(n)] for n in (9, 14, 5, 3, 12)]
+    sequences[1][6] = pad
+    sequences[2][-1] = pad
+    sequences[3][0] = pad
+    return dict(sequences=sequences, starts=[3, 0, 1, 0, 11])
+
+
 def transformers_bt(model_dir, pairs):
     """Scores, the loss and every parameter's gradient from transformers' model with autograd."""
     import transformers
@@ -85,7 +96,8 @@ def score_runs(tiny_model_factory, tmp_path_factory):
     pairs = random_pairs()
     results = {}
     for world, layouts in LAYOUTS.items():
-        spec = dict(model=str(model), pairs=pairs, micro_batch_tokens=24, layouts=list(layouts.values()))
+        spec = dict(model=str(model), pairs=pairs, micro_batch_tokens=24, layouts=list(layouts.values()),
+                    prefix=prefix_inputs())
         spec_path, out = tmp / f"spec{world}.json", tmp / f"out{world}.pt"
         spec_path.write_text(json.dumps(spec))
         args = [str(SCRIPT), "--spec", str(spec_path), "--out", str(out)]
@@ -112,6 +124,28 @@ def test_bt_gradient_equals_transformers_autograd(score_runs, layout):
         ref = grads[name]
         err = (got["grads"][name] - ref).abs().max().item()
         assert err <= 1e-5 + 1e-4 * ref.abs().max().item(), (name, err, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("layout", [name for layouts in LAYOUTS.values() for name in layouts])
+def test_prefix_scores_equal_transformers_on_each_prefix_alone(score_runs, tiny_model_factory, layout):
+    """Dense rewards' scores (ScoreModel.prefix_scores, one forward per sequence) against transformers'
+    AutoModelForSequenceClassification run on each prefix separately, fp32."""
+    import transformers
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tiny_model_factory("qwen3_moe", head="score"), dtype=torch.float32)
+    assert model.config.pad_token_id == 0  # prefix_inputs' pad tokens are pad to transformers too
+    inputs = prefix_inputs()
+    got = score_runs["results"][layout]["prefix_scores"]
+    assert [len(g) for g in got] == [len(s) - a for s, a in zip(inputs["sequences"], inputs["starts"])]
+    with torch.no_grad():
+        ref = [[float(model(torch.tensor([s[:p + 1]])).logits[0, 0]) for p in range(start, len(s))]
+               for s, start in zip(inputs["sequences"], inputs["starts"])]
+    for g, r in zip(got, ref):
+        assert max(abs(a - b) for a, b in zip(g, r)) < 1e-5, (g, r)
+    # 28 prefixes, two ending in a pad (scored at the token before, as the prefix one shorter): 26 distinct scores,
+    # so a prefix read at a wrong position would show
+    assert sum(map(len, ref)) == 28 and len({round(x, 4) for r in ref for x in r}) == 26
 
 
 # ----------------------------------------------------------------------------- the command

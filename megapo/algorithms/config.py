@@ -19,7 +19,7 @@ from megapo.config import ConfigError, bounded, check_fields
 
 # Which log-probs the objective's ratio π_θ/π_old takes as π_old (AlgorithmConfig.old_policy).
 OLD_POLICIES = ("auto", "learner", "engine")
-DISTILL_MODES = ("reverse_kl",)
+DISTILL_MODES = ("reverse_kl", "topk_forward_kl")
 # the files a teacher shares with its student (check_same_tokenizer)
 TEACHER_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json")
 
@@ -145,7 +145,11 @@ class DistillConfig:
     # several teachers, each with its weight: A_t - Σ_j β_j (log π_old - log π_Tj), [{path: DIR, coef: β_j}, ...];
     # instead of teacher/coef, not with them (each entry carries its own coef)
     teachers: list[TeacherConfig] = field(default_factory=list)
-    mode: str = "reverse_kl"  # reverse_kl: A_t - β (log π_old - log π_T) on the student's samples, per teacher
+    # reverse_kl: A_t - β (log π_old - log π_T) on the student's samples, per teacher (an advantage term);
+    # topk_forward_kl: the loss term β Σ_t Σ_{v ∈ top-k of π_T} p_T(v) (log p_T(v) - log π_θ(v)) per teacher, p_T not
+    # renormalised over the k ids (megapo/algorithms/topk_distill.py)
+    mode: str = "reverse_kl"
+    k: int = bounded(32, ">= 1")  # topk_forward_kl: the teacher's top-k token ids per position (issue 31: verl's 32)
 
     @property
     def enabled(self) -> bool:
@@ -167,13 +171,30 @@ class DistillConfig:
         """The mode, one way of naming the teachers, and each teacher's folder (a config.json megapo reads, the
         student's tokenizer: vocabulary size and tokenizer files); ConfigError naming the field."""
         if self.mode not in DISTILL_MODES:
-            raise ConfigError(f"{prefix}.mode", f"must be one of {', '.join(DISTILL_MODES)} (topk_forward_kl is not "
-                                                f"built), got {self.mode!r}")
+            raise ConfigError(f"{prefix}.mode", f"must be one of {', '.join(DISTILL_MODES)}, got {self.mode!r}")
         self._check_one_form(prefix)
+        self._check_k(student_dir, prefix)
         for j, t in enumerate(self.teachers):  # (the loader checked these; a config built in Python is held to it)
             check_fields(t, f"{prefix}.teachers[{j}]")
         for t, name in zip(self.all_teachers(), self.path_fields(prefix)):
             check_teacher_folder(t.path, student_dir, name)
+
+    def topk_coefs(self) -> tuple[float, ...]:
+        """β_j of every teacher when the mode is topk_forward_kl (LossSpec.distill_topk: a loss term), else ()."""
+        return tuple(t.coef for t in self.all_teachers()) if self.mode == "topk_forward_kl" else ()
+
+    def _check_k(self, student_dir: str, prefix: str) -> None:
+        """k in [1, the student's vocab_size] (its config.json when it exists), and set only for topk_forward_kl."""
+        if self.mode != "topk_forward_kl":
+            if self.k != type(self).k:
+                raise ConfigError(f"{prefix}.k", f"is the top-k of mode topk_forward_kl; mode is {self.mode!r}")
+            return
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
+            raise ConfigError(f"{prefix}.k", f"must be an integer >= 1, got {self.k!r}")
+        config = Path(student_dir) / "config.json"
+        vocab = json.loads(config.read_text()).get("vocab_size") if config.is_file() else None
+        if vocab is not None and self.k > vocab:
+            raise ConfigError(f"{prefix}.k", f"must be <= the vocabulary size {vocab}, got {self.k}")
 
     def _check_one_form(self, prefix: str) -> None:
         """teacher/coef or teachers, not both: a coef beside teachers would weigh nothing."""
@@ -214,13 +235,23 @@ def check_same_tokenizer(teacher: Path, student: Path, field: str) -> None:
                                  "differ (a teacher needs the student's tokenizer)")
     for name in TEACHER_TOKENIZER_FILES:
         mine, theirs = teacher / name, student / name
-        if mine.is_file() != theirs.is_file() or (mine.is_file() and _digest(mine) != _digest(theirs)):
+        if mine.is_file() != theirs.is_file() or (mine.is_file() and _content(mine) != _content(theirs)):
             raise ConfigError(field, f"{name} differs between the teacher ({teacher}) and the student ({student}): a "
                                      "teacher needs the student's tokenizer")
 
 
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+# what tokenizer.save_pretrained records about where it was loaded from: a teacher trained from the student's
+# folder (megapo sft) gains these, with the same token ids
+LOAD_TIME_KEYS = ("is_local", "local_files_only", "name_or_path", "_commit_hash")
+
+
+def _content(path: Path) -> str:
+    """A tokenizer file's digest; tokenizer_config.json's without LOAD_TIME_KEYS, keys sorted."""
+    data = path.read_bytes()
+    if path.name == "tokenizer_config.json":
+        config = {k: v for k, v in json.loads(data).items() if k not in LOAD_TIME_KEYS}
+        data = json.dumps(config, sort_keys=True).encode()
+    return hashlib.sha256(data).hexdigest()
 
 
 @dataclass
@@ -255,8 +286,8 @@ class AlgorithmConfig:
     # `megapo objectives --stages`): [{name: <stage>, <its options>}, ...]; sequence stages (per group, on the
     # estimator's advantages: polarity, d3s_select, cumulative_std, clamp_correct) before token stages (on the train
     # batch after the old-log-prob pass: gtpo, grpo_s, advantage_reweighting, future_drift, future_kl, token_select,
-    # stapo, nat_prefix, ...; self-distillation: opid, intro, credit, srpo; entropy credit: erpo, aepo; haepo's
-    # plackett_luce). The loop computes only the inputs some stage reads (π_old's entropy, π_ref, the self-teacher's
+    # stapo, nat_prefix, ...; self-distillation: opid, caspo, intro, credit, srpo, hdpo; entropy credit: erpo,
+    # aepo; haepo's plackett_luce). The loop computes only the inputs some stage reads (π_old's entropy, π_ref, the self-teacher's
     # log-probs, ...).
     stages: list[dict[str, Any]] = field(default_factory=list)
     # on-policy distillation: frozen teachers' weighted per-token reverse KLs enter the advantage
@@ -326,8 +357,9 @@ class AlgorithmConfig:
 
     def needs_old_stats(self) -> bool:
         """Whether π_old's per-token statistics are needed before the loss (the separate old-log-prob pass): a
-        stage reads them, or the teacher's reverse KL does."""
-        return bool(self.stage_inputs() & {"old_logp", "old_entropy"}) or self.distill.enabled
+        stage reads them, or the teacher's reverse KL does (topk_forward_kl is a loss term: it does not)."""
+        reverse_kl = self.distill.enabled and self.distill.mode == "reverse_kl"
+        return bool(self.stage_inputs() & {"old_logp", "old_entropy"}) or reverse_kl
 
     def needs_old_entropy(self) -> bool:
         """Whether the old-log-prob pass keeps π_old's per-token entropy: for a stage, or for the objective's

@@ -83,6 +83,8 @@ def policy_loss(
     token_weight: Tensor | None = None,
     old_entropy: Tensor | None = None,
     sentence_end: Tensor | None = None,
+    topk_logp_sum: Tensor | None = None,
+    top1: Tensor | None = None,
     loss_agg: str | None = None,
     **options: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -95,8 +97,10 @@ def policy_loss(
     kl_coef is non-zero); entropy (differentiable) for the entropy metric and bonus (required with
     entropy_coef); token_weight (detached, >= 0: a token_weight stage's output, megapo/algorithms/stages.py)
     multiplies the objective's per-token loss as a correction does, the normaliser unchanged; old_entropy
-    (π_old's per-token entropy) and sentence_end (1.0 at each sentence's last token) reach the objective only
-    when its options ask for them (`token_inputs`), and are refused missing then.
+    (π_old's per-token entropy), sentence_end (1.0 at each sentence's last token), topk_logp_sum (Σ_k log π_θ(v_k)
+    over π_θ's own k most likely tokens at each position, differentiable: the learner's top-k seam, k the
+    objective's `policy_topk`) and top1 (1.0 where the sampled token is π_θ's most likely one) reach the objective
+    only when its options ask for them (`token_inputs`), and are refused missing then.
     global_polarity: loss_agg="balanced"'s sequence and token counts by advantage sign over the whole
     batch (aggregation.polarity_counts), so its shards, too, sum to the full-batch loss.
     """
@@ -124,12 +128,13 @@ def policy_loss(
         extra["entropy"] = entropy
     if token_weight is not None:
         extra["token_weight"] = token_weight.detach() if isinstance(token_weight, Tensor) else token_weight
-    asked = {"old_entropy": old_entropy, "sentence_end": sentence_end}
+    asked = {"old_entropy": old_entropy, "sentence_end": sentence_end, "topk_logp_sum": topk_logp_sum, "top1": top1}
     for key in getattr(obj_opts, "token_inputs", ()):  # only what the objective reads; the rest is ignored
         value = asked.get(key)
         if value is None:
             raise ValueError(f"{key}: required by objective {spec.objective!r} with these options")
-        extra[key] = value.detach() if isinstance(value, Tensor) else value
+        keep_graph = key == "topk_logp_sum"  # the objective's gradient reaches π_θ's top-k through it
+        extra[key] = value.detach() if isinstance(value, Tensor) and not keep_graph else value
     b, _ = batch_mod.build(logp, old_logp, advantages, mask, rollout_logp, cu_seqlens, extra)
 
     out = entry.fn(b, obj_opts)

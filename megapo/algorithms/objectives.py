@@ -696,3 +696,86 @@ def dgpo(b: TokenBatch, o: DGPOOptions) -> ObjectiveOut:
     out = ppo(TokenBatch(b.logp, b.old_logp, adv, b.mask, b.rollout_logp, b.extra),
               PPOOptions(eps_low=o.eps_low, eps_high=o.eps_high))
     return ObjectiveOut(out.loss, out.ratio, out.clip_low, out.clip_high)
+
+
+# ----------------------------------------------------------------------------------------- simko
+
+
+@dataclass
+class SimKOOptions:
+    eps_low: float = 0.2
+    eps_high: float = 0.2  # the released code clips symmetrically (its clip_ratio_low on both sides)
+    k: int = 3  # K: π_θ's top-K candidates boosted at a correct response's high-entropy tokens (run scripts: 3)
+    mix: float = 0.01  # α: the share of the ratio moved onto the top-K candidates (mix_topk_coef, run scripts: 0.01)
+    tau: float = 0.8  # τ: a token is high-entropy above the τ-quantile of its response's entropies (code: 0.8)
+    neg_scale: float = 1.1  # λ: the advantage factor of an incorrect response's top-1 high-entropy tokens (code: 1.1)
+
+    def __post_init__(self):
+        _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high)
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"k: must be an integer >= 1, got {self.k!r}")
+        for name in ("mix", "tau"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"{name}: must be in [0, 1], got {value!r}")
+        if isinstance(self.neg_scale, bool) or not isinstance(self.neg_scale, (int, float)) \
+                or not math.isfinite(self.neg_scale) or self.neg_scale < 0:
+            raise ValueError(f"neg_scale: must be a finite number >= 0, got {self.neg_scale!r}")
+
+    @property
+    def token_inputs(self) -> tuple[str, ...]:
+        return ("old_entropy", "topk_logp_sum", "top1")
+
+    @property
+    def policy_topk(self) -> int:
+        """How many of π_θ's most likely tokens the learner sums into topk_logp_sum (its top-k seam)."""
+        return self.k
+
+
+def high_entropy_tokens(entropy: Tensor, mask: Tensor, tau: float) -> Tensor:
+    """[S, T] bool: H_t above the τ-quantile (linear interpolation) of its own sequence's valid tokens' entropies
+    (a sequence without valid tokens has none)."""
+    masked = torch.where(mask, entropy, torch.full_like(entropy, math.nan))
+    threshold = torch.nanquantile(masked, tau, dim=-1, keepdim=True)
+    return (entropy > threshold) & mask
+
+
+@register(
+    "simko", "objective", "token",
+    "Peng et al. 2025, SimKO: Simple Pass@K Policy Optimization (arXiv:2510.14807)",
+    SimKOOptions,
+    loss_agg="token-mean",  # the released code's masked mean over all tokens
+)
+def simko(b: TokenBatch, o: SimKOOptions) -> ObjectiveOut:
+    """γ_t = π_θ(y_t)/π_old(y_t); w_t = 1[H_t > q_τ(H of the response's tokens)] (high-entropy tokens);
+    correct responses (Σ_t A_t > 0): r_t = (1 - α·w_t)·γ_t + (α·w_t/K)·Σ_{k=1..K} sg(γ_t)·π_θ(v_k)/sg(π_θ(v_k)),
+    v_1..v_K π_θ's K most likely tokens at t: the value stays γ_t, the gradient moves the share α of it from
+    log π_θ(y_t) onto the top-K candidates (the top-K boost); otherwise r_t = γ_t. Incorrect responses
+    (Σ_t A_t < 0): A_t <- λ·A_t where w_t = 1 and y_t is π_θ's top-1 token (the stronger top-1 penalty).
+    loss_t = max(-A_t·r_t, -A_t·clip(r_t, 1-ε_low, 1+ε_high)) (PPO's clip, decided on the value γ_t).
+    The paper's ratio γ_k = π_θ(v_k)/π_old(v_k) enters only as sg(γ)/sg(γ_k)·γ_k, whose value is γ and whose
+    gradient is γ·∇log π_θ(v_k): π_old's top-K log-probs cancel, so the learner supplies only
+    topk_logp_sum = Σ_k log π_θ(v_k) (differentiable) and top1 [formula from the authors' released code].
+    Assumptions: "correct" is a positive advantage sum (objectives see advantages, not verdicts; with binary rewards
+    and group baselines they agree wherever A ≠ 0, and A = 0 trains nothing); H_t is π_old's entropy (on-policy
+    steps: this forward's, as the released code; off-policy: the old-log-prob pass's); π_θ's top-K come from
+    this forward's logits, as in the released code."""
+    adv = b.advantages
+    log_r = _log_ratio(b)
+    lo, hi = _log_bounds(o.eps_low, o.eps_high)
+    sums = (adv * b.fmask).sum(-1, keepdim=True)
+    high = high_entropy_tokens(old_entropy(b), b.mask, o.tau)
+    if "topk_logp_sum" not in b.extra or "top1" not in b.extra:
+        raise ValueError("topk_logp_sum: objective simko needs π_θ's top-k log-prob sum and top1 flags "
+                         "(policy_loss topk_logp_sum=, top1=; the learner computes them)")
+    top1 = b.extra["top1"].detach() > 0.5
+    adv = torch.where((sums < 0) & high & top1, o.neg_scale * adv, adv)
+    clipped = ((adv > 0) & (log_r > hi)) | ((adv < 0) & (log_r < lo))
+    gamma = torch.exp(torch.where(clipped, torch.zeros_like(log_r), log_r))  # no inf where the clip decides
+    s = b.extra["topk_logp_sum"] * b.fmask
+    boost = (o.mix * (high & (sums > 0)).to(gamma.dtype))
+    ratio = (1 - boost) * gamma + (boost / o.k) * gamma.detach() * (o.k + s - s.detach())
+    bound = torch.where(adv > 0, torch.full_like(adv, 1 + o.eps_high), torch.full_like(adv, max(1 - o.eps_low, 0.0)))
+    loss = torch.where(clipped, -adv * bound, -adv * ratio)
+    return ObjectiveOut(loss, torch.exp(log_r).detach(), clip_low=(adv < 0) & clipped & b.mask,
+                        clip_high=(adv > 0) & clipped & b.mask)

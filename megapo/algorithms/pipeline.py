@@ -52,6 +52,9 @@ INPUTS = {
     "self_teacher_entropy": "the self-teacher's entropy at each response token (the same forward)",
     "contrast_teacher_logp": "the self-teacher's log-probs of each response behind other prompts of the batch with "
                              "the same hint, averaged (credit's baseline: `contrast` more forwards)",
+    # hdpo's: which samples are privileged rollouts (megapo/trainer/privileged.py draws them on all-fail prompts)
+    "privileged": "whether each sample is a privileged rollout (a correct response drawn with the reference answer "
+                  "in its prompt, trained behind the original prompt)",
 }
 
 
@@ -78,6 +81,7 @@ class TokenContext:
     kl_coef: float  # future_kl's β (algorithm.kl_coef)
     self_teacher: Any = None  # self_distill.TeacherInputs: the self-teacher pass's values (None: no stage reads them)
     correct: list | None = None  # the verifier's verdict per sample (srpo routes on it)
+    privileged: list | None = None  # per sample: a privileged rollout of hdpo (megapo/trainer/privileged.py)
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,15 @@ def _self_distill(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict
     return out
 
 
+def _hdpo(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+    """HDPO (megapo/algorithms/self_distill.py): the privileged rollouts' advantage λ per token, the others' kept."""
+    values = self_distill.self_distill_advantages("hdpo", lengths=[len(x.tokens) - x.prompt_len for x in batch],
+                                                  advantages=[x.advantage for x in batch], teacher=None,
+                                                  privileged=ctx.privileged, **s.given)
+    _set_advantages(batch, values)
+    return {"hdpo/privileged_samples": float(sum(bool(p) for p in ctx.privileged))}
+
+
 def _entropy_credit(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
     """An entropy-credit stage (megapo/algorithms/entropy_credit.py: erpo, aepo) on the whole train batch: per-token
     advantages into sample.advantage."""
@@ -250,6 +263,10 @@ STAGES: dict[str, StageDecl] = {
     "tw_grpo": StageDecl("token", "token_weight", ("old_logp",), _group_credit),
     # self-distillation; the self-teacher inputs each reads come from its options' token_inputs
     "opid": StageDecl("token", "advantage_stage", ("old_logp",), _self_distill),
+    "caspo": StageDecl("token", "advantage_stage", ("old_logp",), _self_distill),  # opid's path, its own reference
+    # HDPO: its own samples (privileged rollouts); old_logp: their π_old is the learner's behind the original prompt
+    # (the separate old-log-prob pass), which also stands in for their engine log-prob μ (update.privileged_mu)
+    "hdpo": StageDecl("token", "advantage_stage", ("old_logp", "privileged"), _hdpo),
     "intro": StageDecl("token", "token_weight", ("old_logp",), _self_distill),
     "credit": StageDecl("token", "advantage_stage", (), _self_distill),
     "srpo": StageDecl("token", "advantage_stage", ("old_logp", "correct"), _self_distill),

@@ -37,6 +37,11 @@ class TrainSample:
     routes: Any = None
     engine_routes: Any = None  # the engine's routes vs the learner's own (router/disagree; PP > 1: rank 0's only)
     own_routes: Any = None  # the learner's free routes (the stability metrics' other side)
+    # algorithm.distill.mode topk_forward_kl (megapo/algorithms/topk_distill.py): per response token the teachers'
+    # top-k token ids and their log-probs, [response tokens, J·k] (teacher j in columns j·k..(j+1)·k-1; a tensor or
+    # nested lists); set by megapo.trainer.distill.attach_teacher_topk, read by the learner's train step
+    teacher_topk_ids: Any = None
+    teacher_topk_logp: Any = None
 
     # ------------------------------------------------------------------------- read and set by field name
 
@@ -69,6 +74,8 @@ TOKEN_FIELDS = ("old_logp", "advantage", "rollout_logp", "ref_logp", "token_weig
                 "loss_mask")
 # optional ones: every sample of a batch has it or none does
 OPTIONAL_FIELDS = ("rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end", "loss_mask")
+# per-token rows: k values per response token (every sample of a batch has them or none does)
+TOPK_FIELDS = ("teacher_topk_ids", "teacher_topk_logp")
 
 
 class MappingSample:

@@ -8,12 +8,19 @@ group's best response): the self-teacher input
 
 is one more learner forward of every sampled response behind the re-encoded prompt x ⊕ c, taken only when a
 stage here is listed in algorithm.stages. Its difference from π_old's own log-prob log π_old(y_t | x, y_<t)
-(sample.old_logp) says how much knowing c makes the sampled token likelier. Four stages use it:
+(sample.old_logp) says how much knowing c makes the sampled token likelier. Five stages use it:
 
     opid    A_t ← A_t + β·(log π(y_t|x⊕c) − log π_old(y_t|x))        token self-distillation advantage
+    caspo   opid's formula, c = the group's best response by default (the model's own reasoning as reference)
     intro   w_t ∝ min(π(y_t|x⊕c)/π_old(y_t|x), w_max), mean 1 per response   token importance weights
     credit  A_t ← A_t + β·(log π(y_t|x_i⊕c_i) − mean_k log π(y_t|x_k⊕c_i))   batch-contrastive token reward
     srpo    correct: A_t kept; failed: A_t = β·w_t·(log π(y_t|x⊕c) − log π_old(y_t|x)), w_t = exp(−H_T,t/τ)
+
+HDPO (hdpo) is the sixth, with its own samples instead of the self-teacher pass: for a prompt whose samples all failed
+(a "cliff" prompt) the engine draws responses behind x ⊕ c (c = the reference answer; megapo/trainer/privileged.py),
+keeps the correct ones and trains them behind x:
+
+    hdpo    privileged sample: A_t = λ (the NLL of the privileged response under x, weight λ); others: A_t kept
 
 Each works on one sample's response-token tensors (float64); the stage functions below are the formulas,
 `self_distill_advantages` at the end runs one over a train batch. credit's baseline reads other prompts of the train
@@ -89,6 +96,31 @@ class OpidOptions(SelfTeacherOptions):
 
 
 @dataclass
+class CaspoOptions(OpidOptions):
+    """opid's options with CASPO's reference by default: the group's best response (the model's own reasoning)."""
+
+    context: str = "best_sample"
+
+
+@dataclass
+class HdpoOptions:
+    """HDPO's privileged rollouts (megapo/trainer/privileged.py draws them, rank 0) and their weight. The context is
+    always the reference answer (HDPO's ground truth) in `template`'s {hint}. The stage sets the privileged samples'
+    advantage where it stands in algorithm.stages: token stages listed before it do not reach them, ones after it
+    act on λ."""
+
+    lam: float = 0.1  # λ: the privileged responses' advantage, the distillation term's weight (default ours)
+    max_privileged: int = 4  # responses drawn behind x ⊕ c per cliff prompt; the correct ones are kept (ours)
+    template: str = DEFAULT_TEMPLATE
+    option_field: ClassVar[bool] = True  # its refusals name algorithm.stages[i].<option> (pipeline._parse_one)
+
+    def __post_init__(self):
+        check_number("lam", self.lam, above=0)
+        check_number("max_privileged", self.max_privileged, low=1, integer=True)
+        _check_template(self.template)
+
+
+@dataclass
 class IntroOptions(SelfTeacherOptions):
     max_weight: float = 5.0  # the importance ratio's cap before renormalising (truncated importance weight; ours)
     normalize: str = "sequence"  # sequence: the weights' mean over a response is 1; none: the capped ratio
@@ -147,6 +179,45 @@ def opid(adv: Tensor, student: Tensor, teacher: Tensor, o: OpidOptions) -> Tenso
     reference_answer) or the group's highest-reward response (best_sample) in `template`, where OPID injects
     hindsight skills (episode- or step-level) distilled from completed trajectories; the shift is not clipped."""
     return adv + o.beta * (teacher - student)
+
+
+@register(
+    "caspo", "advantage_stage", "token",
+    "CASPO: Consequence-Aware Safety Policy Optimization (OOD-MMSafe: Advancing MLLM Safety from Harmful Intent to "
+    "Hidden Consequences): token-level self-distillation rewards with the model's intrinsic reasoning as a dynamic "
+    "reference",
+    CaspoOptions,
+)
+def caspo(adv: Tensor, student: Tensor, teacher: Tensor, o: CaspoOptions) -> Tensor:
+    """A'_t = A_t + β·(log π_old(y_t | x ⊕ r, y_<t) − log π_old(y_t | x, y_<t)), r = the group's highest-reward
+    response (context=best_sample, the default): the token-level self-distillation reward of a reference that is
+    the current policy itself reading its own best reasoning, so the reference moves with the policy (dynamic)
+    where a KL reference is frozen. The same formula and code path as opid; it differs in the default context (opid:
+    the reference answer) and in its paper. assumption: the abstract gives no formula; the reward is opid's
+    sampled-token log-ratio added to the outcome advantage with weight β (default 0.1, ours), and "the model's
+    intrinsic reasoning" is the group's best sampled response (the paper's safety reasoning about consequences is
+    task-specific; context=reference_answer or a template carry other references). arXiv 2603.09706."""
+    return opid(adv, student, teacher, o)
+
+
+@register(
+    "hdpo", "advantage_stage", "sequence",
+    "HDPO: Hybrid Distillation Policy Optimization via Privileged Self-Distillation (privileged rollouts with the "
+    "ground truth in context on all-fail 'cliff' prompts, the correct ones distilled into the same model, weight λ)",
+    HdpoOptions,
+)
+def hdpo(adv: Tensor, privileged: bool, o: HdpoOptions) -> Tensor:
+    """privileged sample: A'_t = λ on every token; any other sample: A'_t = A_t. A privileged sample is a correct
+    response y drawn by the engine behind x ⊕ c (c = the reference answer in `template`) for a prompt x all of
+    whose samples failed, trained behind x itself with π_old(y_t | x, y_<t) recomputed by the learner. With the
+    ratio π_θ/π_old = 1 at the first update the objective's gradient on its tokens is −λ·∇log π_θ(y_t | x, y_<t):
+    λ times the gradient of L_distill = Σ_t KL(π(·|x ⊕ c, y_<t) ‖ π_θ(·|x, y_<t)) estimated at the token the
+    privileged teacher sampled (y_t ~ π(·|x ⊕ c, y_<t), so E[log π(y_t|x⊕c) − log π_θ(y_t|x)] is that KL and its
+    θ-gradient is the NLL's). L = L_RL + λ·L_distill with the privileged tokens in the objective's normaliser.
+    assumption: HDPO distils the privileged teacher's full token distribution; here its sampled-token estimate (the
+    NLL of the kept responses), inside the run's clipped objective (the clip bounds later updates on them);
+    λ = 0.1 and max_privileged = 4 are ours. arXiv 2603.23871."""
+    return torch.full_like(adv, o.lam) if privileged else adv
 
 
 @register(
@@ -212,8 +283,9 @@ def srpo(adv: Tensor, student: Tensor, teacher: Tensor, teacher_entropy: Tensor 
     return o.beta * weight * (teacher - student)
 
 
-STAGES = ("opid", "intro", "credit", "srpo")
-KIND = {"opid": "advantage_stage", "intro": "token_weight", "credit": "advantage_stage", "srpo": "advantage_stage"}
+STAGES = ("opid", "caspo", "intro", "credit", "srpo", "hdpo")
+KIND = {"opid": "advantage_stage", "caspo": "advantage_stage", "intro": "token_weight", "credit": "advantage_stage",
+        "srpo": "advantage_stage", "hdpo": "advantage_stage"}
 
 
 # ----------------------------------------------------------------------------- one stage over a train batch
@@ -230,17 +302,21 @@ class TeacherInputs:
     contrast_inputs: int = 0  # K actually used by the contrast (min(contrast, groups − 1))
 
 
-def self_distill_advantages(name: str, *, lengths: list[int], advantages: list, teacher: TeacherInputs,
-                            old_logp: list | None = None, correct: list | None = None, **options) -> list[Tensor]:
+def self_distill_advantages(name: str, *, lengths: list[int], advantages: list, teacher: TeacherInputs | None,
+                            old_logp: list | None = None, correct: list | None = None, privileged: list | None = None,
+                            **options) -> list[Tensor]:
     """Stage `name` (STAGES) on a train batch of responses of `lengths` tokens: `advantages` per sample (a number, or
-    one per response token), the self-teacher's values `teacher`, π_old's `old_logp` per response token (all but
-    credit), the verifier's `correct` per sample (srpo). Returns per-token advantages (opid, credit, srpo) or
-    weights (intro), one float64 tensor per sample."""
+    one per response token), the self-teacher's values `teacher` (all but hdpo), π_old's `old_logp` per response
+    token (opid, caspo, intro, srpo), the verifier's `correct` per sample (srpo), whether each sample is a privileged
+    rollout `privileged` (hdpo). Returns per-token advantages (opid, caspo, credit, srpo, hdpo) or weights (intro),
+    one float64 tensor per sample."""
     if name not in STAGES:
         raise ValueError(f"stage: unknown self-distillation stage {name!r}; choose from {', '.join(STAGES)}")
     entry = get(KIND[name], name, argument="stage")
     o = entry.make_options(options)
     lengths = [int(n) for n in lengths]
+    if name == "hdpo":
+        return hdpo_advantages(per_token_advantages(advantages, lengths), privileged, o)
     logp = per_token_values("self_teacher_logp", teacher.logp, lengths)
     adv = per_token_advantages(advantages, lengths)
     if name == "credit":
@@ -251,13 +327,21 @@ def self_distill_advantages(name: str, *, lengths: list[int], advantages: list, 
     student = per_token_values("old_logp", old_logp, lengths)
     if name == "intro":
         return [intro(s, t, o) for s, t in zip(student, logp)]
-    if name == "opid":
-        return [opid(a, s, t, o) for a, s, t in zip(adv, student, logp)]
+    if name in ("opid", "caspo"):
+        fn = opid if name == "opid" else caspo
+        return [fn(a, s, t, o) for a, s, t in zip(adv, student, logp)]
     if correct is None or len(correct) != len(lengths):
         raise ValueError(f"correct: srpo needs the verifier's verdict of each of the {len(lengths)} samples")
     entropy = (per_token_values("self_teacher_entropy", teacher.entropy, lengths) if o.entropy_temperature is not None
                else [None] * len(lengths))
     return [srpo(a, s, t, h, bool(c), o) for a, s, t, h, c in zip(adv, student, logp, entropy, correct)]
+
+
+def hdpo_advantages(adv: list[Tensor], privileged: list | None, o: HdpoOptions) -> list[Tensor]:
+    """hdpo on each sample's per-token advantages; `privileged` one flag per sample."""
+    if privileged is None or len(privileged) != len(adv):
+        raise ValueError(f"privileged: hdpo needs a privileged-rollout flag for each of the {len(adv)} samples")
+    return [hdpo(a, bool(p), o) for a, p in zip(adv, privileged)]
 
 
 # ----------------------------------------------------------------------------- what the trainer computes

@@ -43,6 +43,10 @@ class LossSpec:
     entropy_coef: float = 0.0
     # loss_agg seq-mean-token-sum-norm's constant length (positive), else None
     max_len: float | None = None
+    # β_j of each teacher of algorithm.distill.mode topk_forward_kl (megapo/algorithms/topk_distill.py), in the
+    # order of their blocks in sample.teacher_topk_*; () none. The learner adds that term (it needs log π_θ at the
+    # teachers' ids from the vocabulary-parallel logits); policy_loss ignores it
+    distill_topk: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("objective_options", "correction_options"):  # copies: a caller's dict changed later stays out
@@ -62,6 +66,7 @@ class LossSpec:
         _checked("kl_estimator", self._check_kl_estimator)
         if self.max_len is not None:
             _checked("max_len", lambda: _positive("max_len", self.max_len))
+        object.__setattr__(self, "distill_topk", _checked("distill_topk", lambda: _coefs(self.distill_topk)))
 
     @classmethod
     def of(cls, objective: str, loss_agg: str = AUTO, **options: Any) -> LossSpec:
@@ -136,6 +141,14 @@ def _finite(name: str, value) -> float:
     if not math.isfinite(v):
         raise ValueError(f"{name}: must be finite, got {value!r}")
     return v
+
+
+def _coefs(values) -> tuple[float, ...]:
+    """distill_topk as a tuple of finite numbers >= 0."""
+    out = tuple(_finite("distill_topk", v) for v in values)
+    if any(v < 0 for v in out):
+        raise ValueError(f"distill_topk: each coefficient must be >= 0, got {list(values)!r}")
+    return out
 
 
 def _positive(name: str, value) -> None:

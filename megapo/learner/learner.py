@@ -32,11 +32,11 @@ from megapo.layout import check_layout, read_hf_config
 from megapo.learner import model as model_lib
 from megapo.learner import packing
 from megapo.learner.guard import UpdateGuard
-from megapo.learner.logprobs import vocab_parallel_logprobs
+from megapo.learner.logprobs import vocab_parallel_logprobs, vocab_parallel_logprobs_at, vocab_parallel_topk
 from megapo.learner.precision import Precision
 from megapo.learner.rope import set_positions
 from megapo.algorithms.spec import LossSpec, as_loss_spec
-from megapo.algorithms.sample import OPTIONAL_FIELDS, TOKEN_FIELDS, TrainSample, as_train_samples
+from megapo.algorithms.sample import OPTIONAL_FIELDS, TOKEN_FIELDS, TOPK_FIELDS, TrainSample, as_train_samples
 from megapo.models.family import family_for
 from megapo.weights import gather, hf_load
 
@@ -71,6 +71,8 @@ class TrainInputs:
     lengths: np.ndarray  # [S] tokens per sample
     starts: np.ndarray  # [S] first response token of each sample in the columns
     policy: np.ndarray | None = None  # [N] bool, on the host: loss_mask == 1 (None: no loss_mask, all are)
+    # TOPK_FIELDS present -> [N, K]: teacher_topk_ids int64, teacher_topk_logp float32 (None: the batch has none)
+    topk: dict[str, torch.Tensor] | None = None
 
     def policy_counts(self) -> np.ndarray:
         """[S] policy tokens per sample (the response tokens the loss counts)."""
@@ -251,6 +253,27 @@ class Learner:
         return vocab_parallel_logprobs(flat[mb.select], mb.targets[mb.select], vocab_size=self.spec.vocab_size,
                                        with_entropy=with_entropy, entropy_grad=entropy_grad)
 
+    def _selected_topk(self, mb: MicroBatch, logits: torch.Tensor, k: int):
+        """The k most likely next tokens at the selected slots and their log-probs: ([N, k] int64, [N, k])."""
+        flat = logits.reshape(-1, logits.shape[-1])
+        return vocab_parallel_topk(flat[mb.select], k, vocab_size=self.spec.vocab_size)
+
+    def _policy_topk_inputs(self, mb: MicroBatch, logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+        """This forward's top-k at each selected slot, as the [S, T] inputs policy_loss takes: topk_logp_sum =
+        Σ_k log π_θ(v_k) over π_θ's k most likely tokens (differentiable), top1 = 1.0 where the sampled token is
+        the most likely one. Vocabulary-parallel: O(k) values per token cross TP ranks."""
+        flat = logits.reshape(-1, logits.shape[-1])[mb.select]
+        ids, _ = vocab_parallel_topk(flat, k, vocab_size=self.spec.vocab_size)
+        logp = vocab_parallel_logprobs_at(flat, ids, vocab_size=self.spec.vocab_size)
+        top1 = (ids[:, 0] == mb.targets[mb.select]).to(logp.dtype)
+        return {"topk_logp_sum": self._padded(mb, logp.sum(-1)), "top1": self._padded(mb, top1)}
+
+    @staticmethod
+    def _padded_rows(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> the [S, T, K] view (zero rows after each sequence's end); differentiable."""
+        out = values.new_zeros(mb.mask.numel(), values.shape[-1])
+        return out.index_put((mb.place,), values).view(*mb.mask.shape, values.shape[-1])
+
     @staticmethod
     def _padded(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
         """[N] -> the [S, T] view (one sequence per row, zeros after its end); differentiable."""
@@ -327,6 +350,40 @@ class Learner:
             return logps, entropies
         return logps
 
+    def response_topk(self, sequences: list[list[int]], prompt_lens: list[int], k: int, routes=None
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per sequence, at each response token t (the positions prompt_len-1 .. len-2, whose logits predict the
+        response), the model's k most likely token ids and their log-probs over the whole vocabulary:
+        (ids [len - prompt_len, k] int64, logp [len - prompt_len, k] fp32, CPU), highest first, on every rank
+        (collective). Vocabulary-parallel (logprobs.vocab_parallel_topk: O(k) values per token cross TP ranks).
+        Prompts shared as in `logprobs`; `routes` replayed as there."""
+        lengths = _check_sequences(sequences, self.spec.vocab_size)
+        if not 1 <= k <= self.spec.vocab_size:
+            raise ValueError(f"k: must be in [1, vocab_size={self.spec.vocab_size}], got {k}")
+        starts = np.asarray(prompt_lens, dtype=np.int64)
+        if starts.shape != lengths.shape or ((starts < 1) | (starts >= lengths)).any():
+            raise ValueError("prompt_lens: one per sequence, each in [1, len(sequence) - 1]")
+        if routes is not None and self.route_hook is None:
+            raise ValueError("routes: given, but this learner has no routing replay hook (routing_replay=True)")
+        if self.route_hook is not None:
+            self.route_hook.set_routes(routes, sequences)
+        micro_batches = self._micro_batches(sequences, starts - 1, lengths - 1, prompt_lens=list(starts),
+                                            routes=routes)
+
+        def collect(mb: MicroBatch, logits: torch.Tensor):
+            if not mb.order:
+                return logits.new_zeros(()), {"ids": None}
+            ids, logp = self._selected_topk(mb, logits.detach(), k)
+            return logits.new_zeros(()), {"ids": ids, "logp": logp.float(), "order": mb.order, "sizes": mb.sizes}
+
+        self.model.eval()
+        with torch.no_grad():
+            stored = [d for d in self._run(micro_batches, collect, forward_only=True) if d["ids"] is not None]
+        self.model.train()
+        ids = self._per_sequence([(d["order"], d["ids"], d["sizes"]) for d in stored], len(sequences))
+        logps = self._per_sequence([(d["order"], d["logp"], d["sizes"]) for d in stored], len(sequences))
+        return list(zip(ids, logps))
+
     def train_step(self, batch: list[TrainSample], loss: LossSpec | str, loss_agg: str | None = None,
                    **options) -> dict:
         """One optimizer step on `batch` (the full batch, identical on every rank; each DP rank takes
@@ -357,6 +414,9 @@ class Learner:
             raise RuntimeError("train_step: this model is frozen (a reference model has no optimizer)")
         start = time.perf_counter()
         inputs = _train_inputs(batch, self.spec.vocab_size, need_old=not on_policy, device=self.device)
+        if spec.distill_topk and inputs.topk is None:  # refused before any forward
+            raise ValueError("batch: the loss has a top-k distillation term (LossSpec.distill_topk) but the samples "
+                             "carry no teacher_topk_ids / teacher_topk_logp")
         loss_fn = self._loss_fn
         if loss_fn is None:
             from megapo.algorithms import policy_loss as loss_fn
@@ -374,8 +434,9 @@ class Learner:
         cols = inputs.columns
         from megapo.algorithms.loss import token_inputs
 
-        # per-token inputs the objective reads (old_entropy, sentence_end)
+        # per-token inputs the objective reads (old_entropy, sentence_end; topk_logp_sum / top1 from this forward)
         wanted = token_inputs(spec.objective, spec.objective_options)
+        policy_topk = getattr(spec.objective_config(), "policy_topk", 0)
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             if not mb.order:  # an empty micro-batch (DP balancing): no loss, but keep the graph connected
@@ -403,7 +464,11 @@ class Learner:
             for name in ("ref_logp", "token_weight"):  # a token_weight stage's weights (algorithms/stages.py)
                 if name in cols:
                     extra[name] = column(name)
+            if policy_topk:  # the objective reads π_θ's own top-k at each token (simko)
+                extra.update(self._policy_topk_inputs(mb, logits, policy_topk))
             for name in wanted:  # on-policy, π_old's entropy is this forward's
+                if name in POLICY_TOPK_INPUTS:
+                    continue
                 value = entropy.detach() if name == "old_entropy" and on_policy else column(name)
                 if value is not None:
                     extra[name] = value
@@ -411,6 +476,11 @@ class Learner:
                 extra["entropy"] = entropy
             loss, metrics = loss_fn(spec, logp, old, column("advantage"), mb.loss_mask, column("rollout_logp"),
                                     global_tokens=global_tokens, global_seqs=global_seqs, **counts, **extra)
+            if spec.distill_topk:  # the teachers' top-k forward KL, a loss term (megapo/algorithms/topk_distill.py)
+                term, distill_metrics = self._topk_distill(mb, logits, inputs.topk, spec, logp, old,
+                                                           column("advantage"), global_tokens, global_seqs, counts)
+                loss = loss + term
+                metrics = {**metrics, **distill_metrics}
             out.update(metrics=metrics, loss=loss.detach(),
                        entropy_sum=torch.where(mb.loss_mask, entropy.detach(), 0.0).sum())
             return loss * scale, out
@@ -441,6 +511,27 @@ class Learner:
                 counts = as_replayed(counts)
             metrics.update(fractions(counts))
         return metrics, old_pass
+
+    def _topk_distill(self, mb: MicroBatch, logits: torch.Tensor, topk: dict | None, spec: LossSpec, logp, old,
+                      advantages, global_tokens: int, global_seqs: int, counts: dict):
+        """Σ_j β_j KL_j aggregated as the policy loss is (the run's loss_agg and the batch-global normalisers), with
+        log π_θ at the teachers' top-k ids from this micro-batch's vocabulary-parallel logits (differentiable)."""
+        from megapo.algorithms.aggregation import Norm, resolve
+        from megapo.algorithms.batch import TokenBatch
+        from megapo.algorithms.topk_distill import topk_distill_loss
+
+        if topk is None:
+            raise ValueError("batch: the loss has a top-k distillation term (distill_topk) but the samples carry no "
+                             "teacher_topk_ids / teacher_topk_logp")
+        flat = logits.reshape(-1, logits.shape[-1])
+        student = vocab_parallel_logprobs_at(flat[mb.select], topk["teacher_topk_ids"][mb.columns],
+                                             vocab_size=self.spec.vocab_size)
+        teacher = topk["teacher_topk_logp"][mb.columns]
+        b = TokenBatch(logp, old, advantages, mb.loss_mask)
+        norm = Norm(global_tokens=global_tokens, global_seqs=global_seqs, max_len=spec.max_len,
+                    polarity=counts.get("global_polarity"))
+        return topk_distill_loss(self._padded_rows(mb, student), self._padded_rows(mb, teacher), spec.distill_topk, b,
+                                 resolve(spec.loss_agg, spec.objective), norm)
 
     def _optimizer_step(self, loss_finite: bool) -> dict:
         """Megatron's optimizer step unless it would poison the weights: a non-finite loss skips it untouched,
@@ -593,6 +684,8 @@ def _share_prefix_mode(mode: str, use_te: bool) -> str:
 
 
 SHARE_PREFIX_MODES = ("auto", "on", "off")
+# per-token objective inputs the train forward computes from its own logits (policy_loss's topk_logp_sum, top1)
+POLICY_TOPK_INPUTS = ("topk_logp_sum", "top1")
 
 
 def _routes_agreed(routes: list, groups: list[tuple[list[int], int]], *, strict: bool) -> list[int]:
@@ -709,7 +802,36 @@ def _train_inputs(batch: list[TrainSample], vocab: int, *, need_old: bool, devic
             policy = _policy_mask(column, response)
         else:
             columns[name] = torch.from_numpy(column).to(device)
-    return TrainInputs(columns, prompt, lengths, np.cumsum(response) - response, policy)
+    return TrainInputs(columns, prompt, lengths, np.cumsum(response) - response, policy,
+                       _topk_columns(batch, response, vocab, device))
+
+
+def _topk_columns(batch: list[TrainSample], response: np.ndarray, vocab: int, device) -> dict | None:
+    """The teachers' top-k rows of every sample end to end ([N, K] per TOPK_FIELDS name: ids int64, log-probs
+    float32), after checking each has one row of the same K per response token and ids in [0, vocab); None when no
+    sample has them."""
+    given = [[getattr(s, name) is not None for s in batch] for name in TOPK_FIELDS]
+    if not any(any(g) for g in given):
+        return None
+    out = {}
+    for name, has in zip(TOPK_FIELDS, given):
+        if not all(has):
+            raise ValueError(f"batch[{has.index(False)}].{name}: missing (other samples have top-k rows)")
+        dtype = np.int64 if name == "teacher_topk_ids" else np.float32
+        rows = [np.asarray(getattr(s, name).cpu() if isinstance(getattr(s, name), torch.Tensor) else getattr(s, name),
+                           dtype=dtype) for s in batch]
+        width = rows[0].shape[-1] if rows[0].ndim == 2 else -1
+        for i, (r, n) in enumerate(zip(rows, response)):
+            if r.ndim != 2 or r.shape != (n, width):
+                raise ValueError(f"batch[{i}].{name}: expected [{n}, K] (one row of K per response token, K as "
+                                 f"batch[0]'s {width}), got shape {list(r.shape)}")
+        column = np.concatenate(rows)
+        if name == "teacher_topk_ids" and ((column < 0) | (column >= vocab)).any():
+            i = int(np.searchsorted(np.cumsum(response), np.flatnonzero(((column < 0) | (column >= vocab)).any(1))[0],
+                                    side="right"))
+            raise ValueError(f"batch[{i}].{name}: ids must be in [0, {vocab})")
+        out[name] = torch.from_numpy(column).to(device)
+    return out
 
 
 def _policy_mask(loss_mask: np.ndarray, response: np.ndarray) -> np.ndarray:

@@ -49,7 +49,12 @@ REDUCTIONS: dict[str, Reduction] = {
     "mismatch_chi2": Reduction.TOKEN_MEAN,  # (each micro-batch's χ², token-weighted)
     "mismatch_ess": Reduction.TOKEN_MEAN,  # (each micro-batch's effective sample size fraction, token-weighted)
     "mismatch_max_abs_dlogp": Reduction.MAX,  # max |log π_old - log μ|
+    # the first teacher's top-k forward KL per policy token (megapo/algorithms/topk_distill.py: each micro-batch's
+    # sum over its policy tokens); with several teachers also distill/topk_forward_kl/<j> (INDEXED below)
+    "distill/topk_forward_kl": Reduction.TOKEN_SUM_MEAN,
 }
+# metrics declared once for a family of names "<name>/<j>", j = 0, 1, ... (one per teacher), reduced as <name>
+INDEXED = ("distill/topk_forward_kl",)
 
 
 @dataclass
@@ -71,6 +76,9 @@ def reduce_metrics(parts: list[MicroBatchMetrics]) -> dict[str, float]:
 
 def reduction(name: str) -> Reduction:
     """The declared reduction of metric `name` (ValueError naming it when it has none)."""
+    base, _, index = name.rpartition("/")
+    if name not in REDUCTIONS and base in INDEXED and index.isdigit():
+        return REDUCTIONS[base]
     if name not in REDUCTIONS:
         raise ValueError(f"metrics: {name!r} has no declared reduction (megapo/learner/metrics.py REDUCTIONS)")
     return REDUCTIONS[name]

@@ -87,6 +87,21 @@ class MegatronReference:
             hook.take_counts()  # (collective) its counts would otherwise pile up
         return [lp[s.prompt_len - 1:].tolist() for lp, s in zip(logps, batch)]
 
+    def response_topk(self, batch: list[TrainSample], k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per sample, at each response token, this model's k most likely token ids and their log-probs over the
+        whole vocabulary ([response tokens, k] int64 and fp32; vocabulary-parallel, Learner.response_topk),
+        replaying sample.routes as response_logprobs does (collective). A top-k distillation teacher's values."""
+        batch = as_train_samples(batch)
+        hook = self.model.route_hook
+        routes = [s.routes for s in batch] if hook is not None else None
+        if routes is not None and all(r is None for r in routes):
+            routes = None
+        out = self.model.response_topk([list(s.tokens) for s in batch], [s.prompt_len for s in batch], k,
+                                       routes=routes)
+        if hook is not None:
+            hook.take_counts()
+        return out
+
     def close(self) -> None:
         if self.model.route_hook is not None:
             self.model.route_hook.close()

@@ -1,8 +1,10 @@
 """A reward model: a registered family's Megatron model under TP/PP/EP/DP with a one-label score head, loaded from an
-HF *ForSequenceClassification folder (score.weight [1, hidden], no bias), scoring each sequence at its last token.
+HF *ForSequenceClassification folder (score.weight [1, hidden], no bias), scoring each sequence at its last token,
+or (prefix_scores, for dense rewards) every prefix of it from the same one forward.
 
     rm = ScoreModel("rm/", ParallelConfig(tp=2, ep=2))              # frozen: scores only
     rm.scores([[1, 2, 3], [4, 5]])                                   # [r0, r1] on every rank (fp32)
+    rm.prefix_scores([[1, 2, 3], [4, 5]], [1, 0])                    # [[s(1 2), s(1 2 3)], [s(4), s(4 5)]]
     rm = ScoreModel("rm/", parallel, OptimConfig(lr=1e-4), frozen=False)
     rm.train_pairs([(chosen_tokens, rejected_tokens), ...])          # one Bradley-Terry step
 
@@ -105,6 +107,17 @@ def score_positions(sequences: list[list[int]], pad_id: int | None) -> np.ndarra
     return out
 
 
+def prefix_score_positions(sequence: list[int], pad_id: int | None, start: int) -> np.ndarray:
+    """Where the prefix sequence[:p + 1] is scored, for p = start .. len - 1: its last token that is not `pad_id`
+    (0 if none is; None: p itself), transformers' rule for that prefix alone (score_positions)."""
+    if not 0 <= start < len(sequence):
+        raise ValueError(f"start: {start} is outside the sequence's {len(sequence)} positions")
+    at = np.arange(len(sequence), dtype=np.int64)
+    if pad_id is not None:
+        at = np.where(np.asarray(sequence) != pad_id, at, 0)  # a pad position counts as 0 (all pad so far: 0)
+    return np.maximum.accumulate(at)[start:]  # the last non-pad position up to each p
+
+
 def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor):
     """Mean over pairs of −log σ(r_c − r_r), and its gradient with respect to each score:
     (loss, d loss / d r_c, d loss / d r_r)."""
@@ -155,10 +168,27 @@ class ScoreModel:
 
     def scores(self, sequences: list[list[int]]) -> list[float]:
         """Each sequence's score (fp32), on every rank (collective)."""
-        learner = self.learner
-        _check_tokens(sequences, learner.spec.vocab_size)
+        _check_tokens(sequences, self.learner.spec.vocab_size)
         at = score_positions(sequences, self.pad_id)
-        micro_batches = learner._micro_batches(sequences, at, at + 1)
+        return [float(t[0]) for t in self._head_outputs(sequences, at, at + 1)]
+
+    def prefix_scores(self, sequences: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
+        """The score of every prefix sequences[i][:p + 1] for p = starts[i] .. len - 1 (fp32, CPU, [len - starts[i]]
+        each), on every rank (collective), from ONE forward: the head is causal, so its output at position q is the
+        score of the prefix ending at q, and a prefix is scored where transformers would score it alone (its last
+        token that is not pad_token_id, prefix_score_positions)."""
+        _check_tokens(sequences, self.learner.spec.vocab_size)
+        picks = [prefix_score_positions(s, self.pad_id, start) for s, start in zip(sequences, starts)]
+        lo = np.array([int(p[0]) for p in picks], dtype=np.int64)  # p is non-decreasing: its first is the lowest
+        hi = np.array([int(p[-1]) + 1 for p in picks], dtype=np.int64)
+        raw = self._head_outputs(sequences, lo, hi)
+        return [r[torch.from_numpy(p - p[0])] for r, p in zip(raw, picks)]
+
+    def _head_outputs(self, sequences: list[list[int]], lo: np.ndarray, hi: np.ndarray) -> list[torch.Tensor]:
+        """The head's outputs at positions [lo[i], hi[i]) of each sequence (fp32, CPU), on every rank (collective:
+        the last pipeline stage's, shared over PP and DP by the learner)."""
+        learner = self.learner
+        micro_batches = learner._micro_batches(sequences, lo, hi)
 
         def collect(mb, out: torch.Tensor):
             if not mb.order:
@@ -171,7 +201,7 @@ class ScoreModel:
             stored = learner._run(micro_batches, collect, forward_only=True)
         learner.model.train()
         pieces = [(d["order"], d["score"], d["sizes"]) for d in stored if d["score"] is not None]
-        return [float(t[0]) for t in learner._per_sequence(pieces, len(sequences))]
+        return learner._per_sequence(pieces, len(sequences))
 
     def backward_pairs(self, pairs: list[tuple[list[int], list[int]]]) -> dict:
         """The Bradley-Terry loss of `pairs` (chosen, rejected) and its gradient in the model's gradient buffers.

@@ -45,7 +45,7 @@ LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
 LOSS_SPEC_FIELDS = {"objective": "algorithm.objective", "loss_agg": "algorithm.loss_agg",
                     "objective_options": "algorithm.objective_options", "correction_options": "algorithm.mismatch_options",
                     "kl_coef": "algorithm.kl_coef", "kl_estimator": "algorithm.kl_estimator",
-                    "entropy_coef": "algorithm.entropy_coef"}
+                    "entropy_coef": "algorithm.entropy_coef", "distill_topk": "algorithm.distill.teachers"}
 
 
 # ----------------------------------------------------------------------------- the trainer's sections
@@ -88,17 +88,49 @@ class RewardModelConfig:
     # a file holding the scorer's API key, sent as the engine servers' header (rollout.api_key_file's); empty: none
     api_key_file: str = ""
     # its score times this is added to the reward before the advantages (data.reward still applies: for the
-    # reward model alone, give a data.reward of 0 for every response, a "module:function" returning 0.0)
+    # reward model alone, give a data.reward of 0 for every response, a "module:function" returning 0.0); with
+    # dense, the weight of its process advantage in each token's advantage instead
     coef: float = 1.0
+    # dense rewards (megapo/algorithms/process_rewards.py: PRIME-style returns-to-go of the score's increments,
+    # whitened over each group's tokens, added to the per-token advantage): off | step (a reward per step, steps
+    # ending where the decoded response completes step_delimiter) | token (a reward per token); needs path
+    dense: bool | str = "off"
+    step_delimiter: str = "\n"  # dense=step: the text that ends a step (the last step ends at the response's end)
 
     @property
     def enabled(self) -> bool:
         return bool(self.path or self.url)
 
+    def dense_mode(self) -> str:
+        """data.reward_model.dense as a name: YAML reads a bare `off` as false."""
+        return "off" if self.dense is False else self.dense
+
+    def check_dense(self) -> None:
+        """dense: a known mode, with a delimiter for steps, for a model run in the learner (a url's scorer returns
+        one score per sequence)."""
+        from megapo.algorithms.process_rewards import DENSE_MODES
+
+        mode = self.dense_mode()
+        if mode not in DENSE_MODES:
+            raise ConfigError("data.reward_model.dense", f"must be one of {', '.join(DENSE_MODES)}, got {self.dense!r}")
+        if mode == "off":
+            return
+        if mode == "step" and not (isinstance(self.step_delimiter, str) and self.step_delimiter):
+            raise ConfigError("data.reward_model.step_delimiter", "dense=step cuts the response where its text "
+                              f"holds this delimiter: must be a non-empty string, got {self.step_delimiter!r}")
+        if self.url:
+            raise ConfigError("data.reward_model.dense", "a scorer at data.reward_model.url returns one score per "
+                              "sequence (docs/CONTRACTS.md); dense rewards need a model run in the learner "
+                              "(data.reward_model.path)")
+        if not self.path:
+            raise ConfigError("data.reward_model.dense", f"dense={mode} needs a reward model: set "
+                              "data.reward_model.path")
+
     def validate(self, policy_hf: dict | None) -> None:
         """One source: a url (check_url), or a folder that is a one-label sequence-classification checkpoint of a
         registered family reading the policy's token ids (`policy_hf`: the policy's config.json, None when
         unknown)."""
+        self.check_dense()
         if self.url or self.api_key_file:
             self.check_url()
         if not self.path or self.url:
@@ -208,6 +240,7 @@ class DataConfig:
         if self.reward_errors not in rewards.REWARD_ERRORS:
             raise ConfigError("data.reward_errors", f"must be one of {', '.join(rewards.REWARD_ERRORS)}, "
                               f"got {self.reward_errors!r}")
+        self.reward_model.check_dense()
         rewards.get_reward(reward_spec(self), "data.reward")
 
 
@@ -394,7 +427,7 @@ class RunConfig:
                             correction=None if correction == "none" else correction,
                             correction_options=a.mismatch_options if a.mismatch != "none" else {},
                             kl_coef=a.kl_coef if kl_term else 0.0, kl_estimator=a.kl_estimator if kl_term else "k3",
-                            entropy_coef=a.entropy_coef)
+                            entropy_coef=a.entropy_coef, distill_topk=a.distill.topk_coefs())
         except LossSpecError as exc:
             where = "algorithm.mismatch" if a.mismatch != "none" else "train.async_correction"
             field_name = {**LOSS_SPEC_FIELDS, "correction": where}[exc.field]
@@ -422,6 +455,7 @@ class RunConfig:
         self.loss_spec()  # the loss's own checks (objective and correction options, ...), naming the config field
         _check_stage_policy(self)
         _check_contrast(self)
+        _check_hdpo(self)
         _check_reference(self)
 
     def _validate_rollout(self) -> None:
@@ -467,6 +501,22 @@ def _check_contrast(cfg: RunConfig) -> None:
             raise ConfigError(f"algorithm.stages[{i}].contrast", f"{s.name} contrasts each response with {k} other "
                               f"prompts of the batch, which holds data.prompts_per_step={cfg.data.prompts_per_step} "
                               f"(at most {cfg.data.prompts_per_step - 1} others)")
+
+
+def _check_hdpo(cfg: RunConfig) -> None:
+    """Stage hdpo trains its privileged rollouts behind the original prompt with π_old the learner's recomputed
+    there (megapo/trainer/privileged.py): not with π_old the engine's (its log-probs are of the hinted prompt), nor
+    with a critic's GAE advantages in place of the estimator's (the stage replaces the privileged samples')."""
+    where = [i for i, s in enumerate(cfg.algorithm.pipeline()) if s.name == "hdpo"]
+    if not where:
+        return
+    if cfg.old_policy() == "engine":
+        raise ConfigError(f"algorithm.stages[{where[0]}]", "hdpo's privileged responses were drawn behind the "
+                          "prompt with the reference answer, so the engine's log-probs are not π_old behind the "
+                          "original prompt; set algorithm.old_policy=learner")
+    if cfg.algorithm.advantage == "gae":
+        raise ConfigError("algorithm.advantage", "gae's critic values the privileged responses of hdpo "
+                          f"(algorithm.stages[{where[0]}]) as the policy's own; use a group estimator (grpo, ...)")
 
 
 def _check_old_policy(cfg: RunConfig) -> None:
@@ -547,6 +597,7 @@ def _check_data(cfg: RunConfig) -> None:
                           f"got {d.overlong.buffer}")
     check_length_methods(d, r.n_samples, r.max_new_tokens)
     _check_group_filter(cfg)
+    _check_dense_rewards(cfg)
     if d.task:
         from megapo.tasks.registry import get_task
 
@@ -574,6 +625,20 @@ def _check_group_filter(cfg: RunConfig) -> None:
                               f"{s.name} (algorithm.stages[{i}]) needs groups of rollout.n_samples each")
 
 
+def _check_dense_rewards(cfg: RunConfig) -> None:
+    """Dense rewards (data.reward_model.dense) make the advantage per token: refused where the objective reads one
+    advantage per trajectory (haepo: its Plackett-Luce weight times the trajectory's likelihood ratio, which would
+    average the process credit away)."""
+    from megapo.algorithms.plackett_luce import STAGE
+
+    if cfg.data.reward_model.dense_mode() == "off":
+        return
+    if cfg.algorithm.objective == "haepo":
+        raise ConfigError("data.reward_model.dense", f"objective haepo reads one advantage per trajectory (stage "
+                          f"{STAGE}'s weights); dense rewards give one per token: set data.reward_model.dense=off "
+                          "or another algorithm.objective")
+
+
 def _check_sft(cfg: RunConfig) -> None:
     if not cfg.sft.enabled:
         return
@@ -592,6 +657,7 @@ def _check_env(cfg: RunConfig) -> None:
     token_stages = [f"algorithm.stages[{i}]" for i, s in enumerate(a.pipeline()) if s.kind == "token"]
     per_token = token_stages + [name for name, on in (("data.length_reward", d.length_reward != "none"),
                                                       ("data.group_filter", d.group_filter != "none"),
+                                                      ("data.reward_model.dense", d.reward_model.dense_mode() != "off"),
                                                       ("data.overlong.enabled", d.overlong.enabled)) if on]
     if per_token:  # their statistics would count the environment's tokens as the policy's
         raise ConfigError(per_token[0], "is not supported with multi-turn rollouts (an environment: env.name="

@@ -15,6 +15,12 @@ data.reward the verifier's, it is distillation + RL; with a reward of 0 for ever
 Each teacher is a second Megatron model under the learner's layout and precision (megapo.learner.reference's
 MegatronReference), frozen; it replays the policy's routes when it has the policy's MoE shape (the same MoE layers,
 experts and top-k) and routing replay is on, and routes itself otherwise. Its tokenizer must be the student's.
+mode topk_forward_kl (algorithm.distill.k) is a loss term instead of an advantage term: each teacher gives, per
+response token, its k most likely token ids and their log-probs (vocabulary-parallel top-k,
+MegatronReference.response_topk), laid side by side in sample.teacher_topk_ids / teacher_topk_logp
+(`attach_teacher_topk`), and the learner adds Σ_j β_j Σ_t Σ_{v ∈ top-k_j(t)} p_Tj(v)(log p_Tj(v) - log π_θ(v)),
+aggregated as the policy loss, logged as distill/topk_forward_kl (megapo/algorithms/topk_distill.py).
+
 The metric distill/reverse_kl is the first teacher's mean of log π_old - log π_T over the batch's policy tokens
 (exactly 0 when the teacher is the student's own weights: the same forward on the same routes); with several
 teachers, distill/reverse_kl/<j> is teacher j's (0-based, in the order of algorithm.distill.teachers).
@@ -53,6 +59,21 @@ def build_teacher(cfg, student_dir: Path, path: str | None = None):
     return MegatronReference(path, cfg.parallel, micro_batch_tokens=cfg.train.micro_batch_tokens,
                              row_tokens=cfg.train.row_tokens, routing_replay=replay, seed=cfg.train.seed,
                              precision=cfg.train.precision_spec())
+
+
+def attach_teacher_topk(teachers: list, batch: list, k: int) -> None:
+    """Set each sample's teacher_topk_ids / teacher_topk_logp: per response token the k most likely ids of every
+    teacher and their log-probs, teacher j in columns j·k .. (j+1)·k - 1 ([response tokens, J·k]; collective: every
+    rank calls each Megatron teacher)."""
+    import torch
+
+    from megapo.algorithms.sample import as_train_samples
+
+    batch = as_train_samples(batch)
+    per_teacher = [t.response_topk(batch, k) for t in teachers]
+    for i, sample in enumerate(batch):
+        sample.teacher_topk_ids = torch.cat([rows[i][0] for rows in per_teacher], dim=-1)
+        sample.teacher_topk_logp = torch.cat([rows[i][1] for rows in per_teacher], dim=-1)
 
 
 def teachers_advantages(advantages: list, old_logp: list, teacher_logps: list[list], coefs: list[float],

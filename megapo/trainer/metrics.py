@@ -170,7 +170,9 @@ class SampleLogger:
                 "prompt": g.example.prompt, "response": self.tokenizer.decode(s.output_ids, skip_special_tokens=True),
                 "reward": g.scores[i] if g.scores is not None else g.rewards[i], "shaped_reward": g.rewards[i],
                 "weight_version": s.weight_version, "finish_reason": s.finish_reason, **self.turns(s),
-                **({"token_versions": list(s.token_versions)} if getattr(s, "token_versions", None) else {})}
+                **({"token_versions": list(s.token_versions)} if getattr(s, "token_versions", None) else {}),
+                # hdpo's privileged rollouts: drawn with the reference answer in the prompt, trained behind this one
+                **({"privileged": True} if g.privileged else {})}
 
     def turns(self, s) -> dict:
         """A multi-turn trajectory's turns in order (role policy | env, text), why it ended, its tool calls."""

@@ -18,6 +18,13 @@ the length stage read the verifier's rewards, before the reward model's scores a
 Metrics: reward/model, the batch mean of the RM's scores (before coef); reward/with_model, the batch mean of the
 rewards the advantages are computed from; with a url, reward/model_errors, the sequences scored 0 because the
 scorer failed (data.reward_errors=zero). The logged `reward` stays the verifier's.
+
+Dense rewards (data.reward_model.dense: step | token; a `path` only): the same one forward scores every prefix of
+each sequence (ScoreModel.prefix_scores), the response is cut into steps at data.reward_model.step_delimiter (or
+every token), and instead of coef · RM being added to the reward, coef times the process advantage of
+megapo/algorithms/process_rewards.py (its docstring has the formula) is added to each token's advantage after the
+token stages (add_process_advantages). Metrics: reward/model (the mean score of the whole sequences, as above),
+reward/process_mean (the mean dense reward per step), reward/steps_per_response.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import logging
 import math
 import numbers
 import time
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from megapo.dist import broadcast_object, rank
@@ -75,6 +83,57 @@ def add_model_rewards(reward_model, groups: list, coef: float) -> dict:
     if remote:
         metrics["reward/model_errors"] = reward_model.pop_errors()
     return metrics
+
+
+# ----------------------------------------------------------------------------- data.reward_model.dense
+
+
+@dataclass
+class DenseRewards:
+    """Each sample's prefix scores s(-1) .. s(L - 1) ([L + 1] fp32, the prompt's first) and its steps' last token
+    indices, in batch order, with the groups' sizes (megapo/algorithms/process_rewards.py)."""
+
+    scores: list
+    ends: list[list[int]]
+    group_sizes: list[int]
+
+
+def dense_model_rewards(reward_model, groups: list, dense: str, delimiter: str, tokenizer) -> tuple[DenseRewards, dict]:
+    """Every rank (collective): the prefix scores of every sample from one forward of the score model, each
+    response's steps (`dense`: step, cut where the decoded text completes `delimiter`; token: every token), and the
+    metrics reward/model, reward/process_mean, reward/steps_per_response. The groups' rewards are left as they are."""
+    from megapo.algorithms.process_rewards import step_ends, step_rewards, token_texts
+
+    samples = [s for g in groups for s in g.samples]
+    if not samples:
+        return DenseRewards([], [], []), {}
+    sequences = [list(s.prompt_ids) + list(s.output_ids) for s in samples]
+    scores = reward_model.prefix_scores(sequences, [len(s.prompt_ids) - 1 for s in samples])
+    if dense == "token":
+        ends = [list(range(len(s.output_ids))) for s in samples]
+    else:
+        cache: dict = {}  # each token id decoded once per step
+        ends = [step_ends(token_texts(tokenizer, list(s.output_ids), cache), delimiter) for s in samples]
+    rewards = [step_rewards(x.double(), e) for x, e in zip(scores, ends)]
+    flat = [float(r) for rs in rewards for r in rs]
+    metrics = {"reward/model": sum(float(x[-1]) for x in scores) / len(scores),
+               "reward/process_mean": sum(flat) / len(flat),
+               "reward/steps_per_response": len(flat) / len(samples)}
+    return DenseRewards(scores, ends, [len(g.samples) for g in groups]), metrics
+
+
+def add_process_advantages(batch: list, dense: DenseRewards, coef: float) -> dict:
+    """sample.advantage <- A_t + coef · Â_t per response token (process_rewards.process_advantages), in place, on
+    every rank (the same batch and scores everywhere); the metric reward/process_adv_abs, the mean |Â_t|."""
+    from megapo.algorithms.process_rewards import add_to_advantages, process_advantages
+
+    if len(batch) != len(dense.scores):
+        raise ValueError(f"batch: {len(batch)} train samples, {len(dense.scores)} scored by the reward model")
+    process, _ = process_advantages(dense.scores, dense.ends, dense.group_sizes)
+    for sample, values in zip(batch, add_to_advantages([s.advantage for s in batch], process, coef)):
+        sample.advantage = values
+    flat = [abs(float(v)) for p in process for v in p]
+    return {"reward/process_adv_abs": sum(flat) / len(flat)} if flat else {}
 
 
 # ----------------------------------------------------------------------------- data.reward_model.url

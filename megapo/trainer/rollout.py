@@ -30,6 +30,17 @@ class Group:
     # the MoE layers its samples' routes hold, as columns (None: all); with PP > 1 a rank other than 0 gets its
     # pipeline stage's only (megapo.trainer.handout)
     route_layers: list[int] | None = None
+    # HDPO's privileged rollouts (megapo/trainer/privileged.py): correct responses drawn with the reference answer in
+    # the prompt, attached to the original prompt; no estimator advantage (stage hdpo gives them λ)
+    privileged: bool = False
+
+    def verdicts(self, threshold: float) -> list[bool]:
+        """Each kept sample's verifier verdict: `correct` where the length stage set it, else its score (the reward
+        before length shaping) >= `threshold` (data.correct_threshold)."""
+        if self.correct is not None:
+            return [bool(c) for c in self.correct]
+        scores = self.scores if self.scores is not None else self.rewards
+        return [r >= threshold for r in scores]
 
 
 def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[list], list[float]]:
@@ -77,11 +88,12 @@ def rollout_round(engine: Engine, params, examples: list, prompt_ids: list[list[
 
 
 def collect_rollouts(engine: Engine, params, pool, source, reward_fn, cfg: RunConfig, length=None,
-                     sampler=None) -> tuple[list[Group], dict, int]:
+                     sampler=None, privileged=None) -> tuple[list[Group], dict, int]:
     """Rank 0: sample groups for one step (with dynamic sampling, refilled up to max_sampling_rounds), each
     round shaped and filtered by `length` (trainer.length_stage.LengthStage) before dynamic sampling judges it;
-    `sampler`: multi-turn trajectories (rollout_round); returns the groups to train on (whole groups, a multiple
-    of dp), metrics, generated tokens."""
+    `sampler`: multi-turn trajectories (rollout_round); `privileged` (privileged.PrivilegedRollouts, stage hdpo):
+    one more engine call for the step's all-fail groups, their privileged groups after the others; returns the
+    groups to train on (whole groups, a multiple of dp), metrics, generated tokens."""
     from megapo.trainer import data
     from megapo.trainer.metrics import length_metrics
 
@@ -131,7 +143,21 @@ def collect_rollouts(engine: Engine, params, pool, source, reward_fn, cfg: RunCo
         truncated, scored = reward_fn.pop_truncated()  # given data.truncated_reward instead of a score
         metrics["reward/truncated_frac"] = truncated / max(scored, 1)
     keep = len(groups) - len(groups) % cfg.parallel.dp  # every DP rank gets whole groups
-    return groups[:keep], metrics, sum(policy_tokens(s) for s in samples)
+    groups, tokens = groups[:keep], sum(policy_tokens(s) for s in samples)
+    if privileged is not None:  # HDPO: every group of the step is looked at, also those dynamic sampling dropped
+        extra, hdpo_metrics, extra_tokens = privileged(engine, shaped, reward_fn)
+        metrics.update(hdpo_metrics)
+        groups, tokens = dp_whole(groups, extra, cfg.parallel.dp), tokens + extra_tokens
+    return groups, metrics, tokens
+
+
+def dp_whole(groups: list[Group], extra: list[Group], dp: int) -> list[Group]:
+    """`groups` (a multiple of dp already) and as many of the privileged `extra` as keep the count a multiple of
+    dp (every DP rank gets whole groups). Empty when `groups` is (dynamic sampling kept no group: the step is
+    skipped, as without hdpo; a batch of privileged samples alone would hold no engine routes for r3)."""
+    if not groups:
+        return []
+    return groups + extra[:len(extra) - len(extra) % dp]
 
 
 def policy_tokens(sample) -> int:

@@ -30,6 +30,7 @@ from megapo.trainer.length_stage import LengthStage
 from megapo.trainer.metrics import MetricsLogger, SampleLogger, StepTimer
 from megapo.trainer.reward_model import build_reward_model
 from megapo.trainer.run_dir import CHECKPOINTS
+from megapo.trainer.privileged import privileged_rollouts
 from megapo.trainer.rollout import Group, collect_rollouts, make_reward_fn, sampling_params, turn_play
 from megapo.trainer.stop import signals_held
 from megapo.trainer.update import new_prompt_stats, stability_step, stage_state, update_policy
@@ -112,6 +113,7 @@ class Run:
         self.params = sampling_params(cfg, self.tokenizer.eos_token_id,
                                       routes=cfg.algorithm.routing_replay == "r3" or compare_routes)
         self.loss = cfg.loss_spec()  # every train step's LossSpec (validate() has checked it)
+        self.privileged = privileged_rollouts(cfg, self.tokenizer, self.params)  # stage hdpo's (None: not listed)
         self.turns = turn_play(cfg)
         self.sampler = None
         if self.turns is not None:
@@ -191,7 +193,7 @@ class Run:
 
     def _collect(self) -> tuple[list[Group], dict, int]:
         return collect_rollouts(self.engine, self.params, self.pool, self.source, self.reward_fn, self.cfg,
-                                self.length, self.sampler)
+                                self.length, self.sampler, self.privileged)
 
     def generate(self, step: int, timer: StepTimer) -> tuple[list[Group], dict, int]:
         """This step's groups on every rank (drawn on rank 0, or taken from the async producer; with PP > 1 the other

@@ -38,7 +38,8 @@ def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_sta
     replay = cfg.algorithm.routing_replay == "r3"
     return [TrainSample(
         tokens=list(s.prompt_ids) + list(s.output_ids), prompt_len=len(s.prompt_ids), advantage=adv[gi][si],
-        rollout_logp=list(s.logprobs),
+        # hdpo's privileged samples: the engine's log-probs are of the hinted prompt, not μ (privileged_mu sets it)
+        rollout_logp=None if g.privileged else list(s.logprobs),
         loss_mask=list(s.loss_mask) if isinstance(s, Trajectory) else None,  # observations are context only
         sentence_end=sentence_end_flags(s.output_ids, sentence_ends) if sentence_ends is not None else None,
         routes=s.routes if replay else None,
@@ -57,6 +58,10 @@ def group_advantages(groups: list[Group], cfg: RunConfig, step: int, prompt_stat
     from megapo.algorithms.pipeline import run_sequence_stages
 
     a, stages = cfg.algorithm, cfg.algorithm.pipeline()
+    if any(g.privileged for g in groups):  # hdpo's privileged groups: no estimator (stage hdpo gives them λ)
+        regular = [g for g in groups if not g.privileged]
+        adv = iter(group_advantages(regular, cfg, step, prompt_stats) if regular else [])
+        return [torch.zeros(len(g.samples), dtype=torch.float64) if g.privileged else next(adv) for g in groups]
 
     if a.advantage == "spo":  # SPO: the persistent value tracker `prompt_stats` (value_tracker.ValueTracker), no groups
         from megapo.algorithms.stages import prompt_key
@@ -120,7 +125,9 @@ def old_logprob_pass(learner: Learner, batch: list[TrainSample], cfg: RunConfig,
     for sample, lp in zip(batch, logps):
         sample.old_logp = lp.tolist()
     free = logps if mode != "r3" else free_logps  # off / r2: this pass routed freely
-    metrics.update(stability_metrics(batch, logps, free))
+    mu = [i for i, s in enumerate(batch) if s.rollout_logp is not None]  # hdpo's privileged samples have no μ
+    metrics.update(stability_metrics([batch[i] for i in mu], [logps[i] for i in mu],
+                                     None if free is None else [free[i] for i in mu]))
     if measure_free_kl and mode != "off" and all(s.rollout_logp is not None for s in batch):
         metrics.update(mismatch_kl(learner, batch, logps, free_logps=free))
     return metrics
@@ -137,17 +144,18 @@ def on_policy(cfg: RunConfig, learner: Learner) -> bool:
 
 
 def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int, self_teacher=None,
-                 correct: list[bool] | None = None) -> dict:
+                 correct: list[bool] | None = None, privileged: list[bool] | None = None) -> dict:
     """The token stages of algorithm.stages after the old-log-prob pass, in order, on the whole train batch at once
     (megapo.algorithms.pipeline: per-token advantages into sample.advantage, weights into sample.token_weight,
     which the learner multiplies the per-token loss by). π_old = sample.old_logp, its entropy sample.old_entropy;
     nat_prefix draws from (train.seed, `step`), so a resumed run cuts as the unstopped one. `self_teacher`: the
-    self-teacher pass's values (self_teacher_inputs), `correct`: each sample's verdict (verdicts)."""
+    self-teacher pass's values (self_teacher_inputs), `correct`: each sample's verdict (verdicts), `privileged`: each
+    sample's Group.privileged (hdpo)."""
     from megapo.algorithms.pipeline import TokenContext, run_token_stages
 
     a = cfg.algorithm
     ctx = TokenContext(group_size=cfg.rollout.n_samples, step=step, seed=cfg.train.seed, kl_coef=a.kl_coef,
-                       self_teacher=self_teacher, correct=correct)
+                       self_teacher=self_teacher, correct=correct, privileged=privileged)
     return run_token_stages(a.pipeline(), as_train_samples(batch), ctx)
 
 
@@ -169,14 +177,59 @@ def self_teacher_inputs(learner: Learner, batch: list[TrainSample], groups: list
 
 
 def verdicts(groups: list[Group], cfg: RunConfig) -> list[bool]:
-    """Each sample's verifier verdict in batch order: Group.correct where the length stage set it, else its score
-    (the reward before length shaping) >= data.correct_threshold."""
-    out: list[bool] = []
-    for g in groups:
-        scores = g.scores if g.scores is not None else g.rewards
-        out += [bool(c) for c in g.correct] if g.correct is not None else [
-            r >= cfg.data.correct_threshold for r in scores]
-    return out
+    """Each sample's verifier verdict in batch order (Group.verdicts)."""
+    return [v for g in groups for v in g.verdicts(cfg.data.correct_threshold)]
+
+
+def privileged_mu(batch: list[TrainSample]) -> None:
+    """μ of hdpo's privileged samples (rollout_logp None: the engine drew them behind the hinted prompt, so no
+    engine log-prob behind the original one exists) := π_old behind the original prompt (sample.old_logp): as if
+    drawn on-policy, so a mismatch correction weighs them 1. After the old-log-prob pass, before any train step."""
+    for s in as_train_samples(batch):
+        if s.rollout_logp is None and s.old_logp is not None:
+            s.rollout_logp = list(s.old_logp)
+
+
+def model_rewards(reward_model, groups: list[Group], cfg: RunConfig, tokenizer, metrics: dict):
+    """data.reward_model (collective): coef · its score added to each sample's reward in `groups`; with
+    data.reward_model.dense, every prefix's score from the same one forward instead, returned for
+    add_process_advantages after the token stages (None otherwise). Its metrics go into `metrics`."""
+    from megapo.trainer.reward_model import add_model_rewards, dense_model_rewards
+
+    rm = cfg.data.reward_model
+    if rm.dense_mode() == "off":
+        metrics.update(add_model_rewards(reward_model, groups, rm.coef))
+        return None
+    dense, dense_metrics = dense_model_rewards(reward_model, groups, rm.dense_mode(), rm.step_delimiter, tokenizer)
+    metrics.update(dense_metrics)
+    return dense
+
+
+def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Group], cfg: RunConfig, step: int,
+                     tokenizer, timer: StepTimer) -> dict:
+    """The token stages at trainer step `step` (token_select's schedule, nat_prefix's cut), after the
+    self-distillation stages' extra forward (collective) where one reads it, with the verdicts and hdpo's privileged
+    flags only where a stage reads them."""
+    self_teacher, spec = None, cfg.algorithm.self_teacher()
+    if spec is not None:
+        with timer("self_teacher"):
+            self_teacher = self_teacher_inputs(learner, batch, groups, cfg, tokenizer, spec)
+    reads = cfg.algorithm.stage_inputs()
+    correct = verdicts(groups, cfg) if "correct" in reads else None
+    privileged = [g.privileged for g in groups for _ in g.samples] if "privileged" in reads else None
+    return token_stages(batch, cfg, step, self_teacher, correct, privileged)
+
+
+def teacher_terms(teachers: list[Reference], batch: list[TrainSample], cfg: RunConfig) -> dict:
+    """algorithm.distill: reverse_kl subtracts the teachers' weighted reverse KLs from the (per-token) advantage;
+    topk_forward_kl attaches their top-k rows, which the learner's loss term reads."""
+    d = cfg.algorithm.distill
+    if d.mode == "topk_forward_kl":
+        from megapo.trainer.distill import attach_teacher_topk
+
+        attach_teacher_topk(teachers, batch, d.k)
+        return {}
+    return distill_advantages(teachers, batch, [t.coef for t in d.all_teachers()])
 
 
 def distill_advantages(teachers: list[Reference], batch: list[TrainSample], coefs: list[float]) -> dict:
@@ -239,18 +292,19 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
     forward pass with the learner's own routing first (timed as "stability"): mismatch/k3_free, router/*.
     `critic` (algorithm.critic): GAE advantages from its values and its own step; during its warm-up
     (algorithm.critic.warmup_steps) the policy does not move. `reward_model` (data.reward_model, collective): its
-    score times data.reward_model.coef is added to each sample's reward in `groups` before the advantages.
+    score times data.reward_model.coef is added to each sample's reward in `groups` before the advantages; with
+    data.reward_model.dense, coef times its process advantage is added to each token's advantage after the token
+    stages instead (megapo/algorithms/process_rewards.py).
     `teachers` (algorithm.distill, in its order, collective): their weighted reverse KLs enter the advantage.
     `tokenizer`: the run's, for the self-distillation stages' prompts with a context (self_teacher_inputs)."""
     from megapo.replay.modes import free_routing, on_policy_step
 
     metrics: dict[str, float] = {}
     mode = cfg.algorithm.routing_replay
+    dense = None
     if reward_model is not None:  # megapo/trainer/reward_model.py: every rank gets and adds the same scores
-        from megapo.trainer.reward_model import add_model_rewards
-
         with timer("reward_model"):
-            metrics.update(add_model_rewards(reward_model, groups, cfg.data.reward_model.coef))
+            dense = model_rewards(reward_model, groups, cfg, tokenizer, metrics)
     batch = train_samples(groups, cfg, step, prompt_stats)
     fused, free = on_policy(cfg, learner), None
     if mode == "r3" and (measure_free_kl or measure_free_routing):
@@ -259,6 +313,8 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
     with timer("old_logp"):
         if not fused:
             metrics.update(old_logprob_pass(learner, batch, cfg, measure_free_kl, free_logps=free))
+    if any(g.privileged for g in groups):  # hdpo (refused with old_policy=engine): μ of the privileged samples
+        privileged_mu(batch)
     if cfg.old_policy() == "engine":
         metrics.update(use_engine_logprobs(batch))
     if cfg.algorithm.needs_reference():  # before the stages: future_kl's and future_drift's advantages read it
@@ -275,17 +331,14 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
         if step <= cfg.algorithm.critic.warmup_steps:  # the values first learn the returns; the policy waits
             metrics["critic/warmup"] = 1
             return metrics
-    self_teacher, spec = None, cfg.algorithm.self_teacher()
-    if spec is not None:  # the self-distillation stages' extra forward (collective)
-        with timer("self_teacher"):
-            self_teacher = self_teacher_inputs(learner, batch, groups, cfg, tokenizer, spec)
-    # trainer step `step` (token_select's schedule, nat_prefix's cut)
-    correct = verdicts(groups, cfg) if "correct" in cfg.algorithm.stage_inputs() else None
-    metrics.update(token_stages(batch, cfg, step, self_teacher, correct))
-    if teachers:  # on-policy distillation: the teachers' weighted reverse KLs enter the (per-token) advantage
+    metrics.update(advantage_stages(learner, batch, groups, cfg, step, tokenizer, timer))
+    if dense is not None:  # A_t + coef · Â_t: the RM's process advantage per token
+        from megapo.trainer.reward_model import add_process_advantages
+
+        metrics.update(add_process_advantages(batch, dense, cfg.data.reward_model.coef))
+    if teachers:  # on-policy distillation (collective)
         with timer("teacher"):
-            coefs = [t.coef for t in cfg.algorithm.distill.all_teachers()]
-            metrics.update(distill_advantages(teachers, batch, coefs))
+            metrics.update(teacher_terms(teachers, batch, cfg))
     with timer("train"):
         last: dict = {}
         if fused:  # one update on the whole batch, π_old from its own forward
@@ -295,7 +348,9 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
         for _ in range(0 if fused else cfg.train.updates_per_rollout):
             for lo, hi in bounds:
                 last = learner.train_step(batch[lo:hi], loss)
-    metrics.update({f"train/{k}": v for k, v in last.items()  # off: a recording hook's replay/* mean nothing
+    # the learner's distill/* (topk_forward_kl's term) keep their names, as the reverse KL's do
+    metrics.update({k if k.startswith("distill/") else f"train/{k}": v for k, v in last.items()
+                    # off: a recording hook's replay/* mean nothing
                     if isinstance(v, (int, float)) and not isinstance(v, bool)
                     and not (mode == "off" and k.startswith("replay/"))})
     # "kl": to the reference when there is a KL penalty, else the engine-vs-learner mismatch (measured

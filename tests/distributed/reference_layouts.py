@@ -10,7 +10,8 @@
                local parameter count beside the learner's, and whether its train_step refused;
 - "teachers":  for each of the spec's teacher folders (other weights than the student's), the teacher that
                megapo/trainer/distill.py builds for `algorithm.distill.teacher` under this layout with
-               routing_replay r3: its free and replayed log-probs, and whether it replays the student's routes.
+               routing_replay r3: its free and replayed log-probs, whether it replays the student's routes, and its
+               top-5 ids and log-probs at each response token (free routing; MegatronReference.response_topk).
 Rank 0 saves everything to --out.
 """
 
@@ -72,7 +73,9 @@ def teacher_logprobs(spec: dict, layout: dict, teacher: str, batch: list, routed
     cfg = load_config(RunConfig, None, [f"{k}={v}" for k, v in items.items()])
     model = build_teacher(cfg, spec["model"])
     out = {"free": model.response_logprobs(batch), "replayed": model.response_logprobs(routed),
-           "replays": model.model.route_hook is not None}
+           "replays": model.model.route_hook is not None,
+           # topk_forward_kl's teacher values: its 5 most likely ids per response token, free routing
+           "topk": [(ids.tolist(), logp.tolist()) for ids, logp in model.response_topk(batch, 5)]}
     model.close()
     return out
 

@@ -3,7 +3,9 @@
 
 - "scores": every sequence's score (the chosen sequences, then the rejected ones);
 - "metrics": backward_pairs' Bradley-Terry loss of the spec's pairs;
-- "grads": the gradient it left, gathered to HF names (spec_io.hf_grads), before any optimizer step.
+- "grads": the gradient it left, gathered to HF names (spec_io.hf_grads), before any optimizer step;
+- "prefix_scores": the score of every prefix of the spec's prefix sequences from their start on (prefix_scores,
+  dense rewards), taken before backward_pairs (a forward without gradients).
 Rank 0 saves everything to --out.
 """
 
@@ -19,6 +21,8 @@ def run_layout(spec: dict, layout: dict) -> dict:
     model = ScoreModel(spec["model"], ParallelConfig(**layout), OptimConfig(lr=1e-3), frozen=False,
                        micro_batch_tokens=spec["micro_batch_tokens"])
     out = {"scores": model.scores([c for c, _ in pairs] + [r for _, r in pairs])}
+    prefix = spec["prefix"]
+    out["prefix_scores"] = [t.tolist() for t in model.prefix_scores(prefix["sequences"], prefix["starts"])]
     out["metrics"] = model.backward_pairs(pairs)
     out["grads"] = hf_grads(model.learner)
     model.close()
