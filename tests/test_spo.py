@@ -109,7 +109,7 @@ def test_trainer_path_keeps_and_restores_the_tracker():
     data = steps_data(seed=4, n_steps=5)
 
     def groups_of(keys, rewards):
-        return [SimpleNamespace(rewards=r, samples=[None] * len(r), example=SimpleNamespace(prompt=k))
+        return [SimpleNamespace(rewards=r, samples=[None] * len(r), example=SimpleNamespace(prompt=k), privileged=False)
                 for k, r in zip(keys, rewards)]
 
     straight = new_prompt_stats(cfg)
