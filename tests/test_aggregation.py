@@ -133,7 +133,11 @@ PAPER_AGG = {"gspo": "seq-mean-token-mean", "gspo_token": "seq-mean-token-mean",
              # plackett_luce.py: HAEPO's sum over trajectories, as a mean over them
              "haepo": "seq-mean-token-mean",
              # SimKO's released code: PPO's masked mean over all tokens
-             "simko": "token-mean"}
+             "simko": "token-mean",
+             # Lp-Reg's released recipes: loss_agg_mode token-mean
+             "lp_reg": "token-mean",
+             # RLPT: the abstract names none, DAPO's token mean
+             "rlpt": "token-mean"}
 
 
 def test_each_objective_defaults_to_its_papers_aggregation():

@@ -14,6 +14,7 @@ from megapo.algorithms import entries
 from megapo.algorithms.length import (
     ScoredGroup, build_group_filter, build_length_reward, check_kept, check_shaped, clamp_correct_advantages,
 )
+from megapo.algorithms.step_length import one_step_each
 
 BUDGET = 64
 
@@ -412,6 +413,7 @@ MINIMAL = {  # the fewest options each registered method needs; a new method mus
     "dapo_overlong": {"cache_len": 16}, "length_penalty": {"coef": 0.01}, "alp": {}, "laser": {"target_len": 20},
     "laser_d": {}, "kimi": {}, "laconic": {}, "grpo_lambda": {}, "hapo": {}, "curriculum": {"end": 20, "steps": 5},
     "dler": {}, "dast": {}, "deepcompress": {}, "hmpo": {}, "lead": {},
+    "step_pruner": {}, "post_answer": {}, "grsp": {},  # read steps (tests/test_length_steps.py): one step each here
 }
 
 
@@ -423,6 +425,8 @@ def test_every_registered_method_is_documented_and_shapes_the_batch():
     for e in rewards:
         method = build_length_reward(e.name, MINIMAL[e.name], BUDGET)
         for step, groups in CALLS[:3]:
+            if method.step_delimiter() is not None:
+                groups = [one_step_each(g) for g in groups]
             check_shaped(groups, method.shape(groups, step), e.name)
     assert {e.name for e in entries("group_filter")} == {"gfpo"}
 

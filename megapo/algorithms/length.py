@@ -7,6 +7,7 @@ by name with its paper and formula (`megapo objectives --kind length_reward --fo
     data.length_reward   LengthReward.shape(groups, step) -> the shaped reward of every response
     data.group_filter    GroupFilter.select(groups, step) -> the responses of each group kept for training
 
+The methods that read each response's steps (step_pruner, post_answer, grsp) are in megapo/algorithms/step_length.py.
 A method that carries state across steps (a target per difficulty bucket, a dual variable, a per-prompt
 history) keeps it in `state_dict()` (JSON); the trainer saves it in the checkpoint and restores it on
 --resume, so a resumed run shapes as the unstopped one. `budget` is rollout.max_new_tokens.
@@ -35,6 +36,12 @@ class ScoredGroup:
     correct: Tensor  # bool: the verifier's verdict, reward >= data.correct_threshold, whatever the shaping
     lengths: Tensor  # int64: response tokens, end-of-sequence included
     truncated: Tensor  # bool: cut at rollout.max_new_tokens
+    # per response, int64 [K_i]: the tokens of each step, cut where the decoded text completes the method's
+    # step_delimiter (process_rewards.step_ends); None unless the method reads steps (LengthMethod.step_delimiter)
+    step_lengths: tuple | None = None
+    # int64 [G]: tokens through the first step whose prefix the task's answer checker accepts (reward >=
+    # data.correct_threshold), -1 when none; None unless the method reads it (LengthMethod.needs_first_correct)
+    first_correct: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -47,6 +54,12 @@ class LengthMethod:
     def __init__(self, options, budget: int):
         self.o = options
         self.budget = budget
+
+    needs_first_correct = False  # reads ScoredGroup.first_correct (the answer checker on each step's prefix)
+
+    def step_delimiter(self) -> str | None:
+        """The delimiter its responses are split into steps at (ScoredGroup.step_lengths); None: it reads none."""
+        return None
 
     def check_group_size(self, n: int) -> None:
         """Config time: refuse a group size `n` (rollout.n_samples) the method cannot work with."""

@@ -85,6 +85,9 @@ def policy_loss(
     sentence_end: Tensor | None = None,
     topk_logp_sum: Tensor | None = None,
     top1: Tensor | None = None,
+    topk_lse: Tensor | None = None,
+    in_topk: Tensor | None = None,
+    proxy_logp: Tensor | None = None,
     loss_agg: str | None = None,
     **options: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -99,7 +102,9 @@ def policy_loss(
     multiplies the objective's per-token loss as a correction does, the normaliser unchanged; old_entropy
     (π_old's per-token entropy), sentence_end (1.0 at each sentence's last token), topk_logp_sum (Σ_k log π_θ(v_k)
     over π_θ's own k most likely tokens at each position, differentiable: the learner's top-k seam, k the
-    objective's `policy_topk`) and top1 (1.0 where the sampled token is π_θ's most likely one) reach the objective
+    objective's `policy_topk`), top1 (1.0 where the sampled token is π_θ's most likely one), topk_lse (log Σ_k π_θ(v_k)
+    over the same k, differentiable) and in_topk (1.0 where the sampled token is among them: rlpt), proxy_logp (log q(y_t)
+    under the min-p proxy of π_θ, detached: lp_reg, the learner's vocabulary-parallel reduction) reach the objective
     only when its options ask for them (`token_inputs`), and are refused missing then.
     global_polarity: loss_agg="balanced"'s sequence and token counts by advantage sign over the whole
     batch (aggregation.polarity_counts), so its shards, too, sum to the full-batch loss.
@@ -128,12 +133,13 @@ def policy_loss(
         extra["entropy"] = entropy
     if token_weight is not None:
         extra["token_weight"] = token_weight.detach() if isinstance(token_weight, Tensor) else token_weight
-    asked = {"old_entropy": old_entropy, "sentence_end": sentence_end, "topk_logp_sum": topk_logp_sum, "top1": top1}
+    asked = {"old_entropy": old_entropy, "sentence_end": sentence_end, "topk_logp_sum": topk_logp_sum, "top1": top1,
+             "topk_lse": topk_lse, "in_topk": in_topk, "proxy_logp": proxy_logp}
     for key in getattr(obj_opts, "token_inputs", ()):  # only what the objective reads; the rest is ignored
         value = asked.get(key)
         if value is None:
             raise ValueError(f"{key}: required by objective {spec.objective!r} with these options")
-        keep_graph = key == "topk_logp_sum"  # the objective's gradient reaches π_θ's top-k through it
+        keep_graph = key in ("topk_logp_sum", "topk_lse")  # the objective's gradient reaches π_θ's top-k through it
         extra[key] = value.detach() if isinstance(value, Tensor) and not keep_graph else value
     b, _ = batch_mod.build(logp, old_logp, advantages, mask, rollout_logp, cu_seqlens, extra)
 

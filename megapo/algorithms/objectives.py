@@ -779,3 +779,148 @@ def simko(b: TokenBatch, o: SimKOOptions) -> ObjectiveOut:
     loss = torch.where(clipped, -adv * bound, -adv * ratio)
     return ObjectiveOut(loss, torch.exp(log_r).detach(), clip_low=(adv < 0) & clipped & b.mask,
                         clip_high=(adv > 0) & clipped & b.mask)
+
+
+# ----------------------------------------------------------------------------------------- lp_reg
+
+LP_REG_THRESHOLDS = ("relative", "fixed")
+
+
+@dataclass
+class LpRegOptions:
+    eps_low: float = 1.0  # the released recipes' clip_ratio_low 1.0 (no lower bound; their runs are on-policy)
+    eps_high: float = 9.0  # the released recipes' clip_ratio_high
+    min_p: float = 0.02  # κ (minp_p_threshold): the proxy drops tokens below τ = κ·max_v π(v) (or κ: threshold fixed)
+    threshold: str = "relative"  # relative: τ = κ·max_v π(v) (the code's regular_type minp); fixed: τ = κ
+    neg_fraction: float = 0.01  # ρ₋ (logp_neg_k_percent): the lowest-probability share of negative tokens considered
+    pos_fraction: float = 0.0  # ρ₊ (logp_pos_k_percent, 0 in every released recipe): the same for positive tokens
+    beta: float = 1.0  # β (ppo_kl_coef): weight of the KL to the proxy
+
+    def __post_init__(self):
+        _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high, beta=self.beta)
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 < self.min_p <= 1:
+            raise ValueError(f"min_p: must be in (0, 1], got {self.min_p!r}")
+        if self.threshold not in LP_REG_THRESHOLDS:
+            raise ValueError(f"threshold: must be one of {', '.join(LP_REG_THRESHOLDS)}, got {self.threshold!r}")
+        for name in ("neg_fraction", "pos_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"{name}: must be in [0, 1], got {value!r}")
+
+    @property
+    def token_inputs(self) -> tuple[str, ...]:
+        return ("proxy_logp",)
+
+    @property
+    def policy_proxy(self) -> tuple[float, str]:
+        """(min_p, threshold) of the min-p proxy the learner builds from this forward's logits (proxy_logp)."""
+        return self.min_p, self.threshold
+
+
+def lowest_share(values: Tensor, flags: Tensor, share: float) -> Tensor:
+    """[S, T] bool: in each row, the ⌈share·n⌉ flagged positions with the lowest `values` (n: the row's flagged
+    count; ties: the earlier position first)."""
+    if share <= 0:
+        return torch.zeros_like(flags)
+    count = torch.ceil(flags.sum(-1, keepdim=True).to(torch.float64) * share)
+    order = torch.sort(torch.where(flags, values, torch.full_like(values, math.inf)), dim=-1, stable=True).indices
+    positions = torch.arange(values.shape[-1], device=values.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, positions)
+    return flags & (rank < count)
+
+
+@register(
+    "lp_reg", "objective", "token",
+    "Huang et al. 2025, Low-probability Tokens Sustain Exploration in Reinforcement Learning with Verifiable Reward "
+    "(arXiv:2510.03222), Lp-Reg",
+    LpRegOptions,
+    loss_agg="token-mean",  # the released recipes' loss_agg_mode
+)
+def lp_reg(b: TokenBatch, o: LpRegOptions) -> ObjectiveOut:
+    """Proxy q = π's min-p filtering, renormalised: q(v) = π(v)·1[π(v) ≥ τ] / Σ_u π(u)·1[π(u) ≥ τ], τ = κ·max_u π(u)
+    (threshold relative) or κ (fixed); log q(y_t) (proxy_logp) is reduced over the TP ranks' vocabulary slices from this
+    forward's logits, detached. Reasoning sparks: M_t = 1 where A_t < 0 and π_θ(y_t) is among the ⌈ρ₋·n⌉ lowest of the
+    response's n negative tokens (likewise ρ₊ for A_t > 0), and π_θ(y_t) < q(y_t) (the proxy keeps the token and
+    raises it: a spark, not noise). loss_t = M_t·(−A_t·r_t + β·min(k3_t, 10)) + (1 − M_t)·max(−A_t·r_t,
+    −A_t·clip(r_t, 1−ε_low, 1+ε_high)), k3_t = q/π_θ − log(q/π_θ) − 1 at y_t (the regulariser toward the proxy, the
+    released code's low-variance KL estimate at the sampled token, clamped at 10; its selected tokens leave PPO's clip).
+    The selection is detached. [formula from the authors' released code (CarlanLark/Lp-Reg-dev)]
+    Assumptions: the lowest-probability share is taken per response, ⌈ρ·n⌉ tokens (the code takes max(1, ⌊ρ·n⌋) of
+    its micro-batch's tokens and only when that is at least 2; megapo's loss must not depend on the micro-batch
+    split); the proxy is built from this forward's π_θ (on-policy steps: π_old, as the recipes' minp_old_log_prob;
+    off-policy: the code's other mode, the current policy)."""
+    adv = b.advantages
+    log_r = _log_ratio(b)
+    lo, hi = _log_bounds(o.eps_low, o.eps_high)
+    clipped_loss = _pessimistic(log_r, adv, lo, hi)
+    if "proxy_logp" not in b.extra:
+        raise ValueError("proxy_logp: objective lp_reg needs log q(y_t) of the min-p proxy (policy_loss proxy_logp=; "
+                         "the learner computes it)")
+    proxy = b.extra["proxy_logp"].detach()
+    logp = b.logp.detach()
+    spark = lowest_share(logp, (adv < 0) & b.mask, o.neg_fraction) | lowest_share(logp, (adv > 0) & b.mask,
+                                                                                   o.pos_fraction)
+    spark = spark & (logp < proxy)
+    gap = torch.where(spark, proxy - b.logp, torch.zeros_like(b.logp))  # log(q/π_θ), finite where selected
+    k3 = (torch.exp(gap) - gap - 1).clamp(max=10.0)
+    ratio = torch.exp(torch.where(spark, log_r, torch.zeros_like(log_r)))
+    loss = torch.where(spark, -adv * ratio + o.beta * k3, clipped_loss)
+    ell = log_r.detach()
+    return ObjectiveOut(loss, torch.exp(ell), clip_low=(adv < 0) & (ell < lo) & b.mask & ~spark,
+                        clip_high=(adv > 0) & (ell > hi) & b.mask & ~spark)
+
+
+# ----------------------------------------------------------------------------------------- rlpt
+
+
+@dataclass
+class RLPTOptions:
+    eps_low: float = 0.2  # [A] GRPO's clip, the scaffold the paper plugs into (it also runs on DAPO's)
+    eps_high: float = 0.2
+    k: int = 32  # [A] K: π_θ's K most likely tokens form the promising set (the paper: top-32 holds 99.5% of them)
+
+    def __post_init__(self):
+        _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high)
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"k: must be an integer >= 1, got {self.k!r}")
+
+    @property
+    def token_inputs(self) -> tuple[str, ...]:
+        return ("topk_lse", "in_topk")
+
+    @property
+    def policy_topk(self) -> int:
+        """K of the learner's top-k seam: topk_lse = log Σ_{v ∈ P_t} π_θ(v) and in_topk over π_θ's K most likely."""
+        return self.k
+
+
+@register(
+    "rlpt", "objective", "token",
+    "Pang et al. 2026, Reinforcement Learning with Promising Tokens for Large Language Models (arXiv:2602.03195), RLPT",
+    RLPTOptions,
+    loss_agg="token-mean",  # [A] the abstract names none: DAPO's token mean
+)
+def rlpt(b: TokenBatch, o: RLPTOptions) -> ObjectiveOut:
+    """The policy restricted to the promising set P_t (π_θ's K most likely tokens at t) by masking its softmax:
+    π̃_θ(y_t) = π_θ(y_t)·1[y_t ∈ P_t] / Σ_{v ∈ P_t} π_θ(v); r̃_t = π̃_θ(y_t)/π̃_old(y_t) with
+    log π̃_old(y_t) = log π_old(y_t) − sg(log Σ_{v ∈ P_t} π_θ(v)), so r̃_t's value is r_t and its gradient
+    r_t·∇(log π_θ(y_t) − log Σ_{v ∈ P_t} π_θ(v)) = r_t·∇log π̃_θ(y_t): the policy gradient of the masked policy,
+    whose logits outside P_t get none. loss_t = 1[y_t ∈ P_t]·max(−A_t·r̃_t, −A_t·clip(r̃_t, 1−ε_low, 1+ε_high));
+    a sampled token outside P_t (π̃ = 0) trains nothing and stays in the normaliser. topk_lse and in_topk come from
+    the learner's vocabulary-parallel top-k seam on this forward's logits (O(K) values per token cross TP ranks).
+    Assumptions: P_t is the policy's own top-K at the update (the abstract's "semantic priors of the base model": the
+    model being trained ranks the candidates; a frozen base model's top-K, MegatronReference.response_topk, is not
+    wired); π̃_old's normaliser is this forward's (exact on on-policy steps, where π_θ = π_old; off-policy it keeps the
+    value r_t); K, the clip and the aggregation are not in the abstract."""
+    if "topk_lse" not in b.extra or "in_topk" not in b.extra:
+        raise ValueError("topk_lse: objective rlpt needs log Σ_{v ∈ top-K} π_θ(v) and in_topk flags "
+                         "(policy_loss topk_lse=, in_topk=; the learner computes them)")
+    adv = b.advantages
+    lse = b.extra["topk_lse"] * b.fmask
+    inside = (b.extra["in_topk"].detach() > 0.5) & b.mask
+    log_r = torch.where(inside, _log_ratio(b) - (lse - lse.detach()), torch.zeros_like(b.logp))
+    lo, hi = _log_bounds(o.eps_low, o.eps_high)
+    loss = _pessimistic(log_r, adv, lo, hi) * inside.to(b.logp.dtype)
+    ell = log_r.detach()
+    return ObjectiveOut(loss, torch.exp(ell), clip_low=(adv < 0) & (ell < lo) & inside,
+                        clip_high=(adv > 0) & (ell > hi) & inside)

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from megapo.algorithms import blockwise
 from megapo.algorithms import entropy_credit
 from megapo.algorithms import plackett_luce
 from megapo.algorithms import self_distill
@@ -55,6 +56,9 @@ INPUTS = {
     # hdpo's: which samples are privileged rollouts (megapo/trainer/privileged.py draws them on all-fail prompts)
     "privileged": "whether each sample is a privileged rollout (a correct response drawn with the reference answer "
                   "in its prompt, trained behind the original prompt)",
+    # bae's (megapo/algorithms/blockwise.py): per response its token blocks and the stage's block_reward function's
+    # per-block rewards (blockwise.block_inputs); the trainer does not compute it yet (AlgorithmConfig.computed_inputs)
+    "block_rewards": "each response token's block (cut at the stage's delimiters) and each response's block rewards",
 }
 
 
@@ -82,6 +86,7 @@ class TokenContext:
     self_teacher: Any = None  # self_distill.TeacherInputs: the self-teacher pass's values (None: no stage reads them)
     correct: list | None = None  # the verifier's verdict per sample (srpo routes on it)
     privileged: list | None = None  # per sample: a privileged rollout of hdpo (megapo/trainer/privileged.py)
+    blocks: Any = None  # blockwise.BlockInputs: the input block_rewards (bae)
 
 
 @dataclass(frozen=True)
@@ -275,6 +280,8 @@ STAGES: dict[str, StageDecl] = {
     # entropy credit (megapo/algorithms/entropy_credit.py); aepo's KL term adds old_logp, ref_logp (token_inputs)
     "erpo": StageDecl("token", "advantage_stage", ("sequence_advantage", "old_entropy"), _entropy_credit),
     "aepo": StageDecl("token", "advantage_stage", ("sequence_advantage", "old_entropy", "correct"), _entropy_credit),
+    # Blockwise Advantage Estimation (megapo/algorithms/blockwise.py): per-block advantages on their blocks' tokens
+    "bae": StageDecl("token", "advantage_stage", ("response_tokens", "block_rewards"), blockwise.run_bae_stage),
 }
 
 

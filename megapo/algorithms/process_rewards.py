@@ -98,6 +98,42 @@ def step_ends(texts: list[str], delimiter: str) -> list[int]:
     return sorted(ends)
 
 
+def block_ids(texts: list[str], delimiters: list[str]) -> list[int]:
+    """Each token's block 0 .. len(delimiters): block k + 1 starts at the token after the one that completes the first
+    occurrence of delimiters[k] after block k's own delimiter (as step_ends cuts steps); a delimiter not found leaves
+    the rest of the response in the block before it. `texts`: token_texts' output."""
+    if any(not (isinstance(d, str) and d) for d in delimiters):
+        raise ValueError(f"delimiters: must be non-empty strings, got {delimiters!r}")
+    joined = "".join(texts)
+    owner = [i for i, t in enumerate(texts) for _ in t]  # the token holding each character
+    ids, block, start, pos = [0] * len(texts), 0, 0, 0
+    for d in delimiters:
+        at = joined.find(d, pos)
+        if at < 0:
+            break
+        end = owner[at + len(d) - 1]
+        ids[start:end + 1] = [block] * (end + 1 - start)
+        block, start, pos = block + 1, end + 1, at + len(d)
+    ids[start:] = [block] * (len(texts) - start)
+    return ids
+
+
+def step_token_counts(ends: list[int]) -> list[int]:
+    """Each step's token count from step_ends' output: e_1 + 1, e_2 - e_1, ..., e_K - e_{K-1}."""
+    return [e - s for s, e in zip([-1] + list(ends), ends)]
+
+
+def first_accepted_end(texts: list[str], ends: list[int], accept, delimiter: str = "") -> int:
+    """The token count e_k + 1 through the first step whose prefix text `accept`s (a predicate on the text: e.g. the
+    task's answer checker, reward >= data.correct_threshold); -1 when none. The prefix is the joined texts of tokens
+    0 .. e_k less a `delimiter` it ends with (the answer before "\n" or ";" is read as a whole response's would be)."""
+    for e in ends:
+        text = "".join(texts[:e + 1])
+        if accept(text[:-len(delimiter)] if delimiter and text.endswith(delimiter) else text):
+            return e + 1
+    return -1
+
+
 # ----------------------------------------------------------------------------- rewards and advantages
 
 

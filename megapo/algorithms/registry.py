@@ -66,12 +66,15 @@ _MODULES = (
     "megapo.algorithms.aggregation",
     "megapo.algorithms.kl",
     "megapo.algorithms.length",
+    "megapo.algorithms.step_length",
+    "megapo.algorithms.blockwise",
     "megapo.algorithms.stages",
     "megapo.algorithms.token_credit",
     "megapo.algorithms.self_distill",
     "megapo.algorithms.entropy_credit",
     "megapo.algorithms.plackett_luce",
     "megapo.algorithms.value_tracker",
+    "megapo.algorithms.otb",
 )
 
 

@@ -32,7 +32,8 @@ from megapo.layout import check_layout, read_hf_config
 from megapo.learner import model as model_lib
 from megapo.learner import packing
 from megapo.learner.guard import UpdateGuard
-from megapo.learner.logprobs import vocab_parallel_logprobs, vocab_parallel_logprobs_at, vocab_parallel_topk
+from megapo.learner.logprobs import (vocab_parallel_logprobs, vocab_parallel_logprobs_at,
+                                     vocab_parallel_min_p_logprobs, vocab_parallel_sum_p2, vocab_parallel_topk)
 from megapo.learner.precision import Precision
 from megapo.learner.rope import set_positions
 from megapo.algorithms.spec import LossSpec, as_loss_spec
@@ -261,12 +262,24 @@ class Learner:
     def _policy_topk_inputs(self, mb: MicroBatch, logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
         """This forward's top-k at each selected slot, as the [S, T] inputs policy_loss takes: topk_logp_sum =
         Σ_k log π_θ(v_k) over π_θ's k most likely tokens (differentiable), top1 = 1.0 where the sampled token is
-        the most likely one. Vocabulary-parallel: O(k) values per token cross TP ranks."""
+        the most likely one, topk_lse = log Σ_k π_θ(v_k) (differentiable) and in_topk = 1.0 where the sampled token is
+        among the k (rlpt). Vocabulary-parallel: O(k) values per token cross TP ranks."""
         flat = logits.reshape(-1, logits.shape[-1])[mb.select]
         ids, _ = vocab_parallel_topk(flat, k, vocab_size=self.spec.vocab_size)
         logp = vocab_parallel_logprobs_at(flat, ids, vocab_size=self.spec.vocab_size)
-        top1 = (ids[:, 0] == mb.targets[mb.select]).to(logp.dtype)
-        return {"topk_logp_sum": self._padded(mb, logp.sum(-1)), "top1": self._padded(mb, top1)}
+        targets = mb.targets[mb.select]
+        top1 = (ids[:, 0] == targets).to(logp.dtype)
+        inside = (ids == targets[:, None]).any(-1).to(logp.dtype)
+        return {"topk_logp_sum": self._padded(mb, logp.sum(-1)), "top1": self._padded(mb, top1),
+                "topk_lse": self._padded(mb, torch.logsumexp(logp, dim=-1)), "in_topk": self._padded(mb, inside)}
+
+    def _policy_proxy_logp(self, mb: MicroBatch, logits: torch.Tensor, min_p: float, threshold: str) -> torch.Tensor:
+        """log q(y_t) at each selected slot as the [S, T] input policy_loss takes, q the min-p proxy of this forward's
+        distribution (logprobs.vocab_parallel_min_p_logprobs: the tokens below the threshold dropped, the rest
+        renormalised; 2–3 values per token cross TP ranks). Detached."""
+        flat = logits.detach().reshape(-1, logits.shape[-1])[mb.select]
+        return self._padded(mb, vocab_parallel_min_p_logprobs(flat, mb.targets[mb.select], min_p=min_p, mode=threshold,
+                                                              vocab_size=self.spec.vocab_size))
 
     @staticmethod
     def _padded_rows(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
@@ -384,6 +397,36 @@ class Learner:
         logps = self._per_sequence([(d["order"], d["logp"], d["sizes"]) for d in stored], len(sequences))
         return list(zip(ids, logps))
 
+    def response_sum_p2(self, sequences: list[list[int]], prompt_lens: list[int], routes=None) -> list[torch.Tensor]:
+        """Per sequence, Σ_v p(v)² of the model's next-token distribution at each response token (the positions
+        prompt_len-1 .. len-2): [len - prompt_len] fp32, CPU, on every rank (collective). With the token's log-prob
+        it gives OTB's Logit-Gradient Proxy ‖e_y − p‖² = 1 − 2 p(y) + Σ_v p(v)² (megapo/algorithms/otb.py).
+        Vocabulary-parallel (logprobs.vocab_parallel_sum_p2: two values per token cross TP ranks). Prompts shared
+        and `routes` replayed as in `response_topk`."""
+        lengths = _check_sequences(sequences, self.spec.vocab_size)
+        starts = np.asarray(prompt_lens, dtype=np.int64)
+        if starts.shape != lengths.shape or ((starts < 1) | (starts >= lengths)).any():
+            raise ValueError("prompt_lens: one per sequence, each in [1, len(sequence) - 1]")
+        if routes is not None and self.route_hook is None:
+            raise ValueError("routes: given, but this learner has no routing replay hook (routing_replay=True)")
+        if self.route_hook is not None:
+            self.route_hook.set_routes(routes, sequences)
+        micro_batches = self._micro_batches(sequences, starts - 1, lengths - 1, prompt_lens=list(starts),
+                                            routes=routes)
+
+        def collect(mb: MicroBatch, logits: torch.Tensor):
+            if not mb.order:
+                return logits.new_zeros(()), {"sum_p2": None}
+            flat = logits.detach().reshape(-1, logits.shape[-1])[mb.select]
+            sum_p2 = vocab_parallel_sum_p2(flat, vocab_size=self.spec.vocab_size).float()
+            return logits.new_zeros(()), {"sum_p2": sum_p2, "order": mb.order, "sizes": mb.sizes}
+
+        self.model.eval()
+        with torch.no_grad():
+            stored = [d for d in self._run(micro_batches, collect, forward_only=True) if d["sum_p2"] is not None]
+        self.model.train()
+        return self._per_sequence([(d["order"], d["sum_p2"], d["sizes"]) for d in stored], len(sequences))
+
     def train_step(self, batch: list[TrainSample], loss: LossSpec | str, loss_agg: str | None = None,
                    **options) -> dict:
         """One optimizer step on `batch` (the full batch, identical on every rank; each DP rank takes
@@ -437,6 +480,7 @@ class Learner:
         # per-token inputs the objective reads (old_entropy, sentence_end; topk_logp_sum / top1 from this forward)
         wanted = token_inputs(spec.objective, spec.objective_options)
         policy_topk = getattr(spec.objective_config(), "policy_topk", 0)
+        policy_proxy = getattr(spec.objective_config(), "policy_proxy", None)  # lp_reg's (min_p, threshold)
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             if not mb.order:  # an empty micro-batch (DP balancing): no loss, but keep the graph connected
@@ -464,8 +508,10 @@ class Learner:
             for name in ("ref_logp", "token_weight"):  # a token_weight stage's weights (algorithms/stages.py)
                 if name in cols:
                     extra[name] = column(name)
-            if policy_topk:  # the objective reads π_θ's own top-k at each token (simko)
+            if policy_topk:  # the objective reads π_θ's own top-k at each token (simko, rlpt)
                 extra.update(self._policy_topk_inputs(mb, logits, policy_topk))
+            if policy_proxy is not None:  # log q(y_t) under the min-p proxy of this forward's π_θ (lp_reg)
+                extra["proxy_logp"] = self._policy_proxy_logp(mb, logits, *policy_proxy)
             for name in wanted:  # on-policy, π_old's entropy is this forward's
                 if name in POLICY_TOPK_INPUTS:
                     continue
@@ -684,8 +730,9 @@ def _share_prefix_mode(mode: str, use_te: bool) -> str:
 
 
 SHARE_PREFIX_MODES = ("auto", "on", "off")
-# per-token objective inputs the train forward computes from its own logits (policy_loss's topk_logp_sum, top1)
-POLICY_TOPK_INPUTS = ("topk_logp_sum", "top1")
+# per-token objective inputs the train forward computes from its own logits (policy_loss's topk_logp_sum, top1;
+# topk_lse, in_topk: rlpt's promising set; proxy_logp: lp_reg's min-p proxy)
+POLICY_TOPK_INPUTS = ("topk_logp_sum", "top1", "topk_lse", "in_topk", "proxy_logp")
 
 
 def _routes_agreed(routes: list, groups: list[tuple[list[int], int]], *, strict: bool) -> list[int]:

@@ -1,13 +1,16 @@
 """Log-probs and entropy of given tokens from vocabulary-parallel logits.
 
 Each TP rank holds logits for its slice of the vocabulary. Only per-token scalars cross ranks
-(max, sum of exp, the target's logit, sum p*logit), or O(k) of them for the top-k and K given tokens
-(vocab_parallel_topk, vocab_parallel_logprobs_at): the full vocabulary is never gathered on one rank.
+(max, sum of exp, the target's logit, sum p*logit; Σ p² for OTB's Logit-Gradient Proxy, vocab_parallel_sum_p2; the
+kept mass and the target of Lp-Reg's min-p proxy, vocab_parallel_min_p_logprobs), or O(k) of them for the top-k and K
+given tokens (vocab_parallel_topk, vocab_parallel_logprobs_at): the full vocabulary is never gathered on one rank.
 Unlike Megatron's vocab_parallel_cross_entropy this does not modify the logits in place (the caller
 may still need them) and also returns the entropy. Differentiable (used by the train step).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -162,3 +165,65 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(group.size())]
     torch.distributed.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
+
+
+# ------------------------------------------------------------------------------ per-position reductions over the
+# whole distribution (no vocabulary gathered: a few values per position cross ranks)
+
+
+def vocab_parallel_sum_p2(logits: torch.Tensor, *, vocab_size: int, group=None) -> torch.Tensor:
+    """Σ_v p_v² per position over the whole vocabulary, from logits [..., V_local] (this rank's slice) -> [...], the
+    same on every rank of `group` (None: Megatron's TP group). Σ_v p_v² = Σ_v e^{2(z_v − m)} / (Σ_v e^{z_v − m})²
+    with m the global max; two values per position cross ranks. Differentiable in `logits`.
+
+    With p_y = π(y) it gives the squared logit-gradient norm of log π(y): ‖∇_z log π(y)‖² = ‖e_y − p‖² =
+    1 − 2 p_y + Σ_v p_v² (logit_grad_sq_norm; OTB's Logit-Gradient Proxy)."""
+    group = _tp_group(group)
+    logits, _ = _masked_slice(logits, vocab_size, group)
+    exp = (logits - _global_peak(logits, group).unsqueeze(-1)).exp()
+    sums = _sum_over_ranks(torch.stack([exp.sum(dim=-1), exp.square().sum(dim=-1)], dim=-1), group)
+    return sums[..., 1] / sums[..., 0].square()
+
+
+def logit_grad_sq_norm(logp: torch.Tensor, sum_p2: torch.Tensor) -> torch.Tensor:
+    """‖e_y − p‖² = 1 − 2 π(y) + Σ_v π(v)²: the squared norm of log π(y)'s gradient in the logits, from log π(y) and
+    vocab_parallel_sum_p2 (clamped at 0 against rounding)."""
+    return (1 - 2 * logp.exp() + sum_p2).clamp(min=0)
+
+
+MIN_P_MODES = ("relative", "fixed")
+
+
+@torch.no_grad()
+def vocab_parallel_min_p_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, min_p: float, mode: str = "relative",
+                                  vocab_size: int, group=None) -> torch.Tensor:
+    """log q(targets) under the min-p proxy q of π = softmax(logits) (Lp-Reg's proxy distribution): the tokens below a
+    threshold τ dropped and the rest renormalised, q(v) = π(v)·1[π(v) ≥ τ] / Σ_u π(u)·1[π(u) ≥ τ], with
+    τ = min_p·max_u π(u) (mode "relative": z_v − max ≥ log min_p) or τ = min_p (mode "fixed"). logits [..., V_local]
+    (this rank's slice), targets [...] global ids -> [...], −1e30 (q = 0, finite like the vocabulary padding) where
+    the target is dropped; the same on every rank of
+    `group` (None: Megatron's TP group). Per position 2 values cross ranks (3 in mode fixed, which needs log Z first).
+    No gradient (a regularisation target)."""
+    if mode not in MIN_P_MODES:
+        raise ValueError(f"mode: must be one of {', '.join(MIN_P_MODES)}, got {mode!r}")
+    if not 0 < min_p <= 1:
+        raise ValueError(f"min_p: must be in (0, 1], got {min_p!r}")
+    group = _tp_group(group)
+    logits, start = _masked_slice(logits, vocab_size, group)
+    part = logits.shape[-1]
+    shifted = logits - _global_peak(logits, group).unsqueeze(-1)  # log π(v) + log Z, Z = Σ e^{z − max}
+    exp = shifted.exp()
+    if mode == "relative":  # π(v) ≥ min_p · π_max  ⟺  z_v − max ≥ log min_p
+        keep = shifted >= math.log(min_p)
+    else:  # π(v) ≥ min_p  ⟺  z_v − max − log Z ≥ log min_p
+        log_z = _sum_over_ranks(exp.sum(dim=-1, keepdim=True), group).log()
+        keep = shifted - log_z >= math.log(min_p)
+    local = targets.long() - start
+    inside = (local >= 0) & (local < part)
+    at = local.clamp(0, part - 1).unsqueeze(-1)
+    picked = torch.where(inside, shifted.gather(-1, at).squeeze(-1), 0.0)
+    kept = torch.where(inside, keep.gather(-1, at).squeeze(-1), False).to(shifted.dtype)
+    sums = _sum_over_ranks(torch.stack([torch.where(keep, exp, 0.0).sum(dim=-1), picked, kept], dim=-1), group)
+    kept_sum, picked, kept = sums[..., 0], sums[..., 1], sums[..., 2] > 0.5
+    return torch.where(kept, picked - kept_sum.clamp(min=torch.finfo(kept_sum.dtype).tiny).log(),
+                       torch.full_like(picked, _NEG))

@@ -35,8 +35,9 @@ if TYPE_CHECKING:
     from megapo.algorithms.spec import LossSpec
 
 __all__ = ["AlgorithmConfig", "DataConfig", "DistillConfig", "EnvConfig", "ModelConfig", "OptimConfig",
-           "OverlongConfig", "ParallelConfig", "ReplayMode", "RewardModelConfig", "RolloutConfig", "RunConfig",
-           "SFTConfig", "TinyModelConfig", "TOKENIZER_FILES", "TrainConfig", "min_group", "tiny_hf_config"]
+           "LikelihoodRewardConfig", "OverlongConfig", "ParallelConfig", "ReplayMode", "RewardModelConfig",
+           "RolloutConfig", "RunConfig", "SFTConfig", "TinyModelConfig", "TOKENIZER_FILES", "TrainConfig", "min_group",
+           "tiny_hf_config"]
 
 MODES = ("sync", "async")
 LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
@@ -170,6 +171,44 @@ class RewardModelConfig:
 
 
 @dataclass
+class LikelihoodRewardConfig:
+    """data.likelihood_reward: the log-probability of the reference answer after each response's chain of thought as
+    its reward (megapo/trainer/likelihood_reward.py: r <- verifier_coef · r + coef · L, one more learner forward)."""
+
+    coef: float = bounded(0.0, ">= 0", "0: off")  # the weight of L (the answer's log-probability) in the reward; 0: off
+    mode: str = "sum"  # sum: L = log π(a* | x, z), the paper's | mean: L per answer token
+    # the weight of the reward before (the verifier's, shaped); 0: the likelihood alone, as the paper trains
+    verifier_coef: float = bounded(0.0, ">= 0")
+    # the text after which a response's answer starts (its last occurrence); the response is cut there and the
+    # reference answer's tokens appended; empty: no marker
+    answer_marker: str = ""
+    # a response without the marker: end (the whole response, end-of-sequence dropped, then the marker, is the
+    # chain of thought) | start (it is all answer: the reference answer follows the prompt)
+    absent: str = "end"
+
+    @property
+    def enabled(self) -> bool:
+        return self.coef > 0
+
+    def validate(self) -> None:
+        """Known mode and absent; verifier_coef only with coef; start needs a marker to cut at."""
+        from megapo.trainer.likelihood_reward import ABSENT, MODES
+
+        for name, value, known in (("mode", self.mode, MODES), ("absent", self.absent, ABSENT)):
+            if value not in known:
+                raise ConfigError(f"data.likelihood_reward.{name}", f"must be one of {', '.join(known)}, got {value!r}")
+        if not self.enabled and self.verifier_coef != 0.0:
+            raise ConfigError("data.likelihood_reward.verifier_coef", "given but data.likelihood_reward.coef is 0 "
+                              "(the likelihood reward is off)")
+        if not isinstance(self.answer_marker, str):
+            raise ConfigError("data.likelihood_reward.answer_marker", f"must be a string, got {self.answer_marker!r}")
+        if self.absent == "start" and not self.answer_marker:
+            raise ConfigError("data.likelihood_reward.absent", "start makes a response without the marker all answer; "
+                              "with no data.likelihood_reward.answer_marker the reward would not depend on the "
+                              "response: set a marker or absent=end")
+
+
+@dataclass
 class DataConfig:
     """The prompts, the reward, and the reward shaping before advantages."""
 
@@ -221,6 +260,8 @@ class DataConfig:
     correct_threshold: float = 0.5
     # a reward model's score added to the verifier's reward before the advantages (path and url empty: none)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    # the log-probability of the reference answer after each response's chain of thought as (part of) its reward
+    likelihood_reward: LikelihoodRewardConfig = field(default_factory=LikelihoodRewardConfig)
 
 
     def validate(self) -> None:
@@ -241,6 +282,7 @@ class DataConfig:
             raise ConfigError("data.reward_errors", f"must be one of {', '.join(rewards.REWARD_ERRORS)}, "
                               f"got {self.reward_errors!r}")
         self.reward_model.check_dense()
+        self.likelihood_reward.validate()
         rewards.get_reward(reward_spec(self), "data.reward")
 
 
@@ -270,7 +312,10 @@ def check_length_methods(d: DataConfig, n: int, budget: int) -> None:
         try:
             method.check_group_size(n)
             if kind == "length_reward":
-                check_shaped([group], method.shape([group], 1), f"data.{kind}")
+                from megapo.algorithms.step_length import one_step_each
+
+                checked = one_step_each(group) if method.step_delimiter() is not None else group  # no text here
+                check_shaped([checked], method.shape([checked], 1), f"data.{kind}")
             else:
                 check_kept([group], method.select([group], 1), f"data.{kind}")
         except ValueError as exc:
@@ -658,7 +703,10 @@ def _check_env(cfg: RunConfig) -> None:
     per_token = token_stages + [name for name, on in (("data.length_reward", d.length_reward != "none"),
                                                       ("data.group_filter", d.group_filter != "none"),
                                                       ("data.reward_model.dense", d.reward_model.dense_mode() != "off"),
-                                                      ("data.overlong.enabled", d.overlong.enabled)) if on]
+                                                      ("data.overlong.enabled", d.overlong.enabled),
+                                                      # the cut would read the environment's tokens as the policy's
+                                                      ("data.likelihood_reward.coef", d.likelihood_reward.enabled))
+                                if on]
     if per_token:  # their statistics would count the environment's tokens as the policy's
         raise ConfigError(per_token[0], "is not supported with multi-turn rollouts (an environment: env.name="
                           f"{cfg.env.name}) yet")

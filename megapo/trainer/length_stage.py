@@ -3,8 +3,10 @@
 After the verifier scores a round's groups, `LengthStage.apply` hands the methods of
 megapo.algorithms.length one ScoredGroup per prompt (verifier rewards, correctness, lengths, truncation,
 prompt key, difficulty), replaces each group's rewards by the shaped ones and keeps the responses the
-filter keeps (groups may then differ in size). data.overlong (DAPO's soft overlong penalty) is the
-length reward dapo_overlong under its older spelling. The stage counts the batches it has shaped (its
+filter keeps (groups may then differ in size). A length reward that reads steps (megapo/algorithms/step_length.py)
+gets each response's step lengths, cut with the run's tokenizer, and where it asks, the end of its first correct
+answer from the task's answer checker on each step's prefix (StepSplitter). data.overlong (DAPO's soft overlong
+penalty) is the length reward dapo_overlong under its older spelling. The stage counts the batches it has shaped (its
 `step`, the trainer step in sync mode) and its methods' state; both travel in the checkpoint
 (`state_dict`) so a resumed run shapes as the unstopped one.
 """
@@ -25,11 +27,12 @@ def length_reward_of(data, budget: int):
 
 
 class LengthStage:
-    def __init__(self, cfg, state: dict | None = None):
+    def __init__(self, cfg, state: dict | None = None, tokenizer=None):
         d, budget = cfg.data, cfg.rollout.max_new_tokens
         self.reward = length_reward_of(d, budget)
         self.filter = build_group_filter(d.group_filter, d.group_filter_options, budget)
         self.correct_threshold = d.correct_threshold
+        self.steps = StepSplitter.of(self.reward, d, tokenizer)  # None: no method reads steps
         self.step = 0  # batches begun
         if state:
             self.load_state_dict(state)
@@ -62,9 +65,10 @@ class LengthStage:
 
     def scored_group(self, g, key: str) -> ScoredGroup:
         rewards = torch.tensor(g.rewards, dtype=torch.float64)
-        return ScoredGroup(key, getattr(g.example, "difficulty", None), rewards, rewards >= self.correct_threshold,
-                           torch.tensor([len(s.output_ids) for s in g.samples], dtype=torch.int64),
-                           torch.tensor([s.finish_reason != "stop" for s in g.samples]))
+        scored = ScoredGroup(key, getattr(g.example, "difficulty", None), rewards, rewards >= self.correct_threshold,
+                             torch.tensor([len(s.output_ids) for s in g.samples], dtype=torch.int64),
+                             torch.tensor([s.finish_reason != "stop" for s in g.samples]))
+        return self.steps.split(scored, g) if self.steps is not None else scored
 
     def metrics(self) -> dict[str, float]:
         """The methods' own numbers (a dual variable, targets), under length/."""
@@ -89,3 +93,46 @@ class LengthStage:
             elif saved:
                 raise ValueError(f"length state: the checkpoint holds data.{name} state but none is configured")
 
+
+
+class StepSplitter:
+    """The steps of each response for a length reward that reads them (LengthMethod.step_delimiter: cut where the
+    decoded text completes the delimiter, megapo.algorithms.process_rewards.step_ends) and, for one that reads
+    ScoredGroup.first_correct, the token count through the first step whose prefix the task's answer checker
+    (data.reward, the task's when auto) scores >= data.correct_threshold."""
+
+    def __init__(self, delimiter: str, tokenizer, checker=None, threshold: float = 0.0):
+        self.delimiter, self.tokenizer, self.checker, self.threshold = delimiter, tokenizer, checker, threshold
+        self.cache: dict = {}  # token id -> its text, shared across rounds
+
+    @classmethod
+    def of(cls, method, data, tokenizer) -> "StepSplitter | None":
+        delimiter = method.step_delimiter() if method is not None else None
+        if delimiter is None:
+            return None
+        if tokenizer is None:
+            raise ValueError(f"data.length_reward: {data.length_reward} splits responses into steps and needs the "
+                             "run's tokenizer")
+        checker = None
+        if method.needs_first_correct:
+            from megapo.tasks.registry import reward_spec
+            from megapo.trainer.rewards import get_reward
+
+            checker = get_reward(reward_spec(data), "data.reward")
+        return cls(delimiter, tokenizer, checker, data.correct_threshold)
+
+    def split(self, scored: ScoredGroup, g) -> ScoredGroup:
+        from dataclasses import replace
+
+        from megapo.algorithms.process_rewards import first_accepted_end, step_ends, step_token_counts, token_texts
+
+        texts = [token_texts(self.tokenizer, list(s.output_ids), self.cache) for s in g.samples]
+        ends = [step_ends(t, self.delimiter) for t in texts]
+        steps = tuple(torch.tensor(step_token_counts(e), dtype=torch.int64) for e in ends)
+        first = None
+        if self.checker is not None:
+            answer = g.example.answer
+            accept = lambda text: float(self.checker(text, answer)) >= self.threshold  # noqa: E731
+            first = torch.tensor([first_accepted_end(t, e, accept, self.delimiter) for t, e in zip(texts, ends)],
+                                 dtype=torch.int64)
+        return replace(scored, step_lengths=steps, first_correct=first)

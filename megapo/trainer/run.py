@@ -104,7 +104,7 @@ class Run:
         self.step, self.version = 0, 0  # the last step trained (and logged), the engine's weight version
         self.made_ahead: list = []  # async batches a checkpoint kept, handed to the producer (start_rollouts)
         self.prompt_stats = new_prompt_stats(cfg)
-        self.length = LengthStage(cfg) if rank() == 0 else None
+        self.length = LengthStage(cfg, tokenizer=self.tokenizer) if rank() == 0 else None
         # the engine's routes: replayed under r3; otherwise compared with the learner's (router/disagree) when the
         # learner records its own and the embedded engine hands them over in-process
         compare_routes = capabilities(cfg.rollout.engine).in_process and self.learner.route_hook is not None

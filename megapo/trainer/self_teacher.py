@@ -50,8 +50,10 @@ def with_context(example, hint: str, template: str):
     return dataclasses.replace(example, prompt=hint_text(template, example.prompt, hint), meta=meta)
 
 
-def _logprobs(learner, sequences: list[list[int]], prompt_lens: list[int], with_entropy: bool):
-    """learner.logprobs under free routing; with a route hook, the routes it recorded are dropped (collective)."""
+def freely_routed_logprobs(learner, sequences: list[list[int]], prompt_lens: list[int], with_entropy: bool = False):
+    """learner.logprobs under free routing; with a route hook, the routes it recorded are dropped (collective). The
+    forward of sequences no engine routed: this pass's and the likelihood reward's (megapo/trainer/
+    likelihood_reward.py)."""
     if learner.route_hook is None:
         return learner.logprobs(sequences, with_entropy=with_entropy, prompt_lens=prompt_lens)
     from megapo.replay.modes import logprobs_with_routes
@@ -84,7 +86,7 @@ def self_teacher_pass(learner, batch: list[TrainSample], groups: list, spec: Tea
             ids = prompt((g + k) % len(groups), g)
             sequences.append(ids + list(sample.tokens[sample.prompt_len:]))
             prompt_lens.append(len(ids))
-    out = _logprobs(learner, sequences, prompt_lens, spec.entropy)
+    out = freely_routed_logprobs(learner, sequences, prompt_lens, spec.entropy)
     logps, entropies = out if spec.entropy else (out, None)
     response = [torch.as_tensor(lp, dtype=torch.float64)[n - 1:] for lp, n in zip(logps, prompt_lens)]
     n = len(batch)

@@ -144,18 +144,18 @@ def on_policy(cfg: RunConfig, learner: Learner) -> bool:
 
 
 def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int, self_teacher=None,
-                 correct: list[bool] | None = None, privileged: list[bool] | None = None) -> dict:
+                 correct: list[bool] | None = None, privileged: list[bool] | None = None, blocks=None) -> dict:
     """The token stages of algorithm.stages after the old-log-prob pass, in order, on the whole train batch at once
     (megapo.algorithms.pipeline: per-token advantages into sample.advantage, weights into sample.token_weight,
     which the learner multiplies the per-token loss by). π_old = sample.old_logp, its entropy sample.old_entropy;
     nat_prefix draws from (train.seed, `step`), so a resumed run cuts as the unstopped one. `self_teacher`: the
     self-teacher pass's values (self_teacher_inputs), `correct`: each sample's verdict (verdicts), `privileged`: each
-    sample's Group.privileged (hdpo)."""
+    sample's Group.privileged (hdpo), `blocks`: bae's block rewards (block_rewards)."""
     from megapo.algorithms.pipeline import TokenContext, run_token_stages
 
     a = cfg.algorithm
     ctx = TokenContext(group_size=cfg.rollout.n_samples, step=step, seed=cfg.train.seed, kl_coef=a.kl_coef,
-                       self_teacher=self_teacher, correct=correct, privileged=privileged)
+                       self_teacher=self_teacher, correct=correct, privileged=privileged, blocks=blocks)
     return run_token_stages(a.pipeline(), as_train_samples(batch), ctx)
 
 
@@ -205,6 +205,18 @@ def model_rewards(reward_model, groups: list[Group], cfg: RunConfig, tokenizer, 
     return dense
 
 
+def likelihood_rewards(learner: Learner, groups: list[Group], cfg: RunConfig, tokenizer) -> dict:
+    """data.likelihood_reward (collective: one more learner forward, routing freely): each sample's reward becomes
+    verifier_coef · r + coef · log π(a* | x, z), a* the reference answer after the response's chain of thought z
+    (megapo/trainer/likelihood_reward.py); its metrics."""
+    if tokenizer is None:
+        raise ValueError("tokenizer: the likelihood reward cuts each response at its answer marker and appends the "
+                         "reference answer's tokens; update_policy needs the run's tokenizer")
+    from megapo.trainer.likelihood_reward import add_likelihood_rewards
+
+    return add_likelihood_rewards(learner, groups, cfg.data.likelihood_reward, tokenizer)
+
+
 def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Group], cfg: RunConfig, step: int,
                      tokenizer, timer: StepTimer) -> dict:
     """The token stages at trainer step `step` (token_select's schedule, nat_prefix's cut), after the
@@ -217,7 +229,19 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
     reads = cfg.algorithm.stage_inputs()
     correct = verdicts(groups, cfg) if "correct" in reads else None
     privileged = [g.privileged for g in groups for _ in g.samples] if "privileged" in reads else None
-    return token_stages(batch, cfg, step, self_teacher, correct, privileged)
+    blocks = block_rewards(batch, groups, cfg, tokenizer) if "block_rewards" in reads else None
+    return token_stages(batch, cfg, step, self_teacher, correct, privileged, blocks)
+
+
+def block_rewards(batch: list[TrainSample], groups: list[Group], cfg: RunConfig, tokenizer):
+    """Stage bae's input (megapo/algorithms/blockwise.py): each response's token blocks and its block rewards from
+    the stage's block_reward function on the decoded response and its prompt's answer (every rank, the same)."""
+    from megapo.algorithms.blockwise import block_inputs
+
+    stage = next(s for s in cfg.algorithm.pipeline() if "block_rewards" in s.inputs)
+    return block_inputs([s.tokens[s.prompt_len:] for s in batch],
+                        [str(g.example.answer) for g in groups for _ in g.samples],
+                        [len(g.samples) for g in groups], tokenizer, stage.options)
 
 
 def teacher_terms(teachers: list[Reference], batch: list[TrainSample], cfg: RunConfig) -> dict:
@@ -295,6 +319,8 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
     score times data.reward_model.coef is added to each sample's reward in `groups` before the advantages; with
     data.reward_model.dense, coef times its process advantage is added to each token's advantage after the token
     stages instead (megapo/algorithms/process_rewards.py).
+    data.likelihood_reward (collective, after the reward model): each reward becomes verifier_coef · r + coef ·
+    log π(reference answer | prompt, the response cut at its answer), before the advantages (likelihood_rewards).
     `teachers` (algorithm.distill, in its order, collective): their weighted reverse KLs enter the advantage.
     `tokenizer`: the run's, for the self-distillation stages' prompts with a context (self_teacher_inputs)."""
     from megapo.replay.modes import free_routing, on_policy_step
@@ -305,6 +331,9 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
     if reward_model is not None:  # megapo/trainer/reward_model.py: every rank gets and adds the same scores
         with timer("reward_model"):
             dense = model_rewards(reward_model, groups, cfg, tokenizer, metrics)
+    if cfg.data.likelihood_reward.enabled:  # after the reward model's term: r <- verifier_coef · r + coef · L
+        with timer("likelihood"):
+            metrics.update(likelihood_rewards(learner, groups, cfg, tokenizer))
     batch = train_samples(groups, cfg, step, prompt_stats)
     fused, free = on_policy(cfg, learner), None
     if mode == "r3" and (measure_free_kl or measure_free_routing):
