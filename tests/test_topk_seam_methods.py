@@ -491,3 +491,38 @@ def test_train_two_steps(tmp_path, tiny_moe, objective, options):
                       f"algorithm.objective_options={options}")
     assert len(rows) == 2
     assert all(math.isfinite(r["train/loss"]) and r["train/skipped_nonfinite"] == 0 for r in rows)
+
+
+def test_the_otb_stage_in_the_loop_takes_sum_p2_on_the_replayed_routes():
+    """update.advantage_stages with otb listed: one response_sum_p2 call on the samples' routes, and each token's
+    advantage is the paper's baseline written out (ref_otb) from the rewards, π_old and those Σπ²."""
+    from types import SimpleNamespace
+
+    from algorithm_configs import make_cfg
+    from megapo.algorithms.sample import TrainSample
+    from megapo.trainer.metrics import StepTimer
+    from megapo.trainer.update import advantage_stages
+
+    lengths, rewards = [3, 4, 2, 4], [1.0, 0.0, 0.0, 1.0]
+    gen = torch.Generator().manual_seed(5)
+    logits = [padded_logits(n, vocab=7, padded=7, seed=30 + i, scale=1.5) for i, n in enumerate(lengths)]
+    targets = [torch.randint(0, 7, (n,), generator=gen) for n in lengths]
+    batch = [TrainSample([1, 2] + y.tolist(), 2, 0.5, routes=f"routes{i}",
+                         old_logp=torch.log_softmax(z, -1).gather(-1, y[:, None]).squeeze(-1).tolist())
+             for i, (z, y) in enumerate(zip(logits, targets))]
+    calls = []
+
+    class SumP2Learner:
+        def response_sum_p2(self, sequences, prompt_lens, routes=None):
+            calls.append((sequences, prompt_lens, routes))
+            return [torch.softmax(z, -1).pow(2).sum(-1) for z in logits]
+
+    groups = [SimpleNamespace(rewards=rewards[:2], samples=[None, None], privileged=False),
+              SimpleNamespace(rewards=rewards[2:], samples=[None, None], privileged=False)]
+    cfg = make_cfg(stages=[{"name": "otb"}], n_samples=2)
+    metrics = advantage_stages(SumP2Learner(), batch, groups, cfg, 1, None, StepTimer())
+    assert calls == [([s.tokens for s in batch], [2, 2, 2, 2], [f"routes{i}" for i in range(4)])]
+    want = ref_otb(rewards, logits, targets, 2, 1e-8, True)
+    for s, w in zip(batch, want):
+        assert s.advantage == pytest.approx(w, abs=1e-12)
+    assert "otb/baseline_mean" in metrics

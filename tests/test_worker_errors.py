@@ -141,12 +141,19 @@ from megapo.config import InputError
 from megapo.worker_errors import guard
 
 
+PRINTED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank0_printed")
+
+
 def body():
     rank = int(os.environ["RANK"])
     print(f"rank {rank} progress", file=sys.stderr, flush=True)
-    if rank == 1:
-        raise InputError("data.jsonl:3", "not JSON")
-    time.sleep(60)  # torchrun stops this rank once rank 1 failed
+    if rank == 0:
+        open(PRINTED, "w").close()
+        time.sleep(60)  # torchrun stops this rank once rank 1 failed
+    deadline = time.monotonic() + 60
+    while not os.path.exists(PRINTED) and time.monotonic() < deadline:  # rank 0's line is out before rank 1 fails
+        time.sleep(0.05)
+    raise InputError("data.jsonl:3", "not JSON")
 
 
 sys.exit(guard("megapo test", body))

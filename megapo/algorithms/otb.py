@@ -4,8 +4,9 @@ gradient energy it has accumulated up to the token, estimated forward-only by th
 
 The proxy needs one number per position beyond π_old(y_t): Σ_v π_old(v)², which megapo.learner.logprobs
 .vocab_parallel_sum_p2 reduces over the TP ranks' vocabulary slices without gathering them (Learner.response_sum_p2
-gives it per response token). This module holds the math on per-sample lists; it is not yet one of algorithm.stages'
-stages (that needs π_old's Σ_v π² carried from the old-log-prob pass onto the samples).
+gives it per response token). This module holds the math on per-sample lists; the stage otb (algorithm.stages)
+runs it after the old-log-prob pass, with one more learner forward for Σ_v π_old² (megapo.trainer.update
+.old_sum_p2) on the routes the train steps replay. Its advantage replaces the estimator's.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _group_baseline(returns: list[Tensor], energy: list[Tensor], o: OTBOptions) 
 @register(
     "otb", "advantage_stage", "group",
     "Li et al. 2026, The Optimal Token Baseline: Variance Reduction for Long-Horizon LLM-RL (arXiv:2602.07078) "
-    "(the math and its vocabulary-parallel Σπ²; not yet an algorithm.stages entry)",
+    "(the stage otb: one more learner forward for Σ_v π_old(v)², reduced vocabulary-parallel)",
     OTBOptions,
 )
 def otb_advantages(returns: list[Tensor], old_logp: list[Tensor], sum_p2: list[Tensor], group_size: int,

@@ -25,6 +25,7 @@ from torch import Tensor
 from megapo.algorithms import blockwise
 from megapo.algorithms import entropy_credit
 from megapo.algorithms import plackett_luce
+from megapo.algorithms import otb
 from megapo.algorithms import self_distill
 from megapo.algorithms import stages as st
 from megapo.algorithms import token_credit
@@ -58,6 +59,10 @@ INPUTS = {
                   "in its prompt, trained behind the original prompt)",
     # bae's (megapo/algorithms/blockwise.py): per response its token blocks and the stage's block_reward function's
     # per-block rewards (blockwise.block_inputs); the trainer does not compute it yet (AlgorithmConfig.computed_inputs)
+    # OTB's (megapo/algorithms/otb.py)
+    "old_sum_p2": "Σ_v π_old(v)² at each response token (one more learner forward, Learner.response_sum_p2: with "
+                  "old_logp, OTB's Logit-Gradient Proxy)",
+    "reward": "each sample's reward, the one the estimator reads (OTB's return at every token)",
     "block_rewards": "each response token's block (cut at the stage's delimiters) and each response's block rewards",
 }
 
@@ -87,6 +92,8 @@ class TokenContext:
     correct: list | None = None  # the verifier's verdict per sample (srpo routes on it)
     privileged: list | None = None  # per sample: a privileged rollout of hdpo (megapo/trainer/privileged.py)
     blocks: Any = None  # blockwise.BlockInputs: the input block_rewards (bae)
+    sum_p2: list | None = None  # per sample, Σ_v π_old(v)² at each response token (otb)
+    rewards: list | None = None  # per sample, its reward (otb's return)
 
 
 @dataclass(frozen=True)
@@ -230,6 +237,21 @@ def _hdpo(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
     return {"hdpo/privileged_samples": float(sum(bool(p) for p in ctx.privileged))}
 
 
+def _otb(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+    """OTB (megapo/algorithms/otb.py): A_{i,t} = R_i − B*_t, the group's energy-weighted per-token baseline in place
+    of the estimator's advantage; otb/baseline_mean, the mean baseline over the batch's tokens."""
+    if ctx.sum_p2 is None or ctx.rewards is None:
+        raise ValueError(f"old_sum_p2: stage {s.name} needs Σ_v π_old(v)² and the rewards (update.advantage_stages)")
+    returns = [torch.full((len(x.tokens) - x.prompt_len,), float(r), dtype=torch.float64)
+               for x, r in zip(batch, ctx.rewards)]
+    values = otb.otb_advantages(returns, [torch.as_tensor(x.old_logp, dtype=torch.float64) for x in batch],
+                                [torch.as_tensor(v, dtype=torch.float64) for v in ctx.sum_p2], ctx.group_size,
+                                s.options)
+    _set_advantages(batch, values)
+    base = torch.cat([g - v for g, v in zip(returns, values)]) if values else torch.zeros(0, dtype=torch.float64)
+    return {"otb/baseline_mean": float(base.mean()) if base.numel() else 0.0}
+
+
 def _entropy_credit(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
     """An entropy-credit stage (megapo/algorithms/entropy_credit.py: erpo, aepo) on the whole train batch: per-token
     advantages into sample.advantage."""
@@ -281,6 +303,7 @@ STAGES: dict[str, StageDecl] = {
     "erpo": StageDecl("token", "advantage_stage", ("sequence_advantage", "old_entropy"), _entropy_credit),
     "aepo": StageDecl("token", "advantage_stage", ("sequence_advantage", "old_entropy", "correct"), _entropy_credit),
     # Blockwise Advantage Estimation (megapo/algorithms/blockwise.py): per-block advantages on their blocks' tokens
+    "otb": StageDecl("token", "advantage_stage", ("old_logp", "old_sum_p2", "reward"), _otb),
     "bae": StageDecl("token", "advantage_stage", ("response_tokens", "block_rewards"), blockwise.run_bae_stage),
 }
 

@@ -36,6 +36,10 @@ class Learner(Protocol):
         `prompt_lens`: samples of one prompt may hold it once in the micro-batches (train.share_prefix)."""
         ...
 
+    def response_sum_p2(self, sequences: list[list[int]], prompt_lens: list[int], routes: Any = None) -> list[Tensor]:
+        """Σ_v p(v)² of the next-token distribution at each response token, on every rank (OTB's stage)."""
+        ...
+
     def train_step(self, batch: list[TrainSample], loss: LossSpec) -> dict:
         """One optimizer step on `batch` under `loss`; whole-batch metrics on every rank."""
         ...

@@ -143,19 +143,19 @@ def on_policy(cfg: RunConfig, learner: Learner) -> bool:
             and not cfg.algorithm.needs_old_stats() and isinstance(learner, OnPolicyLearner))
 
 
-def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int, self_teacher=None,
-                 correct: list[bool] | None = None, privileged: list[bool] | None = None, blocks=None) -> dict:
+def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int, **inputs) -> dict:
     """The token stages of algorithm.stages after the old-log-prob pass, in order, on the whole train batch at once
     (megapo.algorithms.pipeline: per-token advantages into sample.advantage, weights into sample.token_weight,
     which the learner multiplies the per-token loss by). π_old = sample.old_logp, its entropy sample.old_entropy;
-    nat_prefix draws from (train.seed, `step`), so a resumed run cuts as the unstopped one. `self_teacher`: the
-    self-teacher pass's values (self_teacher_inputs), `correct`: each sample's verdict (verdicts), `privileged`: each
-    sample's Group.privileged (hdpo), `blocks`: bae's block rewards (block_rewards)."""
+    nat_prefix draws from (train.seed, `step`), so a resumed run cuts as the unstopped one. `inputs`: the
+    pipeline.TokenContext fields the loop computed where a stage reads them (advantage_stages): self_teacher (the
+    self-teacher pass's values), correct (each sample's verdict), privileged (hdpo's), blocks (bae's block rewards),
+    sum_p2 and rewards (otb's)."""
     from megapo.algorithms.pipeline import TokenContext, run_token_stages
 
     a = cfg.algorithm
     ctx = TokenContext(group_size=cfg.rollout.n_samples, step=step, seed=cfg.train.seed, kl_coef=a.kl_coef,
-                       self_teacher=self_teacher, correct=correct, privileged=privileged, blocks=blocks)
+                       **inputs)
     return run_token_stages(a.pipeline(), as_train_samples(batch), ctx)
 
 
@@ -230,7 +230,21 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
     correct = verdicts(groups, cfg) if "correct" in reads else None
     privileged = [g.privileged for g in groups for _ in g.samples] if "privileged" in reads else None
     blocks = block_rewards(batch, groups, cfg, tokenizer) if "block_rewards" in reads else None
-    return token_stages(batch, cfg, step, self_teacher, correct, privileged, blocks)
+    sum_p2 = None
+    if "old_sum_p2" in reads:  # OTB's (collective), after the old-log-prob pass set the routes the steps replay
+        with timer("sum_p2"):
+            sum_p2 = old_sum_p2(learner, batch)
+    rewards = [r for g in groups for r in g.rewards] if "reward" in reads else None
+    return token_stages(batch, cfg, step, self_teacher=self_teacher, correct=correct, privileged=privileged,
+                        blocks=blocks, sum_p2=sum_p2, rewards=rewards)
+
+
+def old_sum_p2(learner: Learner, batch: list[TrainSample]) -> list:
+    """Σ_v π_old(v)² at each response token of every sample (Learner.response_sum_p2, collective), on the routes
+    the train steps replay (sample.routes, set by the old-log-prob pass; routing freely where there are none)."""
+    routes = [s.routes for s in batch]
+    return learner.response_sum_p2([list(s.tokens) for s in batch], [s.prompt_len for s in batch],
+                                   routes=routes if all(r is not None for r in routes) else None)
 
 
 def block_rewards(batch: list[TrainSample], groups: list[Group], cfg: RunConfig, tokenizer):
