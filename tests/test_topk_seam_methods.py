@@ -113,6 +113,7 @@ def test_learner_response_sum_p2_reads_the_response_slots(monkeypatch):
                          _run=lambda mbs, collect, forward_only: [collect(m, logits)[1] for m in mbs],
                          _share_results=lambda items: items)
     me._per_sequence = partial(Learner._per_sequence, me)
+    me._response_pass = partial(Learner._response_pass, me)
     got = Learner.response_sum_p2(me, [[1, 2, 3, 4], [1, 2, 3, 4, 5]], [2, 2])
     want = ref_sum_p2(logits.reshape(-1, V)[select])
     torch.testing.assert_close(got[0], want[:2].float(), rtol=0, atol=1e-6)

@@ -254,11 +254,6 @@ class Learner:
         return vocab_parallel_logprobs(flat[mb.select], mb.targets[mb.select], vocab_size=self.spec.vocab_size,
                                        with_entropy=with_entropy, entropy_grad=entropy_grad)
 
-    def _selected_topk(self, mb: MicroBatch, logits: torch.Tensor, k: int):
-        """The k most likely next tokens at the selected slots and their log-probs: ([N, k] int64, [N, k])."""
-        flat = logits.reshape(-1, logits.shape[-1])
-        return vocab_parallel_topk(flat[mb.select], k, vocab_size=self.spec.vocab_size)
-
     def _policy_topk_inputs(self, mb: MicroBatch, logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
         """This forward's top-k at each selected slot, as the [S, T] inputs policy_loss takes: topk_logp_sum =
         Σ_k log π_θ(v_k) over π_θ's k most likely tokens (differentiable), top1 = 1.0 where the sampled token is
@@ -368,41 +363,32 @@ class Learner:
         """Per sequence, at each response token t (the positions prompt_len-1 .. len-2, whose logits predict the
         response), the model's k most likely token ids and their log-probs over the whole vocabulary:
         (ids [len - prompt_len, k] int64, logp [len - prompt_len, k] fp32, CPU), highest first, on every rank
-        (collective). Vocabulary-parallel (logprobs.vocab_parallel_topk: O(k) values per token cross TP ranks).
-        Prompts shared as in `logprobs`; `routes` replayed as there."""
-        lengths = _check_sequences(sequences, self.spec.vocab_size)
+        (collective). Vocabulary-parallel (logprobs.vocab_parallel_topk: O(k) values per token cross TP ranks)."""
         if not 1 <= k <= self.spec.vocab_size:
             raise ValueError(f"k: must be in [1, vocab_size={self.spec.vocab_size}], got {k}")
-        starts = np.asarray(prompt_lens, dtype=np.int64)
-        if starts.shape != lengths.shape or ((starts < 1) | (starts >= lengths)).any():
-            raise ValueError("prompt_lens: one per sequence, each in [1, len(sequence) - 1]")
-        if routes is not None and self.route_hook is None:
-            raise ValueError("routes: given, but this learner has no routing replay hook (routing_replay=True)")
-        if self.route_hook is not None:
-            self.route_hook.set_routes(routes, sequences)
-        micro_batches = self._micro_batches(sequences, starts - 1, lengths - 1, prompt_lens=list(starts),
-                                            routes=routes)
 
-        def collect(mb: MicroBatch, logits: torch.Tensor):
-            if not mb.order:
-                return logits.new_zeros(()), {"ids": None}
-            ids, logp = self._selected_topk(mb, logits.detach(), k)
-            return logits.new_zeros(()), {"ids": ids, "logp": logp.float(), "order": mb.order, "sizes": mb.sizes}
+        def topk(flat: torch.Tensor) -> dict:
+            ids, logp = vocab_parallel_topk(flat, k, vocab_size=self.spec.vocab_size)
+            return {"ids": ids, "logp": logp.float()}
 
-        self.model.eval()
-        with torch.no_grad():
-            stored = [d for d in self._run(micro_batches, collect, forward_only=True) if d["ids"] is not None]
-        self.model.train()
-        ids = self._per_sequence([(d["order"], d["ids"], d["sizes"]) for d in stored], len(sequences))
-        logps = self._per_sequence([(d["order"], d["logp"], d["sizes"]) for d in stored], len(sequences))
-        return list(zip(ids, logps))
+        out = self._response_pass(sequences, prompt_lens, routes, topk, ("ids", "logp"))
+        return list(zip(out["ids"], out["logp"]))
 
     def response_sum_p2(self, sequences: list[list[int]], prompt_lens: list[int], routes=None) -> list[torch.Tensor]:
         """Per sequence, Σ_v p(v)² of the model's next-token distribution at each response token (the positions
         prompt_len-1 .. len-2): [len - prompt_len] fp32, CPU, on every rank (collective). With the token's log-prob
         it gives OTB's Logit-Gradient Proxy ‖e_y − p‖² = 1 − 2 p(y) + Σ_v p(v)² (megapo/algorithms/otb.py).
-        Vocabulary-parallel (logprobs.vocab_parallel_sum_p2: two values per token cross TP ranks). Prompts shared
-        and `routes` replayed as in `response_topk`."""
+        Vocabulary-parallel (logprobs.vocab_parallel_sum_p2: two values per token cross TP ranks)."""
+        def sum_p2(flat: torch.Tensor) -> dict:
+            return {"sum_p2": vocab_parallel_sum_p2(flat, vocab_size=self.spec.vocab_size).float()}
+
+        return self._response_pass(sequences, prompt_lens, routes, sum_p2, ("sum_p2",))["sum_p2"]
+
+    def _response_pass(self, sequences: list[list[int]], prompt_lens: list[int], routes, per_slot,
+                       names: tuple[str, ...]) -> dict[str, list[torch.Tensor]]:
+        """A forward-only pass that reads each sequence's response positions (prompt_len-1 .. len-2): `per_slot`
+        maps the selected slots' logits [N, V_local] to {name: [N, ...]}; per name, one CPU tensor per sequence on
+        every rank (collective). Prompts shared as in `logprobs`, `routes` replayed as there."""
         lengths = _check_sequences(sequences, self.spec.vocab_size)
         starts = np.asarray(prompt_lens, dtype=np.int64)
         if starts.shape != lengths.shape or ((starts < 1) | (starts >= lengths)).any():
@@ -416,16 +402,16 @@ class Learner:
 
         def collect(mb: MicroBatch, logits: torch.Tensor):
             if not mb.order:
-                return logits.new_zeros(()), {"sum_p2": None}
+                return logits.new_zeros(()), {"values": None}
             flat = logits.detach().reshape(-1, logits.shape[-1])[mb.select]
-            sum_p2 = vocab_parallel_sum_p2(flat, vocab_size=self.spec.vocab_size).float()
-            return logits.new_zeros(()), {"sum_p2": sum_p2, "order": mb.order, "sizes": mb.sizes}
+            return logits.new_zeros(()), {"values": per_slot(flat), "order": mb.order, "sizes": mb.sizes}
 
         self.model.eval()
         with torch.no_grad():
-            stored = [d for d in self._run(micro_batches, collect, forward_only=True) if d["sum_p2"] is not None]
+            stored = [d for d in self._run(micro_batches, collect, forward_only=True) if d["values"] is not None]
         self.model.train()
-        return self._per_sequence([(d["order"], d["sum_p2"], d["sizes"]) for d in stored], len(sequences))
+        return {name: self._per_sequence([(d["order"], d["values"][name], d["sizes"]) for d in stored],
+                                         len(sequences)) for name in names}
 
     def train_step(self, batch: list[TrainSample], loss: LossSpec | str, loss_agg: str | None = None,
                    **options) -> dict:
