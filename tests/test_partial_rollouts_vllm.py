@@ -346,11 +346,12 @@ def test_real_server_preempted_samples_continue_on_new_weights(real):
     """Version v+1 loaded mid-batch; each token's log-prob is transformers' under the version that produced it
     (version v: the base weights when v is even, the changed ones when odd). A busy server answers any HTTP call
     late (/metrics, and the /pause?mode=abort of the preemption itself: about 1.2 s in a measured try, where
-    requests of 2 × 400 tokens took 0.85 s; a fresh-clone run cut nothing in 3 tries), and the client holds new
-    requests from the moment it preempts; so the batch goes one request at a time (a second client of the module's
-    server, max_concurrency=1), each request 8 × 400 tokens, longer than that lag, and the preemption is sent a
-    tenth of a request's duration (measured as the first one ran) after the first request returned: it lands inside
-    the second. An attempt that still cut nothing is tried again."""
+    requests of 2 × 400 tokens took 0.85 s; fresh-clone runs cut nothing in 3 tries with 2 × 400, and once with 8 ×
+    400, 1.1 s a request), and the client holds new requests from the moment it preempts; so the batch goes one
+    request at a time (a second client of the module's server, max_concurrency=1), each request 32 × 400 tokens,
+    several times that lag, and the preemption is sent a tenth of a request's duration (measured as the first one
+    ran) after the first request returned: it lands inside the second. An attempt that still cut nothing is tried
+    again."""
     from transformers import AutoModelForCausalLM
 
     served, base, changed = real
@@ -358,7 +359,7 @@ def test_real_server_preempted_samples_continue_on_new_weights(real):
                         weight_version=served.weight_version)
     hf = {v: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for v, d in ((0, base), (1, changed))}
     prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23], [30, 31]]
-    params = SamplingParams(n=8, max_new_tokens=400, seed=0)  # 4 requests of 8 × 400 tokens, one at a time
+    params = SamplingParams(n=32, max_new_tokens=400, seed=0)  # 4 requests of 32 × 400 tokens, one at a time
     try:
         for attempt in range(3):
             start, old = time.monotonic(), engine.weight_version
