@@ -696,9 +696,7 @@ class DeepCompress(LengthReward):
         a = p if a is None else (1 - self.o.momentum) * a + self.o.momentum * p
         self.accuracy[g.prompt_key] = a
         ease = a if self.o.difficulty == "pass_rate" else float(1 - hardness(g, self.o))
-        lengths = g.lengths.to(torch.float64)
-        std = float(lengths.std(unbiased=False))
-        z = (lengths - lengths.mean()) / std if std > 0 else torch.zeros_like(lengths)
+        z = group_zscore(g.lengths.to(torch.float64))
         sign = -1.0 if ease >= self.o.threshold else 1.0
         return g.rewards + self.o.alpha * g.correct.to(torch.float64) * torch.sigmoid(sign * z)
 
@@ -825,6 +823,12 @@ class HmpoOptions:
             raise ValueError(f"weight: must be < 1 (a correct response must out-earn an incorrect one), "
                              f"got {self.weight!r}")
         check_number("max_len", self.max_len, low=0, integer=True)
+
+
+def group_zscore(values: Tensor) -> Tensor:
+    """(v − mean)/std over a group's values (population std); all 0 when the std is 0."""
+    std = float(values.std(unbiased=False))
+    return (values - values.mean()) / std if std > 0 else torch.zeros_like(values)
 
 
 def median_length(lengths: Tensor) -> float:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from megapo.algorithms.length import LengthReward, ScoredGroup, _check_state_keys
+from megapo.algorithms.length import LengthReward, ScoredGroup, _check_state_keys, group_zscore
 from megapo.algorithms.options import check_number
 from megapo.algorithms.registry import register
 
@@ -210,6 +210,4 @@ class Grsp(LengthReward):
         w = [float(x) for x in self.o.weights]
         weighted = torch.tensor([sum(w[segment_cluster(n, self.o.bins)] for n in s) for s in group_steps(g, "grsp")],
                                 dtype=torch.float64)
-        std = float(weighted.std(unbiased=False))
-        z = (weighted - weighted.mean()) / std if std > 0 else torch.zeros_like(weighted)
-        return torch.where(g.correct, g.rewards - self.o.coef * z, g.rewards)
+        return torch.where(g.correct, g.rewards - self.o.coef * group_zscore(weighted), g.rewards)
