@@ -75,12 +75,13 @@ def test_cut_by_hand(texts, marker, finished, absent, want, found):
     assert z == want_z and hit == found
 
 
-def test_marker_ends_and_bad_absent():
-    from megapo.trainer.likelihood_reward import cut_response, marker_ends
+def test_occurrence_ends_and_bad_absent():
+    from megapo.algorithms.process_rewards import occurrence_ends
+    from megapo.trainer.likelihood_reward import cut_response
 
-    assert marker_ends(["ab", "ab", "a", "b"], "ab") == [0, 1, 3]
-    assert marker_ends([";;", ";"], ";;") == [0]  # left to right, no overlap
-    assert marker_ends(["a"], "") == []
+    assert occurrence_ends(["ab", "ab", "a", "b"], "ab") == [0, 1, 3]
+    assert occurrence_ends([";;", ";"], ";;") == [0]  # left to right, no overlap
+    assert occurrence_ends(["a"], "") == []
     with pytest.raises(ValueError, match="absent"):
         cut_response([1], ["a"], ";", [59], True, "middle")
 

@@ -88,14 +88,21 @@ def step_ends(texts: list[str], delimiter: str) -> list[int]:
         raise ValueError("delimiter: must be a non-empty string")
     if not texts:
         return []
+    return sorted(set(occurrence_ends(texts, delimiter)) | {len(texts) - 1})
+
+
+def occurrence_ends(texts: list[str], text: str) -> list[int]:
+    """The token index that completes each occurrence of `text` in the joined `texts` (token_texts' output), found
+    left to right without overlap; [] for an empty `text`."""
+    if not text:
+        return []
     joined = "".join(texts)
     owner = [i for i, t in enumerate(texts) for _ in t]  # the token holding each character
-    ends, at = set(), joined.find(delimiter)
+    ends, at = [], joined.find(text)
     while at >= 0:
-        ends.add(owner[at + len(delimiter) - 1])
-        at = joined.find(delimiter, at + len(delimiter))
-    ends.add(len(texts) - 1)
-    return sorted(ends)
+        ends.append(owner[at + len(text) - 1])
+        at = joined.find(text, at + len(text))
+    return ends
 
 
 def block_ids(texts: list[str], delimiters: list[str]) -> list[int]:

@@ -34,20 +34,6 @@ MODES = ("sum", "mean")
 ABSENT = ("end", "start")
 
 
-def marker_ends(texts: list[str], marker: str) -> list[int]:
-    """The token index that completes each occurrence of `marker` in the joined `texts` (each token's text,
-    process_rewards.token_texts), found left to right without overlap; [] for an empty marker."""
-    if not marker:
-        return []
-    joined = "".join(texts)
-    owner = [i for i, t in enumerate(texts) for _ in t]  # the token holding each character
-    ends, at = [], joined.find(marker)
-    while at >= 0:
-        ends.append(owner[at + len(marker) - 1])
-        at = joined.find(marker, at + len(marker))
-    return ends
-
-
 def cut_response(output_ids: list[int], texts: list[str], marker: str, marker_ids: list[int], finished: bool,
                  absent: str) -> tuple[list[int], bool]:
     """(z, found): the response's chain of thought before the reference answer, and whether it holds the marker.
@@ -55,7 +41,9 @@ def cut_response(output_ids: list[int], texts: list[str], marker: str, marker_id
     output_ids less the end-of-sequence token (`finished`: finish reason stop) then `marker_ids`; start, []."""
     if absent not in ABSENT:
         raise ValueError(f"absent: must be one of {', '.join(ABSENT)}, got {absent!r}")
-    ends = marker_ends(texts, marker)
+    from megapo.algorithms.process_rewards import occurrence_ends
+
+    ends = occurrence_ends(texts, marker)
     if ends:
         return list(output_ids[:ends[-1] + 1]), True
     if absent == "start":
