@@ -15,6 +15,9 @@ import torch
 
 from megapo.cli import run_command
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from one_rank import ONE  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -275,14 +278,6 @@ def test_nonfinite_update_is_refused_weights_and_adam_state_kept(tmp_path, tiny_
 # ----------------------------------------------------------------------------- vocabulary-parallel log-probs
 
 
-class OneRankGroup:
-    def rank(self):
-        return 0
-
-    def size(self):
-        return 1
-
-
 def test_logprobs_and_entropy_with_gradients_match_log_softmax():
     """One rank holding a padded vocabulary slice (11 logits, vocabulary 9): log-probs, entropy and the
     gradient of both against torch.log_softmax over the real vocabulary; entropy_grad=False keeps no graph."""
@@ -291,7 +286,7 @@ def test_logprobs_and_entropy_with_gradients_match_log_softmax():
     torch.manual_seed(0)
     logits = torch.randn(7, 11, requires_grad=True)  # (computed in float32)
     targets = torch.randint(0, 9, (7,))
-    logp, entropy = vocab_parallel_logprobs(logits, targets, vocab_size=9, with_entropy=True, group=OneRankGroup())
+    logp, entropy = vocab_parallel_logprobs(logits, targets, vocab_size=9, with_entropy=True, group=ONE)
     ref_logits = logits.detach().clone().requires_grad_(True)
     ref_all = torch.log_softmax(ref_logits[:, :9], dim=-1)
     ref_logp = ref_all.gather(1, targets[:, None])[:, 0]
@@ -302,6 +297,6 @@ def test_logprobs_and_entropy_with_gradients_match_log_softmax():
     (ref_logp.sum() + 0.5 * ref_entropy.sum()).backward()
     torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=0, atol=1e-6)
     _, metric_only = vocab_parallel_logprobs(logits, targets, vocab_size=9, with_entropy=True, entropy_grad=False,
-                                             group=OneRankGroup())
+                                             group=ONE)
     assert not metric_only.requires_grad
     torch.testing.assert_close(metric_only, ref_entropy.detach(), rtol=0, atol=1e-6)

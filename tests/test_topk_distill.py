@@ -30,19 +30,10 @@ from megapo.trainer.distill import DistillConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_runs import train_rows  # noqa: E402
+from one_rank import ONE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-class OneRankGroup:
-    def rank(self):
-        return 0
-
-    def size(self):
-        return 1
-
-
-ONE = OneRankGroup()
 
 
 # ----------------------------------------------------------------------------- the vocabulary-parallel seam

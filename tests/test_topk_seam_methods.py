@@ -27,20 +27,11 @@ from megapo.learner.logprobs import logit_grad_sq_norm, vocab_parallel_min_p_log
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from algorithm_configs import make_cfg  # noqa: E402
+from one_rank import ONE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DROPPED = -1e30  # the seam's log q of a token the proxy drops (q = 0)
 
-
-class OneRankGroup:
-    def rank(self):
-        return 0
-
-    def size(self):
-        return 1
-
-
-ONE = OneRankGroup()
 
 
 def padded_logits(*shape, vocab, padded, seed, scale=2.0):
