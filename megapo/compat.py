@@ -42,6 +42,7 @@ def apply() -> list[str]:
     _patch_torch_cuda()
     _install_device_mode()
     _patch_megatron()
+    _run_fusions_eagerly()
     return list(CHANGES)
 
 
@@ -275,6 +276,16 @@ def _patch_megatron() -> None:
          why="alltoall dispatcher with TP>1 gathers uneven shards, which gloo rejects")
     _set(mappings, "_reduce_scatter_along_first_dim", scatter_first_dim,
          why="alltoall dispatcher with TP>1 reduce-scatters uneven shards, which gloo rejects")
+
+
+def _run_fusions_eagerly() -> None:
+    import torch._dynamo
+
+    # checked at each call of a compiled function, so it also covers the functions Megatron wrapped at import
+    _set(torch._dynamo.config, "disable", True,
+         why="Megatron's jit_fuser wraps elementwise fusions (the experts' GLU, norms, the router's bias) in "
+             "torch.compile, which on CPU traces and compiles C++ with gcc in every process and again for new "
+             "shapes, for no fusion benefit; run them eagerly")
 
 
 # ----------------------------------------------------------------------------- local-spec MLA

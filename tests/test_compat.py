@@ -116,3 +116,22 @@ def test_amx_permission_is_held_after_the_request():
         assert (granted, rc, bit) == (1, 0, 1)
     else:
         assert granted == 0
+
+
+def test_megatron_fusions_run_eagerly_on_cpu():
+    # Megatron's jit_fuser wrapped L2Norm._norm in torch.compile at import; after apply() a call must not reach
+    # dynamo (no frame traced, nothing compiled), and the result is the formula's
+    out = run_py("""
+import json, torch
+from megatron.core.transformer.torch_norm import L2Norm
+from torch._dynamo.utils import counters
+from megapo import compat
+compat.apply()
+x = torch.randn(3, 8)
+y = L2Norm(8, eps=1e-6)._norm(x)  # in float32, as _norm computes
+ref = x.double() * (x.double().pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt()
+print(json.dumps({"frames": sum(counters["frames"].values()), "stats": sum(counters["stats"].values()),
+                  "err": float((y.double() - ref).abs().max()), "listed": any("disable" in c for c in compat.CHANGES)}))
+""")
+    assert out["frames"] == 0 and out["stats"] == 0 and out["listed"], out
+    assert out["err"] < 1e-6
