@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megapo.algorithms import policy_loss
+from megapo.algorithms.objectives import low_prob_flags
 from megapo.algorithms.otb import OTBOptions, otb_advantages
 from megapo.algorithms.spec import LossSpec, LossSpecError
 from megapo.config import ConfigError
@@ -236,22 +237,23 @@ def test_reductions_match_softmax_under_tp2(tmp_path):
 
 
 def ref_lp_reg(z, targets, old, adv, mask, *, min_p, neg_fraction, pos_fraction, beta, eps):
-    """The loss as the formula reads, token by token from log_softmax(z) (loops), token-mean; differentiable in z."""
+    """The loss as the formula reads, token by token from log_softmax(z) (loops), token-mean; differentiable in z.
+    The sparks' candidates: per advantage sign, the ⌈ρ·n⌉ lowest π_old of the whole batch's n tokens of that sign."""
     S, T = targets.shape
     logp = torch.log_softmax(z, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
     total, count = 0.0, 0
+    valid = [(i, t) for i in range(S) for t in range(T) if mask[i, t]]
+    chosen = set()
+    for sign, share in ((-1, neg_fraction), (1, pos_fraction)):
+        flagged = [it for it in valid if adv[it] * sign > 0]
+        k = math.ceil(share * len(flagged)) if share > 0 else 0
+        chosen |= set(sorted(flagged, key=lambda it: old[it].item())[:k])
     for i in range(S):
-        valid = [t for t in range(T) if mask[i, t]]
-        chosen = set()
-        for sign, share in ((-1, neg_fraction), (1, pos_fraction)):
-            flagged = [t for t in valid if adv[i, t] * sign > 0]
-            k = math.ceil(share * len(flagged)) if share > 0 else 0
-            chosen |= set(sorted(flagged, key=lambda t: (logp[i, t].item(), t))[:k])
-        for t in valid:
+        for t in [t for t in range(T) if mask[i, t]]:
             q = ref_proxy_logp(z[i, t].detach(), int(targets[i, t]), min_p, "relative")
             r = torch.exp(logp[i, t] - old[i, t])
             a = adv[i, t]
-            if t in chosen and q is not None and logp[i, t].item() < q:
+            if (i, t) in chosen and q is not None and logp[i, t].item() < q:
                 d = q - logp[i, t]
                 total = total + (-a * r + beta * torch.clamp(torch.exp(d) - d - 1, max=10.0))
             else:
@@ -279,7 +281,13 @@ def test_lp_reg_matches_the_formula_in_loss_and_gradient_in_the_logits():
     logp = torch.log_softmax(z[..., :V], dim=-1).gather(-1, targets[..., None]).squeeze(-1)
     proxy = vocab_parallel_min_p_logprobs(z.detach(), targets, min_p=0.15, vocab_size=V, group=ONE)
     spec = LossSpec("lp_reg", objective_options=dict(eps_low=0.2, eps_high=0.2, **opts))
-    got, metrics = policy_loss(spec, logp, old, adv, mask, proxy_logp=proxy)
+    rows = [mask[i].sum().item() for i in range(S)]
+    flags = low_prob_flags([old[i, :n].tolist() for i, n in enumerate(rows)], [adv[i, :n].tolist() for i, n in
+                           enumerate(rows)], None, opts["neg_fraction"], opts["pos_fraction"])
+    low_prob = torch.zeros(S, T, dtype=torch.float64)
+    for i, f in enumerate(flags):
+        low_prob[i, :len(f)] = f
+    got, metrics = policy_loss(spec, logp, old, adv, mask, proxy_logp=proxy, low_prob=low_prob)
     got.backward()
     assert got.item() == pytest.approx(want.item(), abs=1e-12)
     torch.testing.assert_close(z.grad[..., :V], ref_z.grad, rtol=0, atol=1e-12)
@@ -297,7 +305,8 @@ def test_lp_reg_without_sparks_is_ppo():
     adv = torch.tensor([[1.0], [-1.0]], dtype=torch.float64).expand(2, 5).clone()
     mask = torch.ones(2, 5, dtype=torch.bool)
     got, _ = policy_loss("lp_reg", logp, old, adv, mask, neg_fraction=0.0, eps_low=0.2, eps_high=0.2,
-                         proxy_logp=torch.zeros(2, 5, dtype=torch.float64))
+                         proxy_logp=torch.zeros(2, 5, dtype=torch.float64),
+                         low_prob=torch.zeros(2, 5, dtype=torch.float64))
     ratio = torch.exp(logp - old)
     assert got.item() == pytest.approx(torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean().item(), abs=1e-12)
 

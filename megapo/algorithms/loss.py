@@ -52,6 +52,13 @@ def _token_weight(b: batch_mod.TokenBatch) -> Tensor:
     return w
 
 
+def _kl_weight(b: batch_mod.TokenBatch) -> Tensor:
+    w = b.extra["kl_weight"]
+    if bool((w[b.mask] < 0).any()):
+        raise ValueError("kl_weight: must be >= 0 at every valid token")
+    return w
+
+
 def token_inputs(name: str, options: dict) -> tuple[str, ...]:
     """The per-token inputs objective `name` with these options (its objective options; LossSpec's own names are
     ignored)
@@ -88,6 +95,8 @@ def policy_loss(
     topk_lse: Tensor | None = None,
     in_topk: Tensor | None = None,
     proxy_logp: Tensor | None = None,
+    low_prob: Tensor | None = None,
+    kl_weight: Tensor | None = None,
     loss_agg: str | None = None,
     **options: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -105,7 +114,10 @@ def policy_loss(
     objective's `policy_topk`), top1 (1.0 where the sampled token is π_θ's most likely one), topk_lse (log Σ_k π_θ(v_k)
     over the same k, differentiable) and in_topk (1.0 where the sampled token is among them: rlpt), proxy_logp (log q(y_t)
     under the min-p proxy of π_θ, detached: lp_reg, the learner's vocabulary-parallel reduction) reach the objective
-    only when its options ask for them (`token_inputs`), and are refused missing then.
+    only when its options ask for them (`token_inputs`), and are refused missing then; so does low_prob (1.0 where
+    lp_reg's batch-global low-probability quantile selects the token, detached: megapo.trainer.update.set_low_prob).
+    kl_weight (detached, >= 0: stage low_entropy_kl's coefficients, megapo/algorithms/semantic_entropy.py) adds
+    the term Σ c_t · |log π_θ(y_t) − log π_old(y_t)|, aggregated as the policy loss is (metric low_entropy_kl).
     global_polarity: loss_agg="balanced"'s sequence and token counts by advantage sign over the whole
     batch (aggregation.polarity_counts), so its shards, too, sum to the full-batch loss.
     """
@@ -133,8 +145,10 @@ def policy_loss(
         extra["entropy"] = entropy
     if token_weight is not None:
         extra["token_weight"] = token_weight.detach() if isinstance(token_weight, Tensor) else token_weight
+    if kl_weight is not None:
+        extra["kl_weight"] = kl_weight.detach() if isinstance(kl_weight, Tensor) else kl_weight
     asked = {"old_entropy": old_entropy, "sentence_end": sentence_end, "topk_logp_sum": topk_logp_sum, "top1": top1,
-             "topk_lse": topk_lse, "in_topk": in_topk, "proxy_logp": proxy_logp}
+             "topk_lse": topk_lse, "in_topk": in_topk, "proxy_logp": proxy_logp, "low_prob": low_prob}
     for key in getattr(obj_opts, "token_inputs", ()):  # only what the objective reads; the rest is ignored
         value = asked.get(key)
         if value is None:
@@ -157,6 +171,12 @@ def policy_loss(
     pg_loss = aggregate(token_loss, b, agg, norm)
     loss = pg_loss
     metrics["pg_loss"] = pg_loss.detach()
+    if kl_weight is not None:  # SENT's KL to π_old on the low-entropy tokens (stage low_entropy_kl)
+        from megapo.algorithms.semantic_entropy import old_kl_term
+
+        old_kl = aggregate(old_kl_term(b.logp, b.old_logp, _kl_weight(b)), b, agg, norm)
+        loss = loss + old_kl
+        metrics["low_entropy_kl"] = old_kl.detach()
     if ref_logp is not None:
         kl = kl_penalty(b.logp, b.extra["ref_logp"], spec.kl_estimator)
         kl_loss = aggregate(kl, b, agg, norm)

@@ -792,7 +792,8 @@ class LpRegOptions:
     eps_high: float = 9.0  # the released recipes' clip_ratio_high
     min_p: float = 0.02  # κ (minp_p_threshold): the proxy drops tokens below τ = κ·max_v π(v) (or κ: threshold fixed)
     threshold: str = "relative"  # relative: τ = κ·max_v π(v) (the code's regular_type minp); fixed: τ = κ
-    neg_fraction: float = 0.01  # ρ₋ (logp_neg_k_percent): the lowest-probability share of negative tokens considered
+    # ρ₋ (logp_neg_k_percent): the lowest-probability share of the train batch's negative tokens considered
+    neg_fraction: float = 0.01
     pos_fraction: float = 0.0  # ρ₊ (logp_pos_k_percent, 0 in every released recipe): the same for positive tokens
     beta: float = 1.0  # β (ppo_kl_coef): weight of the KL to the proxy
 
@@ -809,7 +810,9 @@ class LpRegOptions:
 
     @property
     def token_inputs(self) -> tuple[str, ...]:
-        return ("proxy_logp",)
+        """proxy_logp from the train forward; low_prob, the batch-global quantile's selection, from the trainer
+        (low_prob_flags, set by megapo.trainer.update.set_low_prob after the old-log-prob pass)."""
+        return ("proxy_logp", "low_prob")
 
     @property
     def policy_proxy(self) -> tuple[float, str]:
@@ -817,16 +820,31 @@ class LpRegOptions:
         return self.min_p, self.threshold
 
 
-def lowest_share(values: Tensor, flags: Tensor, share: float) -> Tensor:
-    """[S, T] bool: in each row, the ⌈share·n⌉ flagged positions with the lowest `values` (n: the row's flagged
-    count; ties: the earlier position first)."""
-    if share <= 0:
-        return torch.zeros_like(flags)
-    count = torch.ceil(flags.sum(-1, keepdim=True).to(torch.float64) * share)
-    order = torch.sort(torch.where(flags, values, torch.full_like(values, math.inf)), dim=-1, stable=True).indices
-    positions = torch.arange(values.shape[-1], device=values.device).expand_as(order)
-    rank = torch.empty_like(order).scatter_(-1, order, positions)
-    return flags & (rank < count)
+def low_prob_flags(old_logp: list, advantages: list, loss_mask: list | None, neg_fraction: float,
+                   pos_fraction: float) -> list[Tensor]:
+    """Lp-Reg's batch-global low-probability selection over a whole train batch: per sample a float64 tensor, 1.0 at
+    the policy tokens (loss_mask 1; all when None) whose advantage A_t < 0 and log π_old(y_t) <= δ₋, or A_t > 0 and
+    log π_old(y_t) <= δ₊, else 0.0. δ_s = the k-th smallest log π_old over the batch's n policy tokens of sign s,
+    k = ⌈ρ_s·n⌉ (none where ρ_s = 0 or n = 0; ties at δ_s all selected). `advantages` per sample: a number or one
+    per response token (an earlier token stage's)."""
+    from megapo.algorithms.token_tensors import per_token_advantages, per_token_values
+
+    lengths = [len(lp) if lp is not None else 0 for lp in old_logp]
+    logp = per_token_values("old_logp", old_logp, lengths)
+    adv = per_token_advantages(advantages, lengths)
+    policy = [torch.ones(n, dtype=torch.bool) if loss_mask is None or loss_mask[i] is None
+              else torch.as_tensor(loss_mask[i]).reshape(-1) == 1 for i, n in enumerate(lengths)]
+    flags = [torch.zeros(n, dtype=torch.float64) for n in lengths]
+    for sign, share in ((-1.0, neg_fraction), (1.0, pos_fraction)):
+        chosen = [(a * sign > 0) & m for a, m in zip(adv, policy)]
+        values = torch.cat([lp[c] for lp, c in zip(logp, chosen)]) if logp else torch.zeros(0, dtype=torch.float64)
+        if share <= 0 or values.numel() == 0:
+            continue
+        k = min(values.numel(), max(1, math.ceil(share * values.numel())))
+        delta = torch.kthvalue(values, k).values
+        for f, lp, c in zip(flags, logp, chosen):
+            f[c & (lp <= delta)] = 1.0
+    return flags
 
 
 @register(
@@ -839,16 +857,23 @@ def lowest_share(values: Tensor, flags: Tensor, share: float) -> Tensor:
 def lp_reg(b: TokenBatch, o: LpRegOptions) -> ObjectiveOut:
     """Proxy q = π's min-p filtering, renormalised: q(v) = π(v)·1[π(v) ≥ τ] / Σ_u π(u)·1[π(u) ≥ τ], τ = κ·max_u π(u)
     (threshold relative) or κ (fixed); log q(y_t) (proxy_logp) is reduced over the TP ranks' vocabulary slices from this
-    forward's logits, detached. Reasoning sparks: M_t = 1 where A_t < 0 and π_θ(y_t) is among the ⌈ρ₋·n⌉ lowest of the
-    response's n negative tokens (likewise ρ₊ for A_t > 0), and π_θ(y_t) < q(y_t) (the proxy keeps the token and
-    raises it: a spark, not noise). loss_t = M_t·(−A_t·r_t + β·min(k3_t, 10)) + (1 − M_t)·max(−A_t·r_t,
-    −A_t·clip(r_t, 1−ε_low, 1+ε_high)), k3_t = q/π_θ − log(q/π_θ) − 1 at y_t (the regulariser toward the proxy, the
-    released code's low-variance KL estimate at the sampled token, clamped at 10; its selected tokens leave PPO's clip).
-    The selection is detached. [formula from the authors' released code (CarlanLark/Lp-Reg-dev)]
-    Assumptions: the lowest-probability share is taken per response, ⌈ρ·n⌉ tokens (the code takes max(1, ⌊ρ·n⌋) of
-    its micro-batch's tokens and only when that is at least 2; megapo's loss must not depend on the micro-batch
-    split); the proxy is built from this forward's π_θ (on-policy steps: π_old, as the recipes' minp_old_log_prob;
-    off-policy: the code's other mode, the current policy)."""
+    forward's logits, detached. Reasoning sparks: M_t = 1 where A_t < 0 and π_old(y_t) <= δ₋, the ρ₋-quantile of
+    π_old over the whole train batch's negative tokens (the ⌈ρ₋·n⌉-th smallest of its n; likewise δ₊ with ρ₊ for
+    A_t > 0), and π_θ(y_t) < q(y_t) (the proxy keeps the token and raises it: a spark, not noise).
+    loss_t = M_t·(−A_t·r_t + β·min(k3_t, 10)) + (1 − M_t)·max(−A_t·r_t, −A_t·clip(r_t, 1−ε_low, 1+ε_high)),
+    k3_t = q/π_θ − log(q/π_θ) − 1 at y_t (the regulariser toward the proxy, the released code's low-variance KL
+    estimate at the sampled token, clamped at 10; its selected tokens leave PPO's clip). The selection is detached.
+    The quantile is batch-global: the trainer computes it once per step over the whole train batch after the
+    old-log-prob pass, before any mini-, micro-batch or DP split (low_prob_flags; megapo.trainer.update), and hands
+    the selection to every shard as the per-token input low_prob, so the loss does not depend on the split. That needs
+    π_old before the update: an lp_reg run always takes the separate old-log-prob pass (a fused on-policy step, whose
+    train forward is its own old-log-prob pass, cannot know the batch's quantile before its loss: one more forward
+    per step there). [formula: the paper's δ_ρ^B percentile over the batch; the released code (CarlanLark/Lp-Reg-dev)]
+    Assumptions: the quantile is taken over π_old (= π_θ on an on-policy step, where the paper and the recipes run;
+    off-policy the code ranks each micro-batch by the current π_θ), per advantage sign (the code's split), with
+    k = ⌈ρ·n⌉ tokens (the code: ⌊ρ·n⌋ of its micro-batch's, none when that is below 2); the proxy is built from this
+    forward's π_θ (on-policy steps: π_old, as the recipes' minp_old_log_prob; off-policy: the code's other mode, the
+    current policy)."""
     adv = b.advantages
     log_r = _log_ratio(b)
     lo, hi = _log_bounds(o.eps_low, o.eps_high)
@@ -856,11 +881,12 @@ def lp_reg(b: TokenBatch, o: LpRegOptions) -> ObjectiveOut:
     if "proxy_logp" not in b.extra:
         raise ValueError("proxy_logp: objective lp_reg needs log q(y_t) of the min-p proxy (policy_loss proxy_logp=; "
                          "the learner computes it)")
+    if "low_prob" not in b.extra:
+        raise ValueError("low_prob: objective lp_reg needs the batch-global low-probability selection (policy_loss "
+                         "low_prob=; the trainer computes it: objectives.low_prob_flags)")
     proxy = b.extra["proxy_logp"].detach()
     logp = b.logp.detach()
-    spark = lowest_share(logp, (adv < 0) & b.mask, o.neg_fraction) | lowest_share(logp, (adv > 0) & b.mask,
-                                                                                   o.pos_fraction)
-    spark = spark & (logp < proxy)
+    spark = (b.extra["low_prob"].detach() > 0.5) & (adv != 0) & b.mask & (logp < proxy)
     gap = torch.where(spark, proxy - b.logp, torch.zeros_like(b.logp))  # log(q/π_θ), finite where selected
     k3 = (torch.exp(gap) - gap - 1).clamp(max=10.0)
     ratio = torch.exp(torch.where(spark, log_r, torch.zeros_like(log_r)))

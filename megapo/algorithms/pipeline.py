@@ -23,12 +23,15 @@ import torch
 from torch import Tensor
 
 from megapo.algorithms import blockwise
+from megapo.algorithms import distribution_centric
 from megapo.algorithms import entropy_credit
 from megapo.algorithms import plackett_luce
 from megapo.algorithms import otb
 from megapo.algorithms import self_distill
+from megapo.algorithms import semantic_entropy
 from megapo.algorithms import stages as st
 from megapo.algorithms import token_credit
+from megapo.algorithms import token_length
 from megapo.algorithms.length import clamp_correct_advantages
 from megapo.algorithms.registry import Entry, get
 from megapo.algorithms.sample import TrainSample
@@ -64,6 +67,12 @@ INPUTS = {
                   "old_logp, OTB's Logit-Gradient Proxy)",
     "reward": "each sample's reward, the one the estimator reads (OTB's return at every token)",
     "block_rewards": "each response token's block (cut at the stage's delimiters) and each response's block rewards",
+    # Distribution-Centric Policy Optimization's (megapo/algorithms/distribution_centric.py)
+    "old_tempered_logp": "log softmax(z_old/T) at each response token, T the stage's target temperature from the "
+                         "batch's entropy (one more learner forward, Learner.response_tempered_logp)",
+    # DECS's (megapo/algorithms/token_length.py): post_answer's a_i, from the task's checker on each step's prefix
+    "first_correct": "per correct response, the token count through the first step whose prefix the task's answer "
+                     "checker scores >= data.correct_threshold (-1: none, or an incorrect response)",
 }
 
 
@@ -94,6 +103,9 @@ class TokenContext:
     blocks: Any = None  # blockwise.BlockInputs: the input block_rewards (bae)
     sum_p2: list | None = None  # per sample, Σ_v π_old(v)² at each response token (otb)
     rewards: list | None = None  # per sample, its reward (otb's return)
+    tempered_logp: list | None = None  # per sample, log π^T_old at each response token (distribution_centric)
+    first_correct: list | None = None  # per sample, the answer's end a_i, -1: none (decs)
+    max_new_tokens: int = 0  # rollout.max_new_tokens, decs's L_max
 
 
 @dataclass(frozen=True)
@@ -252,6 +264,20 @@ def _otb(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
     return {"otb/baseline_mean": float(base.mean()) if base.numel() else 0.0}
 
 
+def _low_entropy_kl(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+    """SENT's low-entropy-token KL (megapo/algorithms/semantic_entropy.py): per-token KL coefficients into
+    sample.kl_weight, which the loss multiplies each token's |log π_θ − log π_old| by; low_entropy_kl/coef_mean,
+    their mean over the batch's tokens, and low_entropy_kl/frac, the share of tokens with a non-zero one."""
+    coef = semantic_entropy.low_entropy_kl_weights(
+        [x.old_entropy for x in batch], [x.old_logp for x in batch], [x.advantage for x in batch], s.options,
+        masks=[x.loss_mask for x in batch] if all(x.loss_mask is not None for x in batch) else None)
+    for sample, c in zip(batch, coef):
+        sample.kl_weight = c.tolist()
+    flat = torch.cat(coef) if coef else torch.zeros(0, dtype=torch.float64)
+    return {"low_entropy_kl/coef_mean": float(flat.mean()) if flat.numel() else 0.0,
+            "low_entropy_kl/frac": float(flat.gt(0).double().mean()) if flat.numel() else 0.0}
+
+
 def _entropy_credit(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
     """An entropy-credit stage (megapo/algorithms/entropy_credit.py: erpo, aepo) on the whole train batch: per-token
     advantages into sample.advantage."""
@@ -305,6 +331,17 @@ STAGES: dict[str, StageDecl] = {
     # Blockwise Advantage Estimation (megapo/algorithms/blockwise.py): per-block advantages on their blocks' tokens
     "otb": StageDecl("token", "advantage_stage", ("old_logp", "old_sum_p2", "reward"), _otb),
     "bae": StageDecl("token", "advantage_stage", ("response_tokens", "block_rewards"), blockwise.run_bae_stage),
+    # SENT's KL on the low-entropy tokens (megapo/algorithms/semantic_entropy.py): coefficients into sample.kl_weight
+    "low_entropy_kl": StageDecl("token", "token_weight", ("old_logp", "old_entropy"), _low_entropy_kl),
+    # Distribution-Centric Policy Optimization (megapo/algorithms/distribution_centric.py; not the dynamic-clipping
+    # DCPO of ppo's clip_mode dynamic and cumulative_std): a REINFORCE term toward π_old at a target temperature
+    "distribution_centric": StageDecl("token", "advantage_stage", ("old_logp", "correct", "old_tempered_logp"),
+                                      distribution_centric.run_dc_stage),
+    # token-level length control (megapo/algorithms/token_length.py): their advantages replace the estimator's
+    "decs": StageDecl("token", "advantage_stage", ("reward", "correct", "first_correct"),
+                      token_length.run_decs_stage),
+    "bingo": StageDecl("token", "advantage_stage", ("old_logp", "reward", "correct", "step"),
+                       token_length.run_bingo_stage),
 }
 
 

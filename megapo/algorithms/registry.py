@@ -74,7 +74,10 @@ _MODULES = (
     "megapo.algorithms.entropy_credit",
     "megapo.algorithms.plackett_luce",
     "megapo.algorithms.value_tracker",
+    "megapo.algorithms.semantic_entropy",
     "megapo.algorithms.otb",
+    "megapo.algorithms.distribution_centric",
+    "megapo.algorithms.token_length",
 )
 
 

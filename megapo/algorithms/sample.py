@@ -42,6 +42,11 @@ class TrainSample:
     # nested lists); set by megapo.trainer.distill.attach_teacher_topk, read by the learner's train step
     teacher_topk_ids: Any = None
     teacher_topk_logp: Any = None
+    # >= 0 per response token: the coefficient of its KL to π_old, |log π_θ − log π_old| (stage low_entropy_kl)
+    kl_weight: list[float] | None = None
+    # per response token: 1.0 where lp_reg's batch-global low-probability quantile selects it (π_old at or below the
+    # ρ-quantile of its advantage sign's tokens over the whole train batch; megapo.trainer.update.set_low_prob)
+    low_prob: list[float] | None = None
 
     # ------------------------------------------------------------------------- read and set by field name
 
@@ -71,9 +76,10 @@ class TrainSample:
 FIELDS = tuple(f.name for f in fields(TrainSample))
 # per-token fields: one value per response token (advantage: or one per sample), laid end to end by the learner
 TOKEN_FIELDS = ("old_logp", "advantage", "rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end",
-                "loss_mask")
+                "loss_mask", "kl_weight", "low_prob")
 # optional ones: every sample of a batch has it or none does
-OPTIONAL_FIELDS = ("rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end", "loss_mask")
+OPTIONAL_FIELDS = ("rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end", "loss_mask",
+                   "kl_weight", "low_prob")
 # per-token rows: k values per response token (every sample of a batch has them or none does)
 TOPK_FIELDS = ("teacher_topk_ids", "teacher_topk_logp")
 

@@ -7,9 +7,16 @@ running statistics), so a resumed run gives the advantages the uninterrupted one
 
     algorithm: {advantage: spo, advantage_options: {kl_per_step: 0.01}}    # rollout.n_samples may be 1
 
-The paper's third piece, prioritised prompt sampling from the tracker, is `ValueTracker.priorities` here; the
-prompt order (megapo/trainer/data.py: a seeded permutation per epoch behind a resumable cursor) does not draw from
-it yet.
+The paper's third piece, prioritised prompt sampling from the tracker (`priority_weights`), is the data order
+`megapo.trainer.data.PrioritizedPromptSource`, turned on by the spo options:
+
+    algorithm: {advantage: spo, advantage_options: {prioritized_sampling: true, sampling_candidates: 4}}
+
+Each draw takes `sampling_candidates` × data.prompts_per_step candidates from the seeded per-epoch shuffle and keeps
+data.prompts_per_step of them, drawn without replacement with probability ∝ √(v̂(1 − v̂)) + ε (ε = sampling_eps,
+0.05 as in the authors' public code), from an RNG seeded by (train.seed, the draw's number): deterministic, and a
+resumed run (cursor and draw count in the checkpoint's data cursor, the tracker in its extra) draws what the
+unstopped one would.
 """
 
 from __future__ import annotations
@@ -42,6 +49,10 @@ class SPOOptions:
     rho_min: float = 0.875  # ρ's bounds (assumption: the defaults)
     rho_max: float = 0.96
     eps: float = 1e-6  # the batch normalisation's floor on the std
+    # prioritised prompt sampling (the data order, megapo.trainer.data.PrioritizedPromptSource)
+    prioritized_sampling: bool = False
+    sampling_candidates: int = 4  # candidates per prompt drawn: this × data.prompts_per_step (assumption: 4)
+    sampling_eps: float = 0.05  # ε of the weight √(v̂(1 − v̂)) + ε (the authors' public code: 0.05)
 
     def __post_init__(self):
         _number("prior", self.prior, 0.0, 1.0)
@@ -51,6 +62,12 @@ class SPOOptions:
         _number("rho_min", self.rho_min, 0.0, 1.0)
         _number("rho_max", self.rho_max, 0.0, 1.0)
         _number("eps", self.eps, 0.0, math.inf, open_low=True)
+        if not isinstance(self.prioritized_sampling, bool):
+            raise ValueError(f"prioritized_sampling: expected true or false, got {self.prioritized_sampling!r}")
+        if isinstance(self.sampling_candidates, bool) or not isinstance(self.sampling_candidates, int) \
+                or self.sampling_candidates < 1:
+            raise ValueError(f"sampling_candidates: must be an integer >= 1, got {self.sampling_candidates!r}")
+        _number("sampling_eps", self.sampling_eps, 0.0, math.inf, open_low=True)
         if self.rho_max < self.rho_min:
             raise ValueError(f"rho_max: must be >= rho_min ({self.rho_min!r}), got {self.rho_max!r}")
 
@@ -85,11 +102,10 @@ class ValueTracker:
             alpha, beta = o.prior * o.prior_count, (1 - o.prior) * o.prior_count
         self.values[key] = [alpha + sum(rewards), beta + sum(1 - r for r in rewards), float(step)]
 
-    def priorities(self, keys: list[str], o: SPOOptions, floor: float = 0.05) -> Tensor:
-        """Prioritised sampling weights, normalised: p(x) ∝ √(v̂(x)(1 − v̂(x))) + floor (assumption: the form; the
-        prompts the policy neither always solves nor always fails get drawn most)."""
-        v = torch.tensor([self.value(k, o) for k in keys], dtype=torch.float64)
-        w = torch.sqrt((v * (1 - v)).clamp(min=0)) + floor
+    def priorities(self, keys: list[str], o: SPOOptions, floor: float | None = None) -> Tensor:
+        """Prioritised sampling probabilities, normalised: p(x) ∝ √(v̂(x)(1 − v̂(x))) + ε (ε = `floor`, else
+        o.sampling_eps): the prompts the policy neither always solves nor always fails get drawn most."""
+        w = priority_weights([self.value(k, o) for k in keys], o.sampling_eps if floor is None else floor)
         return w / w.sum()
 
     def state_dict(self) -> dict:
@@ -104,6 +120,13 @@ class ValueTracker:
         self.values = {k: [float(x) for x in v] for k, v in state.items()}
 
 
+def priority_weights(values: list[float], eps: float) -> Tensor:
+    """w(x) = √(v̂(x)(1 − v̂(x))) + ε per value v̂ in [0, 1] (float64): SPO's prioritised-sampling weight (the
+    authors' public code: ε = 0.05)."""
+    v = torch.tensor(values, dtype=torch.float64)
+    return torch.sqrt((v * (1 - v)).clamp(min=0)) + eps
+
+
 def _normalise(adv: Tensor, eps: float) -> Tensor:
     return (adv - adv.mean()) / (adv.std(unbiased=False) + eps)
 
@@ -116,9 +139,13 @@ def spo(rewards: Tensor, o: SPOOptions, lengths: Tensor | None = None) -> Tensor
     batch Ã_i = (A_i − mean_B A)/(std_B A + eps). No group: rollout.n_samples may be 1. Stateless here (every
     prompt at its prior v̂ = prior); the trainer keeps the tracker across steps and in its checkpoint
     (value_tracker.spo_advantages).
+    With prioritized_sampling the data order draws each step's prompts from sampling_candidates × prompts_per_step
+    shuffled candidates without replacement, P(x) ∝ √(v̂(x)(1 − v̂(x))) + sampling_eps (trainer.data.
+    PrioritizedPromptSource; RNG seeded by train.seed and the draw's number).
     assumption: rewards lie in [0, 1] (a success rate); D(x) = kl_per_step × the trainer steps since x's last visit
     (the policy's KL move between visits is not measured); the batch normalisation centres as well as scales; the
-    prior, n_0, d_half and ρ's bounds are this library's defaults."""
+    prior, n_0, d_half and ρ's bounds are this library's defaults; the prioritised draw picks from a candidate window
+    of the seeded shuffle (the public code re-weights a data-loader batch), without replacement."""
     _check_rewards(rewards.reshape(-1).tolist())
     return _normalise((rewards.to(torch.float64) - o.prior).reshape(-1), o.eps).reshape(rewards.shape)
 

@@ -384,11 +384,30 @@ class Learner:
 
         return self._response_pass(sequences, prompt_lens, routes, sum_p2, ("sum_p2",))["sum_p2"]
 
+    def response_tempered_logp(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float,
+                               routes=None) -> list[torch.Tensor]:
+        """Per sequence, log softmax(z/T)(y_t) at each response token (the positions prompt_len-1 .. len-2 predicting
+        the response's tokens y_t): the model's distribution at temperature T, [len - prompt_len] fp32, CPU, on every
+        rank (collective; Distribution-Centric Policy Optimization's target distribution, the stage
+        distribution_centric). Vocabulary-parallel (logprobs.vocab_parallel_logprobs_at on z/T: one value per token
+        crosses TP ranks besides the max)."""
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
+                or not math.isfinite(temperature):
+            raise ValueError(f"temperature: must be a finite number > 0, got {temperature!r}")
+
+        def tempered(flat: torch.Tensor, targets: torch.Tensor) -> dict:
+            scaled = flat.to(torch.promote_types(flat.dtype, torch.float32)) / temperature
+            logp = vocab_parallel_logprobs_at(scaled, targets[:, None], vocab_size=self.spec.vocab_size)
+            return {"logp": logp[:, 0].float()}
+
+        return self._response_pass(sequences, prompt_lens, routes, tempered, ("logp",), with_targets=True)["logp"]
+
     def _response_pass(self, sequences: list[list[int]], prompt_lens: list[int], routes, per_slot,
-                       names: tuple[str, ...]) -> dict[str, list[torch.Tensor]]:
+                       names: tuple[str, ...], with_targets: bool = False) -> dict[str, list[torch.Tensor]]:
         """A forward-only pass that reads each sequence's response positions (prompt_len-1 .. len-2): `per_slot`
-        maps the selected slots' logits [N, V_local] to {name: [N, ...]}; per name, one CPU tensor per sequence on
-        every rank (collective). Prompts shared as in `logprobs`, `routes` replayed as there."""
+        maps the selected slots' logits [N, V_local] (and with `with_targets` the tokens they predict, [N]) to
+        {name: [N, ...]}; per name, one CPU tensor per sequence on every rank (collective). Prompts shared as in
+        `logprobs`, `routes` replayed as there."""
         lengths = _check_sequences(sequences, self.spec.vocab_size)
         starts = np.asarray(prompt_lens, dtype=np.int64)
         if starts.shape != lengths.shape or ((starts < 1) | (starts >= lengths)).any():
@@ -404,7 +423,8 @@ class Learner:
             if not mb.order:
                 return logits.new_zeros(()), {"values": None}
             flat = logits.detach().reshape(-1, logits.shape[-1])[mb.select]
-            return logits.new_zeros(()), {"values": per_slot(flat), "order": mb.order, "sizes": mb.sizes}
+            values = per_slot(flat, mb.targets[mb.select]) if with_targets else per_slot(flat)
+            return logits.new_zeros(()), {"values": values, "order": mb.order, "sizes": mb.sizes}
 
         self.model.eval()
         with torch.no_grad():
@@ -491,7 +511,8 @@ class Learner:
 
             old = logp.detach() if on_policy else column("old_logp")
             extra = {}
-            for name in ("ref_logp", "token_weight"):  # a token_weight stage's weights (algorithms/stages.py)
+            # a token_weight stage's weights (algorithms/stages.py); low_entropy_kl's KL coefficients
+            for name in ("ref_logp", "token_weight", "kl_weight"):
                 if name in cols:
                     extra[name] = column(name)
             if policy_topk:  # the objective reads π_θ's own top-k at each token (simko, rlpt)

@@ -34,6 +34,7 @@ REDUCTIONS: dict[str, Reduction] = {
     "entropy": Reduction.TOKEN_SUM_MEAN,  # π_θ's entropy per policy token (the learner's; policy_loss's is not kept)
     "response_tokens": Reduction.SUM,  # every response token, observation tokens included
     "pg_loss": Reduction.SUM,  # the objective's term, this micro-batch's share
+    "low_entropy_kl": Reduction.SUM,  # stage low_entropy_kl's KL-to-π_old term, this micro-batch's share
     "kl": Reduction.TOKEN_MEAN,  # the KL estimate to π_ref per policy token
     "ratio_mean": Reduction.TOKEN_MEAN,  # π_θ/π_old (the objective's ratio) per policy token
     "ratio_min": Reduction.MIN,

@@ -40,6 +40,11 @@ class Learner(Protocol):
         """Σ_v p(v)² of the next-token distribution at each response token, on every rank (OTB's stage)."""
         ...
 
+    def response_tempered_logp(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float,
+                               routes: Any = None) -> list[Tensor]:
+        """log softmax(z/T) of each response token, on every rank (the stage distribution_centric)."""
+        ...
+
     def train_step(self, batch: list[TrainSample], loss: LossSpec) -> dict:
         """One optimizer step on `batch` under `loss`; whole-batch metrics on every rank."""
         ...

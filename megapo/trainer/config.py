@@ -40,6 +40,7 @@ __all__ = ["AlgorithmConfig", "DataConfig", "DistillConfig", "EnvConfig", "Model
            "tiny_hf_config"]
 
 MODES = ("sync", "async")
+CURRICULA = ("none", "semantic_entropy")  # data.curriculum (megapo.trainer.data.prompt_source)
 LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
 
 # LossSpec field -> the config field it is built from (RunConfig.loss_spec; "correction" depends on the run)
@@ -238,6 +239,9 @@ class DataConfig:
     # prompts
     dynamic_sampling: bool = False
     max_sampling_rounds: int = bounded(4, ">= 1")  # dynamic sampling: rounds of refills before training on fewer groups
+    # the prompt order: none (a seeded shuffle per epoch) | semantic_entropy (SENT's curriculum, arXiv:2512.04359:
+    # each epoch from low to high semantic entropy of the prompts' answers in the previous epoch's rollouts)
+    curriculum: str = "none"
     reward: str = "auto"  # exact_match | math | "module:function" | auto: the task's own, else exact_match
     # the reward of a response cut at rollout.max_new_tokens (no end-of-sequence), whatever its text would
     # score (null: score its text like a finished one's)
@@ -278,6 +282,8 @@ class DataConfig:
             raise ConfigError("data.task_options", "given but data.task is not set")
         if not self.task and not self.train_files:
             raise ConfigError("data.train_files", "no data: set data.task or data.train_files")
+        if self.curriculum not in CURRICULA:
+            raise ConfigError("data.curriculum", f"must be one of {', '.join(CURRICULA)}, got {self.curriculum!r}")
         if self.reward_errors not in rewards.REWARD_ERRORS:
             raise ConfigError("data.reward_errors", f"must be one of {', '.join(rewards.REWARD_ERRORS)}, "
                               f"got {self.reward_errors!r}")
@@ -640,6 +646,7 @@ def _check_data(cfg: RunConfig) -> None:
     if d.overlong.enabled and not 0 < d.overlong.buffer < r.max_new_tokens:
         raise ConfigError("data.overlong.buffer", f"must be in (0, rollout.max_new_tokens={r.max_new_tokens}), "
                           f"got {d.overlong.buffer}")
+    _check_prompt_order(cfg)
     check_length_methods(d, r.n_samples, r.max_new_tokens)
     _check_group_filter(cfg)
     _check_dense_rewards(cfg)
@@ -650,6 +657,24 @@ def _check_data(cfg: RunConfig) -> None:
         if cfg.train.eval_prompts > test_size:
             raise ConfigError("train.eval_prompts", f"the {d.task} test split has {test_size} problems, "
                               f"got {cfg.train.eval_prompts}")
+
+
+def _check_prompt_order(cfg: RunConfig) -> None:
+    """SPO's prioritised sampling and the semantic-entropy curriculum order the prompts from what the trainer
+    measured (the value tracker, the answers): one at a time, and in sync mode, where a draw follows the previous
+    step's update (async rollouts draw ahead of it: the order would depend on timing)."""
+    a = cfg.algorithm
+    prioritized = a.advantage == "spo" and bool(a.advantage_options.get("prioritized_sampling"))
+    if prioritized and cfg.data.curriculum != "none":
+        raise ConfigError("data.curriculum", "algorithm.advantage_options.prioritized_sampling orders the prompts "
+                          "already; set one of the two")
+    if cfg.train.mode == "async":
+        if prioritized:
+            raise ConfigError("algorithm.advantage_options.prioritized_sampling", "draws from the value tracker as "
+                              "the last update left it; needs train.mode=sync")
+        if cfg.data.curriculum != "none":
+            raise ConfigError("data.curriculum", "orders each epoch from the rollouts measured before it; needs "
+                              "train.mode=sync")
 
 
 def _check_group_filter(cfg: RunConfig) -> None:

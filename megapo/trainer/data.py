@@ -13,6 +13,11 @@
 - `encode_prompts` applies the chat template (or not) and drops prompts over the token limit, with a count.
 - `PromptSource` hands out batches in a seeded shuffled order; its `DataCursor` (epoch, index, seed)
   is saved in checkpoints so a resumed run continues with exactly the next prompts.
+- `PrioritizedPromptSource` is SPO's prioritised prompt sampling (algorithm.advantage_options.prioritized_sampling):
+  a window of shuffled candidates, of which each batch is drawn with weight √(v̂(1 − v̂)) + ε from SPO's value
+  tracker; `CurriculumPromptSource` is the semantic-entropy curriculum (data.curriculum: semantic_entropy), each
+  epoch ordered from low to high semantic entropy of the prompts' answers in the previous epoch. `prompt_source`
+  picks the run's; all three save their whole state in the checkpoint's data cursor.
 - `select_informative` is DAPO's dynamic sampling: groups whose samples all got the same reward
   carry no group-relative signal, so they are dropped and the batch refilled.
 """
@@ -599,6 +604,130 @@ class PromptSource:
     def load_state_dict(self, state: dict) -> None:
         self.cursor = DataCursor(**state)
         self._order_epoch = -1
+
+
+class PrioritizedPromptSource:
+    """SPO's prioritised prompt sampling (Xu & Ding 2025, Single-stream Policy Optimization, arXiv:2509.13232):
+    each `next_batch(k)` takes `candidates × k` prompts from the seeded per-epoch shuffle (a PromptSource) and draws
+    k of them without replacement with probability ∝ w(x) = √(v̂(x)(1 − v̂(x))) + ε, v̂ the value tracker's success
+    rate of prompt x (`values(indices)` gives them; value_tracker.priority_weights). The draw's RNG is seeded by
+    (seed, the draw's number), so the batches are a function of train.seed, the draw count and the tracker; the
+    draw count is saved with the cursor (`state_dict`), the tracker in the checkpoint's extra, so a resumed run
+    draws what the unstopped one would.
+    Assumption: the paper gives the weight, not the pool it is drawn from; here a window of candidates of the
+    shuffle (the public code re-weights a data-loader batch), the candidates not drawn are skipped this epoch."""
+
+    def __init__(self, size: int, values: Callable[[list[int]], list[float]], seed: int = 0, candidates: int = 4,
+                 eps: float = 0.05, shuffle: bool = True):
+        self.base = PromptSource(size, seed=seed, shuffle=shuffle)
+        self.values, self.candidates, self.eps = values, candidates, eps
+        self.draws = 0  # next_batch calls so far: the draw's RNG stream
+
+    @property
+    def cursor(self) -> DataCursor:
+        return self.base.cursor
+
+    def next_batch(self, k: int) -> list[int]:
+        from megapo.algorithms.value_tracker import priority_weights
+
+        pool = self.base.next_batch(k * self.candidates)
+        w = priority_weights(list(self.values(pool)), self.eps).numpy()
+        rng = np.random.default_rng([self.base.cursor.seed, self.draws, 0x5350])  # 0x5350: "SP", its own stream
+        self.draws += 1
+        picked = rng.choice(len(pool), size=min(k, len(pool)), replace=False, p=w / w.sum())
+        return [pool[int(j)] for j in picked]
+
+    def state_dict(self) -> dict:
+        return {**self.base.state_dict(), "draws": self.draws}
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        self.draws = int(state.pop("draws", 0))
+        self.base.load_state_dict(state)
+
+
+class CurriculumPromptSource(PromptSource):
+    """The semantic-entropy curriculum of Cao et al. 2025, Efficient Reinforcement Learning with Semantic and Token
+    Entropy for LLM Reasoning (arXiv:2512.04359): each epoch hands the prompts out from low to high semantic
+    entropy (megapo.algorithms.semantic_entropy.curriculum_order), easier to harder. `observe(index, answers)`
+    records a prompt's semantic entropy from its sampled answers; the order of epoch e is fixed when it begins,
+    from the entropies observed by then (`basis`, saved in the state with the newer ones, so a resumed run keeps
+    its epoch's order).
+    Assumption: the entropies are measured on the run's own rollouts of the previous epoch, not a separate
+    pre-pass of samples; epoch 0, before any is measured, is the seeded shuffle; a prompt not measured yet goes
+    after the measured ones, in the seeded shuffle's order."""
+
+    def __init__(self, size: int, seed: int = 0, cursor: DataCursor | None = None):
+        super().__init__(size, seed=seed, shuffle=True, cursor=cursor)
+        self.latest: dict[int, float] = {}  # prompt index -> its last measured semantic entropy
+        self.basis: dict[int, float] = {}  # the entropies the current epoch's order was made from
+        self.basis_epoch = -1
+
+    def _order_for(self, epoch: int) -> np.ndarray:
+        from megapo.algorithms.semantic_entropy import curriculum_order
+
+        if self.basis_epoch != epoch:  # entering the epoch: its order is made from what was measured by now
+            self.basis, self.basis_epoch = dict(self.latest), epoch
+        if epoch != self._order_epoch:
+            shuffle = np.random.default_rng([self.cursor.seed, epoch]).permutation(self.size)
+            self._order = np.asarray(curriculum_order(shuffle.tolist(), self.basis), dtype=np.int64)
+            self._order_epoch = epoch
+        return self._order
+
+    def observe(self, index: int, answers: Sequence[str | None]) -> None:
+        """Record prompt `index`'s semantic entropy from its sampled responses' extracted answers."""
+        from megapo.algorithms.semantic_entropy import semantic_entropy
+
+        if answers:
+            self.latest[int(index)] = semantic_entropy(answers)
+
+    def state_dict(self) -> dict:
+        return {**self.cursor.state_dict(), "basis_epoch": self.basis_epoch,
+                "basis": {str(k): v for k, v in self.basis.items()},
+                "latest": {str(k): v for k, v in self.latest.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        self.basis_epoch = int(state.pop("basis_epoch", -1))
+        self.basis = {int(k): float(v) for k, v in state.pop("basis", {}).items()}
+        self.latest = {int(k): float(v) for k, v in state.pop("latest", {}).items()}
+        super().load_state_dict(state)
+
+
+def prompt_source(cfg, pool, tracker: Callable[[], Any] | None = None):
+    """The run's prompt order over `pool`: SPO's prioritised sampling (algorithm.advantage spo with
+    advantage_options.prioritized_sampling; `tracker()` gives the run's current ValueTracker), the semantic-entropy
+    curriculum (data.curriculum), else the seeded shuffle."""
+    a = cfg.algorithm
+    if a.advantage == "spo" and a.advantage_options.get("prioritized_sampling"):
+        from megapo.algorithms.stages import prompt_key
+        from megapo.algorithms.value_tracker import SPOOptions
+
+        o = SPOOptions(**a.advantage_options)
+
+        def values(indices: list[int]) -> list[float]:
+            t = tracker() if tracker is not None else None
+            return [t.value(prompt_key(pool[i][0].prompt), o) if t is not None else o.prior for i in indices]
+
+        return PrioritizedPromptSource(len(pool), values, seed=cfg.train.seed, candidates=o.sampling_candidates,
+                                       eps=o.sampling_eps)
+    if getattr(cfg.data, "curriculum", "none") == "semantic_entropy":
+        return CurriculumPromptSource(len(pool), seed=cfg.train.seed)
+    return PromptSource(len(pool), seed=cfg.train.seed)
+
+
+def observe_answers(source, groups, tokenizer) -> None:
+    """The curriculum's measurement (a CurriculumPromptSource only): each group's responses decoded, their final
+    answers extracted (megapo.trainer.rewards.extract_answer), its prompt's semantic entropy recorded."""
+    if not isinstance(source, CurriculumPromptSource):
+        return
+    from megapo.trainer.rewards import extract_answer
+
+    for g in groups:
+        if g.prompt_index is None or g.privileged:
+            continue
+        texts = [tokenizer.decode(list(s.output_ids), skip_special_tokens=True) for s in g.samples]
+        source.observe(g.prompt_index, [extract_answer(t) for t in texts])
 
 
 # ----------------------------------------------------------------------------- dynamic sampling

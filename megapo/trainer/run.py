@@ -71,7 +71,9 @@ class Run:
         # prompts and reward before the learner and engine exist: a prompt set of which none fits is refused
         # without building them (rank 0 only needs the prompts; the others get the train batch broadcast)
         self.pool = data.prompt_pool(cfg, self.tokenizer)
-        self.source = data.PromptSource(len(self.pool), seed=cfg.train.seed)
+        # the prompt order: a seeded shuffle, SPO's prioritised sampling (from the run's value tracker, read at each
+        # draw) or the semantic-entropy curriculum (megapo.trainer.data.prompt_source)
+        self.source = data.prompt_source(cfg, self.pool, tracker=lambda: self.prompt_stats)
         self.reward_fn = make_reward_fn(cfg, self.tokenizer)
         self.learner = learner if learner is not None else build_learner(cfg, self.model_dir)
         self.own_engine = engine is None and rank() == 0  # closed by close() (stops a server megapo started)
@@ -207,6 +209,9 @@ class Run:
         elif rank() == 0:
             with timer("generate"):
                 groups, metrics, tokens = self._collect()
+            from megapo.trainer import data
+
+            data.observe_answers(self.source, groups, self.tokenizer)  # the curriculum's semantic entropies (else nothing)
         if self.samples_log is not None and groups:
             self.samples_log.log(step, groups)
         return hand_out(groups, self.route_layers), metrics, tokens

@@ -138,9 +138,37 @@ def on_policy(cfg: RunConfig, learner: Learner) -> bool:
     train forward then is the old-log-prob pass too (megapo.replay.modes.on_policy_step). A learner that is no
     OnPolicyLearner (megapo.learner.protocol: declares no train_step_on_policy) gets the separate pass, and so
     does a stage that needs π_old's per-token statistics before the loss (a token stage reading old_logp or
-    old_entropy, AlgorithmConfig.needs_old_stats)."""
+    old_entropy, AlgorithmConfig.needs_old_stats), and an objective reading low_prob (lp_reg's batch-global quantile
+    of π_old, set_low_prob)."""
     return (cfg.train.updates_per_rollout == 1 and cfg.train.mini_batches == 1 and cfg.old_policy() == "learner"
-            and not cfg.algorithm.needs_old_stats() and isinstance(learner, OnPolicyLearner))
+            and not cfg.algorithm.needs_old_stats() and not reads_low_prob(cfg)
+            and isinstance(learner, OnPolicyLearner))
+
+
+def reads_low_prob(cfg: RunConfig | LossSpec) -> bool:
+    """Whether the objective (algorithm.objective, or a LossSpec's) reads the per-token input low_prob (lp_reg)."""
+    from megapo.algorithms.loss import token_inputs
+
+    spec = cfg if isinstance(cfg, LossSpec) else cfg.algorithm
+    return "low_prob" in token_inputs(spec.objective, spec.objective_options)
+
+
+def set_low_prob(batch: list[TrainSample], loss: LossSpec) -> dict:
+    """lp_reg's per-token input: sample.low_prob = objectives.low_prob_flags over the whole train batch (π_old, the
+    per-token advantages after every stage, the policy tokens), on every rank the same, before the mini-batch split,
+    so the quantile does not depend on mini-, micro-batches or DP ranks; ρ₋ / ρ₊ from `loss` (the run's LossSpec).
+    Metric lp_reg/low_prob_frac: the selected share of the batch's response tokens."""
+    from megapo.algorithms.objectives import low_prob_flags
+
+    batch = as_train_samples(batch)
+    o = loss.objective_config()
+    masks = [s.loss_mask for s in batch]
+    flags = low_prob_flags([s.old_logp for s in batch], [s.advantage for s in batch],
+                           masks if any(m is not None for m in masks) else None, o.neg_fraction, o.pos_fraction)
+    for sample, f in zip(batch, flags):
+        sample.low_prob = f.tolist()
+    flat = torch.cat(flags) if flags else torch.zeros(0, dtype=torch.float64)
+    return {"lp_reg/low_prob_frac": float(flat.mean()) if flat.numel() else 0.0}
 
 
 def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int, **inputs) -> dict:
@@ -150,12 +178,12 @@ def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int, **inputs) 
     nat_prefix draws from (train.seed, `step`), so a resumed run cuts as the unstopped one. `inputs`: the
     pipeline.TokenContext fields the loop computed where a stage reads them (advantage_stages): self_teacher (the
     self-teacher pass's values), correct (each sample's verdict), privileged (hdpo's), blocks (bae's block rewards),
-    sum_p2 and rewards (otb's)."""
+    sum_p2 and rewards (otb's), first_correct (decs's; rollout.max_new_tokens is always passed, decs's L_max)."""
     from megapo.algorithms.pipeline import TokenContext, run_token_stages
 
     a = cfg.algorithm
     ctx = TokenContext(group_size=cfg.rollout.n_samples, step=step, seed=cfg.train.seed, kl_coef=a.kl_coef,
-                       **inputs)
+                       max_new_tokens=cfg.rollout.max_new_tokens, **inputs)
     return run_token_stages(a.pipeline(), as_train_samples(batch), ctx)
 
 
@@ -235,8 +263,50 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
         with timer("sum_p2"):
             sum_p2 = old_sum_p2(learner, batch)
     rewards = [r for g in groups for r in g.rewards] if "reward" in reads else None
+    tempered = None
+    if "old_tempered_logp" in reads:  # distribution_centric's target π^T_old (collective), on the replayed routes
+        with timer("tempered_logp"):
+            tempered = old_tempered_logp(learner, batch, cfg)
+    first_correct = None
+    if "first_correct" in reads:  # decs's: the task's checker on each correct response's step prefixes
+        with timer("first_correct"):
+            first_correct = first_correct_answers(batch, groups, cfg, tokenizer)
     return token_stages(batch, cfg, step, self_teacher=self_teacher, correct=correct, privileged=privileged,
-                        blocks=blocks, sum_p2=sum_p2, rewards=rewards)
+                        blocks=blocks, sum_p2=sum_p2, rewards=rewards, first_correct=first_correct,
+                        tempered_logp=tempered)
+
+
+def old_tempered_logp(learner: Learner, batch: list[TrainSample], cfg: RunConfig) -> list:
+    """Stage distribution_centric's input (megapo/algorithms/distribution_centric.py): log softmax(z_old/T) at each
+    response token (Learner.response_tempered_logp, collective), T the stage's target temperature from the batch's
+    entropy estimate over π_old; on the routes the train steps replay (routing freely where there are none)."""
+    from megapo.algorithms.distribution_centric import batch_temperature
+
+    stage = next(s for s in cfg.algorithm.pipeline() if "old_tempered_logp" in s.inputs)
+    masks = [s.loss_mask for s in batch]
+    temperature = batch_temperature([s.old_logp for s in batch], masks if any(m is not None for m in masks) else None,
+                                    stage.options)
+    routes = [s.routes for s in batch]
+    return learner.response_tempered_logp([list(s.tokens) for s in batch], [s.prompt_len for s in batch], temperature,
+                                          routes=routes if all(r is not None for r in routes) else None)
+
+
+def first_correct_answers(batch: list[TrainSample], groups: list[Group], cfg: RunConfig, tokenizer) -> list[int]:
+    """Stage decs's input first_correct (megapo/algorithms/token_length.py): per sample, the token count through the
+    first step (the stage's step_delimiter) whose prefix the task's answer checker (data.reward) scores
+    >= data.correct_threshold; -1 for an incorrect response and for one with no such step (every rank, the same)."""
+    if tokenizer is None:
+        raise ValueError("tokenizer: stage decs decodes each correct response to check its step prefixes; "
+                         "update_policy needs the run's tokenizer")
+    from megapo.algorithms.token_length import first_correct_ends
+    from megapo.tasks.registry import reward_spec
+    from megapo.trainer.rewards import get_reward
+
+    stage = next(s for s in cfg.algorithm.pipeline() if "first_correct" in s.inputs)
+    return first_correct_ends([s.tokens[s.prompt_len:] for s in batch],
+                              [g.example.answer for g in groups for _ in g.samples], verdicts(groups, cfg), tokenizer,
+                              get_reward(reward_spec(cfg.data), "data.reward"), cfg.data.correct_threshold,
+                              stage.options.step_delimiter)
 
 
 def old_sum_p2(learner: Learner, batch: list[TrainSample]) -> list:
@@ -382,6 +452,8 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
     if teachers:  # on-policy distillation (collective)
         with timer("teacher"):
             metrics.update(teacher_terms(teachers, batch, cfg))
+    if reads_low_prob(loss):  # lp_reg: the batch-global quantile, after every stage set the advantages
+        metrics.update(set_low_prob(batch, loss))
     with timer("train"):
         last: dict = {}
         if fused:  # one update on the whole batch, π_old from its own forward

@@ -67,6 +67,9 @@ METHODS: dict[str, list[str]] = {
     "dast": _reward("dast"),
     "deepcompress": _reward("deepcompress"),
     "gfpo": ["data.group_filter=gfpo", "data.group_filter_options={keep: 4}"],
+    # token stages (megapo/algorithms/token_length.py): the answer is checked at each ";" (a column, or the sum)
+    "decs": ['algorithm.stages=[{name: decs, step_delimiter: ";"}]'],
+    "bingo": ["algorithm.stages=[{name: bingo, decay_start: 30}]"],  # λ_dyn decays over the second half
 }
 # the methods whose length target follows the prompt's difficulty (the second target of issue 15)
 ADAPTIVE = ("alp", "laser_d", "dast", "deepcompress", "dler")

@@ -279,6 +279,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "srpo": ("algorithm.stages=[{name: srpo}]",),
     "erpo": ("algorithm.stages=[{name: erpo}]",),  # entropy credit (aepo's KL terms are 0 by default: no π_ref)
     "aepo": ("algorithm.stages=[{name: aepo}]",),
+    # Distribution-Centric Policy Optimization (not clip_dynamic's / cumulative_std's dynamic-clipping DCPO): one more
+    # learner forward per step for π_old at the target temperature
+    "distribution_centric": ("algorithm.stages=[{name: distribution_centric}]",),
 }
 # what a variant (or an objective's OBJECTIVE_OVERRIDES) may not override: the cell's axes (its row would then say
 # what it did not run)
