@@ -39,11 +39,30 @@ def apply() -> list[str]:
     if cuda_available() or _STATE["applied"]:
         return list(CHANGES)
     _STATE["applied"] = True
+    before_megatron()
     _patch_torch_cuda()
     _install_device_mode()
     _patch_megatron()
     _run_fusions_eagerly()
     return list(CHANGES)
+
+
+def before_megatron() -> None:
+    """On CPU, torch.compile becomes the identity; call it before a process first imports Megatron (a no-op with
+    CUDA; idempotent; apply() calls it too). Megatron binds `jit_fuser = torch.compile` at import and wraps its
+    fusions with it, and making those wrappers imports TorchDynamo's backends and Inductor: 3.0-3.4 s of importing
+    Megatron's GPT/MoE modules became 1.0-1.2 s on the 2-core machine, in every learner process."""
+    if cuda_available() or _STATE.get("compile_stubbed"):
+        return
+    _STATE["compile_stubbed"] = True
+    _set(torch, "compile", _no_compile,
+         why="Megatron wraps its elementwise fusions in torch.compile at import; on CPU they run eagerly "
+             "(see _run_fusions_eagerly), and building the wrappers costs about 2 s of every process's start-up")
+
+
+def _no_compile(model=None, **options):
+    """torch.compile's CPU stand-in: the function or module itself, as @torch.compile and @torch.compile(...)."""
+    return model if model is not None else (lambda fn: fn)
 
 
 def _set(owner, name: str, value, why: str) -> None:

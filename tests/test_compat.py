@@ -135,3 +135,18 @@ print(json.dumps({"frames": sum(counters["frames"].values()), "stats": sum(count
 """)
     assert out["frames"] == 0 and out["stats"] == 0 and out["listed"], out
     assert out["err"] < 1e-6
+
+
+def test_megatron_imported_after_the_learner_builds_no_compile_wrappers():
+    # importing the learner stubs torch.compile before Megatron's first import, so Megatron's fusions are plain
+    # functions and TorchDynamo's compiler backends are never imported (about 2 s of every learner process)
+    out = run_py("""
+import json, sys
+import megapo.learner.learner
+from megatron.core.transformer.torch_norm import L2Norm
+from megapo import compat
+print(json.dumps({"plain": not hasattr(L2Norm._norm, "_torchdynamo_orig_callable"),
+                  "inductor": "torch._inductor.compile_fx" in sys.modules,
+                  "listed": any(c.startswith("torch.compile") for c in compat.CHANGES)}))
+""")
+    assert out == {"plain": True, "inductor": False, "listed": True}, out

@@ -18,7 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from megapo import compat
-from megapo.config import ConfigError, ParallelConfig
+
+compat.before_megatron()  # before the first Megatron import of a learner process (torch.compile's CPU stand-in)
+
+from megapo.config import ConfigError, ParallelConfig  # noqa: E402
 from megapo.learner.backend import Backend, detect_backend  # noqa: F401 (re-exported)
 from megapo.learner.precision import Precision
 from megapo.models.family import ModelSpec, padded_vocab

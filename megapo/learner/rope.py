@@ -10,10 +10,13 @@ this subclass returns the angles of those positions, per row of a [rows, seq] mi
 from __future__ import annotations
 
 import torch
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
 from megapo import compat
+
+compat.before_megatron()  # torch.compile's CPU stand-in, before this process's first Megatron import
+
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding  # noqa: E402
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding  # noqa: E402
 
 
 class PositionIdsRotaryEmbedding(RotaryEmbedding):
