@@ -138,3 +138,21 @@ def test_async_and_a_second_order_refused():
     with pytest.raises(ConfigError) as err:
         _check_prompt_order(cfg(data={"curriculum": "semantic_entropy"}))
     assert err.value.field == "data.curriculum"
+
+
+def test_a_checkpoint_saved_under_another_prompt_order_is_refused_naming_the_option():
+    from megapo.config import ConfigError
+    from megapo.trainer.data import (CurriculumPromptSource, PrioritizedPromptSource, PromptSource,
+                                     check_prompt_order)
+
+    plain, curriculum = PromptSource(8, seed=1), CurriculumPromptSource(8, seed=1)
+    spo = PrioritizedPromptSource(8, lambda idx: [0.5] * len(idx), seed=1)
+    check_prompt_order(spo, spo.state_dict(), "ckpt")  # the same order: accepted
+    check_prompt_order(plain, PromptSource(8, seed=1).state_dict(), "ckpt")
+    for source, saved, field in [(plain, spo.state_dict(), "algorithm.advantage_options.prioritized_sampling"),
+                                 (spo, plain.state_dict(), "algorithm.advantage_options.prioritized_sampling"),
+                                 (plain, curriculum.state_dict(), "data.curriculum"),
+                                 (curriculum, plain.state_dict(), "data.curriculum")]:
+        with pytest.raises(ConfigError) as info:
+            check_prompt_order(source, saved, "ckpt")
+        assert info.value.field == field and "ckpt" in str(info.value)

@@ -711,9 +711,27 @@ def prompt_source(cfg, pool, tracker: Callable[[], Any] | None = None):
 
         return PrioritizedPromptSource(len(pool), values, seed=cfg.train.seed, candidates=o.sampling_candidates,
                                        eps=o.sampling_eps)
-    if getattr(cfg.data, "curriculum", "none") == "semantic_entropy":
+    if cfg.data.curriculum == "semantic_entropy":
         return CurriculumPromptSource(len(pool), seed=cfg.train.seed)
     return PromptSource(len(pool), seed=cfg.train.seed)
+
+
+def _order_name(keys: set) -> str:
+    if "draws" in keys:
+        return "SPO's prioritised sampling"
+    return "the semantic-entropy curriculum" if "latest" in keys else "the seeded shuffle"
+
+
+def check_prompt_order(source, saved: dict, checkpoint) -> None:
+    """ConfigError when `checkpoint`'s prompt cursor (`saved`) was written under another prompt order than
+    `source`'s (this run's), naming the option that picks the order."""
+    base = {"epoch", "index", "seed"}
+    theirs, mine = set(saved) - base, set(source.state_dict()) - base
+    if theirs != mine:
+        field = ("algorithm.advantage_options.prioritized_sampling" if "draws" in theirs | mine
+                 else "data.curriculum")
+        raise ConfigError(field, f"{checkpoint} was saved drawing prompts by {_order_name(theirs)}, this run draws "
+                          f"them by {_order_name(mine)}: resume with the order it was saved with")
 
 
 def observe_answers(source, groups, tokenizer) -> None:

@@ -132,6 +132,9 @@ class Run:
         state = ckpt.load_checkpoint(latest, self.load_models, rank=rank(), model_dir=self.model_dir)  # verified
         if self.engine is not None and "engine" in ckpt.rng_extra(latest):  # sample as the unstopped run would
             self.engine.set_rng_state(ckpt.rng_extra(latest)["engine"])
+        from megapo.trainer import data
+
+        data.check_prompt_order(self.source, state.data_cursor, latest)
         self.source.load_state_dict(state.data_cursor)
         self.made_ahead = self._made_ahead(latest, state.extra.get("async"))
         self.step, self.version = state.step, state.weight_version

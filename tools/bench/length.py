@@ -67,6 +67,12 @@ METHODS: dict[str, list[str]] = {
     "dast": _reward("dast"),
     "deepcompress": _reward("deepcompress"),
     "gfpo": ["data.group_filter=gfpo", "data.group_filter_options={keep: 4}"],
+    # rewards on responses split into steps (megapo/algorithms/step_length.py): a step is a column, or the sum
+    "step_pruner": _reward("step_pruner", '{step_delimiter: ";", penalty: 0.05}'),  # 6 steps cost 0.3 at 5 digits
+    "post_answer": _reward("post_answer", '{step_delimiter: ";"}'),
+    "grsp": _reward("grsp", '{step_delimiter: ";"}'),  # every column is under 16 tokens: one cluster, weight 1
+    "hmpo": _reward("hmpo"),
+    "lead": _reward("lead"),
     # token stages (megapo/algorithms/token_length.py): the answer is checked at each ";" (a column, or the sum)
     "decs": ['algorithm.stages=[{name: decs, step_delimiter: ";"}]'],
     "bingo": ["algorithm.stages=[{name: bingo, decay_start: 30}]"],  # λ_dyn decays over the second half

@@ -282,6 +282,10 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     # Distribution-Centric Policy Optimization (not clip_dynamic's / cumulative_std's dynamic-clipping DCPO): one more
     # learner forward per step for π_old at the target temperature
     "distribution_centric": ("algorithm.stages=[{name: distribution_centric}]",),
+    "caspo": ("algorithm.stages=[{name: caspo}]",),  # opid's path, the group's best response as the context
+    "hdpo": ("algorithm.stages=[{name: hdpo}]",),  # privileged rollouts on the all-fail prompts
+    "otb": ("algorithm.stages=[{name: otb}]",),  # Optimal Token Baseline: one more learner pass for Σ_v π²
+    "low_entropy_kl": ("algorithm.stages=[{name: low_entropy_kl}]",),  # SENT's KL-Cov on low-entropy tokens
 }
 # what a variant (or an objective's OBJECTIVE_OVERRIDES) may not override: the cell's axes (its row would then say
 # what it did not run)
