@@ -128,3 +128,17 @@ class RecordingLearner:
         self.asked.append(with_entropy)
         logps = [torch.full((len(s),), -0.5, dtype=F64) for s in sequences]
         return (logps, [torch.full((len(s),), 0.7, dtype=F64) for s in sequences]) if with_entropy else logps
+
+
+def assert_autograd_matches_fd(loss_of, logp: torch.Tensor, mask: torch.Tensor, h: float = 1e-6,
+                               atol: float = 1e-7) -> None:
+    """loss_of(logp [S, T]) -> scalar: its autograd gradient equals float64 central finite differences at every
+    token where `mask` is set."""
+    x = logp.clone().requires_grad_(True)
+    loss_of(x).backward()
+    for i, t in [(i, t) for i in range(x.shape[0]) for t in range(x.shape[1]) if mask[i, t]]:
+        up, down = logp.clone(), logp.clone()
+        up[i, t] += h
+        down[i, t] -= h
+        fd = (float(loss_of(up)) - float(loss_of(down))) / (2 * h)
+        assert x.grad[i, t].item() == pytest.approx(fd, abs=atol), (i, t)

@@ -24,7 +24,8 @@ from megapo.learner.logprobs import vocab_parallel_logprobs_at
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from algorithm_configs import make_cfg  # noqa: E402
-from one_rank import ONE  # noqa: E402
+from objective_loops import assert_autograd_matches_fd  # noqa: E402
+from one_rank import ONE, response_pass_stub  # noqa: E402
 
 OPTS = dict(target_entropy=0.5, temp_high=1.2, temp_low=0.8, alpha_cap=0.1)
 
@@ -105,13 +106,7 @@ def test_learner_tempered_logp_reads_the_response_slots(monkeypatch):
     select = torch.tensor([1, 2, 5, 6, 7])
     targets = torch.randint(0, V, (8,), generator=gen)
     mb = SimpleNamespace(select=select, targets=targets, order=[0, 1], sizes=[2, 3])
-    model = SimpleNamespace(eval=lambda: None, train=lambda: None)
-    me = SimpleNamespace(spec=SimpleNamespace(vocab_size=V), route_hook=None, model=model,
-                         _micro_batches=lambda *a, **k: [mb],
-                         _run=lambda mbs, collect, forward_only: [collect(m, logits)[1] for m in mbs],
-                         _share_results=lambda items: items)
-    me._per_sequence = partial(Learner._per_sequence, me)
-    me._response_pass = partial(Learner._response_pass, me)
+    me = response_pass_stub(logits, V, mb)
     got = Learner.response_tempered_logp(me, [[1, 2, 3, 4], [1, 2, 3, 4, 5]], [2, 2], 1.2)
     flat = logits.reshape(-1, V + 1)[select, :V]
     want = [torch.log_softmax(flat[n] / 1.2, -1)[targets[select[n]]].item() for n in range(5)]
@@ -189,14 +184,7 @@ def test_loss_gradient_matches_float64_finite_differences():
     def loss(x):
         return policy_loss("ppo", x, old, adv, mask, loss_agg="token-mean")[0]
 
-    x = logp.clone().requires_grad_(True)
-    loss(x).backward()
-    h = 1e-6
-    for i, t in [(i, t) for i in range(x.shape[0]) for t in range(x.shape[1]) if mask[i, t]]:
-        up, down = logp.clone(), logp.clone()
-        up[i, t] += h
-        down[i, t] -= h
-        assert x.grad[i, t].item() == pytest.approx((float(loss(up)) - float(loss(down))) / (2 * h), abs=1e-7)
+    assert_autograd_matches_fd(loss, logp, mask)
 
 
 @pytest.mark.parametrize("option, value", [("temp_high", 0.0), ("temp_low", -1.0), ("target_entropy", -0.1),

@@ -21,6 +21,7 @@ from megapo.config import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from algorithm_configs import make_cfg  # noqa: E402
+from objective_loops import assert_autograd_matches_fd  # noqa: E402
 
 
 def ref_flags(old, adv, masks, neg, pos):
@@ -114,15 +115,7 @@ def test_loss_gradient_matches_float64_finite_differences():
     def loss(x):
         return policy_loss(spec, x, old, adv, mask, proxy_logp=proxy, low_prob=flags)[0]
 
-    x = logp.clone().requires_grad_(True)
-    loss(x).backward()
-    h = 1e-6
-    for i, t in [(i, t) for i in range(x.shape[0]) for t in range(x.shape[1]) if mask[i, t]]:
-        up, down = logp.clone(), logp.clone()
-        up[i, t] += h
-        down[i, t] -= h
-        fd = (float(loss(up)) - float(loss(down))) / (2 * h)
-        assert x.grad[i, t].item() == pytest.approx(fd, abs=1e-7)
+    assert_autograd_matches_fd(loss, logp, mask)
 
 
 def test_the_trainer_sets_the_flags_over_the_whole_batch_and_takes_the_separate_pass():

@@ -28,7 +28,7 @@ from megapo.learner.logprobs import logit_grad_sq_norm, vocab_parallel_min_p_log
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from algorithm_configs import make_cfg  # noqa: E402
-from one_rank import ONE  # noqa: E402
+from one_rank import ONE, response_pass_stub  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DROPPED = -1e30  # the seam's log q of a token the proxy drops (q = 0)
@@ -99,13 +99,7 @@ def test_learner_response_sum_p2_reads_the_response_slots(monkeypatch):
     logits = padded_logits(2, 4, vocab=V, padded=V, seed=21)
     select = torch.tensor([1, 2, 5, 6, 7])
     mb = SimpleNamespace(select=select, order=[0, 1], sizes=[2, 3])
-    model = SimpleNamespace(eval=lambda: None, train=lambda: None)
-    me = SimpleNamespace(spec=SimpleNamespace(vocab_size=V), route_hook=None, model=model,
-                         _micro_batches=lambda *a, **k: [mb],
-                         _run=lambda mbs, collect, forward_only: [collect(m, logits)[1] for m in mbs],
-                         _share_results=lambda items: items)
-    me._per_sequence = partial(Learner._per_sequence, me)
-    me._response_pass = partial(Learner._response_pass, me)
+    me = response_pass_stub(logits, V, mb)
     got = Learner.response_sum_p2(me, [[1, 2, 3, 4], [1, 2, 3, 4, 5]], [2, 2])
     want = ref_sum_p2(logits.reshape(-1, V)[select])
     torch.testing.assert_close(got[0], want[:2].float(), rtol=0, atol=1e-6)
