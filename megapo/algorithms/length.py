@@ -56,6 +56,7 @@ class LengthMethod:
         self.budget = budget
 
     needs_first_correct = False  # reads ScoredGroup.first_correct (the answer checker on each step's prefix)
+    seed = 0  # train.seed, set by the trainer's length stage: a method's random draws are seeded by it and the step
 
     def step_delimiter(self) -> str | None:
         """The delimiter its responses are split into steps at (ScoredGroup.step_lengths); None: it reads none."""
@@ -81,10 +82,24 @@ class LengthReward(LengthMethod):
 
 class GroupFilter(LengthMethod):
     """data.group_filter: select(groups, step) returns, per group, the sorted int64 indices of the responses
-    kept for training (the others leave the batch; advantages are computed over the kept ones)."""
+    kept for training (the others leave the batch; advantages are computed over the kept ones). A filter with
+    `drops_groups` may return an empty tensor: the whole group leaves the batch; one with `keeps_whole_groups`
+    keeps all of a group or none (groups keep rollout.n_samples each). A filter whose `answer_delimiter()` is not
+    None is handed, after each select, the groups it kept with ScoredGroup.first_correct and step_lengths (cut at
+    that delimiter) in `observe(kept, step)`."""
+
+    drops_groups = False
+    keeps_whole_groups = False
 
     def select(self, groups: list[ScoredGroup], step: int) -> list[Tensor]:
         raise NotImplementedError
+
+    def answer_delimiter(self) -> str | None:
+        """The step delimiter the groups handed to observe() are cut at; None: observe() gets nothing."""
+        return None
+
+    def observe(self, kept: list[ScoredGroup], step: int) -> None:
+        """The groups select() kept this round, with first_correct and step_lengths (answer_delimiter)."""
 
 
 # ----------------------------------------------------------------------------- per-response penalties
@@ -797,12 +812,15 @@ def check_shaped(groups: list[ScoredGroup], shaped: list[Tensor], name: str) -> 
     return [r.to(torch.float64) for r in shaped]
 
 
-def check_kept(groups: list[ScoredGroup], kept: list[Tensor], name: str) -> list[Tensor]:
-    """A group filter's output: per group, sorted distinct indices into it (at least one)."""
+def check_kept(groups: list[ScoredGroup], kept: list[Tensor], name: str, drops: bool = False) -> list[Tensor]:
+    """A group filter's output: per group, sorted distinct indices into it (at least one, or none where `drops`:
+    GroupFilter.drops_groups)."""
     if len(kept) != len(groups):
         raise ValueError(f"{name}: {len(kept)} index tensors for {len(groups)} groups")
     for g, k in zip(groups, kept):
         idx = k.tolist()
+        if drops and not idx:
+            continue
         if not idx or idx != sorted(set(idx)) or idx[0] < 0 or idx[-1] >= g.size:
             raise ValueError(f"{name}: kept indices {idx} of prompt {g.prompt_key} are not sorted distinct "
                              f"indices in [0, {g.size})")

@@ -5,6 +5,9 @@ decoupled token reward and Bingo's significance-aware and dynamic length reward.
       stages:
         - {name: decs, beta: 0.1}            # reward, correct, first_correct: replaces the estimator's advantage
         - {name: bingo, threshold: 0.9}      # reward, correct, old_logp, step: replaces the estimator's advantage
+    data:
+      group_filter: decs_curriculum          # DECS's curriculum batch scheduling (a group filter, below)
+      group_filter_options: {kappa_lr: 0.2}
 
 Both run on the whole train batch after the old-log-prob pass, group by group (a prompt's `group_size` samples are
 contiguous), and put a per-token advantage into each sample in place of the estimator's (as otb's does).
@@ -15,15 +18,13 @@ the first step whose prefix the task's answer checker (data.reward, the task's w
 (megapo.algorithms.process_rewards: token_texts, step_ends, first_accepted_end; `first_correct_ends` here), which
 megapo.trainer.update computes only when a stage reads it.
 
-Not implemented: DECS's curriculum batch scheduling. In the authors' code it is DAPO's dynamic sampling with a share
-κ of easy prompts put back: each sampling round keeps the groups whose rewards differ, and adds
-min(⌊κ·K/(1 − κ)⌋, #all-correct groups) all-correct groups drawn at random, K the mixed groups kept since the last
-round that added some; after each step κ ← κ + lr·(p̄_t − p̄_{t−1}) (lr = 0.2, κ_0 = 0), p̄_t the batch's mean
-necessary-prefix ratio a_i/L_i over its correct responses (the share of a response that is needed; when it rises,
-more easy prompts come in to press on redundancy, when it falls fewer). In megapo this is a group filter
-(data.group_filter, megapo/algorithms/length.py) with state κ, p̄_{t−1}, K in the checkpoint; it needs
-ScoredGroup.first_correct for the filter too (megapo/trainer/length_stage.py computes it for a length reward only,
-StepSplitter.of) and a seeded draw of the all-correct groups.
+DECS's curriculum batch scheduling is the group filter `decs_curriculum` (data.group_filter, below): DAPO's dynamic
+sampling with a share κ of easy (all-correct) prompts put back, κ following how much of the correct responses is
+needed (the necessary reasoning prefix ratio): when that share rises, more easy prompts come in to press on
+redundancy, when it falls fewer, so exploration on hard prompts is not suppressed. It keeps whole groups or drops
+them, does the dynamic sampling itself (data.dynamic_sampling would drop the all-correct groups it adds: refused)
+and reads a_i of the groups it kept (megapo/trainer/length_stage.py finds it with `first_correct_ends` below, only
+for this filter and only on the correct responses of kept groups).
 """
 
 from __future__ import annotations
@@ -35,12 +36,16 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from megapo.algorithms.options import check_number
+from megapo.algorithms.length import GroupFilter, ScoredGroup, _check_state_keys, _is_int, _is_number
+from megapo.algorithms.options import check_choice, check_number
 from megapo.algorithms.registry import get, register
 
 DECS_PAPER = ("Jiang et al. 2025, Overthinking Reduction with Decoupled Rewards and Curriculum Data Scheduling "
               "(arXiv:2509.25827), DECS's decoupled token-level reward (the necessary reasoning prefix found with "
               "the task's answer checker)")
+DECS_CURRICULUM_PAPER = ("Jiang et al. 2025, Overthinking Reduction with Decoupled Rewards and Curriculum Data "
+                         "Scheduling, DECS's curriculum batch scheduling (a share κ of all-correct prompts put back "
+                         "into dynamic sampling, κ following the necessary reasoning prefix ratio)")
 BINGO_PAPER = ("Liu et al. 2025, Bingo: Boosting Efficient Reasoning of LLMs via Dynamic and Significance-based "
                "Reinforcement Learning (arXiv:2506.08125), significance-aware and dynamic length rewards "
                "(significance from π_old)")
@@ -109,8 +114,8 @@ def decs_advantages(rewards: list[float], correct: list[bool], first_correct: li
     more the longer the response: essential exploration is not penalised, post-answer redundancy is.
     Assumptions: the authors' redundant-chunk detector (a trained model judging each chunk) is replaced by the task's
     answer checker on each step's prefix (post_answer's a_i, step_delimiter); correctness is the verifier's verdict
-    (the authors' score > 0); the "constant" length reward (their default script). Not implemented: the curriculum
-    batch scheduling (module docstring)."""
+    (the authors' score > 0); the "constant" length reward (their default script). The curriculum batch scheduling
+    is the group filter decs_curriculum (module docstring)."""
     n = len(rewards)
     if not len(correct) == len(first_correct) == len(lengths) == n:
         raise ValueError("lengths: rewards, correct, first_correct and lengths must have one entry per sample")
@@ -148,6 +153,177 @@ def run_decs_stage(batch: list, s, ctx) -> dict:
     total = sum(n for _, n in right)
     redundant = sum(n - a for a, n in right if 0 <= a < n)
     return {"decs/redundant_frac": redundant / total if total else 0.0}
+
+
+# ----------------------------------------------------------------------------- DECS's curriculum batch scheduling
+
+
+NRP_UNITS = ("steps", "tokens")
+
+
+@dataclass
+class DecsCurriculumOptions:
+    option_field: ClassVar[bool] = True  # its refusals name data.group_filter_options.<option> (config)
+    kappa_lr: float = 0.2  # lr in κ ← κ + lr·(p̄_t − p̄_{t−1}) (the authors' kappa_lr)
+    kappa_init: float = 0.0  # κ_0 (the authors': 0, no easy prompt until p̄ has risen)
+    initial_ratio: float = 0.5  # p̄_0 (the authors' last_mean_nrp_ratio at start); 0: the first step only sets p̄
+    ratio: str = "steps"  # p̄'s unit: steps, (k_i + 1)/K_i (the authors' code); tokens, a_i/L_i
+    step_delimiter: str = "\n"  # where a prefix is checked for the answer (stage decs's default; must match it)
+
+    def __post_init__(self):
+        check_number("kappa_lr", self.kappa_lr, above=0)
+        check_number("kappa_init", self.kappa_init, low=0, below=1)
+        check_number("initial_ratio", self.initial_ratio, low=0, high=1)
+        check_choice("ratio", self.ratio, NRP_UNITS)
+        if not (isinstance(self.step_delimiter, str) and self.step_delimiter):
+            raise ValueError(f"step_delimiter: must be a non-empty string, got {self.step_delimiter!r}")
+
+
+def is_mixed(g: ScoredGroup, eps: float = 1e-8) -> bool:
+    """The group's verifier rewards differ (DAPO's dynamic sampling keeps it; the authors' std > 0)."""
+    return g.size > 1 and float(g.rewards.max() - g.rewards.min()) > eps
+
+
+def is_all_correct(g: ScoredGroup) -> bool:
+    """Every response correct and the rewards equal (the authors' mean > 0 and std = 0)."""
+    return bool(g.correct.all()) and not is_mixed(g)
+
+
+def easy_quota(kappa: float, mixed: int) -> int | None:
+    """⌊κ·K/(1 − κ)⌋ all-correct groups for K mixed ones: 0 when κ <= 0; None (all of them) when κ >= 1."""
+    if kappa <= 0:
+        return 0
+    if kappa >= 1:
+        return None
+    return math.floor(kappa * mixed / (1 - kappa))
+
+
+def nrp_ratios(g: ScoredGroup, unit: str) -> list[float]:
+    """The necessary-prefix ratio of each correct response whose answer is found (first_correct a_i >= 1): unit
+    steps, (k_i + 1)/K_i, the steps through the one that first answers over the response's K_i steps (step_lengths);
+    tokens, a_i/L_i. Incorrect responses and correct ones without a found answer have none (the authors' 0, left
+    out of the mean)."""
+    if g.first_correct is None or (unit == "steps" and g.step_lengths is None):
+        raise ValueError(f"first_correct: decs_curriculum reads each kept group's first_correct"
+                         f"{' and step_lengths' if unit == 'steps' else ''} (the length stage's answer checker)")
+    out = []
+    for i in range(g.size):
+        a = int(g.first_correct[i])
+        if not bool(g.correct[i]) or a < 1:
+            continue
+        if unit == "tokens":
+            out.append(a / max(int(g.lengths[i]), a))
+        else:
+            ends = torch.cumsum(g.step_lengths[i], 0)  # e_k + 1 of each step
+            out.append(int((ends <= a).sum()) / len(ends))
+    return out
+
+
+@register("decs_curriculum", "group_filter", "group", DECS_CURRICULUM_PAPER, DecsCurriculumOptions)
+class DecsCurriculum(GroupFilter):
+    """Each sampling round keeps whole groups: every mixed group (verifier rewards differ), and while κ > 0,
+    K ← K + #mixed, q = ⌊κ·K/(1 − κ)⌋ (K reset to 0 when q > 0), and min(q, #all-correct) all-correct groups drawn
+    at random without replacement (random.Random seeded by train.seed, the step and the round); every other group
+    (all wrong, the all-correct ones not drawn) is dropped. K counts the mixed groups kept since the last round whose
+    quota q was positive, within the step (0 at each step's start). After the step, with p̄_t = the mean over the
+    kept groups' correct responses of the necessary-prefix ratio ((k_i + 1)/K_i in steps, the authors' code, or
+    a_i/L_i in tokens; responses with none left out): κ ← κ + lr·(p̄_t − p̄_{t−1}) when p̄_{t−1} ≠ 0, then
+    p̄_{t−1} ← p̄_t (κ_0 = kappa_init = 0, p̄_0 = initial_ratio = 0.5, lr = kappa_lr = 0.2). A rising ratio (the
+    policy's answers need more of their text) brings more easy prompts, on which the decoupled reward presses on
+    redundancy; a falling one fewer. κ is not clipped (the authors' code).
+    Assumptions: κ >= 1 (never reached in the authors' runs, where their quota divides by zero or goes negative)
+    puts every all-correct group back; a step whose kept groups hold no correct response with a found answer leaves
+    κ and p̄_{t−1} as they were (the authors' mean would be NaN); p̄ is over the groups this filter kept (the authors':
+    the trained batch; megapo trims it to a multiple of parallel.dp afterwards); all-correct means every verdict
+    correct with equal rewards; the authors' shuffle of the kept groups is left out (the update's order); the
+    authors' chunks (cut at newline tokens and a list of words) are the steps cut at step_delimiter, and their
+    chunk judge is the task's answer checker on each step's prefix (as stage decs's a_i). Not the authors': one
+    sampling round per step (data.dynamic_sampling, which would drop the groups put back, is refused), so a step
+    trains on the round's kept groups; the authors draw further rounds until data.train_batch_size prompts are kept
+    (at most max_num_gen_batches) and cut the batch there."""
+
+    drops_groups = True
+    keeps_whole_groups = True  # answer_delimiter(): it observes its kept groups' first_correct
+
+    def __init__(self, o: DecsCurriculumOptions, budget: int):
+        super().__init__(o, budget)
+        self.kappa = float(o.kappa_init)
+        self.last_ratio = float(o.initial_ratio)  # p̄_{t−1}
+        self.mixed_since = 0  # K
+        self.step = 0  # the step the counts below belong to (0: none yet)
+        self.round = 0  # rounds of that step so far
+        self.ratio_sum, self.ratio_count = 0.0, 0  # that step's kept correct responses' ratios
+        self.added = 0  # all-correct groups put back in that step
+
+    def answer_delimiter(self) -> str:
+        return self.o.step_delimiter
+
+    def check_group_size(self, n: int) -> None:
+        if n < 2:
+            raise ValueError(f"rollout.n_samples: decs_curriculum keeps the groups whose rewards differ; needs "
+                             f">= 2 samples per prompt, got {n}")
+
+    def _begin(self, step: int) -> None:
+        """A round of `step`: the first of a new step closes the previous one (κ's update) and resets the counts."""
+        if step == self.step:
+            return
+        if step < self.step:
+            raise ValueError(f"step: decs_curriculum is at step {self.step}, got a round of step {step}")
+        if self.ratio_count:
+            ratio = self.ratio_sum / self.ratio_count
+            if self.last_ratio != 0:
+                self.kappa += self.o.kappa_lr * (ratio - self.last_ratio)
+            self.last_ratio = ratio
+        self.step, self.round, self.mixed_since = step, 0, 0
+        self.ratio_sum, self.ratio_count, self.added = 0.0, 0, 0
+
+    def select(self, groups, step):
+        import random
+
+        self._begin(step)
+        mixed = [i for i, g in enumerate(groups) if is_mixed(g)]
+        easy = [i for i, g in enumerate(groups) if is_all_correct(g)]
+        drawn: list[int] = []
+        if self.kappa > 0:
+            self.mixed_since += len(mixed)
+            quota = easy_quota(self.kappa, self.mixed_since)
+            if quota is None or quota > 0:
+                self.mixed_since = 0
+            take = len(easy) if quota is None else min(quota, len(easy))
+            drawn = random.Random(f"decs_curriculum/{self.seed}/{step}/{self.round}").sample(easy, take)
+        self.round += 1
+        self.added += len(drawn)
+        keep = set(mixed) | set(drawn)
+        return [torch.arange(g.size, dtype=torch.int64) if i in keep else torch.zeros(0, dtype=torch.int64)
+                for i, g in enumerate(groups)]
+
+    def observe(self, kept, step):
+        if step != self.step:
+            raise ValueError(f"step: decs_curriculum selected for step {self.step}, observed step {step}")
+        for g in kept:
+            ratios = nrp_ratios(g, self.o.ratio)
+            self.ratio_sum += sum(ratios)
+            self.ratio_count += len(ratios)
+
+    def metrics(self):
+        return {"decs_kappa": self.kappa, "decs_easy_added": self.added,
+                "decs_nrp_ratio": self.ratio_sum / self.ratio_count if self.ratio_count else self.last_ratio}
+
+    KEYS = ("kappa", "last_ratio", "mixed_since", "step", "round", "ratio_sum", "ratio_count", "added")
+
+    def state_dict(self):
+        return {k: getattr(self, k) for k in self.KEYS}
+
+    def load_state_dict(self, state):
+        _check_state_keys(state, self.KEYS, "decs_curriculum")
+        for k in ("kappa", "last_ratio", "ratio_sum"):
+            if not _is_number(state[k]):
+                raise ValueError(f"length state: decs_curriculum {k} must be a finite number, got {state[k]!r}")
+        for k in ("mixed_since", "step", "round", "ratio_count", "added"):
+            if not (_is_int(state[k]) and state[k] >= 0):
+                raise ValueError(f"length state: decs_curriculum {k} must be an int >= 0, got {state[k]!r}")
+        for k in self.KEYS:
+            setattr(self, k, float(state[k]) if k in ("kappa", "last_ratio", "ratio_sum") else int(state[k]))
 
 
 # ----------------------------------------------------------------------------- Bingo

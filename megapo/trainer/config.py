@@ -314,7 +314,11 @@ def check_length_methods(d: DataConfig, n: int, budget: int) -> None:
             method = build(name, options, budget)
         except (ValueError, TypeError) as exc:
             field_name = f"data.{kind}" if str(exc).startswith(f"data.{kind}") else f"data.{kind}_options"
-            raise ConfigError(field_name, str(exc).removeprefix(f"data.{kind}: ").removeprefix("options: ")) from None
+            why = str(exc).removeprefix(f"data.{kind}: ").removeprefix("options: ")
+            option, _, rest = why.partition(": ")
+            if field_name.endswith("_options") and rest and _names_option_field(kind, name, option):
+                raise ConfigError(f"{field_name}.{option}", f"{name}: {rest}") from None
+            raise ConfigError(field_name, why) from None
         try:
             method.check_group_size(n)
             if kind == "length_reward":
@@ -326,6 +330,14 @@ def check_length_methods(d: DataConfig, n: int, budget: int) -> None:
                 check_kept([group], method.select([group], 1), f"data.{kind}")
         except ValueError as exc:
             raise ConfigError(f"data.{kind}_options", f"{name} on a group of rollout.n_samples={n}: {exc}") from None
+
+
+def _names_option_field(kind: str, name: str, option: str) -> bool:
+    """An options class that says so (option_field) has its refusals name data.<kind>_options.<option>."""
+    from megapo.algorithms.registry import get
+
+    entry = get(kind, name)
+    return bool(getattr(entry.options, "option_field", False)) and option in entry.option_names()
 
 
 @dataclass
@@ -686,6 +698,9 @@ def _check_group_filter(cfg: RunConfig) -> None:
     d, a = cfg.data, cfg.algorithm
     if d.group_filter == "none":
         return
+    if getattr(get("group_filter", d.group_filter).fn, "keeps_whole_groups", False):
+        _check_whole_group_filter(cfg)
+        return
     if get("advantage", a.advantage).granularity != "group":
         raise ConfigError("data.group_filter", "a group filter may keep groups of different sizes; it needs a "
                           f"group-level advantage (not {a.advantage!r})")
@@ -693,6 +708,25 @@ def _check_group_filter(cfg: RunConfig) -> None:
         if entry(s.name).granularity == "group":  # it reads the [P, n] rows of equal groups
             raise ConfigError("data.group_filter", "a group filter may keep groups of different sizes; the stage "
                               f"{s.name} (algorithm.stages[{i}]) needs groups of rollout.n_samples each")
+
+
+def _check_whole_group_filter(cfg: RunConfig) -> None:
+    """A filter that keeps whole groups or drops them (decs_curriculum) keeps groups of rollout.n_samples each; it
+    does the dynamic sampling itself (DAPO's would drop the all-correct groups it puts back), and the answer it
+    reads is cut where stage decs cuts its own."""
+    from megapo.algorithms.registry import get
+
+    d = cfg.data
+    if d.dynamic_sampling:
+        raise ConfigError("data.dynamic_sampling", f"data.group_filter {d.group_filter} does the dynamic sampling "
+                          "itself and puts all-correct groups back, which dynamic sampling would drop: set false")
+    delimiter = getattr(get("group_filter", d.group_filter).make_options(dict(d.group_filter_options)),
+                        "step_delimiter", None)
+    for s in cfg.algorithm.pipeline():
+        mine = getattr(s.options, "step_delimiter", None)
+        if "first_correct" in s.inputs and None not in (mine, delimiter) and mine != delimiter:
+            raise ConfigError("data.group_filter_options.step_delimiter", f"{d.group_filter} cuts steps at "
+                              f"{delimiter!r}, stage {s.name} at {mine!r}: the same answer must be read by both")
 
 
 def _check_dense_rewards(cfg: RunConfig) -> None:

@@ -8,7 +8,10 @@ gets each response's step lengths, cut with the run's tokenizer, and where it as
 answer from the task's answer checker on each step's prefix (StepSplitter). data.overlong (DAPO's soft overlong
 penalty) is the length reward dapo_overlong under its older spelling. The stage counts the batches it has shaped (its
 `step`, the trainer step in sync mode) and its methods' state; both travel in the checkpoint
-(`state_dict`) so a resumed run shapes as the unstopped one.
+(`state_dict`) so a resumed run shapes as the unstopped one. A filter that drops whole groups (GroupFilter.drops_groups:
+decs_curriculum) leaves them out of the round's groups, and one with an answer_delimiter() is handed the groups it
+kept with each correct response's first correct answer (StepSplitter.answer_ends: token_length.first_correct_ends,
+only on the kept groups' correct responses) and their steps; the trainer's train.seed seeds its random draws.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ class LengthStage:
         self.filter = build_group_filter(d.group_filter, d.group_filter_options, budget)
         self.correct_threshold = d.correct_threshold
         self.steps = StepSplitter.of(self.reward, d, tokenizer)  # None: no method reads steps
+        self.answers = StepSplitter.for_filter(self.filter, d, tokenizer)  # None: the filter observes nothing
+        if self.filter is not None:
+            self.filter.seed = cfg.train.seed
         self.step = 0  # batches begun
         if state:
             self.load_state_dict(state)
@@ -54,10 +60,16 @@ class LengthStage:
             shaped = check_shaped(scored, self.reward.shape(scored, self.step), "data.length_reward")
         kept = [torch.arange(s.size) for s in scored]
         if self.filter is not None:
-            kept = check_kept(scored, self.filter.select(scored, self.step), "data.group_filter")
+            kept = check_kept(scored, self.filter.select(scored, self.step), "data.group_filter",
+                              drops=self.filter.drops_groups)
+            if self.answers is not None:
+                self.filter.observe([self.answers.answer_ends(s, g) for g, s, k in zip(groups, scored, kept)
+                                     if k.numel()], self.step)
         out = []
         for g, s, r, k in zip(groups, scored, shaped, kept):
             idx = k.tolist()
+            if not idx:  # the filter dropped the whole group
+                continue
             out.append(Group(g.example, [g.samples[i] for i in idx], [float(r[i]) for i in idx],
                              scores=[float(s.rewards[i]) for i in idx], correct=[bool(s.correct[i]) for i in idx],
                              sampled=s.size, prompt_index=g.prompt_index, sample_ids=idx))
@@ -113,13 +125,35 @@ class StepSplitter:
         if tokenizer is None:
             raise ValueError(f"data.length_reward: {data.length_reward} splits responses into steps and needs the "
                              "run's tokenizer")
-        checker = None
-        if method.needs_first_correct:
-            from megapo.tasks.registry import reward_spec
-            from megapo.trainer.rewards import get_reward
-
-            checker = get_reward(reward_spec(data), "data.reward")
+        checker = answer_checker(data) if method.needs_first_correct else None
         return cls(delimiter, tokenizer, checker, data.correct_threshold)
+
+    @classmethod
+    def for_filter(cls, method, data, tokenizer) -> "StepSplitter | None":
+        """For a group filter that observes its kept groups' answers (GroupFilter.answer_delimiter), else None."""
+        delimiter = method.answer_delimiter() if method is not None else None
+        if delimiter is None:
+            return None
+        if tokenizer is None:
+            raise ValueError(f"data.group_filter: {data.group_filter} checks each correct response's step prefixes "
+                             "for its answer and needs the run's tokenizer")
+        return cls(delimiter, tokenizer, answer_checker(data), data.correct_threshold)
+
+    def answer_ends(self, scored: ScoredGroup, g) -> ScoredGroup:
+        """`scored` with first_correct (token_length.first_correct_ends: the correct responses only, −1 for the
+        others) and step_lengths, both cut at this splitter's delimiter."""
+        from dataclasses import replace
+
+        from megapo.algorithms.process_rewards import step_ends, step_token_counts, token_texts
+        from megapo.algorithms.token_length import first_correct_ends
+
+        ids = [list(s.output_ids) for s in g.samples]
+        first = first_correct_ends(ids, [g.example.answer] * len(ids), [bool(c) for c in scored.correct],
+                                   self.tokenizer, self.checker, self.threshold, self.delimiter)
+        steps = tuple(torch.tensor(step_token_counts(step_ends(token_texts(self.tokenizer, x, self.cache),
+                                                                          self.delimiter)), dtype=torch.int64)
+                      for x in ids)
+        return replace(scored, step_lengths=steps, first_correct=torch.tensor(first, dtype=torch.int64))
 
     def split(self, scored: ScoredGroup, g) -> ScoredGroup:
         from dataclasses import replace
@@ -136,3 +170,11 @@ class StepSplitter:
             first = torch.tensor([first_accepted_end(t, e, accept, self.delimiter) for t, e in zip(texts, ends)],
                                  dtype=torch.int64)
         return replace(scored, step_lengths=steps, first_correct=first)
+
+
+def answer_checker(data):
+    """The task's answer checker (data.reward, the task's when auto) that first_correct is found with."""
+    from megapo.tasks.registry import reward_spec
+    from megapo.trainer.rewards import get_reward
+
+    return get_reward(reward_spec(data), "data.reward")
