@@ -327,6 +327,7 @@ STATEFUL = [
     ("laconic", {"target": 25, "dual_lr": 0.3}),
     ("hapo", {"weight": 0.5}),
     ("deepcompress", {"momentum": 0.4}),
+    ("adlp", {"lambda_init": 0.01, "lr": 0.2}),
 ]
 
 
@@ -412,7 +413,7 @@ def test_task_difficulty_needs_a_label():
 MINIMAL = {  # the fewest options each registered method needs; a new method must be added here
     "dapo_overlong": {"cache_len": 16}, "length_penalty": {"coef": 0.01}, "alp": {}, "laser": {"target_len": 20},
     "laser_d": {}, "kimi": {}, "laconic": {}, "grpo_lambda": {}, "hapo": {}, "curriculum": {"end": 20, "steps": 5},
-    "dler": {}, "dast": {}, "deepcompress": {}, "hmpo": {}, "lead": {},
+    "dler": {}, "dast": {}, "deepcompress": {}, "hmpo": {}, "lead": {}, "adlp": {},
     "step_pruner": {}, "post_answer": {}, "grsp": {},  # read steps (tests/test_length_steps.py): one step each here
 }
 

@@ -462,6 +462,81 @@ class Laconic(LengthReward):
         self.lam = float(state["lambda"])
 
 
+@dataclass
+class AdlpOptions:
+    lambda_init: float = 1e-3  # λ_1, the penalty per response token at the first step (the paper's script: 1e-3)
+    lr: float = 1e-3  # η, the step of λ per unit of accuracy gap (the paper's script: 1e-3)
+    acc_ref: float | None = None  # the reference accuracy in [0, 1]; None: the first step's accuracy
+
+    def __post_init__(self):
+        check_number("lambda_init", self.lambda_init, low=0)
+        check_number("lr", self.lr, low=0)
+        if self.acc_ref is not None:
+            check_number("acc_ref", self.acc_ref, low=0, high=1)
+
+
+@register("adlp", "length_reward", "batch",
+          "Su, Cardie 2025, Thinking Fast and Right: Balancing Accuracy and Reasoning Length with Adaptive Rewards "
+          "(arXiv:2505.18298), A-DLP (adaptive direct length penalty)", AdlpOptions)
+class Adlp(LengthReward):
+    """R' = R − λ_t·L for every response of trainer step t (L its tokens, end-of-sequence included; R the verifier's
+    reward, correct or not), all of the step's sampling rounds with the same λ_t; after step t
+    λ_{t+1} = max(0, λ_t + η·(acc_t − acc_ref)), acc_t the fraction of the step's responses the verifier calls
+    correct (every round, before any group filter): accuracy above the reference raises the penalty, below it
+    relaxes it. λ_1 = lambda_init, η = lr.
+    Assumption: acc_ref unset is the first step's accuracy (the paper's is the initial model's training accuracy,
+    0.62 in its script: set acc_ref to pin it). Assumption: the update is folded in when the next step's first
+    round is shaped (so a step's rounds share λ_t); state: λ, acc_ref and the pending step's counts."""
+
+    def __init__(self, o: AdlpOptions, budget: int):
+        super().__init__(o, budget)
+        self.lam = float(o.lambda_init)
+        self.acc_ref = None if o.acc_ref is None else float(o.acc_ref)
+        self.step = 0  # the step whose responses `correct` / `total` count (its update still pending)
+        self.correct = 0
+        self.total = 0
+
+    def _close_step(self) -> None:
+        if self.total:
+            acc = self.correct / self.total
+            if self.acc_ref is None:
+                self.acc_ref = acc
+            self.lam = max(0.0, self.lam + self.o.lr * (acc - self.acc_ref))
+        self.correct = self.total = 0
+
+    def shape(self, groups, step):
+        if step != self.step:
+            self._close_step()
+            self.step = int(step)
+        out = [g.rewards - self.lam * g.lengths.to(torch.float64) for g in groups]
+        for g in groups:
+            self.correct += int(g.correct.sum())
+            self.total += g.size
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        return {"lambda": self.lam, **({"acc_ref": self.acc_ref} if self.acc_ref is not None else {})}
+
+    def state_dict(self):
+        return {"lambda": self.lam, "acc_ref": self.acc_ref, "step": self.step, "correct": self.correct,
+                "total": self.total}
+
+    def load_state_dict(self, state):
+        _check_state_keys(state, ("lambda", "acc_ref", "step", "correct", "total"), "adlp")
+        if not (_is_number(state["lambda"]) and state["lambda"] >= 0):
+            raise ValueError(f"length state: adlp lambda must be a finite number >= 0, got {state['lambda']!r}")
+        ref = state["acc_ref"]
+        if ref is not None and not (_is_number(ref) and 0 <= ref <= 1):
+            raise ValueError(f"length state: adlp acc_ref must be None or in [0, 1], got {ref!r}")
+        counts = [state[k] for k in ("step", "correct", "total")]
+        if not (all(_is_int(v) and v >= 0 for v in counts) and counts[1] <= counts[2]):
+            raise ValueError(f"length state: adlp step, correct, total must be ints >= 0 with correct <= total, "
+                             f"got {counts!r}")
+        self.lam = float(state["lambda"])
+        self.acc_ref = None if ref is None else float(ref)
+        self.step, self.correct, self.total = (int(v) for v in counts)
+
+
 GRPO_LAMBDA_INNER = ("kimi", "length_penalty", "laser")
 
 

@@ -25,6 +25,7 @@ from torch import Tensor
 from megapo.algorithms import blockwise
 from megapo.algorithms import distribution_centric
 from megapo.algorithms import entropy_credit
+from megapo.algorithms import lopti
 from megapo.algorithms import plackett_luce
 from megapo.algorithms import otb
 from megapo.algorithms import self_distill
@@ -294,6 +295,16 @@ def _entropy_credit(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> di
     return {f"{s.name}/adv_shift": float(shift.abs().mean()) if shift.numel() else 0.0}  # mean |A' − A| per token
 
 
+def _lopti(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+    """Lopti (megapo/algorithms/lopti.py): marks nothing on the samples; the update loop splits each update into its
+    low- and high-probability steps from sample.old_logp (megapo.trainer.update.policy_updates). lopti/low_frac, the
+    share of the batch's policy tokens with π_old(y_t) < η."""
+    masks = lopti.low_prob_masks([x.old_logp for x in batch], s.options.eta)
+    loss_masks = [x.loss_mask for x in batch]
+    return {"lopti/low_frac": lopti.low_fraction(masks, loss_masks if any(m is not None for m in loss_masks)
+                                                 else None)}
+
+
 _PER_SAMPLE = ("sequence_advantage", "old_logp")
 _GROUP_TOKENS = ("sequence_advantage", "response_tokens")
 STAGES: dict[str, StageDecl] = {
@@ -342,6 +353,8 @@ STAGES: dict[str, StageDecl] = {
                       token_length.run_decs_stage),
     "bingo": StageDecl("token", "advantage_stage", ("old_logp", "reward", "correct", "step"),
                        token_length.run_bingo_stage),
+    # Lopti (megapo/algorithms/lopti.py): each update as two optimizer steps, the low-probability tokens' first
+    "lopti": StageDecl("token", "token_weight", ("old_logp",), _lopti),
 }
 
 
@@ -392,6 +405,8 @@ def _check_order(stages: list[Stage], field: str) -> None:
             raise ConfigError(f"{field}[{i}]", f"{s.name} is a sequence stage (it runs per group, before the "
                               f"old-log-prob pass) listed after the token stage {stages[first].name} at "
                               f"{field}[{first}]: list the sequence stages first")
+        if s.name == "lopti" and any(t.name == "lopti" for t in stages[:i]):
+            raise ConfigError(f"{field}[{i}]", "lopti is listed twice: it splits each update once (one eta)")
         if s.name == "cumulative_std" and i > 0:
             raise ConfigError(f"{field}[{i}]", "cumulative_std computes the advantages from the rewards in place of "
                               "the estimator's: it must be the first stage")

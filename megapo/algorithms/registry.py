@@ -78,6 +78,7 @@ _MODULES = (
     "megapo.algorithms.otb",
     "megapo.algorithms.distribution_centric",
     "megapo.algorithms.token_length",
+    "megapo.algorithms.lopti",
 )
 
 

@@ -14,7 +14,7 @@ RunConfig.loss_spec maps to the config field.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 from megapo.algorithms.aggregation import AUTO
@@ -74,6 +74,16 @@ class LossSpec:
         field names (correction, kl_coef, ...) set those fields, every other name is an objective option."""
         common = {k: v for k, v in options.items() if k in FLAT_OPTIONS}
         return cls(objective, loss_agg, {k: v for k, v in options.items() if k not in FLAT_OPTIONS}, **common)
+
+    def at_step(self, step: int) -> LossSpec:
+        """The spec trainer step `step` trains with. The one per-step exception to a run-fixed spec: an objective
+        whose options carry a schedule over steps (its options dataclass has options_at(step): holder's annealed p)
+        gets those options resolved at `step` (holder: p = p_t, schedule = constant); any other spec is itself."""
+        resolve = getattr(self.objective_config(), "options_at", None)
+        changes = resolve(int(step)) if resolve is not None else {}
+        if not changes:
+            return self
+        return replace(self, objective_options={**self.objective_options, **changes})
 
     def objective_config(self) -> Any:
         """The objective's options dataclass (a fresh one per call)."""

@@ -184,12 +184,13 @@ def grpo_s(adv: Tensor, s: TokenStats, o: EntropyWeightOptions) -> Tensor:
 @register(
     "advantage_reweighting", "advantage_stage", "token",
     "Yang et al. 2025, Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs, Advantage "
-    "Reweighting (Lopti's separate low-probability update is not included)",
+    "Reweighting (its Low-Probability Token Isolation is the stage lopti: list both for AR + Lopti)",
     ReweightOptions,
 )
 def advantage_reweighting(adv: Tensor, s: TokenStats, o: ReweightOptions) -> Tensor:
     """Ã_{i,t} = (α·π_old(y_t) + 1 − α)·A_i: low-probability tokens' advantages are attenuated
-    (α ∈ [0, 1]; 0 is the plain advantage)."""
+    (α ∈ [0, 1]; 0 is the plain advantage). The paper's other method, Lopti (the low-probability tokens updated
+    in their own optimizer step first), is the stage lopti (megapo/algorithms/lopti.py)."""
     return adv[..., None] * (o.alpha * torch.exp(s.old_logp) + 1 - o.alpha) * s.mask
 
 
@@ -345,6 +346,9 @@ def token_advantages(name: str, advantages: Tensor, old_logp: list, entropy: lis
 # ----------------------------------------------------------------------------- token weights
 
 
+SELECT_SCOPES = ("batch", "trajectory")
+
+
 @dataclass
 class TokenSelectOptions:
     score: str = "entropy"  # entropy: H_t; adv_entropy: |A_t|·H_t
@@ -352,8 +356,11 @@ class TokenSelectOptions:
     weight: float = 0.0  # weight of the other tokens (0: masked out)
     rho_end: float | None = None  # anneal rho linearly to this over anneal_steps trainer steps
     anneal_steps: int = 0
+    scope: str = "batch"  # batch: the top ρ of the whole batch's tokens; trajectory: the top ρ of each response's
 
     def __post_init__(self):
+        if self.scope not in SELECT_SCOPES:
+            raise ValueError(f"scope: must be one of {', '.join(SELECT_SCOPES)}, got {self.scope!r}")
         if self.score not in SCORES:
             raise ValueError(f"score: must be one of {', '.join(SCORES)}, got {self.score!r}")
         for name in ("rho", "rho_end"):
@@ -381,12 +388,31 @@ class TokenSelectOptions:
     "arXiv:2605.25381)",
     TokenSelectOptions,
 )
-def token_select(scores: Tensor, o: TokenSelectOptions, step: int) -> Tensor:
-    """w_t = 1 if s_t ≥ τ else w, τ the k-th largest score over every response token of the batch,
-    k = ⌈ρ·N⌉ (ties at τ all get 1); s_t = H_t (score=entropy) or |A_t|·H_t (adv_entropy), H π_old's
-    entropy, A the final per-token advantage; ρ moves linearly from rho to rho_end over anneal_steps
-    trainer steps. The weight multiplies the per-token loss; the normaliser still counts every token."""
-    k = max(1, math.ceil(o.rho_at(step) * scores.numel() - 1e-9))  # 0.3·20 is 6.000000000000001 in floats
+def token_select(scores: Tensor, o: TokenSelectOptions, step: int, lengths: list[int] | None = None) -> Tensor:
+    """w_t = 1 if s_t ≥ τ else w; scope=batch: τ the k-th largest score over every response token of the batch,
+    k = ⌈ρ·N⌉; scope=trajectory (the temporal-scheduling paper's trajectory percentiles): per response i, τ_i the
+    k_i-th largest of its own scores, k_i = ⌈ρ·L_i⌉, i.e. its tokens at or above its (1 − ρ) percentile (ties at τ
+    all get 1); s_t = H_t (score=entropy) or |A_t|·H_t (adv_entropy), H π_old's entropy, A the final per-token
+    advantage; ρ moves linearly from rho to rho_end over anneal_steps trainer steps (rho_end = 1 with weight 0
+    attenuates to uniform, the schedule that paper finds best). The weight multiplies the per-token loss; the
+    normaliser still counts every token. Both scopes read only whole responses of the whole train batch, so the
+    weights do not depend on micro-batch or DP splits. Assumption: the paper's percentile is per trajectory
+    over π_old's token entropies, with its rank rule k_i = ⌈ρ·L_i⌉ ours. `lengths`: the responses' token counts,
+    in order, for scope=trajectory."""
+    rho = o.rho_at(step)
+    if o.scope == "trajectory":
+        if lengths is None or sum(lengths) != scores.numel():
+            raise ValueError("lengths: token_select scope=trajectory needs each response's token count")
+        out = []
+        for part in torch.split(scores, list(lengths)):
+            if part.numel() == 0:
+                out.append(part.clone())
+                continue
+            k = max(1, math.ceil(rho * part.numel() - 1e-9))
+            tau = torch.topk(part, k).values[-1]
+            out.append(torch.where(part >= tau, torch.ones_like(part), torch.full_like(part, float(o.weight))))
+        return torch.cat(out) if out else scores.clone()
+    k = max(1, math.ceil(rho * scores.numel() - 1e-9))  # 0.3·20 is 6.000000000000001 in floats
     tau = torch.topk(scores, k).values[-1]
     return torch.where(scores >= tau, torch.ones_like(scores), torch.full_like(scores, float(o.weight)))
 
@@ -402,7 +428,7 @@ def token_select_weights(advantages: list, entropy: list, *, step: int = 1, **op
     adv = [torch.as_tensor(a, dtype=torch.float64).reshape(-1).expand(len(e)) for a, e in zip(advantages, ent)]
     flat_h = torch.cat(ent)
     scores = flat_h if opts.score == "entropy" else torch.cat(adv).abs() * flat_h
-    weights = entry.fn(scores, opts, step)
+    weights = entry.fn(scores, opts, step, [len(e) for e in ent])
     return list(torch.split(weights, [len(e) for e in ent]))
 
 
@@ -453,17 +479,47 @@ RENORMS = ("batch", "sequence", "none")
 @dataclass
 class StapoOptions:
     prob_max: float = 0.01  # [P] a spurious token's π_old(y_t) is below this
-    entropy_max: float = 0.3  # [A] and π_old's entropy there (nats) below this
+    # and π_old's entropy there below the entropy_percentile-th percentile of the train batch's token entropies
+    # (unset: the paper's 5th), or below entropy_max (nats), an absolute threshold, when that is given instead
+    entropy_percentile: float | None = None
+    entropy_max: float | None = None
     renorm: str = "batch"  # batch: N/N_kept (token-mean's normaliser); sequence: L_i/L_i,kept; none
 
     def __post_init__(self):
         if isinstance(self.prob_max, bool) or not isinstance(self.prob_max, (int, float)) or not 0 < self.prob_max <= 1:
             raise ValueError(f"prob_max: must be in (0, 1], got {self.prob_max!r}")
-        if isinstance(self.entropy_max, bool) or not isinstance(self.entropy_max, (int, float)) \
-                or not math.isfinite(self.entropy_max) or self.entropy_max <= 0:
+        if self.entropy_max is not None and (isinstance(self.entropy_max, bool)
+                                             or not isinstance(self.entropy_max, (int, float))
+                                             or not math.isfinite(self.entropy_max) or self.entropy_max <= 0):
             raise ValueError(f"entropy_max: must be a finite number > 0, got {self.entropy_max!r}")
+        q = self.entropy_percentile
+        if q is not None:
+            if isinstance(q, bool) or not isinstance(q, (int, float)) or not math.isfinite(q) or not 0 < q < 100:
+                raise ValueError(f"entropy_percentile: must be a number in (0, 100), got {q!r}")
+            if self.entropy_max is not None:
+                raise ValueError("entropy_percentile: give entropy_percentile (a batch percentile) or entropy_max "
+                                 "(an absolute threshold), not both")
         if self.renorm not in RENORMS:
             raise ValueError(f"renorm: must be one of {', '.join(RENORMS)}, got {self.renorm!r}")
+
+
+STAPO_ENTROPY_PERCENTILE = 5.0  # the paper's τ_h: the 5th percentile of the token entropies
+
+
+def stapo_entropy_threshold(entropy: Tensor, o: StapoOptions) -> float:
+    """τ_h of stapo: entropy_max when given, else the entropy_percentile-th (default 5th) percentile of `entropy`,
+    every response token of the train batch (linear interpolation between order statistics, as torch.quantile,
+    by a sort: no element limit); an empty batch gives -inf."""
+    if o.entropy_max is not None:
+        return float(o.entropy_max)
+    if entropy.numel() == 0:
+        return -math.inf
+    q = (STAPO_ENTROPY_PERCENTILE if o.entropy_percentile is None else float(o.entropy_percentile)) / 100.0
+    ordered = torch.sort(entropy.reshape(-1).to(torch.float64)).values
+    pos = q * (ordered.numel() - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, ordered.numel() - 1)
+    return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
 
 
 @register(
@@ -474,13 +530,16 @@ class StapoOptions:
 )
 def stapo(prob: Tensor, entropy: Tensor, positive: Tensor, owner: Tensor, o: StapoOptions) -> Tensor:
     """M_t = 0 where the response is positive (sign of Σ_t A_t > 0: a correct response's tokens inherit the
-    reward) and π_old(y_t) < prob_max and H_t < entropy_max (π_old's entropy), else 1 [P: prob_max = 0.01, as a
-    summary of the paper gives it; there the entropy threshold is the batch's 5th percentile, here an absolute
-    number, entropy_max, default ours]. The loss is renormalised over the kept tokens [A: as a weight, the normaliser itself
-    unchanged]: renorm=batch w_t = M_t·N/Σ M (N every response token of the train batch, so a token-mean loss
-    divides by the kept count), sequence w_t = M_t·L_i/Σ_{t∈i} M_t (per response, for the seq-mean
+    reward) and π_old(y_t) < τ_p and H_t < τ_h (H π_old's entropy), else 1. τ_p = prob_max (the paper: 0.01);
+    τ_h = the q-th percentile of H over every response token of the whole train batch (q = entropy_percentile, the
+    paper's 5 when unset; linear interpolation between order statistics, torch.quantile's), taken once over the
+    batch so it does not depend on micro-batch or DP splits; or τ_h = entropy_max when that absolute threshold is
+    given instead. Assumption: the percentile is over all the batch's response tokens (positive and negative
+    responses alike), not per trajectory. The loss is renormalised over the kept tokens [A: as a weight, the
+    normaliser itself unchanged]: renorm=batch w_t = M_t·N/Σ M (N every response token of the train batch, so a
+    token-mean loss divides by the kept count), sequence w_t = M_t·L_i/Σ_{t∈i} M_t (per response, for the seq-mean
     aggregations), none w_t = M_t. Inputs are flat over the batch's tokens; `owner` maps each to its sample."""
-    keep = ~(positive[owner] & (prob < o.prob_max) & (entropy < o.entropy_max))
+    keep = ~(positive[owner] & (prob < o.prob_max) & (entropy < stapo_entropy_threshold(entropy, o)))
     kept = keep.to(prob.dtype)
     if o.renorm == "batch":
         total = kept.sum()

@@ -415,16 +415,72 @@ def sentence_end_flags(response_ids, end_ids) -> list[float]:
 # ----------------------------------------------------------------------------------------- holder
 
 
+HOLDER_SCHEDULES = ("constant", "linear", "cosine", "poly", "cubic")
+
+
 @dataclass
 class HolderOptions:
-    p: float = 0.0  # the exponent; 0 is the geometric mean (GSPO)
+    p: float = 0.0  # the exponent of schedule=constant; 0 is the geometric mean (GSPO)
     eps_low: float = 3e-4  # [A] GSPO's range, the p = 0 case
     eps_high: float = 4e-4
+    # the paper's annealing of p over trainer steps: constant (p) | linear | cosine | poly | cubic, from p_start at
+    # step 1 to p_end at step 1 + schedule_steps, then p_end (its maths runs: linear from 2 to -2)
+    schedule: str = "constant"
+    p_start: float = 2.0
+    p_end: float = -2.0
+    schedule_steps: int = 0  # trainer steps the schedule spans (> 0 unless constant)
+    power: float = 2.0  # n of schedule=poly
 
     def __post_init__(self):
-        if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not math.isfinite(self.p):
-            raise ValueError(f"p: the Hölder exponent must be a finite real number (0: geometric mean), got {self.p!r}")
+        for name in ("p", "p_start", "p_end", "power"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                what = "the Hölder exponent" if name != "power" else "the poly schedule's exponent"
+                raise ValueError(f"{name}: {what} must be a finite real number, got {v!r}")
         _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high)
+        check_choice("schedule", self.schedule, HOLDER_SCHEDULES)
+        if self.schedule != "constant":
+            if isinstance(self.schedule_steps, bool) or not isinstance(self.schedule_steps, int) \
+                    or self.schedule_steps < 1:
+                raise ValueError(f"schedule_steps: schedule {self.schedule!r} needs the trainer steps it spans, an "
+                                 f"int >= 1, got {self.schedule_steps!r}")
+            if self.p != 0:
+                raise ValueError(f"p: set by schedule {self.schedule!r} at every step (p_start -> p_end); "
+                                 f"leave p unset, got {self.p!r}")
+            if self.power <= 0:
+                raise ValueError(f"power: the poly schedule's exponent must be > 0, got {self.power!r}")
+        elif isinstance(self.schedule_steps, bool) or not isinstance(self.schedule_steps, int) \
+                or self.schedule_steps < 0:
+            raise ValueError(f"schedule_steps: must be an int >= 0, got {self.schedule_steps!r}")
+
+    def p_at(self, step: int) -> float:
+        """p at trainer step `step` (1-based): see holder_p."""
+        return holder_p(self, step)
+
+    def options_at(self, step: int) -> dict:
+        """The options trainer step `step` trains with (LossSpec.at_step): the schedule resolved to its constant p."""
+        if self.schedule == "constant":
+            return {}
+        return {"schedule": "constant", "p": self.p_at(step)}
+
+
+def holder_p(o: HolderOptions, step: int) -> float:
+    """HölderPO's p at trainer step `step`: x = min(1, (step − 1)/schedule_steps) [Assumption: step 1 is the
+    schedule's start, the paper's code counts from its step 0], Δ = p_end − p_start;
+    constant p; linear p_start + Δ·x; cosine p_start + Δ·(1 − cos πx)/2; poly p_start + Δ·x^power;
+    cubic (p_start + p_end)/2 + (Δ/2)·(2x − 1)³ (the paper's code's linear/_dec, sin/cos, poly/_dec and cubic/_dec
+    schedules, written from p_start to p_end)."""
+    if o.schedule == "constant":
+        return float(o.p)
+    x = min(1.0, max(int(step) - 1, 0) / o.schedule_steps)
+    start, delta = float(o.p_start), float(o.p_end) - float(o.p_start)
+    if o.schedule == "linear":
+        return start + delta * x
+    if o.schedule == "cosine":
+        return start + delta * (1.0 - math.cos(math.pi * x)) / 2.0
+    if o.schedule == "poly":
+        return start + delta * x ** float(o.power)
+    return start + delta / 2.0 + delta / 2.0 * (2.0 * x - 1.0) ** 3
 
 
 def log_power_mean(b: TokenBatch, log_r: Tensor, p: float) -> Tensor:
@@ -451,9 +507,16 @@ def holder(b: TokenBatch, o: HolderOptions) -> ObjectiveOut:
     """ρ_i = ((1/|y_i|)·Σ_t r_{i,t}^p)^(1/p) (the Hölder / power mean of the token ratios; p → 0 is
     the geometric mean, GSPO's s_i; p = 1 the arithmetic mean; any finite real p, negative included);
     loss = max(-A·ρ_i, -A·clip(ρ_i, 1-ε_low, 1+ε_high)) on every token of sequence i (sequence-level
-    clipping [P]), gradient through every token. p is a constant: the paper's annealing schedule of p
-    over training (e.g. from 2 down to -1 [P]) is not implemented."""
-    log_rho = log_power_mean(b, _log_ratio(b), o.p)[:, None].expand_as(b.logp)
+    clipping [P]), gradient through every token. p over training (the paper's dynamic annealing), at trainer step
+    t: x = min(1, (t − 1)/schedule_steps), Δ = p_end − p_start; schedule=constant p; linear p_start + Δ·x; cosine
+    p_start + Δ·(1 − cos πx)/2; poly p_start + Δ·x^power; cubic (p_start + p_end)/2 + (Δ/2)·(2x − 1)³ (the paper's
+    code's schedules; its maths runs: linear 2 → −2, its agent runs 1 → −1). How the step reaches the loss:
+    the trainer hands each step's update LossSpec.at_step(step), the run's spec with this one per-step value
+    resolved (objective_options p = p_t, schedule = constant); every other field stays run-fixed.
+    Assumption: an unresolved schedule (policy_loss called directly) uses p_start, the step-1 value.
+    Assumption: the clip stays GSPO's range by default (the paper's code clips ρ at 1 ± 0.2: set eps_low/eps_high)."""
+    p = o.p if o.schedule == "constant" else float(o.p_start)
+    log_rho = log_power_mean(b, _log_ratio(b), p)[:, None].expand_as(b.logp)
     return _seq_ratio_clip(b, log_rho, o)
 
 

@@ -222,7 +222,8 @@ class Run:
     def update(self, step: int, groups: list[Group], timer: StepTimer) -> dict:
         """Advantages, π_old, π_ref, token stages and the optimizer steps (megapo.trainer.update)."""
         cfg = self.cfg
-        return update_policy(self.learner, groups, cfg, self.reference, self.loss, timer, teachers=self.teachers,
+        return update_policy(self.learner, groups, cfg, self.reference, self.loss.at_step(step), timer,
+                             teachers=self.teachers,
                              critic=self.critic, reward_model=self.reward_model,
                              measure_free_kl=self.eval_due(step, last=False),
                              measure_free_routing=stability_step(cfg, step), step=step,

@@ -133,15 +133,80 @@ def old_logprob_pass(learner: Learner, batch: list[TrainSample], cfg: RunConfig,
     return metrics
 
 
+def policy_updates(learner: Learner, batch: list[TrainSample], bounds: list[tuple[int, int]], cfg: RunConfig,
+                   loss: LossSpec) -> tuple[dict, dict]:
+    """The optimizer steps on one rollout batch: train.updates_per_rollout passes over the mini-batches `bounds`
+    (mini_batch_bounds), learner.train_step on each. Returns (the last step's metrics, lopti/* metrics).
+
+    With stage lopti (megapo/algorithms/lopti.py) each step is two: the low-probability tokens' (π_old(y_t) < η,
+    from sample.old_logp) under token weights w ⊙ low, then the others' under w ⊙ (1 − low), w the samples' own
+    token_weight (1 without); normaliser unchanged, so the halves' losses add up to the unsplit one. scope=rollout
+    runs every low step before every high step (the paper's code), scope=mini_batch alternates per mini-batch. The
+    KL and entropy terms go with the high step only (lopti.py's Assumption), and a half with no token in a
+    mini-batch takes no step. Metrics: lopti/low_loss, lopti/high_loss (each half's last step's loss, the high one
+    with the KL / entropy terms), lopti/low_steps, lopti/high_steps (the optimizer steps each half took)."""
+    stage = next((s for s in cfg.algorithm.pipeline() if s.name == "lopti"), None)
+    passes = range(cfg.train.updates_per_rollout)
+    if stage is None:
+        last: dict = {}
+        for _ in passes:
+            for lo, hi in bounds:
+                last = learner.train_step(batch[lo:hi], loss)
+        return last, {}
+    import dataclasses
+
+    from megapo.algorithms.lopti import low_prob_masks, split_weights
+    from megapo.algorithms.sample import MappingSample
+
+    batch = as_train_samples(batch)
+    low = low_prob_masks([s.old_logp for s in batch], stage.options.eta)
+    weights = split_weights(low, [s.token_weight for s in batch])  # (low half, high half), per sample
+    policy = [torch.ones(m.numel(), dtype=torch.bool) if s.loss_mask is None
+              else torch.as_tensor(s.loss_mask).reshape(-1).bool() for s, m in zip(batch, low)]
+    specs = (dataclasses.replace(loss, kl_coef=0.0, entropy_coef=0.0), loss)  # KL / entropy: the high step's
+
+    def with_weight(sample, w):
+        if isinstance(sample, MappingSample):
+            return MappingSample({**sample.data, "token_weight": w})
+        return dataclasses.replace(sample, token_weight=w)
+
+    last, out = {}, {"lopti/low_steps": 0, "lopti/high_steps": 0}
+
+    def step(half: int, lo: int, hi: int) -> None:
+        nonlocal last
+        name = ("low", "high")[half]
+        side = [m if half == 0 else ~m for m in low[lo:hi]]
+        if not any(bool((s & p).any()) for s, p in zip(side, policy[lo:hi])):
+            return  # no token of this half here: no step (Adam would still move the weights)
+        last = learner.train_step([with_weight(s, w) for s, w in zip(batch[lo:hi], weights[half][lo:hi])],
+                                  specs[half])
+        out[f"lopti/{name}_loss"] = last.get("loss", 0.0)
+        out[f"lopti/{name}_steps"] += 1
+
+    if stage.options.scope == "rollout":
+        for half in (0, 1):
+            for _ in passes:
+                for lo, hi in bounds:
+                    step(half, lo, hi)
+    else:
+        for _ in passes:
+            for lo, hi in bounds:
+                step(0, lo, hi)
+                step(1, lo, hi)
+    return last, out
+
+
 def on_policy(cfg: RunConfig, learner: Learner) -> bool:
     """Whether π_old is the policy being trained (one update on one mini-batch, π_old from the learner): the
     train forward then is the old-log-prob pass too (megapo.replay.modes.on_policy_step). A learner that is no
     OnPolicyLearner (megapo.learner.protocol: declares no train_step_on_policy) gets the separate pass, and so
     does a stage that needs π_old's per-token statistics before the loss (a token stage reading old_logp or
     old_entropy, AlgorithmConfig.needs_old_stats), and an objective reading low_prob (lp_reg's batch-global quantile
-    of π_old, set_low_prob)."""
+    of π_old, set_low_prob), and stage lopti (two optimizer steps per mini-batch: the second needs π_old from
+    before the first, the separate pass's)."""
     return (cfg.train.updates_per_rollout == 1 and cfg.train.mini_batches == 1 and cfg.old_policy() == "learner"
             and not cfg.algorithm.needs_old_stats() and not reads_low_prob(cfg)
+            and not cfg.algorithm.has_stage("lopti")
             and isinstance(learner, OnPolicyLearner))
 
 
@@ -459,10 +524,10 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
         if fused:  # one update on the whole batch, π_old from its own forward
             last, old_pass = on_policy_step(learner, batch, mode, loss, measure_kl=measure_free_kl, free_logps=free)
             metrics.update(old_pass)
-        bounds = mini_batch_bounds([len(g.samples) for g in groups], cfg.train.mini_batches)
-        for _ in range(0 if fused else cfg.train.updates_per_rollout):
-            for lo, hi in bounds:
-                last = learner.train_step(batch[lo:hi], loss)
+        else:
+            bounds = mini_batch_bounds([len(g.samples) for g in groups], cfg.train.mini_batches)
+            last, split = policy_updates(learner, batch, bounds, cfg, loss)
+            metrics.update(split)
     # the learner's distill/* (topk_forward_kl's term) keep their names, as the reverse KL's do
     metrics.update({k if k.startswith("distill/") else f"train/{k}": v for k, v in last.items()
                     # off: a recording hook's replay/* mean nothing
