@@ -6,6 +6,8 @@ Each test file keeps its own data (make_seqs) and its loops of the formulas."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -142,3 +144,38 @@ def assert_autograd_matches_fd(loss_of, logp: torch.Tensor, mask: torch.Tensor, 
         down[i, t] -= h
         fd = (float(loss_of(up)) - float(loss_of(down))) / (2 * h)
         assert x.grad[i, t].item() == pytest.approx(fd, abs=atol), (i, t)
+
+
+def assert_ppo_shards_sum(lp, old, adv, mask, lengths: list[int], full, full_grad, token_weight=None) -> None:
+    """PPO's token-mean loss on one-sequence pieces of the [S, T] batch (8 pieces: 2 DP ranks x 4 micro-batches),
+    each normalised by the batch's token count, sums to the whole batch's `full` and each piece's gradient is its
+    rows of `full_grad`, 1e-12."""
+    from megapo.algorithms import policy_loss
+
+    total = 0.0
+    for k in range(lp.shape[0]):
+        sl = slice(k, k + 1)
+        y = lp[sl].clone().requires_grad_(True)
+        weight = None if token_weight is None else token_weight[sl]
+        loss, _ = policy_loss("ppo", y, old[sl], adv[sl], mask[sl], loss_agg="token-mean",
+                              global_tokens=sum(lengths), token_weight=weight)
+        loss.backward()
+        total += loss.item()
+        assert torch.allclose(y.grad, full_grad[sl], rtol=1e-12, atol=1e-15)
+    assert total == pytest.approx(float(full), rel=1e-12, abs=1e-15)
+
+
+def stapo_reference(advantages, old, ent, prob_max, entropy_max, renorm):
+    """STAPO's token weights written out: 0 at a positive response's token with π_old < prob_max and entropy <
+    entropy_max, else 1; renormalised over the batch, per sequence, or not."""
+    keep = []
+    for a, lp, h in zip(advantages, old, ent):
+        total = sum(a) if isinstance(a, list) else a * len(lp)
+        keep.append([0.0 if total > 0 and math.exp(p) < prob_max and e < entropy_max else 1.0
+                     for p, e in zip(lp, h)])
+    if renorm == "batch":
+        n, k = sum(len(r) for r in keep), sum(sum(r) for r in keep)
+        return [[w * n / k for w in r] for r in keep]
+    if renorm == "sequence":
+        return [[w * len(r) / max(sum(r), 1) for w in r] for r in keep]
+    return keep

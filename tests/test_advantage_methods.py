@@ -19,6 +19,7 @@ from megapo.algorithms.stages import future_kl_advantages, token_mask_weights
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import algorithm_configs  # noqa: E402
+from objective_loops import assert_ppo_shards_sum, stapo_reference  # noqa: E402
 
 config_data = partial(algorithm_configs.config_data, n_samples=3, seed=5)
 make_cfg = partial(algorithm_configs.make_cfg, n_samples=3, seed=5)
@@ -69,20 +70,6 @@ def test_future_kl_stage_in_the_loop_moves_the_kl_into_the_advantages():
 
 
 # ----------------------------------------------------------------------------- STAPO
-
-
-def stapo_reference(advantages, old, ent, prob_max, entropy_max, renorm):
-    keep = []
-    for a, lp, h in zip(advantages, old, ent):
-        total = sum(a) if isinstance(a, list) else a * len(lp)
-        keep.append([0.0 if total > 0 and math.exp(p) < prob_max and e < entropy_max else 1.0
-                     for p, e in zip(lp, h)])
-    if renorm == "batch":
-        n, k = sum(len(r) for r in keep), sum(sum(r) for r in keep)
-        return [[w * n / k for w in r] for r in keep]
-    if renorm == "sequence":
-        return [[w * len(r) / max(sum(r), 1) for w in r] for r in keep]
-    return keep
 
 
 def stapo_batch():
@@ -138,16 +125,7 @@ def test_stapo_renormalised_loss_formula_gradient_and_split():
     assert torch.autograd.gradcheck(
         lambda y: policy_loss("ppo", y, o, adv, mask, loss_agg="token-mean", token_weight=w)[0],
         (lp.clone().requires_grad_(True),), eps=1e-6, atol=1e-8)
-    total = 0.0
-    for shard in range(8):  # 2 DP ranks x 4 micro-batches of one sequence
-        sl = slice(shard, shard + 1)
-        y = lp[sl].clone().requires_grad_(True)
-        loss, _ = policy_loss("ppo", y, o[sl], adv[sl], mask[sl], loss_agg="token-mean",
-                              global_tokens=sum(lengths), token_weight=w[sl])
-        loss.backward()
-        total += loss.item()
-        assert torch.allclose(y.grad, x.grad[sl], rtol=1e-12, atol=1e-15)
-    assert total == pytest.approx(full.item(), rel=1e-12)
+    assert_ppo_shards_sum(lp, o, adv, mask, lengths, full, x.grad, token_weight=w)  # 2 DP x 4 micro
 
 
 # ----------------------------------------------------------------------------- NAT random prefix cutting

@@ -31,6 +31,7 @@ from megapo.config import ConfigError
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import algorithm_configs  # noqa: E402
+from objective_loops import assert_ppo_shards_sum, stapo_reference  # noqa: E402
 
 make_cfg = partial(algorithm_configs.make_cfg, n_samples=4, seed=5)
 F64 = torch.float64
@@ -283,16 +284,7 @@ def stapo_batch():
 
 def stapo_loop(advantages, old, ent, prob_max, q, renorm, tau=None):
     tau = percentile([h for row in ent for h in row], q) if tau is None else tau
-    keep = []
-    for a, lp, h in zip(advantages, old, ent):
-        positive = (sum(a) if isinstance(a, list) else a * len(lp)) > 0
-        keep.append([0.0 if positive and math.exp(p) < prob_max and e < tau else 1.0 for p, e in zip(lp, h)])
-    if renorm == "batch":
-        n, k = sum(len(r) for r in keep), sum(sum(r) for r in keep)
-        return [[w * n / k for w in r] for r in keep]
-    if renorm == "sequence":
-        return [[w * len(r) / max(sum(r), 1) for w in r] for r in keep]
-    return keep
+    return stapo_reference(advantages, old, ent, prob_max, tau, renorm)
 
 
 @pytest.mark.parametrize("renorm", ["batch", "sequence", "none"])
@@ -332,16 +324,7 @@ def _split_matches_one_batch(lengths, advantages, old, weights):
     x = lp.clone().requires_grad_(True)
     full, _ = policy_loss("ppo", x, o, adv, mask, loss_agg="token-mean", token_weight=w)
     full.backward()
-    total = 0.0
-    for shard in range(8):
-        sl = slice(shard, shard + 1)
-        y = lp[sl].clone().requires_grad_(True)
-        loss, _ = policy_loss("ppo", y, o[sl], adv[sl], mask[sl], loss_agg="token-mean",
-                              global_tokens=sum(lengths), token_weight=w[sl])
-        loss.backward()
-        total += loss.item()
-        assert torch.allclose(y.grad, x.grad[sl], rtol=1e-12, atol=1e-15)
-    assert total == pytest.approx(full.item(), rel=1e-12, abs=1e-15)
+    assert_ppo_shards_sum(lp, o, adv, mask, lengths, full, x.grad, token_weight=w)  # 2 DP x 4 micro
 
 
 def test_stapo_percentile_is_the_whole_batchs_and_splits():

@@ -18,6 +18,7 @@ from megapo.algorithms.stages import apply_polarity, token_advantages, token_sel
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import algorithm_configs  # noqa: E402
+from objective_loops import assert_ppo_shards_sum  # noqa: E402
 
 config_data = partial(algorithm_configs.config_data, n_samples=2, seed=5)
 
@@ -181,16 +182,7 @@ def test_token_weight_through_policy_loss_formula_gradient_and_split():
     assert torch.autograd.gradcheck(
         lambda y: policy_loss("ppo", y, old, adv, mask, loss_agg="token-mean", token_weight=w)[0],
         (lp.clone().requires_grad_(True),), eps=1e-6, atol=1e-8)
-    total = 0.0
-    for shard in range(8):  # 2 DP ranks x 4 micro-batches of one sequence
-        sl = slice(shard, shard + 1)
-        y = lp[sl].clone().requires_grad_(True)
-        loss, _ = policy_loss("ppo", y, old[sl], adv[sl], mask[sl], loss_agg="token-mean",
-                              global_tokens=sum(lengths), token_weight=w[sl])
-        loss.backward()
-        total += loss.item()
-        assert torch.allclose(y.grad, x.grad[sl], rtol=1e-12, atol=1e-15)
-    assert total == pytest.approx(full.item(), rel=1e-12)
+    assert_ppo_shards_sum(lp, old, adv, mask, lengths, full, x.grad, token_weight=w)  # 2 DP x 4 micro
     with pytest.raises(ValueError, match="token_weight"):
         policy_loss("ppo", lp, old, adv, mask, token_weight=-w)
 
