@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from megapo.algorithms.length import ScoredGroup, build_group_filter, build_length_reward, check_kept, check_shaped
+from megapo.trainer.rewards import answer_checker
 
 
 def length_reward_of(data, budget: int):
@@ -170,11 +171,3 @@ class StepSplitter:
             first = torch.tensor([first_accepted_end(t, e, accept, self.delimiter) for t, e in zip(texts, ends)],
                                  dtype=torch.int64)
         return replace(scored, step_lengths=steps, first_correct=first)
-
-
-def answer_checker(data):
-    """The task's answer checker (data.reward, the task's when auto) that first_correct is found with."""
-    from megapo.tasks.registry import reward_spec
-    from megapo.trainer.rewards import get_reward
-
-    return get_reward(reward_spec(data), "data.reward")

@@ -141,6 +141,14 @@ def get_reward(spec: str, field: str = "data.reward") -> RewardFn:
     return fn
 
 
+def answer_checker(data) -> RewardFn:
+    """The run's answer checker (data.reward, or the task's own when auto) that a response's first correct answer is
+    found with: the length stage's step methods and filters, the stage decs."""
+    from megapo.tasks.registry import reward_spec
+
+    return get_reward(reward_spec(data), "data.reward")
+
+
 def _resolve(spec: str, field: str) -> RewardFn:
     if spec == "exact_match":
         return exact_match

@@ -364,13 +364,12 @@ def first_correct_answers(batch: list[TrainSample], groups: list[Group], cfg: Ru
         raise ValueError("tokenizer: stage decs decodes each correct response to check its step prefixes; "
                          "update_policy needs the run's tokenizer")
     from megapo.algorithms.token_length import first_correct_ends
-    from megapo.tasks.registry import reward_spec
-    from megapo.trainer.rewards import get_reward
+    from megapo.trainer.rewards import answer_checker
 
     stage = next(s for s in cfg.algorithm.pipeline() if "first_correct" in s.inputs)
     return first_correct_ends([s.tokens[s.prompt_len:] for s in batch],
                               [g.example.answer for g in groups for _ in g.samples], verdicts(groups, cfg), tokenizer,
-                              get_reward(reward_spec(cfg.data), "data.reward"), cfg.data.correct_threshold,
+                              answer_checker(cfg.data), cfg.data.correct_threshold,
                               stage.options.step_delimiter)
 
 
