@@ -7,6 +7,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Two workers share two cores: one OpenMP thread per process (subprocesses inherit it; a test that needs more sets
+# its own). A second thread mostly spins between a tiny model's ops: two concurrent tiny `megapo train` runs took
+# 21-23 s of CPU each with two threads, 11-12 s with one, and 38 s against 28 s of wall time.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The README runs the suite on two workers, a module each (`-n 2 --dist loadfile`), handed out in collection
 # order: the slowest modules go first so that the last one to start is short (longest-first scheduling). From

@@ -311,7 +311,7 @@ def train_r3(model: Path, tmp_path: Path, steps: int) -> Path:
            "data.prompts_per_step=4", "rollout.n_samples=4", "data.dynamic_sampling=false",
            "data.reward=e2e_parity_reward:parity", "data.truncated_reward=null", "algorithm.routing_replay=r3",
            "optim.lr=0.01", "optim.warmup_steps=0"]  # a visible update, so a lost weight sync would show
-    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
+    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -152,7 +152,7 @@ def test_train_with_kl_reference_is_zero_at_step_1_then_positive(tmp_path, tiny_
            "data.prompts_per_step=4", "rollout.n_samples=4", "rollout.max_new_tokens=6", "data.dynamic_sampling=false",
            "data.reward=ref_parity_reward:parity", "data.truncated_reward=null", "optim.lr=0.01",
            "optim.warmup_steps=0", "algorithm.kl_coef=0.05"]  # routing_replay r3 (the config's): auto = megatron
-    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
+    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "KL reference: megatron (algorithm.reference=auto)" in proc.stderr

@@ -52,3 +52,10 @@ def test_server_process_gets_dtype_and_core_binding(tiny_model_factory):
     assert server.env()["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     unbound = VLLMServer(VLLMServerConfig(str(model))).env()
     assert unbound.get("VLLM_CPU_OMP_THREADS_BIND") == os.environ.get("VLLM_CPU_OMP_THREADS_BIND")  # left to vLLM
+
+
+def test_server_processes_may_write_bytecode(tiny_model_factory, monkeypatch):
+    """A machine-wide PYTHONDONTWRITEBYTECODE would make each of a server's processes compile vLLM again."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    env = VLLMServer(VLLMServerConfig(str(tiny_model_factory()))).env()
+    assert "PYTHONDONTWRITEBYTECODE" not in env and env["HF_HUB_OFFLINE"] == "1"

@@ -26,7 +26,7 @@ def train_rows(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
     cmd = [sys.executable, "-m", "megapo.cli", "train", str(CONFIG), "sft.enabled=false", f"train.output_dir={out}",
            "train.eval_every=0", "train.ckpt_every=0", "train.log=[jsonl]", "data.dynamic_sampling=false",
            "data.reward=train_runs_parity:parity", "data.truncated_reward=null", *overrides]
-    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
+    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -79,6 +79,9 @@ METHODS: dict[str, list[str]] = {
     # token stages (megapo/algorithms/token_length.py): the answer is checked at each ";" (a column, or the sum)
     "decs": ['algorithm.stages=[{name: decs, step_delimiter: ";"}]'],
     "bingo": ["algorithm.stages=[{name: bingo, decay_start: 30}]"],  # λ_dyn decays over the second half
+    # DECS with its curriculum batch scheduling (a group filter: mixed groups plus a share κ of all-correct ones)
+    "decs_curriculum": ['algorithm.stages=[{name: decs, step_delimiter: ";"}]', "data.group_filter=decs_curriculum",
+                        'data.group_filter_options={step_delimiter: ";"}'],
 }
 # the methods whose length target follows the prompt's difficulty (the second target of issue 15)
 ADAPTIVE = ("alp", "laser_d", "dast", "deepcompress", "dler")
