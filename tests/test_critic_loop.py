@@ -49,8 +49,11 @@ def test_gae_targets_of_an_outcome_reward():
     assert flat(ret) == pytest.approx([a + v for row, vals in zip(want, values) for a, v in zip(row, vals.tolist())])
 
 
+# a small batch (4 prompts x 4 samples, as the TP=2 x EP=2 run below takes 2 x 4): what is checked (which steps
+# train what, and a resume that reproduces them) does not need the main job's 64 x 8 samples per step
 CRITIC = ["algorithm.advantage=gae", "algorithm.critic.path=policy", "algorithm.critic.lr=1e-3",
-          "algorithm.critic.warmup_steps=1", "algorithm.critic.lam_policy=0.95", "train.seed=3"]
+          "algorithm.critic.warmup_steps=1", "algorithm.critic.lam_policy=0.95", "train.seed=3",
+          "data.prompts_per_step=4", "rollout.n_samples=4", "rollout.max_new_tokens=6"]
 
 
 def stopped_after(run: Path, to: Path, step: int) -> None:

@@ -100,7 +100,8 @@ def scorer(hf_rm):
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # shutdown() waits for serve_forever's next poll: 0.05 s, not the default 0.5 s, at each test's teardown
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     state.url = f"http://127.0.0.1:{server.server_address[1]}/score"
     yield state
@@ -150,7 +151,7 @@ def test_a_run_with_a_remote_reward_model_adds_coef_times_its_scores(tmp_path, t
     coef = 3.0
     rows = train_rows(tmp_path, "rm_url", f"model.path={tiny_moe}", "train.steps=2", "data.reward=zero_reward:zero",
                       f"data.reward_model.url={scorer.url}", f"data.reward_model.api_key_file={key_file}",
-                      f"data.reward_model.coef={coef}", "data.prompts_per_step=8")
+                      f"data.reward_model.coef={coef}", "data.prompts_per_step=4", "rollout.n_samples=4")
     assert [r["step"] for r in rows] == [1, 2]
     assert len(scorer.answered) == 2  # one request per step (not one per rank, not one per sample)
     for r, scores in zip(rows, scorer.answered):

@@ -81,7 +81,7 @@ def test_a_run_with_a_reward_model_adds_coef_times_its_scores(tmp_path, tiny_moe
     coef = 3.0
     rows = train_rows(tmp_path, "rm", f"model.path={tiny_moe}", "train.steps=2", "data.reward=zero_reward:zero",
                       f"data.reward_model.path={tiny_rm}", f"data.reward_model.coef={coef}", "train.log_samples=true",
-                      "data.prompts_per_step=16")
+                      "data.prompts_per_step=4", "rollout.n_samples=4")  # 16 samples a step, each scored again below
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["reward"] == 0.0  # the verifier's, logged as before

@@ -11,11 +11,14 @@ every update was skipped) resumes (it used to fail with KeyError: optimizer.stat
 """
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "megapo/configs/tiny_moe_addition.yaml"
@@ -97,20 +100,32 @@ def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_moe):
     assert rows_a[5]["train/grad_norm"] > 0 and rows_a[4]["train/lr"] != rows_a[5]["train/lr"]
 
 
-def test_resume_from_a_checkpoint_saved_before_any_update(tmp_path, tiny_moe):
+@pytest.fixture(scope="module")
+def unupdated_run(tmp_path_factory, tiny_moe):
+    """A 2-step run checkpointing every step with equal rewards in every group: dynamic sampling keeps none, every
+    update is skipped. Its folder (tests copy it) and stderr; it serves the two tests below, which each resume a copy
+    (one launch fewer than a run each)."""
+    tmp = tmp_path_factory.mktemp("unupdated")
+    out = tmp / "run"
+    skipped = subprocess.run(_cmd(tiny_moe, out, "train.steps=2", "train.ckpt_every=1", "data.dynamic_sampling=true",
+                                  "data.max_sampling_rounds=1", "data.reward=resume_rewards:constant"),
+                             cwd=ROOT, env=_env(tmp), capture_output=True, text=True, timeout=300)
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    return out, skipped.stderr
+
+
+def test_resume_from_a_checkpoint_saved_before_any_update(tmp_path, tiny_moe, unupdated_run):
     """Equal rewards in every group: dynamic sampling keeps none, every update is skipped, so Adam has
     no state when step 2 is saved. Resuming with an informative reward must load it and train."""
     env = _env(tmp_path)
     out = tmp_path / "run"
-    skipped = subprocess.run(_cmd(tiny_moe, out, "train.steps=2", "data.dynamic_sampling=true",
-                                  "data.max_sampling_rounds=1", "data.reward=resume_rewards:constant"),
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert skipped.returncode == 0, skipped.stderr[-3000:]
-    assert "no informative group" in skipped.stderr
+    shutil.copytree(unupdated_run[0], out)
+    assert "no informative group" in unupdated_run[1]
     assert all("train/loss" not in r for r in _rows(out).values())  # no update happened
     resumed = subprocess.run(_cmd(tiny_moe, out, "train.steps=3", "rollout.n_samples=8", resume=True),
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step_00000002" in resumed.stderr  # resumed from the newest
     rows = _rows(out)
     assert sorted(rows) == [1, 2, 3]
     assert rows[3]["train/grad_norm"] > 0
@@ -126,7 +141,8 @@ class _Payload:
         return (Path.write_text, (self.marker, "ran"))
 
 
-def test_hostile_old_format_checkpoint_exits_2_and_names_the_earlier_one_that_resumes(tmp_path, tiny_moe):
+def test_hostile_old_format_checkpoint_exits_2_and_names_the_earlier_one_that_resumes(tmp_path, tiny_moe,
+                                                                                      unupdated_run):
     """The newest checkpoint made a pre-manifest one whose rng.pt carries a payload: `--resume` exits 2
     without a traceback, naming rng.pt and offering step 1; the payload never runs; after moving the
     named folder aside as told, `--resume` continues from step 1."""
@@ -134,9 +150,8 @@ def test_hostile_old_format_checkpoint_exits_2_and_names_the_earlier_one_that_re
 
     env = _env(tmp_path)
     out = tmp_path / "run"
-    first = subprocess.run(_cmd(tiny_moe, out, "train.steps=2", "train.ckpt_every=1"), cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(unupdated_run[0], out)  # a finished 2-step run with checkpoints at steps 1 and 2
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
     newest = out / "checkpoints" / "step_00000002"
     (newest / "manifest.json").unlink()
     (newest / "rng.safetensors").unlink()
