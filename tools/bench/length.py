@@ -61,6 +61,9 @@ METHODS: dict[str, list[str]] = {
     # λ per token: 0.002 is 0.1 at a 3-digit checked response (~50 tokens); η = 0.01 moves λ by 1e-3 per 0.1 of
     # accuracy above the first step's, so over the 60 steps the penalty can reach ~0.5 at 50 tokens
     "adlp": _reward("adlp", "{lambda_init: 0.002, lr: 0.01}"),
+    # the same with η ten times smaller: at η 0.01 λ outran the policy (its reference, the first step's sampled
+    # accuracy, is far below what the warm start reaches) and the responses fell to two tokens
+    "adlp_slow": _reward("adlp", "{lambda_init: 0.002, lr: 0.001}"),
     "grpo_lambda": [*_reward("grpo_lambda", "{inner: kimi, min_correct_ratio: 0.5}"),
                     "algorithm.stages=[{name: clamp_correct}]"],
     "hapo": _reward("hapo"),
