@@ -256,12 +256,58 @@ def convert(*argv: str) -> str:
     return proc.stdout + proc.stderr
 
 
+def _to_megatron(source: Path, ckpt: Path) -> list[str]:
+    return ["hf-to-megatron", "--hf", str(source), "--out", str(ckpt), "--tp", "2", "--ep", "2"]
+
+
+def _to_hf(ckpt: Path, back: Path) -> list[str]:
+    return ["megatron-to-hf", "--ckpt", str(ckpt), "--out", str(back), "--pp", "2", "--verify"]
+
+
 def convert_round_trip(source: Path, tmp: Path) -> dict:
-    """HF -> torch_dist saved under TP=2xEP=2, back to HF loaded under PP=2 with --verify."""
+    """HF -> torch_dist saved under TP=2xEP=2, back to HF loaded under PP=2 with --verify (the command line)."""
     ckpt, back = tmp / "ckpt", tmp / "hf"
-    convert("hf-to-megatron", "--hf", str(source), "--out", str(ckpt), "--tp", "2", "--ep", "2")
-    log = convert("megatron-to-hf", "--ckpt", str(ckpt), "--out", str(back), "--pp", "2", "--verify")
+    convert(*_to_megatron(source, ckpt))
+    log = convert(*_to_hf(ckpt, back))
     return dict(source=source, ckpt=ckpt, back=back, log=log)
+
+
+def convert_round_trips(sources: dict[str, Path], tmp_path_factory) -> dict[str, dict]:
+    """convert_round_trip of several models, through the command's own planner and runner (megapo.commands.convert,
+    what `megapo convert` runs): every hf-to-megatron plan in one torchrun launch, every megatron-to-hf in a second.
+    Each round trip's log holds what its plans printed after the workers (the checkpoint written, the verdict)."""
+    import argparse
+    import contextlib
+    import io
+
+    from megapo.commands import convert as command
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+
+    def plan(planner, argv: list[str], log: io.StringIO):
+        made = planner(parser.parse_args(argv), scratch)
+        finish = made.finish
+
+        def finish_into_log() -> bool:
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                return finish()
+
+        made.finish = finish_into_log
+        return made
+
+    def launch(plans: list) -> None:
+        codes = command.run_plans(plans, timeout_s=600)
+        assert codes == [0] * len(plans), [r["log"].getvalue()[-2000:] for r in trips.values()]
+
+    scratch = tmp_path_factory.mktemp("convert_scratch")
+    trips = {}
+    for name, source in sources.items():
+        tmp = tmp_path_factory.mktemp(f"{name}_convert")
+        trips[name] = dict(source=source, ckpt=tmp / "ckpt", back=tmp / "hf", log=io.StringIO())
+    launch([plan(command.plan_hf_to_megatron, _to_megatron(r["source"], r["ckpt"]), r["log"]) for r in trips.values()])
+    launch([plan(command.plan_megatron_to_hf, _to_hf(r["ckpt"], r["back"]), r["log"]) for r in trips.values()])
+    return {name: dict(r, log=r["log"].getvalue()) for name, r in trips.items()}
 
 
 def check_round_trip_is_bit_exact(round_trip: dict) -> dict[str, torch.Tensor]:

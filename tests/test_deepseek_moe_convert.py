@@ -9,8 +9,6 @@ reproduce are refused by name before any process starts."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import sys
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from family_checks import (  # noqa: E402
-    check_convert_refuses, check_round_trip_is_bit_exact, read_checkpoint, read_tensors)
+    check_convert_refuses, check_round_trip_is_bit_exact, convert_round_trips, read_checkpoint, read_tensors)
 
 BIASES = [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3)]
 
@@ -27,51 +25,11 @@ BIASES = [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3
 FAMILIES = ("deepseek_v3", "glm4_moe")
 
 
-def _parse(argv: list[str]):
-    import argparse
-
-    from megapo.commands import convert
-
-    parser = argparse.ArgumentParser()
-    convert.add_arguments(parser)
-    return parser.parse_args(argv)
-
-
-def _captured(plan, log: io.StringIO):
-    """The plan with its finish (what `megapo convert` prints after the workers: the checkpoint written, the
-    verify verdict) writing to `log`."""
-    finish = plan.finish
-
-    def finish_into_log() -> bool:
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            return finish()
-
-    plan.finish = finish_into_log
-    return plan
-
-
 @pytest.fixture(scope="module")
 def round_trips(tiny_model_factory, tmp_path_factory):
-    """Both families as family_checks.convert_round_trip converts them (HF -> torch_dist under TP=2xEP=2, back to
-    HF under PP=2 with --verify), through the command's own planner and runner (megapo.commands.convert, what
-    `megapo convert` runs): both hf-to-megatron plans in one torchrun launch, both megatron-to-hf in a second."""
-    from megapo.commands import convert
-
-    scratch = tmp_path_factory.mktemp("convert_scratch")
-    out = {}
-    for family in FAMILIES:
-        tmp = tmp_path_factory.mktemp(f"{family}_convert")
-        out[family] = dict(source=Path(tiny_model_factory(family, layers=4, moe_ffn=32)), ckpt=tmp / "ckpt",
-                           back=tmp / "hf", log=io.StringIO())
-    h2m = [_captured(convert.plan_hf_to_megatron(_parse(["hf-to-megatron", "--hf", str(r["source"]), "--out",
-                                                         str(r["ckpt"]), "--tp", "2", "--ep", "2"]), scratch), r["log"])
-           for r in out.values()]
-    assert convert.run_plans(h2m, timeout_s=600) == [0, 0], [r["log"].getvalue()[-2000:] for r in out.values()]
-    m2h = [_captured(convert.plan_megatron_to_hf(_parse(["megatron-to-hf", "--ckpt", str(r["ckpt"]), "--out",
-                                                         str(r["back"]), "--pp", "2", "--verify"]), scratch), r["log"])
-           for r in out.values()]
-    assert convert.run_plans(m2h, timeout_s=600) == [0, 0], [r["log"].getvalue()[-2000:] for r in out.values()]
-    return {family: dict(r, log=r["log"].getvalue()) for family, r in out.items()}
+    """Both families' round trips in one torchrun launch per direction."""
+    return convert_round_trips({f: Path(tiny_model_factory(f, layers=4, moe_ffn=32)) for f in FAMILIES},
+                               tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
