@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import queue
 import sys
 
 import torch
@@ -295,9 +296,44 @@ def _patch_megatron() -> None:
          why="alltoall dispatcher with TP>1 gathers uneven shards, which gloo rejects")
     _set(mappings, "_reduce_scatter_along_first_dim", scatter_first_dim,
          why="alltoall dispatcher with TP>1 reduce-scatters uneven shards, which gloo rejects")
+    _write_checkpoints_in_process()
+
+
+def _write_checkpoints_in_process() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    results = queue.Queue()
+    _set(filesystem_async, "_get_write_results_queue", lambda: results,
+         why="a synchronous save collects its write results through a Manager queue, which spawns a fresh "
+             "interpreter (importing torch) at each process's first save; in process a plain queue does")
+    _set(filesystem_async.FileSystemWriterAsync, "write_preloaded_data_multiproc", staticmethod(_write_buckets),
+         why="a synchronous save forks a writer process per bucket; a tiny CPU checkpoint is written faster here")
+
+
+def _write_buckets(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
+    """FileSystemWriterAsync.write_preloaded_data_multiproc, in this process: each bucket written (and fsynced)
+    by Megatron's own write_preloaded_data, the results (or the first error) put on `global_results_queue`."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    local, done = queue.Queue(), queue.Queue()
+    results: dict | Exception = {}
+    for i, bucket in enumerate(write_buckets):
+        done.put(i)  # write_preloaded_data takes one item off it when it is done
+        FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, done, use_fsync=True,
+                                                   use_msc=use_msc)
+        idx, out = local.get_nowait()
+        if isinstance(out, Exception):
+            results = out
+            break
+        results[idx] = out
+    global_results_queue.put(results)
 
 
 def _run_fusions_eagerly() -> None:
+    if "torch._dynamo" not in sys.modules:
+        # torch.compile was stubbed before Megatron's import (before_megatron): nothing is wrapped, and importing
+        # TorchDynamo only to switch it off would cost every process its import
+        return
     import torch._dynamo
 
     # checked at each call of a compiled function, so it also covers the functions Megatron wrapped at import

@@ -150,3 +150,30 @@ print(json.dumps({"plain": not hasattr(L2Norm._norm, "_torchdynamo_orig_callable
                   "listed": any(c.startswith("torch.compile") for c in compat.CHANGES)}))
 """)
     assert out == {"plain": True, "inductor": False, "listed": True}, out
+
+
+def test_a_checkpoint_save_starts_no_process_and_loads_back():
+    # Megatron's synchronous save spawns a Manager interpreter and forks a writer per bucket; after apply() the
+    # save writes in this process (no child left behind, none joined), and loading gives back the tensors saved
+    out = run_py("""
+import json, multiprocessing, os, tempfile, torch
+from megapo import compat
+compat.apply()
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+folder = tempfile.mkdtemp()
+dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=0, world_size=1)
+forks = []
+os.register_at_fork(before=lambda: forks.append(1))
+saved = {f"w{i}": torch.randn(4, 3, dtype=torch.float64) for i in range(3)}
+ckpt = os.path.join(folder, "ckpt")
+os.mkdir(ckpt)
+dist_checkpointing.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in saved.items()}, ckpt)
+children = multiprocessing.active_children()
+back = dist_checkpointing.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros(4, 3, dtype=torch.float64))
+                                for k in saved}, ckpt)
+print(json.dumps({"children": len(children), "forks": len(forks),
+                  "equal": all(torch.equal(back[k], v) for k, v in saved.items())}))
+""")
+    assert out == {"children": 0, "forks": 0, "equal": True}, out

@@ -33,7 +33,8 @@ def section_compat(ctx: Context) -> dict:
 
 COMPAT_MODULES = ("megatron.core.tensor_parallel.random", "megatron.core.tensor_parallel.mappings",
                   "megatron.core.transformer.torch_norm", "megatron.core.transformer.moe.moe_utils",
-                  "megatron.core.transformer.moe.token_dispatcher")
+                  "megatron.core.transformer.moe.token_dispatcher",
+                  "megatron.core.dist_checkpointing.strategies.filesystem_async")
 
 
 def compat_patched_attributes() -> list[str]:
@@ -49,7 +50,8 @@ def compat_patched_attributes() -> list[str]:
             owners.append(importlib.import_module(module))
         except ImportError:
             continue
-    owners += [getattr(m, "WrappedTorchNorm") for m in owners if hasattr(m, "WrappedTorchNorm")]
+    owners += [getattr(m, cls) for m in list(owners) for cls in ("WrappedTorchNorm", "FileSystemWriterAsync")
+               if hasattr(m, cls)]
     found = []
     for owner in owners:
         for name, value in list(vars(owner).items()):
