@@ -25,6 +25,7 @@ from torch import Tensor
 from megapo.algorithms import blockwise
 from megapo.algorithms import distribution_centric
 from megapo.algorithms import entropy_credit
+from megapo.algorithms import information
 from megapo.algorithms import lopti
 from megapo.algorithms import plackett_luce
 from megapo.algorithms import otb
@@ -74,6 +75,9 @@ INPUTS = {
     # DECS's (megapo/algorithms/token_length.py): post_answer's a_i, from the task's checker on each step's prefix
     "first_correct": "per correct response, the token count through the first step whose prefix the task's answer "
                      "checker scores >= data.correct_threshold (-1: none, or an incorrect response)",
+    # IAPO's (megapo/algorithms/information.py)
+    "answer_information": "log π_old(a* | x, y_≤t) − log π_old(a* | x, y_<t) at each response token, a* the reference "
+                          "answer (one more learner forward of every prefix followed by a*)",
 }
 
 
@@ -106,6 +110,7 @@ class TokenContext:
     rewards: list | None = None  # per sample, its reward (otb's return)
     tempered_logp: list | None = None  # per sample, log π^T_old at each response token (distribution_centric)
     first_correct: list | None = None  # per sample, the answer's end a_i, -1: none (decs)
+    answer_information: list | None = None  # per sample, each response token's information about a* (iapo)
     max_new_tokens: int = 0  # rollout.max_new_tokens, decs's L_max
 
 
@@ -353,6 +358,8 @@ STAGES: dict[str, StageDecl] = {
                       token_length.run_decs_stage),
     "bingo": StageDecl("token", "advantage_stage", ("old_logp", "reward", "correct", "step"),
                        token_length.run_bingo_stage),
+    # IAPO (megapo/algorithms/information.py): each token's information about the answer shifts its advantage
+    "iapo": StageDecl("token", "advantage_stage", ("answer_information",), information.run_iapo_stage),
     # Lopti (megapo/algorithms/lopti.py): each update as two optimizer steps, the low-probability tokens' first
     "lopti": StageDecl("token", "token_weight", ("old_logp",), _lopti),
 }

@@ -79,6 +79,7 @@ _MODULES = (
     "megapo.algorithms.distribution_centric",
     "megapo.algorithms.token_length",
     "megapo.algorithms.lopti",
+    "megapo.algorithms.information",
 )
 
 

@@ -243,7 +243,8 @@ def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int, **inputs) 
     nat_prefix draws from (train.seed, `step`), so a resumed run cuts as the unstopped one. `inputs`: the
     pipeline.TokenContext fields the loop computed where a stage reads them (advantage_stages): self_teacher (the
     self-teacher pass's values), correct (each sample's verdict), privileged (hdpo's), blocks (bae's block rewards),
-    sum_p2 and rewards (otb's), first_correct (decs's; rollout.max_new_tokens is always passed, decs's L_max)."""
+    sum_p2 and rewards (otb's), first_correct (decs's; rollout.max_new_tokens is always passed, decs's L_max),
+    answer_information (iapo's)."""
     from megapo.algorithms.pipeline import TokenContext, run_token_stages
 
     a = cfg.algorithm
@@ -336,9 +337,40 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
     if "first_correct" in reads:  # decs's: the task's checker on each correct response's step prefixes
         with timer("first_correct"):
             first_correct = first_correct_answers(batch, groups, cfg, tokenizer)
+    information = None
+    if "answer_information" in reads:  # iapo's (collective): every prefix followed by the reference answer
+        with timer("answer_information"):
+            information = answer_information(learner, batch, groups, tokenizer)
     return token_stages(batch, cfg, step, self_teacher=self_teacher, correct=correct, privileged=privileged,
                         blocks=blocks, sum_p2=sum_p2, rewards=rewards, first_correct=first_correct,
-                        tempered_logp=tempered)
+                        tempered_logp=tempered, answer_information=information)
+
+
+def answer_information(learner: Learner, batch: list[TrainSample], groups: list[Group], tokenizer) -> list:
+    """Stage iapo's input (megapo/algorithms/information.py): per sample, m_t = log π(a* | x, y_≤t) −
+    log π(a* | x, y_<t) at each response token, a* the prompt's reference answer; one learner forward (collective,
+    routing freely: no engine routed these sequences) of every x ⊕ y_<t ⊕ a*, t = 1..|y|+1, under the weights the
+    old-log-prob pass used."""
+    if tokenizer is None:
+        raise ValueError("tokenizer: stage iapo appends each prompt's reference answer to the response prefixes; "
+                         "update_policy needs the run's tokenizer")
+    from megapo.algorithms.information import prefix_answer_sequences, token_information
+    from megapo.trainer.likelihood_reward import answer_logprob, encode_text
+    from megapo.trainer.self_teacher import freely_routed_logprobs
+
+    answers = [encode_text(tokenizer, str(g.example.answer)) for g in groups for _ in g.samples]
+    sequences, prompt_lens, counts = [], [], []
+    for s, answer in zip(batch, answers):
+        if not answer:
+            raise ValueError(f"stage iapo: a reference answer encodes to no tokens (prompt {s.prompt_len} tokens); "
+                             "the information is about the answer's tokens")
+        prefixes = prefix_answer_sequences(s.tokens[:s.prompt_len], s.tokens[s.prompt_len:], answer)
+        sequences += prefixes
+        prompt_lens += [s.prompt_len] * len(prefixes)
+        counts.append(len(prefixes))
+    logps = iter(freely_routed_logprobs(learner, sequences, prompt_lens) if sequences else [])
+    return [token_information([answer_logprob(next(logps), len(a), "sum") for _ in range(n)])
+            for a, n in zip(answers, counts)]
 
 
 def old_tempered_logp(learner: Learner, batch: list[TrainSample], cfg: RunConfig) -> list:

@@ -1,0 +1,106 @@
+"""IAPO: token-wise advantages from each token's conditional mutual information with the final answer (He, Zhu, Shi,
+Zheng, Su, Wang, Guo, Li 2026, IAPO: Information-Aware Policy Optimization for Token-Efficient Reasoning,
+arXiv:2602.19049). Tokens that make the answer likelier gain credit, tokens that do not (low-utility exploration)
+lose it, so the policy keeps the informative steps and drops the rest.
+
+The information of token t of response i, estimated pointwise from π_old (ASSUMPTION: the abstract names the
+conditional MI I(y_t; a | x, y_<t) but not its estimator; we take its single-sample value, the log-likelihood ratio
+of the answer with and without the token):
+
+    m_{i,t} = log π_old(a* | x, y_{i,≤t}) − log π_old(a* | x, y_{i,<t})          t = 1..|y_i|
+
+a* the task's reference answer (Example.answer through the tokenizer, alone, no special tokens: the "final answer"
+of a correct response; ASSUMPTION: the reference for every response, so an incorrect one's tokens are credited
+for moving toward the right answer), appended directly after each prefix. Σ_t m_{i,t} telescopes to
+log π_old(a* | x, y_i) − log π_old(a* | x): what the whole response told the model about the answer.
+
+The advantage (ASSUMPTION: the abstract says the advantages are assigned from m, not how; we shift each sample's
+advantage by its tokens' standardized information, scaled by |A_i| so that the sign of a clear verdict is kept for
+every token when beta · clip < 1):
+
+    z_{i,t} = clip((m_{i,t} − mean(m)) / (std(m) + 1e-8), −clip, clip)     mean, std over every response token
+                                                                           of the batch
+    A_{i,t} = A_i + beta · |A_i| · z_{i,t}
+
+One more learner forward (megapo.trainer.update.answer_information), routing freely: Σ_i (|y_i| + 1) sequences
+x ⊕ y_{i,<t} ⊕ a*, each scored on a*'s tokens only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from megapo.algorithms.registry import register
+
+
+@dataclass
+class IAPOOptions:
+    option_field: ClassVar[bool] = True  # its refusals name algorithm.stages[i].<option> (pipeline._parse_one)
+
+    beta: float = 0.5  # the weight of the standardized information in each token's advantage
+    clip: float = 1.5  # |z| at most this (beta · clip < 1: a token never flips its sequence's sign)
+
+    def __post_init__(self):
+        for name in ("beta", "clip"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name}: must be a finite number > 0, got {v!r}")
+
+
+def prefix_answer_sequences(prompt: list[int], response: list[int], answer: list[int]) -> list[list[int]]:
+    """x ⊕ y_<t ⊕ a* for t = 1..|y|+1 (the empty prefix first, the whole response last): |y| + 1 sequences."""
+    return [list(prompt) + list(response[:t]) + list(answer) for t in range(len(response) + 1)]
+
+
+def token_information(answer_logps: list[float]) -> Tensor:
+    """m_t = L_t − L_{t−1} from L_t = log π(a* | x, y_≤t) for t = 0..|y| (`answer_logps`, |y| + 1 values)."""
+    values = torch.as_tensor(answer_logps, dtype=torch.float64)
+    return values[1:] - values[:-1]
+
+
+@register(
+    "iapo", "advantage_stage", "token",
+    "He, Zhu, Shi, Zheng, Su, Wang, Guo, Li 2026, IAPO: Information-Aware Policy Optimization for Token-Efficient "
+    "Reasoning (arXiv:2602.19049)",
+    IAPOOptions,
+)
+def iapo_advantages(advantages: list, information: list[Tensor], o: IAPOOptions) -> list[Tensor]:
+    """A_{i,t} = A_i + beta · |A_i| · clip((m_{i,t} − mean m) / (std m + 1e-8), −clip, clip), m_{i,t} =
+    log π_old(a* | x, y_≤t) − log π_old(a* | x, y_<t), mean and std over every response token of the batch. A_i a
+    number per sample, or per token where an earlier stage made it so (then A_{i,t} in its place)."""
+    if len(advantages) != len(information):
+        raise ValueError(f"information: {len(information)} samples for {len(advantages)} advantages")
+    info = [torch.as_tensor(m, dtype=torch.float64) for m in information]
+    flat = torch.cat(info) if info else torch.zeros(0, dtype=torch.float64)
+    mean = flat.mean() if flat.numel() else flat.new_tensor(0.0)
+    std = flat.std(unbiased=False) if flat.numel() > 1 else flat.new_tensor(0.0)
+    out = []
+    for a, m in zip(advantages, info):
+        adv = torch.as_tensor(a, dtype=torch.float64).expand(m.shape)
+        z = ((m - mean) / (std + 1e-8)).clamp(-o.clip, o.clip)
+        out.append(adv + o.beta * adv.abs() * z)
+    return out
+
+
+def run_iapo_stage(batch: list, s, ctx) -> dict:
+    """pipeline.STAGES' runner for `iapo`: per-token advantages into sample.advantage; iapo/info_mean, the mean
+    m over the batch's response tokens, and iapo/info_std."""
+    if ctx.answer_information is None:
+        raise ValueError("answer_information: stage iapo needs each response token's information about the answer "
+                         "(update.advantage_stages)")
+    info = [torch.as_tensor(m, dtype=torch.float64) for m in ctx.answer_information]
+    for x, m in zip(batch, info):
+        if m.numel() != len(x.tokens) - x.prompt_len:
+            raise ValueError(f"answer_information: {m.numel()} values for a response of "
+                             f"{len(x.tokens) - x.prompt_len} tokens")
+    values = iapo_advantages([x.advantage for x in batch], info, s.options)
+    for x, v in zip(batch, values):
+        x.advantage = v.tolist()
+    flat = torch.cat(info) if info else torch.zeros(0, dtype=torch.float64)
+    return {"iapo/info_mean": float(flat.mean()) if flat.numel() else 0.0,
+            "iapo/info_std": float(flat.std(unbiased=False)) if flat.numel() > 1 else 0.0}

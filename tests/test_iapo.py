@@ -1,0 +1,139 @@
+"""Stage iapo (megapo/algorithms/information.py): token advantages from each token's information about the answer.
+
+References: the advantage formula written out here with the statistics module; the information input through
+update.advantage_stages against a closed form: the stand-in learner is a bigram model, under which
+log π(a* | x, y_≤t) depends on y_t alone, so m_t = log P(a*_1 | y_t) − log P(a*_1 | y_{t−1}) (+ the same answer
+tail on both sides, which cancels); one real training step runs the stage on the Megatron learner.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megapo.algorithms.information import IAPOOptions, iapo_advantages, prefix_answer_sequences
+from megapo.algorithms.sample import TrainSample
+from megapo.config import ConfigError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from algorithm_configs import make_cfg  # noqa: E402
+
+VOCAB = 128
+
+
+def iapo_loop(advantages, information, beta, clip):
+    """The formula with plain floats: z over every token of the batch (population std), A + beta·|A|·clip(z)."""
+    flat = [m for ms in information for m in ms]
+    mean, std = statistics.fmean(flat), statistics.pstdev(flat)
+    out = []
+    for a, ms in zip(advantages, information):
+        row = []
+        for t, m in enumerate(ms):
+            at = a[t] if isinstance(a, list) else a
+            z = min(clip, max(-clip, (m - mean) / (std + 1e-8)))
+            row.append(at + beta * abs(at) * z)
+        out.append(row)
+    return out
+
+
+def test_iapo_against_its_formula():
+    rng = random.Random(0)
+    info = [[rng.gauss(0, 2) for _ in range(n)] for n in (3, 1, 5, 4)]
+    adv = [1.2, -0.7, 0.0, [0.5, -0.5, 1.0, 2.0]]  # the last per token, as an earlier stage leaves it
+    for beta, clip in [(0.5, 1.5), (0.9, 0.3)]:
+        got = iapo_advantages(adv, [torch.tensor(m, dtype=torch.float64) for m in info], IAPOOptions(beta, clip))
+        for g, w in zip(got, iapo_loop(adv, info, beta, clip)):
+            assert g.tolist() == pytest.approx(w, abs=1e-12)
+    # beta · clip < 1: every token keeps its sequence's sign, a zero advantage stays zero
+    got = iapo_advantages(adv[:3], [torch.tensor(m, dtype=torch.float64) for m in info[:3]], IAPOOptions())
+    assert (got[0] > 0).all() and (got[1] < 0).all() and (got[2] == 0).all()
+
+
+def test_prefix_sequences_hold_every_prefix_then_the_answer():
+    assert prefix_answer_sequences([1, 2], [7, 8, 9], [5]) == [[1, 2, 5], [1, 2, 7, 5], [1, 2, 7, 8, 5],
+                                                              [1, 2, 7, 8, 9, 5]]
+
+
+class CharTokenizer:
+    """One token per character (id = its code point); id 0 the end of sequence, no text."""
+
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join("" if i == 0 else chr(i) for i in ids)
+
+
+class BigramLearner:
+    """learner.logprobs of a bigram model: log P(next | previous token), a fixed random table."""
+
+    route_hook = None
+
+    def __init__(self, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.log_softmax(torch.randn(VOCAB, VOCAB, generator=g, dtype=torch.float64), dim=-1)
+        self.calls = 0
+
+    def logprobs(self, sequences, routes=None, with_entropy=False, prompt_lens=None):
+        self.calls += 1
+        return [self.table[torch.tensor(s[:-1]), torch.tensor(s[1:])] for s in sequences]
+
+
+def test_the_trainer_computes_each_tokens_information_and_runs_iapo():
+    from megapo.tasks.base import Example
+    from megapo.trainer.metrics import StepTimer
+    from megapo.trainer.rollout import Group
+    from megapo.trainer.update import advantage_stages
+
+    cfg = make_cfg(stages=[{"name": "iapo", "beta": 0.4, "clip": 2.0}], n_samples=3)
+    texts, answer, prompt = ["7;ab", "8", "x9y"], "42", [ord("p"), ord("q")]
+    groups = [Group(Example("pq", answer), [SimpleNamespace(output_ids=[ord(c) for c in t]) for t in texts],
+                    [1.0, 0.0, 0.5], correct=[True, False, False])]
+    adv = [0.8, -1.1, 0.3]
+    batch = [TrainSample(prompt + [ord(c) for c in t], 2, a) for t, a in zip(texts, adv)]
+    learner = BigramLearner()
+    metrics = advantage_stages(learner, batch, groups, cfg, 1, CharTokenizer(), StepTimer())
+    assert learner.calls == 1  # one forward for every prefix of every sample
+    first = ord(answer[0])
+    info = []
+    for t in texts:
+        before = [prompt[-1]] + [ord(c) for c in t]  # the token a*'s first token follows, for t = 0..|y|
+        info.append([float(learner.table[before[k], first] - learner.table[before[k - 1], first])
+                     for k in range(1, len(before))])
+    for x, w in zip(batch, iapo_loop(adv, info, 0.4, 2.0)):
+        assert x.advantage == pytest.approx(w, abs=1e-10)
+    flat = [m for ms in info for m in ms]
+    assert metrics["iapo/info_mean"] == pytest.approx(statistics.fmean(flat), abs=1e-10)
+    assert metrics["iapo/info_std"] == pytest.approx(statistics.pstdev(flat), abs=1e-10)
+    with pytest.raises(ValueError, match="tokenizer"):
+        advantage_stages(learner, batch, groups, cfg, 1, None, StepTimer())
+
+
+@pytest.mark.parametrize("option, value", [("beta", 0), ("beta", -1.0), ("clip", 0.0), ("clip", float("inf")),
+                                           ("beta", True)])
+def test_bad_options_are_refused_naming_the_field(option, value):
+    with pytest.raises(ConfigError) as err:
+        make_cfg(stages=[{"name": "iapo", option: value}])
+    assert err.value.field == f"algorithm.stages[0].{option}"
+
+
+def test_a_stages_config_reads_the_information_only():
+    a = make_cfg(stages=[{"name": "iapo"}]).algorithm
+    assert "answer_information" in a.stage_inputs() and not a.needs_old_stats()
+
+
+def test_one_training_step(tmp_path, tiny_moe):
+    from train_runs import train_rows
+
+    rows = train_rows(tmp_path, "iapo", f"model.path={tiny_moe}", "train.steps=1", "algorithm.stages=[{name: iapo}]")
+    assert rows[0]["step"] == 1 and math.isfinite(rows[0]["train/loss"])
+    assert math.isfinite(rows[0]["iapo/info_mean"]) and rows[0]["iapo/info_std"] > 0, sorted(rows[0])
