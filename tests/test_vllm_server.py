@@ -1,13 +1,20 @@
 """A real vLLM server (CPU build, its own venv) driven through megapo's VLLMEngine, checked against transformers,
 and synced from a Megatron learner (TP=2 x EP=2, torchrun) through megapo's Router, checked against the learner.
+Partial rollouts (rollout.partial) on the same server: a batch preempted mid-generation and reloaded with changed
+MoE weights, every token's log-prob transformers' under the version that produced it; and a `megapo train` async
+run whose sync lands mid-batch, every trained token's engine log-prob the learner's under the version that drew it
+(test_partial_rollouts_vllm.py has the stand-in server's tests).
 
 Needs `.venv-vllm` (create it with scripts/vllm_setup.sh, ~2-3 min). One server for the whole module
 (~60 s to start, ~20 s log-prob warm-up, ~3 GB RSS), and a second one that a test kills mid-batch. The servers
 load weights only from the test session's temporary folder and answer only requests with their API key.
 """
 
+import copy
 import json
 import shutil
+import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,12 +24,15 @@ import pytest
 import torch
 import transformers
 
-from megapo.launch.local import run_torchrun
-from megapo.engines.base import SamplingParams
-from megapo.engines.server import VLLMServer, VLLMServerConfig, vllm_python
-from megapo.weights.safetensors_io import iter_folder
-from megapo.engines.vllm import VLLMEngine
-from megapo.net import free_port
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+
+from megapo.launch.local import run_torchrun  # noqa: E402
+from megapo.engines.base import SamplingParams, versions_of  # noqa: E402
+from megapo.engines.router import Router  # noqa: E402
+from megapo.engines.server import VLLMServer, VLLMServerConfig, vllm_python  # noqa: E402
+from megapo.weights.safetensors_io import iter_folder  # noqa: E402
+from megapo.engines.vllm import VLLMEngine  # noqa: E402
+from megapo.net import free_port  # noqa: E402
 
 # The server runs in float32 so a wrong weight layout cannot hide in bf16 noise: measured max |dlogprob| vs
 # transformers ~5e-7 fresh and after megapo's reload; vLLM's own reload_weights gives ~0.6 on this MoE model.
@@ -57,7 +67,7 @@ def engine(models, tmp_path_factory):
     base, _ = models
     log = tmp_path_factory.mktemp("vllm_log") / "server.log"
     # the session's temporary folder holds every weights folder the tests reload from (staging included)
-    server = VLLMServer(VLLMServerConfig(str(base), dtype=DTYPE, log_path=str(log), cpu_cores="0",
+    server = VLLMServer(VLLMServerConfig(str(base), dtype=DTYPE, log_path=str(log), cpu_cores="0", max_model_len=512,
                                          weights_dirs=[str(tmp_path_factory.getbasetemp())]))
     server.start(timeout=600)
     eng = VLLMEngine(server.url, config_dir=str(base), server=server,
@@ -322,3 +332,239 @@ def test_broadcast_sync_into_the_real_server(engine, models):
         print(f"broadcast v{version} ({stats.buckets} messages, {stats.seconds:.2f} s): "
               f"vs synced {err:.2e}, vs the other {err_other:.2e}")
         assert err < TOL and err_other > 0.05
+
+
+# ------------------------------------------- partial rollouts (rollout.partial) on the module's server
+
+
+def hf_token_logprobs(model_, prompt, output):
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model_(input_ids=ids).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1:].gather(1, ids[0, len(prompt):, None])[:, 0].numpy()
+
+
+def generated_tokens(engine) -> float:
+    """The server's count of tokens generated so far (vllm:generation_tokens_total in GET /metrics)."""
+    text = engine.client.get("/metrics")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
+def preempted_batch(engine, prompts, params, folder, version, into: float):
+    """engine.generate in a thread (one request at a time), preempted `into` of a request's duration after the first
+    request has returned (the duration measured as the server is loaded now, not guessed); the new weights
+    (`folder`) are then loaded as `version` and the server resumed. Returns the samples and, as the first requests
+    returned them, the samples the preemption cut."""
+    request, cuts, out, returned = engine._request, [], {}, []
+
+    def recording(prompt, p, seed):
+        start = time.monotonic()
+        answer = request(prompt, p, seed)
+        cuts.extend(s for s in answer if s.finish_reason == "abort")
+        returned.append(time.monotonic() - start)
+        return answer
+
+    engine._request = recording
+    try:
+        worker = threading.Thread(target=lambda: out.setdefault("groups", engine.generate(prompts, params)))
+        worker.start()
+        deadline = time.monotonic() + 300
+        while not returned and worker.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(into * returned[0] if returned else 0.0)
+        engine.preempt()
+        engine.update_weights_from_disk(str(folder), version)
+        worker.join(300)
+    finally:
+        engine._request = request
+    return [s for g in out["groups"] for s in g], cuts
+
+
+def test_real_server_preempted_samples_continue_on_new_weights(engine, models):
+    """Version v+1 loaded mid-batch; each token's log-prob is transformers' under the version that produced it
+    (version v: the base weights when v is even, the changed ones when odd). A busy server answers any HTTP call
+    late (/metrics, and the /pause?mode=abort of the preemption itself: about 1.2 s in a measured try, where
+    requests of 2 × 400 tokens took 0.85 s; fresh-clone runs cut nothing in 3 tries with 2 × 400, and once with 8 ×
+    400, 1.1 s a request), and the client holds new requests from the moment it preempts; so the batch goes one
+    request at a time (a second client of the module's server, max_concurrency=1), each request 32 × 400 tokens,
+    several times that lag, and the preemption is sent a tenth of a request's duration (measured as the first one
+    ran) after the first request returned: it lands inside the second. An attempt that still cut nothing is tried
+    again."""
+    from transformers import AutoModelForCausalLM
+
+    served, (base, changed) = engine, models
+    served.update_weights_from_disk(str(base), 0)  # the earlier tests left other weights: base is version 0 here
+    engine = VLLMEngine(served.url, api_key=served._server.api_key, max_concurrency=1,
+                        weight_version=served.weight_version)
+    hf = {v: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for v, d in ((0, base), (1, changed))}
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23], [30, 31]]
+    params = SamplingParams(n=32, max_new_tokens=400, seed=0)  # 4 requests of 32 × 400 tokens, one at a time
+    try:
+        for attempt in range(3):
+            start, old = time.monotonic(), engine.weight_version
+            samples, cuts = preempted_batch(engine, prompts, params, changed if old % 2 == 0 else base, old + 1,
+                                            into=(0.1, 0.3, 0.0)[attempt])
+            print(f"attempt {attempt}: {time.monotonic() - start:.1f} s, {len(cuts)} cut samples")
+            if any(c.output_ids for c in cuts):
+                break
+    finally:
+        served.weight_version = engine.weight_version
+        engine.close()  # the client only: the server is the module's
+    assert served.server_weight_version() == str(old + 1)
+    spanning, worst, worst_other = 0, 0.0, np.inf
+    for s in samples:
+        assert s.finish_reason == "length" and len(s.output_ids) == 400
+        versions = np.array(versions_of(s))
+        assert (np.diff(versions) >= 0).all() and set(versions) <= {old, old + 1} and s.weight_version == versions.min()
+        spanning += len(set(versions)) == 2
+        want = {v: hf_token_logprobs(m, s.prompt_ids, s.output_ids) for v, m in hf.items()}
+        expected = np.where(versions % 2 == 0, want[0], want[1])
+        swapped = np.where(versions % 2 == 0, want[1], want[0])
+        worst = max(worst, float(np.abs(np.array(s.logprobs) - expected).max()))
+        worst_other = min(worst_other, float(np.abs(np.array(s.logprobs) - swapped).max()))
+    print(f"{spanning} of {len(samples)} samples span versions {old} and {old + 1}; max |dlogprob| vs the producing "
+          f"version's weights {worst:.2e}, vs the other version's (same tokens) {worst_other:.2e}")
+    assert worst < TOL and worst_other > 0.05
+    assert spanning > 0 and spanning == sum(0 < len(c.output_ids) for c in cuts)
+    # the kept prefix: each cut sample's tokens and log-probs start a final sample unchanged, on the old version
+    for cut in cuts:
+        k = len(cut.output_ids)
+        assert any(s.prompt_ids == cut.prompt_ids and s.output_ids[:k] == cut.output_ids
+                   and s.logprobs[:k] == cut.logprobs and versions_of(s)[:k] == [old] * k for s in samples)
+
+
+class Recording:
+    """An engine for `megapo train` that keeps every sample it returned (by its tokens); its second batch starts
+    only once `release` is set."""
+
+    def __init__(self, inner):
+        self.inner, self.samples, self.calls = inner, {}, 0
+        self.busy_since: float | None = None  # when the generate call in flight began
+        self.ended = 0  # generate calls that have returned or raised
+        self.error: BaseException | None = None  # what a generate call raised (in the trainer's rollout thread)
+        self.release = threading.Event()
+
+    def generate(self, prompts, params):
+        self.calls += 1
+        try:
+            if self.calls == 2 and not self.release.wait(600):
+                raise TimeoutError("batch 2 was never released")
+            self.busy_since = time.monotonic()
+            out = self.inner.generate(prompts, params)
+        except BaseException as e:
+            self.error = e
+            raise
+        finally:
+            self.busy_since = None
+            self.ended += 1
+        self.samples.update({tuple(s.prompt_ids + s.output_ids): s for g in out for s in g})
+        return out
+
+    def mid_batch(self, tokens_of, after_tokens: int, timeout_s: float = 300.0) -> None:
+        """Release batch 2 and return once the server has generated `after_tokens` tokens of it (`tokens_of`: the
+        server's count so far), or once batch 2 has ended: the server's count can answer late on a loaded machine,
+        and the sync then lands after the batch (no response spans two versions; the caller tries again). An
+        event, not a time: on a loaded machine a batch's first token can take seconds."""
+        before = tokens_of()
+        self.release.set()
+        deadline, seen = time.monotonic() + timeout_s, 0.0
+        while time.monotonic() < deadline:
+            if self.error is not None:
+                raise RuntimeError("batch 2's generate call failed") from self.error
+            if self.ended >= 2:
+                return
+            if self.busy_since is not None:
+                seen = tokens_of() - before
+                if seen >= after_tokens:
+                    return
+            time.sleep(0.01)
+        raise TimeoutError(f"batch 2 did not generate {after_tokens} tokens in {timeout_s} s (generate calls "
+                           f"{self.calls}, ended {self.ended}, in flight {self.busy_since is not None}, "
+                           f"tokens seen {seen})")
+
+    @property
+    def max_versions(self):
+        return self.inner.max_versions
+
+    @max_versions.setter
+    def max_versions(self, value):
+        self.inner.max_versions = value
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_async_run_with_partial_rollouts_on_the_real_server(engine, models, tmp_path, reward_module):
+    """`megapo train` (async, rollout.partial, disk sync) on the module's server: the learner's syncs preempt
+    batches in flight, some trained responses span two versions, and every trained token's engine log-prob is the
+    learner's (transformers fp32) under the version that drew it."""
+    from test_trainer_async import SnapshotLearner, _cfg
+    from transformers import AutoModelForCausalLM
+
+    from megapo.trainer.loop import train
+
+    served, (base, _) = engine, models
+
+    def attempt(run_dir):
+        """One train run: (trained responses spanning two versions, max |dlogprob| vs the learner)."""
+        # a Router over a second client of the module's server, one sample's request at a time: a batch takes seconds
+        engine = VLLMEngine(served.url, api_key=served._server.api_key)
+        engine.update_weights_from_disk(str(base), 0)  # the learner starts from the base weights, as version 0
+        router = Router([engine], max_in_flight_per_engine=1, samples_per_request=1)
+        recording = Recording(router)
+
+        class Learner(SnapshotLearner):
+            """Each step moves every weight by fixed noise (no gradient: quick); step 1 (of 2) lets batch 2 start and
+            ends once the server has generated 8 tokens of batch 2, so the sync after it lands mid-batch."""
+
+            def train_step(self, batch, loss):
+                self.batches.append(batch)
+                g = torch.Generator().manual_seed(len(self.snapshots))
+                with torch.no_grad():
+                    for p in self.model.parameters():
+                        p.add_(0.05 * torch.randn(p.shape, generator=g))
+                self.snapshots[len(self.snapshots)] = copy.deepcopy(self.model.state_dict())
+                if len(self.snapshots) - 1 < 2:
+                    recording.mid_batch(lambda: generated_tokens(served), after_tokens=8)
+                return {"loss": 0.0}
+
+        learner = Learner(base)
+        cfg = _cfg(base, run_dir, reward_module, **{
+            "rollout.engine": "vllm", "rollout.weight_sync": "disk", "rollout.dtype": "float32", "rollout.partial": True,
+            "rollout.max_new_tokens": 128, "train.steps": 2, "train.staleness": 1})
+        start = time.monotonic()
+        try:
+            train(cfg, learner=learner, engine=recording, print_fn=lambda *_: None)
+        finally:
+            router.close()  # the client only: the server is the module's
+        check = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        spanning, worst, where = 0, 0.0, None
+        for batch in learner.batches:
+            for t in batch:
+                s = recording.samples[tuple(t["tokens"])]
+                versions = np.array(versions_of(s))
+                spanning += len(set(versions)) > 1
+                want = np.zeros(len(versions))
+                for v in set(versions.tolist()):
+                    check.load_state_dict(learner.snapshots[v])
+                    want = np.where(versions == v, hf_token_logprobs(check, s.prompt_ids, s.output_ids), want)
+                gap = np.abs(np.array(t["rollout_logp"]) - want)
+                if gap.max() > worst:  # where the worst token sits, for a failure's message
+                    i = int(gap.argmax())
+                    worst, where = float(gap[i]), (f"token {i} of {len(versions)}, version {versions[i]}, "
+                                                   f"version changes at {np.flatnonzero(np.diff(versions)) + 1}")
+        print(f"train run {time.monotonic() - start:.1f} s: {spanning} of {sum(map(len, learner.batches))} trained "
+              f"responses span versions; max |dlogprob| vs the learner under each token's version {worst:.2e} "
+              f"({where})")
+        return spanning, worst, where
+
+    # the sync follows the server's 8th token of batch 2; when it lands between two requests nothing spans; the
+    # log-prob check holds on every attempt, spanning is retried
+    results = []
+    for k in range(3):
+        results.append(attempt(tmp_path / f"run{k}"))
+        if results[-1][0] > 0:
+            break
+    assert all(worst < TOL for _, worst, _ in results), results
+    assert results[-1][0] > 0, f"no trained response spanned two versions in {len(results)} runs: {results}"
