@@ -66,8 +66,9 @@ def engine(models, tmp_path_factory):
     vllm_python()  # a missing venv fails here with the setup command in the message
     base, _ = models
     log = tmp_path_factory.mktemp("vllm_log") / "server.log"
-    # the session's temporary folder holds every weights folder the tests reload from (staging included)
-    server = VLLMServer(VLLMServerConfig(str(base), dtype=DTYPE, log_path=str(log), cpu_cores="0", max_model_len=512,
+    # the session's temporary folder holds every weights folder the tests reload from (staging included); core 1:
+    # the servers megapo starts itself (vLLM's auto binding, test_trainer_vllm.py) compute on core 0
+    server = VLLMServer(VLLMServerConfig(str(base), dtype=DTYPE, log_path=str(log), cpu_cores="1", max_model_len=512,
                                          weights_dirs=[str(tmp_path_factory.getbasetemp())]))
     server.start(timeout=600)
     eng = VLLMEngine(server.url, config_dir=str(base), server=server,
@@ -190,7 +191,7 @@ def test_killing_one_of_two_real_servers_mid_batch_loses_and_duplicates_nothing(
     # its own core: with vLLM's auto binding both servers compute on core 0, and whichever the scheduler
     # starves may not finish a single request before the other has served the whole batch
     second = VLLMServer(VLLMServerConfig(str(base), dtype=DTYPE, log_path=str(tmp_path / "second.log"),
-                                         cpu_cores="1"))
+                                         cpu_cores="0"))
     second.start(timeout=600)
     victim = VLLMEngine(second.url, config_dir=str(base), server=second)
     # Both servers warm (a fresh server's first log-prob request takes ~20 s, during which the other would
