@@ -10,6 +10,8 @@
 #   urgent  (higher PriorityTier)        a job there preempts debug jobs
 # Fast scheduler intervals and a short credential lifetime let a requeued job restart within
 # seconds (the default cred_expire of 120 s delays every restart by two minutes).
+# KillWait 8 s (SIGTERM to SIGKILL on a cancel): the stand-in ranks checkpoint at once, and a rank blocked on a
+# failed peer (the crash test) is killed after it, so a longer wait only lengthens that test.
 #
 #   .ci/slurm_up.sh          start (or check) the cluster
 #   .ci/slurm_up.sh --stop   end the daemons this script started (by their pid files)
@@ -107,7 +109,7 @@ SchedulerParameters=bf_interval=1,sched_interval=1
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 JobRequeue=1
-KillWait=20
+KillWait=8
 MinJobAge=900
 ReturnToService=2
 SlurmdParameters=config_overrides
