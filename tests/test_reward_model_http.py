@@ -201,7 +201,7 @@ def test_megapo_train_stops_naming_the_url_when_the_scorer_is_down(tmp_path, tin
            f"model.path={tiny_moe}", "train.steps=1", "train.eval_every=0", "train.ckpt_every=0", "train.log=[jsonl]",
            "data.prompts_per_step=4", "data.dynamic_sampling=false", f"data.reward_model.url={scorer.url}",
            f"data.reward_model.api_key_file={key_file}"]
-    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
