@@ -18,7 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megapo.algorithms.information import IAPOOptions, iapo_advantages, prefix_answer_sequences
+from megapo.algorithms.information import (IAPOOptions, iapo_advantages, prefix_answer_sequences, prefix_cuts,
+                                           token_information)
 from megapo.algorithms.sample import TrainSample
 from megapo.config import ConfigError
 
@@ -57,8 +58,11 @@ def test_iapo_against_its_formula():
 
 
 def test_prefix_sequences_hold_every_prefix_then_the_answer():
-    assert prefix_answer_sequences([1, 2], [7, 8, 9], [5]) == [[1, 2, 5], [1, 2, 7, 5], [1, 2, 7, 8, 5],
-                                                              [1, 2, 7, 8, 9, 5]]
+    assert prefix_cuts(3) == [0, 1, 2, 3] and prefix_cuts(5, [1, 4]) == [0, 2, 5]
+    assert prefix_answer_sequences([1, 2], [7, 8, 9], [5], prefix_cuts(3)) == [
+        [1, 2, 5], [1, 2, 7, 5], [1, 2, 7, 8, 5], [1, 2, 7, 8, 9, 5]]
+    # a step's information shared by its tokens: L = 0, 1, 4 after 0, 2 and 5 tokens
+    assert token_information([0.0, 1.0, 4.0], [0, 2, 5]).tolist() == [0.5, 0.5, 1.0, 1.0, 1.0]
 
 
 class CharTokenizer:
@@ -88,13 +92,16 @@ class BigramLearner:
         return [self.table[torch.tensor(s[:-1]), torch.tensor(s[1:])] for s in sequences]
 
 
-def test_the_trainer_computes_each_tokens_information_and_runs_iapo():
+@pytest.mark.parametrize("delimiter", ["", ";"])
+def test_the_trainer_computes_each_tokens_information_and_runs_iapo(delimiter):
+    """Every token's information (no delimiter), or each step's shared by its tokens: "7;ab" is the steps "7;" and
+    "ab", the others one step each."""
     from megapo.tasks.base import Example
     from megapo.trainer.metrics import StepTimer
     from megapo.trainer.rollout import Group
     from megapo.trainer.update import advantage_stages
 
-    cfg = make_cfg(stages=[{"name": "iapo", "beta": 0.4, "clip": 2.0}], n_samples=3)
+    cfg = make_cfg(stages=[{"name": "iapo", "beta": 0.4, "clip": 2.0, "step_delimiter": delimiter}], n_samples=3)
     texts, answer, prompt = ["7;ab", "8", "x9y"], "42", [ord("p"), ord("q")]
     groups = [Group(Example("pq", answer), [SimpleNamespace(output_ids=[ord(c) for c in t]) for t in texts],
                     [1.0, 0.0, 0.5], correct=[True, False, False])]
@@ -107,8 +114,12 @@ def test_the_trainer_computes_each_tokens_information_and_runs_iapo():
     info = []
     for t in texts:
         before = [prompt[-1]] + [ord(c) for c in t]  # the token a*'s first token follows, for t = 0..|y|
-        info.append([float(learner.table[before[k], first] - learner.table[before[k - 1], first])
-                     for k in range(1, len(before))])
+        cuts = [0, 2, 4] if delimiter and t == "7;ab" else ([0, len(t)] if delimiter else list(range(len(t) + 1)))
+        row = []
+        for a, b in zip(cuts, cuts[1:]):
+            step = float(learner.table[before[b], first] - learner.table[before[a], first])
+            row += [step / (b - a)] * (b - a)
+        info.append(row)
     for x, w in zip(batch, iapo_loop(adv, info, 0.4, 2.0)):
         assert x.advantage == pytest.approx(w, abs=1e-10)
     flat = [m for ms in info for m in ms]
@@ -119,7 +130,7 @@ def test_the_trainer_computes_each_tokens_information_and_runs_iapo():
 
 
 @pytest.mark.parametrize("option, value", [("beta", 0), ("beta", -1.0), ("clip", 0.0), ("clip", float("inf")),
-                                           ("beta", True)])
+                                           ("beta", True), ("step_delimiter", 3)])
 def test_bad_options_are_refused_naming_the_field(option, value):
     with pytest.raises(ConfigError) as err:
         make_cfg(stages=[{"name": "iapo", option: value}])

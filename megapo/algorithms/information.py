@@ -23,7 +23,10 @@ every token when beta · clip < 1):
     A_{i,t} = A_i + beta · |A_i| · z_{i,t}
 
 One more learner forward (megapo.trainer.update.answer_information), routing freely: Σ_i (|y_i| + 1) sequences
-x ⊕ y_{i,<t} ⊕ a*, each scored on a*'s tokens only.
+x ⊕ y_{i,<t} ⊕ a*, each scored on a*'s tokens only: O(|y|²) tokens per response. With `step_delimiter` the answer's
+log-likelihood is taken only after each step (the token completing each delimiter, and the response's end:
+process_rewards.step_ends) and a step's information is shared equally by its tokens (ASSUMPTION: the abstract speaks
+of informative reasoning steps; per step the forward costs O(steps · |y|) tokens).
 """
 
 from __future__ import annotations
@@ -44,23 +47,37 @@ class IAPOOptions:
 
     beta: float = 0.5  # the weight of the standardized information in each token's advantage
     clip: float = 1.5  # |z| at most this (beta · clip < 1: a token never flips its sequence's sign)
+    step_delimiter: str = ""  # "": the information of every token; else of every step, shared by its tokens
 
     def __post_init__(self):
         for name in ("beta", "clip"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name}: must be a finite number > 0, got {v!r}")
+        if not isinstance(self.step_delimiter, str):
+            raise ValueError(f"step_delimiter: must be a string, got {self.step_delimiter!r}")
 
 
-def prefix_answer_sequences(prompt: list[int], response: list[int], answer: list[int]) -> list[list[int]]:
-    """x ⊕ y_<t ⊕ a* for t = 1..|y|+1 (the empty prefix first, the whole response last): |y| + 1 sequences."""
-    return [list(prompt) + list(response[:t]) + list(answer) for t in range(len(response) + 1)]
+def prefix_cuts(length: int, step_ends: list[int] | None = None) -> list[int]:
+    """The prefix lengths after which the answer's log-likelihood is taken: 0..length (every token), or 0 and one
+    past each step's last token (`step_ends`, process_rewards.step_ends: the last is the response's end)."""
+    if step_ends is None:
+        return list(range(length + 1))
+    return [0, *(e + 1 for e in step_ends)]
 
 
-def token_information(answer_logps: list[float]) -> Tensor:
-    """m_t = L_t − L_{t−1} from L_t = log π(a* | x, y_≤t) for t = 0..|y| (`answer_logps`, |y| + 1 values)."""
+def prefix_answer_sequences(prompt: list[int], response: list[int], answer: list[int],
+                            cuts: list[int]) -> list[list[int]]:
+    """x ⊕ y_<t ⊕ a* for each prefix length t in `cuts`."""
+    return [list(prompt) + list(response[:t]) + list(answer) for t in cuts]
+
+
+def token_information(answer_logps: list[float], cuts: list[int]) -> Tensor:
+    """Per response token: (L_j − L_{j−1}) / (t_j − t_{j−1}) for the tokens t_{j−1} ≤ t < t_j, L_j =
+    log π(a* | x, y_<t_j) at the prefix lengths t_j of `cuts` (every token: m_t = L_t − L_{t−1})."""
     values = torch.as_tensor(answer_logps, dtype=torch.float64)
-    return values[1:] - values[:-1]
+    spans = torch.as_tensor(cuts[1:], dtype=torch.long) - torch.as_tensor(cuts[:-1], dtype=torch.long)
+    return ((values[1:] - values[:-1]) / spans).repeat_interleave(spans)
 
 
 @register(

@@ -340,37 +340,42 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
     information = None
     if "answer_information" in reads:  # iapo's (collective): every prefix followed by the reference answer
         with timer("answer_information"):
-            information = answer_information(learner, batch, groups, tokenizer)
+            information = answer_information(learner, batch, groups, cfg, tokenizer)
     return token_stages(batch, cfg, step, self_teacher=self_teacher, correct=correct, privileged=privileged,
                         blocks=blocks, sum_p2=sum_p2, rewards=rewards, first_correct=first_correct,
                         tempered_logp=tempered, answer_information=information)
 
 
-def answer_information(learner: Learner, batch: list[TrainSample], groups: list[Group], tokenizer) -> list:
+def answer_information(learner: Learner, batch: list[TrainSample], groups: list[Group], cfg: RunConfig,
+                       tokenizer) -> list:
     """Stage iapo's input (megapo/algorithms/information.py): per sample, m_t = log π(a* | x, y_≤t) −
-    log π(a* | x, y_<t) at each response token, a* the prompt's reference answer; one learner forward (collective,
-    routing freely: no engine routed these sequences) of every x ⊕ y_<t ⊕ a*, t = 1..|y|+1, under the weights the
-    old-log-prob pass used."""
+    log π(a* | x, y_<t) at each response token (with the stage's step_delimiter, each step's, shared by its tokens),
+    a* the prompt's reference answer; one learner forward (collective, routing freely: no engine routed these
+    sequences) of x ⊕ y_<t ⊕ a* at every cut t, under the weights the old-log-prob pass used."""
     if tokenizer is None:
         raise ValueError("tokenizer: stage iapo appends each prompt's reference answer to the response prefixes; "
                          "update_policy needs the run's tokenizer")
-    from megapo.algorithms.information import prefix_answer_sequences, token_information
+    from megapo.algorithms.information import prefix_answer_sequences, prefix_cuts, token_information
+    from megapo.algorithms.process_rewards import step_ends, token_texts
     from megapo.trainer.likelihood_reward import answer_logprob, encode_text
     from megapo.trainer.self_teacher import freely_routed_logprobs
 
+    delimiter = next(s for s in cfg.algorithm.pipeline() if "answer_information" in s.inputs).options.step_delimiter
     answers = [encode_text(tokenizer, str(g.example.answer)) for g in groups for _ in g.samples]
-    sequences, prompt_lens, counts = [], [], []
+    texts_cache: dict = {}
+    sequences, prompt_lens, cuts = [], [], []
     for s, answer in zip(batch, answers):
         if not answer:
             raise ValueError(f"stage iapo: a reference answer encodes to no tokens (prompt {s.prompt_len} tokens); "
                              "the information is about the answer's tokens")
-        prefixes = prefix_answer_sequences(s.tokens[:s.prompt_len], s.tokens[s.prompt_len:], answer)
-        sequences += prefixes
-        prompt_lens += [s.prompt_len] * len(prefixes)
-        counts.append(len(prefixes))
+        response = list(s.tokens[s.prompt_len:])
+        ends = step_ends(token_texts(tokenizer, response, texts_cache), delimiter) if delimiter else None
+        cuts.append(prefix_cuts(len(response), ends))
+        sequences += prefix_answer_sequences(s.tokens[:s.prompt_len], response, answer, cuts[-1])
+        prompt_lens += [s.prompt_len] * len(cuts[-1])
     logps = iter(freely_routed_logprobs(learner, sequences, prompt_lens) if sequences else [])
-    return [token_information([answer_logprob(next(logps), len(a), "sum") for _ in range(n)])
-            for a, n in zip(answers, counts)]
+    return [token_information([answer_logprob(next(logps), len(a), "sum") for _ in c], c)
+            for a, c in zip(answers, cuts)]
 
 
 def old_tempered_logp(learner: Learner, batch: list[TrainSample], cfg: RunConfig) -> list:

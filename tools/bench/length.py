@@ -85,6 +85,9 @@ METHODS: dict[str, list[str]] = {
     # DECS with its curriculum batch scheduling (a group filter: mixed groups plus a share κ of all-correct ones)
     "decs_curriculum": ['algorithm.stages=[{name: decs, step_delimiter: ";"}]', "data.group_filter=decs_curriculum",
                         'data.group_filter_options={step_delimiter: ";"}'],
+    # IAPO (megapo/algorithms/information.py): each step's information about the reference answer, shared by its
+    # tokens, shifts their advantage; one more learner forward of the prefix before each step followed by the answer
+    "iapo": ['algorithm.stages=[{name: iapo, step_delimiter: ";"}]'],
 }
 # the methods whose length target follows the prompt's difficulty (the second target of issue 15)
 ADAPTIVE = ("alp", "laser_d", "dast", "deepcompress", "dler")
