@@ -1,9 +1,11 @@
-"""Stage iapo (megapo/algorithms/information.py): token advantages from each token's information about the answer.
+"""Stages iapo and spae (megapo/algorithms/information.py): token advantages from the reference answer's likelihood
+after each response prefix (IAPO: each token's information about it; SPAE: each step's potential).
 
 References: the advantage formula written out here with the statistics module; the information input through
 update.advantage_stages against a closed form: the stand-in learner is a bigram model, under which
 log π(a* | x, y_≤t) depends on y_t alone, so m_t = log P(a*_1 | y_t) − log P(a*_1 | y_{t−1}) (+ the same answer
-tail on both sides, which cancels); one real training step runs the stage on the Megatron learner.
+tail on both sides, which cancels), and SPAE's Acc and Conf likewise; one real training step runs both stages on
+the Megatron learner.
 """
 
 from __future__ import annotations
@@ -142,9 +144,93 @@ def test_a_stages_config_reads_the_information_only():
     assert "answer_information" in a.stage_inputs() and not a.needs_old_stats()
 
 
-def test_one_training_step(tmp_path, tiny_moe):
+def test_one_training_step_with_iapo_then_spae(tmp_path, tiny_moe):
     from train_runs import train_rows
 
-    rows = train_rows(tmp_path, "iapo", f"model.path={tiny_moe}", "train.steps=1", "algorithm.stages=[{name: iapo}]")
+    rows = train_rows(tmp_path, "iapo", f"model.path={tiny_moe}", "train.steps=1",
+                      'algorithm.stages=[{name: iapo}, {name: spae, step_delimiter: ";"}]')
     assert rows[0]["step"] == 1 and math.isfinite(rows[0]["train/loss"])
     assert math.isfinite(rows[0]["iapo/info_mean"]) and rows[0]["iapo/info_std"] > 0, sorted(rows[0])
+    assert -1 <= rows[0]["spae/final_potential"] <= 1 and 0 <= rows[0]["spae/saturated_frac"] <= 1, sorted(rows[0])
+
+
+# ----------------------------------------------------------------------------- SPAE (the same probe, per step)
+
+
+def spae_loop(advantage, phi, cuts, alpha, tau, penalty):
+    """The SPAE formula with plain floats: per step k >= 1 its tokens get w·A + alpha·ΔΦ_k."""
+    out = []
+    for k in range(1, len(cuts)):
+        delta = 0.0 if k == 1 else phi[k] - phi[k - 1]
+        saturated = any(phi[j] >= tau for j in range(1, k))
+        w = 1.0 if not saturated else (1 - penalty if advantage > 0 else 1 + penalty if advantage < 0 else 1.0)
+        out += [w * advantage + alpha * delta] * (cuts[k] - cuts[k - 1])
+    return out
+
+
+def test_spae_against_its_formula():
+    from megapo.algorithms.information import SPAEOptions, spae_advantages
+
+    cuts = [[0, 2, 5, 6, 9], [0, 3], [0, 1, 2, 4]]
+    phi = [[0.1, 0.3, 0.95, 0.2, 0.97], [0.5, 0.99], [-0.2, 0.92, 0.4, 0.1]]
+    adv = [0.8, -1.3, -0.4]
+    for alpha, tau, penalty in [(0.5, 0.9, 0.5), (2.0, 0.3, 1.0), (0.0, 0.9, 0.2)]:
+        got = spae_advantages(adv, [torch.tensor(p, dtype=torch.float64) for p in phi], cuts,
+                              SPAEOptions(";", alpha, tau, penalty))
+        for g, a, p, c in zip(got, adv, phi, cuts):
+            assert g.tolist() == pytest.approx(spae_loop(a, p, c, alpha, tau, penalty), abs=1e-12)
+
+
+def test_step_potential_is_the_authors_combination():
+    from megapo.algorithms.information import step_potential
+
+    logp, entropy = torch.log(torch.tensor([0.5, 0.9], dtype=torch.float64)), torch.tensor([0.3, 0.1], dtype=torch.float64)
+    acc, conf = 0.7, math.exp(-0.2)
+    assert step_potential(logp, entropy) == pytest.approx(1.5 * acc * conf + 0.5 * acc - conf, abs=1e-12)
+
+
+class BigramEntropyLearner(BigramLearner):
+    def logprobs(self, sequences, routes=None, with_entropy=False, prompt_lens=None):
+        logps = super().logprobs(sequences, routes, False, prompt_lens)
+        if not with_entropy:
+            return logps
+        rows = self.table
+        entropy = -(rows.exp() * rows).sum(-1)
+        return logps, [entropy[torch.tensor(s[:-1])] for s in sequences]
+
+
+def test_the_trainer_probes_each_step_and_runs_spae():
+    """Steps at ";": after each, Acc and Conf of a* = "42" under the bigram stand-in in closed form (a*'s first token
+    follows the step's last token, its second follows "4")."""
+    from megapo.tasks.base import Example
+    from megapo.trainer.metrics import StepTimer
+    from megapo.trainer.rollout import Group
+    from megapo.trainer.update import advantage_stages
+
+    cfg = make_cfg(stages=[{"name": "spae", "step_delimiter": ";", "alpha": 0.7, "tau": -1.0, "penalty": 0.25}],
+                   n_samples=2)
+    texts, answer, prompt = ["7;ab;c", "x9"], "42", [ord("p"), ord("q")]
+    groups = [Group(Example("pq", answer), [SimpleNamespace(output_ids=[ord(c) for c in t]) for t in texts],
+                    [1.0, 0.0], correct=[True, False])]
+    adv = [0.6, -0.6]
+    batch = [TrainSample(prompt + [ord(c) for c in t], 2, a) for t, a in zip(texts, adv)]
+    learner = BigramEntropyLearner()
+    metrics = advantage_stages(learner, batch, groups, cfg, 1, CharTokenizer(), StepTimer())
+    table = learner.table
+    entropy = -(table.exp() * table).sum(-1)
+    a1, a2 = ord("4"), ord("2")
+
+    def phi(last):
+        acc = (float(table[last, a1].exp()) + float(table[a1, a2].exp())) / 2
+        conf = math.exp(-(float(entropy[last]) + float(entropy[a1])) / 2)
+        return 1.5 * acc * conf + 0.5 * acc - conf
+
+    for x, t, a, cuts in zip(batch, texts, adv, [[0, 2, 5, 6], [0, 2]]):
+        before = [prompt[-1]] + [ord(c) for c in t]
+        potentials = [phi(before[c]) for c in cuts]
+        assert x.advantage == pytest.approx(spae_loop(a, potentials, cuts, 0.7, -1.0, 0.25), abs=1e-10)
+    assert metrics["spae/saturated_frac"] == pytest.approx(4 / 8)  # tau -1: every step after the first
+    for option, value in [("step_delimiter", ""), ("penalty", 1.5), ("alpha", -0.1), ("tau", math.nan)]:
+        with pytest.raises(ConfigError) as err:
+            make_cfg(stages=[{"name": "spae", "step_delimiter": ";", option: value}])
+        assert err.value.field == f"algorithm.stages[0].{option}"

@@ -1,4 +1,6 @@
-"""IAPO: token-wise advantages from each token's conditional mutual information with the final answer (He, Zhu, Shi,
+"""The reference answer's likelihood after each response prefix, as token credit: IAPO and SPAE.
+
+IAPO: token-wise advantages from each token's conditional mutual information with the final answer (He, Zhu, Shi,
 Zheng, Su, Wang, Guo, Li 2026, IAPO: Information-Aware Policy Optimization for Token-Efficient Reasoning,
 arXiv:2602.19049). Tokens that make the answer likelier gain credit, tokens that do not (low-utility exploration)
 lose it, so the policy keeps the informative steps and drops the rest.
@@ -27,6 +29,10 @@ x ⊕ y_{i,<t} ⊕ a*, each scored on a*'s tokens only: O(|y|²) tokens per resp
 log-likelihood is taken only after each step (the token completing each delimiter, and the response's end:
 process_rewards.step_ends) and a step's information is shared equally by its tokens (ASSUMPTION: the abstract speaks
 of informative reasoning steps; per step the forward costs O(steps · |y|) tokens).
+
+SPAE (Wu, Zhang, Chang, Zhang, Liu, Du 2026, Step Potential Advantage Estimation, arXiv:2601.03823) probes the
+same forward after each step for a Step Potential Φ from the answer's correctness (Acc) and the model's confidence
+(Conf), and shapes each step's tokens by Φ's differences and by a penalty once Φ has saturated (spae_advantages).
 """
 
 from __future__ import annotations
@@ -56,6 +62,16 @@ class IAPOOptions:
                 raise ValueError(f"{name}: must be a finite number > 0, got {v!r}")
         if not isinstance(self.step_delimiter, str):
             raise ValueError(f"step_delimiter: must be a string, got {self.step_delimiter!r}")
+
+
+@dataclass(frozen=True)
+class AnswerProbe:
+    """One response's probe: the prefix lengths `cuts`, and at each the log-probs of a*'s tokens after x ⊕ y_<t (and
+    their next-token entropies where a stage reads them, else None)."""
+
+    cuts: list[int]
+    logp: list[Tensor]
+    entropy: list[Tensor] | None = None
 
 
 def prefix_cuts(length: int, step_ends: list[int] | None = None) -> list[int]:
@@ -121,3 +137,91 @@ def run_iapo_stage(batch: list, s, ctx) -> dict:
     flat = torch.cat(info) if info else torch.zeros(0, dtype=torch.float64)
     return {"iapo/info_mean": float(flat.mean()) if flat.numel() else 0.0,
             "iapo/info_std": float(flat.std(unbiased=False)) if flat.numel() > 1 else 0.0}
+
+
+# ----------------------------------------------------------------------------- SPAE
+
+
+@dataclass
+class SPAEOptions:
+    option_field: ClassVar[bool] = True  # its refusals name algorithm.stages[i].<option> (pipeline._parse_one)
+
+    step_delimiter: str = "\n"  # a step ends with the token completing each occurrence (and at the response's end)
+    alpha: float = 0.5  # the weight of a step's potential difference in its tokens' advantage
+    tau: float = 0.9  # the potential (in [−1, 1]) at which the reasoning state counts as saturated (the authors' 0.9)
+    penalty: float = 0.5  # the share of outcome credit taken off (A > 0) or added (A < 0) after saturation
+
+    def __post_init__(self):
+        if not isinstance(self.step_delimiter, str) or not self.step_delimiter:
+            raise ValueError(f"step_delimiter: must be a non-empty string, got {self.step_delimiter!r}")
+        for name in ("alpha", "penalty", "tau"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name}: must be a finite number, got {v!r}")
+        for name in ("alpha", "penalty"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
+        if self.penalty > 1:
+            raise ValueError(f"penalty: must be at most 1 (a share of the outcome credit), got {self.penalty!r}")
+
+
+def step_potential(answer_logp: Tensor, answer_entropy: Tensor) -> float:
+    """Φ = 1.5·Acc·Conf + 0.5·Acc − Conf (the authors' code), Acc = the mean probability of a*'s tokens after the
+    prefix (teacher-forced), Conf = exp(−their mean next-token entropy) (ASSUMPTION: along a* itself, where the
+    paper averages both over N sampled probe continuations after a probe prompt)."""
+    acc = float(torch.as_tensor(answer_logp, dtype=torch.float64).exp().mean())
+    conf = math.exp(-float(torch.as_tensor(answer_entropy, dtype=torch.float64).mean()))
+    return 1.5 * acc * conf + 0.5 * acc - conf
+
+
+@register(
+    "spae", "advantage_stage", "token",
+    "Wu, Zhang, Chang, Zhang, Liu, Du 2026, Step Potential Advantage Estimation: Harnessing Intermediate Confidence "
+    "and Correctness for Efficient Mathematical Reasoning (arXiv:2601.03823)",
+    SPAEOptions,
+)
+def spae_advantages(advantages: list, potentials: list[Tensor], cuts: list[list[int]], o: SPAEOptions) -> list[Tensor]:
+    """For the tokens t_{k−1} ≤ t < t_k of step k = 1..K (`cuts` [0, t_1, ..., t_K = |y|], `potentials` Φ at each cut,
+    the prompt's unused): A_{i,t} = w_{i,k}·A_i + alpha·ΔΦ_k, ΔΦ_1 = 0 and ΔΦ_k = Φ_k − Φ_{k−1} (potential
+    difference shaping, from the second step as the authors' code), w_{i,k} = 1 − penalty (A_i > 0) or 1 + penalty
+    (A_i < 0) once Φ_j ≥ tau for some step j < k, else 1 (the saturation penalty; ASSUMPTION: the abstract's
+    "penalty after the potential saturates" as a scaled outcome credit, less credit for checking after a solved state,
+    more blame for steps that overturned one)."""
+    if not len(advantages) == len(potentials) == len(cuts):
+        raise ValueError(f"potentials: {len(potentials)} samples and {len(cuts)} cut lists for {len(advantages)} "
+                         "advantages")
+    out = []
+    for a, phi, c in zip(advantages, potentials, cuts):
+        phi = torch.as_tensor(phi, dtype=torch.float64)
+        if phi.numel() != len(c):
+            raise ValueError(f"potentials: {phi.numel()} values for {len(c)} cuts")
+        spans = torch.as_tensor(c[1:], dtype=torch.long) - torch.as_tensor(c[:-1], dtype=torch.long)
+        after = phi[1:]  # Φ after steps 1..K
+        delta = torch.cat([after.new_zeros(min(1, after.numel())), after[1:] - after[:-1]])
+        reached = (after >= o.tau).to(torch.float64).cummax(0).values if after.numel() else after
+        saturated = torch.cat([after.new_zeros(min(1, after.numel())), reached[:-1]])  # some j < k reached tau
+        adv = torch.as_tensor(a, dtype=torch.float64).expand((int(spans.sum()),))
+        scale = 1 - o.penalty * torch.sign(adv) * saturated.repeat_interleave(spans)
+        out.append(scale * adv + o.alpha * delta.repeat_interleave(spans))
+    return out
+
+
+def run_spae_stage(batch: list, s, ctx) -> dict:
+    """pipeline.STAGES' runner for `spae`: per-token advantages into sample.advantage; spae/saturated_frac, the share
+    of response tokens in steps after the potential saturated, and spae/final_potential, the mean Φ at the end."""
+    if ctx.answer_steps is None:
+        raise ValueError("answer_steps: stage spae needs the reference answer's log-probs and entropies after each "
+                         "step (update.advantage_stages)")
+    potentials = [torch.tensor([step_potential(lp, h) for lp, h in zip(p.logp, p.entropy)], dtype=torch.float64)
+                  for p in ctx.answer_steps]
+    cuts = [p.cuts for p in ctx.answer_steps]
+    values = spae_advantages([x.advantage for x in batch], potentials, cuts, s.options)
+    for x, v in zip(batch, values):
+        x.advantage = v.tolist()
+    tokens = sum(c[-1] for c in cuts)
+    after = 0
+    for phi, c in zip(potentials, cuts):
+        hit = [k for k in range(1, len(c)) if bool(phi[k] >= s.options.tau)]
+        after += c[-1] - c[hit[0]] if hit else 0
+    return {"spae/saturated_frac": after / tokens if tokens else 0.0,
+            "spae/final_potential": float(torch.stack([p[-1] for p in potentials]).mean()) if potentials else 0.0}

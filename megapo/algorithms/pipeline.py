@@ -78,6 +78,9 @@ INPUTS = {
     # IAPO's (megapo/algorithms/information.py)
     "answer_information": "log π_old(a* | x, y_≤t) − log π_old(a* | x, y_<t) at each response token, a* the reference "
                           "answer (one more learner forward of every prefix followed by a*)",
+    # SPAE's (megapo/algorithms/information.py)
+    "answer_steps": "π_old's log-probs and next-token entropies of a*'s tokens after the prompt and after each step, "
+                    "a* the reference answer (one more learner forward of each step's prefix followed by a*)",
 }
 
 
@@ -111,6 +114,7 @@ class TokenContext:
     tempered_logp: list | None = None  # per sample, log π^T_old at each response token (distribution_centric)
     first_correct: list | None = None  # per sample, the answer's end a_i, -1: none (decs)
     answer_information: list | None = None  # per sample, each response token's information about a* (iapo)
+    answer_steps: list | None = None  # per sample, an information.AnswerProbe at the prompt and each step (spae)
     max_new_tokens: int = 0  # rollout.max_new_tokens, decs's L_max
 
 
@@ -360,6 +364,8 @@ STAGES: dict[str, StageDecl] = {
                        token_length.run_bingo_stage),
     # IAPO (megapo/algorithms/information.py): each token's information about the answer shifts its advantage
     "iapo": StageDecl("token", "advantage_stage", ("answer_information",), information.run_iapo_stage),
+    # SPAE (megapo/algorithms/information.py): each step's potential from the answer's likelihood after it
+    "spae": StageDecl("token", "advantage_stage", ("answer_steps",), information.run_spae_stage),
     # Lopti (megapo/algorithms/lopti.py): each update as two optimizer steps, the low-probability tokens' first
     "lopti": StageDecl("token", "token_weight", ("old_logp",), _lopti),
 }

@@ -244,7 +244,7 @@ def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int, **inputs) 
     pipeline.TokenContext fields the loop computed where a stage reads them (advantage_stages): self_teacher (the
     self-teacher pass's values), correct (each sample's verdict), privileged (hdpo's), blocks (bae's block rewards),
     sum_p2 and rewards (otb's), first_correct (decs's; rollout.max_new_tokens is always passed, decs's L_max),
-    answer_information (iapo's)."""
+    answer_information (iapo's), answer_steps (spae's)."""
     from megapo.algorithms.pipeline import TokenContext, run_token_stages
 
     a = cfg.algorithm
@@ -337,45 +337,71 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
     if "first_correct" in reads:  # decs's: the task's checker on each correct response's step prefixes
         with timer("first_correct"):
             first_correct = first_correct_answers(batch, groups, cfg, tokenizer)
-    information = None
+    information = steps = None
     if "answer_information" in reads:  # iapo's (collective): every prefix followed by the reference answer
         with timer("answer_information"):
             information = answer_information(learner, batch, groups, cfg, tokenizer)
+    if "answer_steps" in reads:  # spae's (collective): the prefix before each step followed by the reference answer
+        with timer("answer_steps"):
+            steps = answer_steps(learner, batch, groups, cfg, tokenizer)
     return token_stages(batch, cfg, step, self_teacher=self_teacher, correct=correct, privileged=privileged,
                         blocks=blocks, sum_p2=sum_p2, rewards=rewards, first_correct=first_correct,
-                        tempered_logp=tempered, answer_information=information)
+                        tempered_logp=tempered, answer_information=information, answer_steps=steps)
 
 
 def answer_information(learner: Learner, batch: list[TrainSample], groups: list[Group], cfg: RunConfig,
                        tokenizer) -> list:
     """Stage iapo's input (megapo/algorithms/information.py): per sample, m_t = log π(a* | x, y_≤t) −
-    log π(a* | x, y_<t) at each response token (with the stage's step_delimiter, each step's, shared by its tokens),
-    a* the prompt's reference answer; one learner forward (collective, routing freely: no engine routed these
-    sequences) of x ⊕ y_<t ⊕ a* at every cut t, under the weights the old-log-prob pass used."""
+    log π(a* | x, y_<t) at each response token (with the stage's step_delimiter, each step's, shared by its tokens)."""
+    from megapo.algorithms.information import token_information
+
+    stage = next(s for s in cfg.algorithm.pipeline() if "answer_information" in s.inputs)
+    return [token_information([float(lp.sum()) for lp in probe.logp], probe.cuts)
+            for probe in answer_after_prefixes(learner, batch, groups, tokenizer, stage)]
+
+
+def answer_steps(learner: Learner, batch: list[TrainSample], groups: list[Group], cfg: RunConfig, tokenizer) -> list:
+    """Stage spae's input (megapo/algorithms/information.py): per sample, an AnswerProbe at the prompt and after each
+    step of the stage's step_delimiter, with a*'s next-token entropies."""
+    stage = next(s for s in cfg.algorithm.pipeline() if "answer_steps" in s.inputs)
+    return answer_after_prefixes(learner, batch, groups, tokenizer, stage, with_entropy=True)
+
+
+def answer_after_prefixes(learner: Learner, batch: list[TrainSample], groups: list[Group], tokenizer, stage,
+                          with_entropy: bool = False) -> list:
+    """Per sample an information.AnswerProbe: a*'s token log-probs (and entropies) after x ⊕ y_<t, a* the prompt's
+    reference answer, t every prefix length or, with `stage`'s step_delimiter, 0 and each step's end; one learner
+    forward (collective, routing freely: no engine routed these sequences) of x ⊕ y_<t ⊕ a* at every cut, under the
+    weights the old-log-prob pass used."""
     if tokenizer is None:
-        raise ValueError("tokenizer: stage iapo appends each prompt's reference answer to the response prefixes; "
-                         "update_policy needs the run's tokenizer")
-    from megapo.algorithms.information import prefix_answer_sequences, prefix_cuts, token_information
+        raise ValueError(f"tokenizer: stage {stage.name} appends each prompt's reference answer to the response "
+                         "prefixes; update_policy needs the run's tokenizer")
+    from megapo.algorithms.information import AnswerProbe, prefix_answer_sequences, prefix_cuts
     from megapo.algorithms.process_rewards import step_ends, token_texts
-    from megapo.trainer.likelihood_reward import answer_logprob, encode_text
+    from megapo.trainer.likelihood_reward import encode_text
     from megapo.trainer.self_teacher import freely_routed_logprobs
 
-    delimiter = next(s for s in cfg.algorithm.pipeline() if "answer_information" in s.inputs).options.step_delimiter
+    delimiter = stage.options.step_delimiter
     answers = [encode_text(tokenizer, str(g.example.answer)) for g in groups for _ in g.samples]
     texts_cache: dict = {}
     sequences, prompt_lens, cuts = [], [], []
     for s, answer in zip(batch, answers):
         if not answer:
-            raise ValueError(f"stage iapo: a reference answer encodes to no tokens (prompt {s.prompt_len} tokens); "
-                             "the information is about the answer's tokens")
+            raise ValueError(f"stage {stage.name}: a reference answer encodes to no tokens (prompt {s.prompt_len} "
+                             "tokens); the stage reads the answer's log-likelihood")
         response = list(s.tokens[s.prompt_len:])
         ends = step_ends(token_texts(tokenizer, response, texts_cache), delimiter) if delimiter else None
         cuts.append(prefix_cuts(len(response), ends))
         sequences += prefix_answer_sequences(s.tokens[:s.prompt_len], response, answer, cuts[-1])
         prompt_lens += [s.prompt_len] * len(cuts[-1])
-    logps = iter(freely_routed_logprobs(learner, sequences, prompt_lens) if sequences else [])
-    return [token_information([answer_logprob(next(logps), len(a), "sum") for _ in c], c)
-            for a, c in zip(answers, cuts)]
+    out = freely_routed_logprobs(learner, sequences, prompt_lens, with_entropy=with_entropy) if sequences else []
+    logps, entropies = (iter(out[0]), iter(out[1])) if with_entropy and sequences else (iter(out), None)
+    probes = []
+    for a, c in zip(answers, cuts):
+        logp = [torch.as_tensor(next(logps), dtype=torch.float64)[-len(a):] for _ in c]
+        entropy = [torch.as_tensor(next(entropies), dtype=torch.float64)[-len(a):] for _ in c] if entropies else None
+        probes.append(AnswerProbe(c, logp, entropy))
+    return probes
 
 
 def old_tempered_logp(learner: Learner, batch: list[TrainSample], cfg: RunConfig) -> list:
