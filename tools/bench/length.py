@@ -88,6 +88,8 @@ METHODS: dict[str, list[str]] = {
     # IAPO (megapo/algorithms/information.py): each step's information about the reference answer, shared by its
     # tokens, shifts their advantage; one more learner forward of the prefix before each step followed by the answer
     "iapo": ['algorithm.stages=[{name: iapo, step_delimiter: ";"}]'],
+    # SPAE (the same module): each step's potential from the answer's probability and entropy after it
+    "spae": ['algorithm.stages=[{name: spae, step_delimiter: ";"}]'],
 }
 # the methods whose length target follows the prompt's difficulty (the second target of issue 15)
 ADAPTIVE = ("alp", "laser_d", "dast", "deepcompress", "dler")
