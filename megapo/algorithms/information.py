@@ -88,12 +88,23 @@ def prefix_answer_sequences(prompt: list[int], response: list[int], answer: list
     return [list(prompt) + list(response[:t]) + list(answer) for t in cuts]
 
 
+def step_spans(cuts: list[int]) -> Tensor:
+    """The token count of each step between consecutive prefix lengths of `cuts`."""
+    return torch.as_tensor(cuts, dtype=torch.long).diff()
+
+
 def token_information(answer_logps: list[float], cuts: list[int]) -> Tensor:
     """Per response token: (L_j − L_{j−1}) / (t_j − t_{j−1}) for the tokens t_{j−1} ≤ t < t_j, L_j =
     log π(a* | x, y_<t_j) at the prefix lengths t_j of `cuts` (every token: m_t = L_t − L_{t−1})."""
-    values = torch.as_tensor(answer_logps, dtype=torch.float64)
-    spans = torch.as_tensor(cuts[1:], dtype=torch.long) - torch.as_tensor(cuts[:-1], dtype=torch.long)
-    return ((values[1:] - values[:-1]) / spans).repeat_interleave(spans)
+    spans = step_spans(cuts)
+    return (torch.as_tensor(answer_logps, dtype=torch.float64).diff() / spans).repeat_interleave(spans)
+
+
+def information_stats(information: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """The mean and (population) standard deviation of m over every response token of the batch; 0 where undefined."""
+    flat = torch.cat(information) if information else torch.zeros(0, dtype=torch.float64)
+    mean = flat.mean() if flat.numel() else flat.new_tensor(0.0)
+    return mean, (flat.std(unbiased=False) if flat.numel() > 1 else flat.new_tensor(0.0))
 
 
 @register(
@@ -109,9 +120,7 @@ def iapo_advantages(advantages: list, information: list[Tensor], o: IAPOOptions)
     if len(advantages) != len(information):
         raise ValueError(f"information: {len(information)} samples for {len(advantages)} advantages")
     info = [torch.as_tensor(m, dtype=torch.float64) for m in information]
-    flat = torch.cat(info) if info else torch.zeros(0, dtype=torch.float64)
-    mean = flat.mean() if flat.numel() else flat.new_tensor(0.0)
-    std = flat.std(unbiased=False) if flat.numel() > 1 else flat.new_tensor(0.0)
+    mean, std = information_stats(info)
     out = []
     for a, m in zip(advantages, info):
         adv = torch.as_tensor(a, dtype=torch.float64).expand(m.shape)
@@ -134,9 +143,8 @@ def run_iapo_stage(batch: list, s, ctx) -> dict:
     values = iapo_advantages([x.advantage for x in batch], info, s.options)
     for x, v in zip(batch, values):
         x.advantage = v.tolist()
-    flat = torch.cat(info) if info else torch.zeros(0, dtype=torch.float64)
-    return {"iapo/info_mean": float(flat.mean()) if flat.numel() else 0.0,
-            "iapo/info_std": float(flat.std(unbiased=False)) if flat.numel() > 1 else 0.0}
+    mean, std = information_stats(info)
+    return {"iapo/info_mean": float(mean), "iapo/info_std": float(std)}
 
 
 # ----------------------------------------------------------------------------- SPAE
@@ -195,15 +203,19 @@ def spae_advantages(advantages: list, potentials: list[Tensor], cuts: list[list[
         phi = torch.as_tensor(phi, dtype=torch.float64)
         if phi.numel() != len(c):
             raise ValueError(f"potentials: {phi.numel()} values for {len(c)} cuts")
-        spans = torch.as_tensor(c[1:], dtype=torch.long) - torch.as_tensor(c[:-1], dtype=torch.long)
+        spans = step_spans(c)
         after = phi[1:]  # Φ after steps 1..K
-        delta = torch.cat([after.new_zeros(min(1, after.numel())), after[1:] - after[:-1]])
-        reached = (after >= o.tau).to(torch.float64).cummax(0).values if after.numel() else after
-        saturated = torch.cat([after.new_zeros(min(1, after.numel())), reached[:-1]])  # some j < k reached tau
+        delta = torch.cat([after.new_zeros(1), after.diff()])[:after.numel()]  # ΔΦ_1 = 0
         adv = torch.as_tensor(a, dtype=torch.float64).expand((int(spans.sum()),))
-        scale = 1 - o.penalty * torch.sign(adv) * saturated.repeat_interleave(spans)
+        scale = 1 - o.penalty * torch.sign(adv) * saturated_steps(after, o.tau).repeat_interleave(spans)
         out.append(scale * adv + o.alpha * delta.repeat_interleave(spans))
     return out
+
+
+def saturated_steps(after: Tensor, tau: float) -> Tensor:
+    """Per step k = 1..K (`after`: Φ after each), 1.0 where Φ_j >= tau at some step j < k, else 0.0."""
+    reached = (after >= tau).to(torch.float64).cummax(0).values
+    return torch.cat([after.new_zeros(1), reached])[:after.numel()]
 
 
 def run_spae_stage(batch: list, s, ctx) -> dict:
@@ -219,9 +231,7 @@ def run_spae_stage(batch: list, s, ctx) -> dict:
     for x, v in zip(batch, values):
         x.advantage = v.tolist()
     tokens = sum(c[-1] for c in cuts)
-    after = 0
-    for phi, c in zip(potentials, cuts):
-        hit = [k for k in range(1, len(c)) if bool(phi[k] >= s.options.tau)]
-        after += c[-1] - c[hit[0]] if hit else 0
+    after = sum(float((step_spans(c) * saturated_steps(phi[1:], s.options.tau)).sum())
+                for phi, c in zip(potentials, cuts))
     return {"spae/saturated_frac": after / tokens if tokens else 0.0,
             "spae/final_potential": float(torch.stack([p[-1] for p in potentials]).mean()) if potentials else 0.0}

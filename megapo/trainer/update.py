@@ -382,7 +382,7 @@ def answer_after_prefixes(learner: Learner, batch: list[TrainSample], groups: li
     from megapo.trainer.self_teacher import freely_routed_logprobs
 
     delimiter = stage.options.step_delimiter
-    answers = [encode_text(tokenizer, str(g.example.answer)) for g in groups for _ in g.samples]
+    answers = [answer for g in groups for answer in [encode_text(tokenizer, str(g.example.answer))] * len(g.samples)]
     texts_cache: dict = {}
     sequences, prompt_lens, cuts = [], [], []
     for s, answer in zip(batch, answers):
