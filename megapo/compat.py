@@ -194,7 +194,7 @@ def _install_device_mode() -> None:
 @contextlib.contextmanager
 def device_mode_suspended():
     """Run a block without the device="cuda" rewriting mode: for megapo's own hot loops (the weight sync's
-    gather and send), which never meet such a literal. The mode costs about a microsecond per torch call
+    gather and send, the embedded engine's sampling), which never meet such a literal. The mode costs about a microsecond per torch call
     and a sync makes ~10k of them; GPU runs never have it. A no-op when the mode is not the innermost one."""
     from torch.overrides import _pop_mode_temporarily
 
@@ -211,9 +211,17 @@ def device_mode_suspended():
 
 
 def _patch_megatron() -> None:
+    from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer import torch_norm
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        _set(rope_utils, "fused_apply_rotary_pos_emb", _rope_bshd,
+             why="the fused-RoPE slot (TE's kernel) filled with one CPU pass per tensor: the unfused path takes "
+                 "cos and sin of the angles again for every query and key of every layer and copies the result "
+                 "through a concatenation with an empty pass-through; the learner turns it on "
+                 "(apply_rope_fusion) where no TE is present, for non-MLA models (rope_fused)")
 
     _set(tp_random, "_set_cuda_rng_state",
          lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state),
@@ -343,6 +351,109 @@ def _run_fusions_eagerly() -> None:
              "shapes, for no fusion benefit; run them eagerly")
 
 
+# ----------------------------------------------------------------------------- rotary embedding
+
+
+def rope_fused() -> bool:
+    """Whether Megatron's fused-RoPE slot holds _rope_bshd (CPU, apply() ran): the learner then sets
+    apply_rope_fusion, which Megatron takes for [s, b, heads, d] tensors with mscale 1 (others stay unfused)."""
+    rope_utils = sys.modules.get("megatron.core.models.common.embeddings.rope_utils")
+    return rope_utils is not None and rope_utils.fused_apply_rotary_pos_emb is _rope_bshd
+
+
+_ROPE_ANGLES: dict = {}  # the last angles' (freqs, cos, sin): every layer's query and key use one freqs tensor
+
+
+def _rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Megatron's unfused RoPE, x cos + rotate_half(x) sin on the first freqs.shape[-1] dims of t [s, b, heads, d]
+    (the rest passed through), with cos and sin of the same angles taken once and no copy for an empty pass-through.
+    Bitwise equal: each half is x1 cos - x2 sin and x2 cos + x1 sin, as the unfused path's x cos + (-x2, x1) sin."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    if interleaved:
+        return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=True)
+    if _ROPE_ANGLES.get("freqs") is not freqs:
+        _ROPE_ANGLES.update(freqs=freqs, cos=torch.cos(freqs), sin=torch.sin(freqs))
+    cos, sin = _ROPE_ANGLES["cos"].to(t.dtype), _ROPE_ANGLES["sin"].to(t.dtype)
+    rot = freqs.shape[-1]
+    half = rot // 2
+    x1, x2 = t[..., :half], t[..., half:rot]
+    out = torch.cat((x1 * cos[..., :half] - x2 * sin[..., :half], x2 * cos[..., half:] + x1 * sin[..., half:]), -1)
+    return out if rot == t.shape[-1] else torch.cat((out, t[..., rot:]), -1)
+
+
+# ----------------------------------------------------------------------------- local-spec core attention
+
+
+def use_grouped_attention(attention) -> None:
+    """Give the local layer spec's attention (`attention`: its SelfAttentionSubmodules) the grouped core
+    attention (grouped_core_attention). Edits megapo's own spec."""
+    attention.core_attention = grouped_core_attention()
+
+
+_MASK_BIAS: dict = {}  # the last mask's additive bias: every layer of a micro-batch's forward gets one mask tensor
+
+
+def _mask_bias(mask: torch.Tensor | None, batch: int, groups: int, per_group: int, sq: int, sk: int,
+               device) -> torch.Tensor:
+    """[batch * groups, per_group * sq, sk] float32: 0 where a query sees a key, -1e30 where `mask` (True = masked,
+    [batch, 1, sq, sk]; None: causal) hides it. Finite, so a query that sees no key averages every value, as the
+    local path's -10000 fill does (but its scores keep a gradient the fill cuts; megapo's packing never builds such
+    a query: padding sees itself)."""
+    key = (batch, groups, per_group, sq, sk)
+    if _MASK_BIAS.get("mask") is mask and _MASK_BIAS.get("key") == key:
+        return _MASK_BIAS["bias"]
+    hidden = mask if mask is not None else torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)
+    bias = torch.zeros(hidden.shape, dtype=torch.float32, device=device).masked_fill_(hidden, -1e30)
+    bias = bias.view(-1, 1, 1, sq, sk).expand(batch, groups, per_group, sq, sk).reshape(batch * groups, -1, sk)
+    _MASK_BIAS.update(mask=mask, key=key, bias=bias)
+    return bias
+
+
+@functools.cache
+def grouped_core_attention():
+    """Megatron's local DotProductAttention with the query heads of each key head as rows of one matmul: the
+    scores come from one baddbmm onto the mask's additive bias (made once per micro-batch, shared by the layers),
+    then softmax and one bmm. megatron-core 0.16.1's local path repeats every key and value per query head, writes
+    the scores, masks them with a fill and copies the context twice (on the main job's micro-batch a quarter of
+    the train step went there; torch's fused SDPA kernel took 1.3x this path's time, forward and backward, at
+    those shapes). The mask means the same (True = masked; none: causal for a square causal layer). What this
+    path does not take, the local one still runs: attention sinks (softmax_offset), a window left to the local
+    softmax, query-key layer scaling, dropout while training, a non-square causal layer; and bf16 / fp16, where
+    the local path's half-precision scores with an fp32 softmax are what transformers' eager attention computes
+    (the precision tests and the mismatch bench hold the learner to that)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class GroupedDotProductAttention(DotProductAttention):
+        def _grouped(self, query, key, attention_mask, attn_mask_type, attention_bias, packed_seq_params) -> bool:
+            default_causal = attention_mask is None and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+            return (query.dtype == torch.float32 and self.softmax_offset is None
+                    and self.scale_mask_softmax.window_size is None
+                    and not self.config.apply_query_key_layer_scaling and attention_bias is None
+                    and packed_seq_params is None and not (self.training and self.attention_dropout.p > 0)
+                    and (attention_mask is not None or default_causal)
+                    and (attention_mask is None or attention_mask.dtype == torch.bool)
+                    and not (default_causal and query.shape[0] != key.shape[0]))
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if not self._grouped(query, key, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                       packed_seq_params)
+            (sq, b, heads, d), sk, groups = query.shape, key.shape[0], key.shape[2]
+            per = heads // groups  # head h reads key head h // per, as the local path's repeat_interleave
+            q = query.permute(1, 2, 0, 3).reshape(b * groups, per * sq, d)
+            k = key.permute(1, 2, 3, 0).reshape(b * groups, d, sk)
+            v = value.permute(1, 2, 0, 3).reshape(b * groups, sk, -1)
+            bias = _mask_bias(attention_mask, b, groups, per, sq, sk, query.device)
+            probs = torch.softmax(torch.baddbmm(bias, q, k, alpha=self.softmax_scale), dim=-1)
+            context = torch.bmm(probs, v).view(b, groups, per, sq, -1)
+            return context.permute(3, 0, 1, 2, 4).reshape(sq, b, -1)  # [sq, b, heads * value dim]
+
+    return GroupedDotProductAttention
+
+
 # ----------------------------------------------------------------------------- local-spec MLA
 
 
@@ -365,12 +476,10 @@ def use_local_mla(attention) -> None:
 
 @functools.cache
 def latent_core_attention():
-    """Megatron's local DotProductAttention, accepting MLA's `k_channels` / `v_channels`. Its forward
+    """The local core attention (grouped_core_attention), accepting MLA's `k_channels` / `v_channels`. Its forward
     already handles query/key heads wider than value heads (the output width comes from kv_channels, set
     to v_head_dim), so this subclass only drops the two arguments."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    class LatentDotProductAttention(DotProductAttention):
+    class LatentDotProductAttention(grouped_core_attention()):
         def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
             super().__init__(*args, **kwargs)
 
@@ -390,13 +499,11 @@ def use_local_window_attention(attention) -> None:
 
 @functools.cache
 def window_core_attention():
-    """Megatron's local DotProductAttention with its window added to the given mask instead of replacing
+    """The local core attention (grouped_core_attention) with its window added to the given mask instead of replacing
     it: key j is masked for query i when i - j > left (+ the caller's mask; causal when none is given). i and j
     are the tokens' position ids when the learner set them (`positions`, [rows, seq]: a shared prompt's slots
     are not next to each response's), else their slots."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    class WindowDotProductAttention(DotProductAttention):
+    class WindowDotProductAttention(grouped_core_attention()):
         positions: torch.Tensor | None = None
 
         def __init__(self, *args, **kwargs):

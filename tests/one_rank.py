@@ -16,7 +16,7 @@ ONE = OneRankGroup()
 def response_pass_stub(logits, vocab: int, mb):
     """A stand-in `self` for Learner's response-position passes (Learner._response_pass and the methods on it):
     one micro-batch `mb` (its select, order, sizes; targets where the pass reads them) whose forward gives
-    `logits`, on one rank. Call e.g. `Learner.response_sum_p2(stub, sequences, prompt_lens)`."""
+    `logits` ([rows, W, V]: picked at mb.select as the learner's forward step does), on one rank. Call e.g. `Learner.response_sum_p2(stub, sequences, prompt_lens)`."""
     from functools import partial
     from types import SimpleNamespace
 
@@ -25,7 +25,7 @@ def response_pass_stub(logits, vocab: int, mb):
     model = SimpleNamespace(eval=lambda: None, train=lambda: None)
     me = SimpleNamespace(spec=SimpleNamespace(vocab_size=vocab), route_hook=None, model=model,
                          _micro_batches=lambda *a, **k: [mb],
-                         _run=lambda mbs, collect, forward_only: [collect(m, logits)[1] for m in mbs],
+                         _run=lambda mbs, collect, forward_only: [Learner._at_selected(collect, m, logits)[1] for m in mbs],
                          _share_results=lambda items: items)
     me._per_sequence = partial(Learner._per_sequence, me)
     me._response_pass = partial(Learner._response_pass, me)

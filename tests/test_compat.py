@@ -177,3 +177,69 @@ print(json.dumps({"children": len(children), "forks": len(forks),
                   "equal": all(torch.equal(back[k], v) for k, v in saved.items())}))
 """)
     assert out == {"children": 0, "forks": 0, "equal": True}, out
+
+
+def test_grouped_core_attention_equals_megatrons_local_attention():
+    # Megatron's own local DotProductAttention is the reference: random q/k/v with GQA (4 query heads on 2 key
+    # heads), a packing-style mask with a query that sees no key, and the default causal mask; outputs and
+    # gradients. Its forward is made to raise while the grouped class runs, so the grouped path is what ran.
+    out = run_py("""
+import json, torch
+from megapo import compat
+from megapo.config import ParallelConfig
+from megapo.learner import model as M
+M.init_distributed(ParallelConfig(), M.detect_backend(), 0)
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                        attention_dropout=0.0, masked_softmax_fusion=False)
+g = torch.Generator().manual_seed(0)
+sq, b = 9, 3
+mask = (torch.rand(b, 1, sq, sq, generator=g) > 0.6) & ~torch.eye(sq, dtype=torch.bool)  # each sees itself, as packed
+blind = mask.clone()
+blind[1, 0, 4] = True  # a query that sees no key: the same average of every value (forward; its gradient is not zeroed)
+out = {}
+for name, m in (("mask", mask), ("causal", None), ("blind", blind)):
+    q, k, v = (torch.randn(sq, b, h, 16, generator=g, dtype=torch.float32) for h in (4, 2, 2))
+    def run(cls):
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        y = cls(cfg, 1, AttnMaskType.causal, "self")(*x, m)
+        (y * torch.arange(y.numel()).view_as(y).sin()).sum().backward()
+        return [y] + [t.grad for t in x]
+    ref = run(DotProductAttention)
+    local = DotProductAttention.forward
+    DotProductAttention.forward = lambda *a, **k: (_ for _ in ()).throw(AssertionError("local path ran"))
+    got = run(compat.grouped_core_attention())
+    DotProductAttention.forward = local
+    out[name] = max(float((a - r).abs().max()) for a, r in zip(got, ref[:1] if name == "blind" else ref))
+print(json.dumps(out))
+""")
+    assert out["mask"] < 1e-5 and out["causal"] < 1e-5 and out["blind"] < 1e-5, out
+
+
+def test_rope_pass_is_bitwise_megatrons_unfused_rope():
+    # Megatron's unfused bshd RoPE is the reference: whole and partial rotary dims (glm4_moe rotates the first
+    # half of each head), outputs and gradients bitwise equal; a second call on new angles is not served stale ones.
+    out = run_py("""
+import json, torch
+from megapo import compat
+compat.apply()
+from megatron.core.models.common.embeddings import rope_utils
+g = torch.Generator().manual_seed(1)
+out = {"slot_filled": rope_utils.fused_apply_rotary_pos_emb is compat._rope_bshd and compat.rope_fused()}
+for rot in (32, 16):
+    for call in range(2):
+        half = torch.rand(7, 2, 1, rot // 2, generator=g) * 10
+        freqs = torch.cat((half, half), -1)
+        t = torch.randn(7, 2, 4, 32, generator=g)
+        res = []
+        for fn in (lambda x: rope_utils._apply_rotary_pos_emb_bshd(x, freqs), lambda x: compat._rope_bshd(x, freqs)):
+            x = t.clone().requires_grad_()
+            y = fn(x)
+            (y * torch.arange(y.numel()).view_as(y).cos()).sum().backward()
+            res.append((y, x.grad))
+        out[f"{rot}-{call}"] = torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+print(json.dumps(out))
+""")
+    assert all(out.values()), out

@@ -105,7 +105,7 @@ def test_learner_tempered_logp_reads_the_response_slots(monkeypatch):
     logits[..., V] = 50.0  # padding: must not count
     select = torch.tensor([1, 2, 5, 6, 7])
     targets = torch.randint(0, V, (8,), generator=gen)
-    mb = SimpleNamespace(select=select, targets=targets, order=[0, 1], sizes=[2, 3])
+    mb = SimpleNamespace(select=select, targets=targets, order=[0, 1], sizes=[2, 3], head_selected=False)
     me = response_pass_stub(logits, V, mb)
     got = Learner.response_tempered_logp(me, [[1, 2, 3, 4], [1, 2, 3, 4, 5]], [2, 2], 1.2)
     flat = logits.reshape(-1, V + 1)[select, :V]

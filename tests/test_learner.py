@@ -300,3 +300,36 @@ def test_logprobs_and_entropy_with_gradients_match_log_softmax():
                                              group=ONE)
     assert not metric_only.requires_grad
     torch.testing.assert_close(metric_only, ref_entropy.detach(), rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the head at the selected slots
+
+
+HEAD_SCRIPT = r"""
+import json, sys
+import torch
+from megapo.config import ParallelConfig
+from megapo.learner.learner import Learner
+
+learner = Learner(sys.argv[1], ParallelConfig(), micro_batch_tokens=40, share_prefix="off")
+rows = []
+learner.module.output_layer.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0] * args[0].shape[1]))
+sequences = json.loads(sys.argv[2])
+logps = learner.logprobs(sequences)
+print(json.dumps({"logprobs": [l.tolist() for l in logps], "head_rows": rows}))
+"""
+
+
+def test_the_lm_head_runs_at_the_selected_slots_only(tmp_path, tiny_moe):
+    """The head's input holds one row per predicted position (sum of len - 1 over the sequences), not rows x width
+    of the packed micro-batches, and the log-probs still equal transformers' forward."""
+    sequences = write_input(tmp_path / "in.jsonl")
+    (tmp_path / "head.py").write_text(HEAD_SCRIPT)
+    proc = subprocess.run([sys.executable, str(tmp_path / "head.py"), str(tiny_moe), json.dumps(sequences)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sum(r["head_rows"]) == sum(len(s) - 1 for s in sequences)
+    assert len(r["head_rows"]) > 1  # several micro-batches, each its own selection
+    for got, ref in zip(r["logprobs"], transformers_logprobs(tiny_moe, sequences)):
+        assert (torch.tensor(got) - ref).abs().max().item() < 1e-4

@@ -275,12 +275,12 @@ def test_learner_glue_selects_pads_and_weighs_like_the_full_vocabulary_reference
     targets[2] = logits[0, 2].argmax()  # one sampled token is the top-1 for sure
     mask = torch.tensor([[True, True, False], [True, True, True]])
     mb = SimpleNamespace(select=select, targets=targets, mask=mask, place=torch.tensor([0, 1, 3, 4, 5]),
-                         columns=torch.arange(5), loss_mask=mask)
+                         columns=torch.arange(5), loss_mask=mask, head_selected=False)
     me = SimpleNamespace(spec=SimpleNamespace(vocab_size=V), _padded=Learner._padded, _padded_rows=Learner._padded_rows)
     full = torch.log_softmax(logits.reshape(-1, V)[select], dim=-1)  # [5, V]
     rows = [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
 
-    got = Learner._policy_topk_inputs(me, mb, logits, 3)
+    got = Learner._at_selected(lambda m, x: Learner._policy_topk_inputs(me, m, x, 3), mb, logits)
     top = full.topk(3, dim=-1)
     for n, (i, t) in enumerate(rows):
         assert got["topk_logp_sum"][i, t].item() == pytest.approx(top.values[n].sum().item(), abs=1e-12)
@@ -293,7 +293,8 @@ def test_learner_glue_selects_pads_and_weighs_like_the_full_vocabulary_reference
     topk = {"teacher_topk_ids": t_ids, "teacher_topk_logp": t_logp}
     spec = LossSpec("ppo", "token-mean", distill_topk=(0.5,))
     zeros = torch.zeros(2, 3, dtype=torch.float64)
-    loss, metrics = Learner._topk_distill(me, mb, logits, topk, spec, zeros, zeros, zeros, 8, 2, {})
+    loss, metrics = Learner._at_selected(
+        lambda m, x: Learner._topk_distill(me, m, x, topk, spec, zeros, zeros, zeros, 8, 2, {}), mb, logits)
     want = sum(math.exp(t_logp[n, j]) * (t_logp[n, j] - full[n, t_ids[n, j]]) for n in range(5) for j in range(2))
     assert loss.item() == pytest.approx(0.5 * want.item() / 8, abs=1e-12)  # token-mean over global_tokens = 8
     assert metrics["distill/topk_forward_kl"].item() == pytest.approx(want.item(), abs=1e-12)

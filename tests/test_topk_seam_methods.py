@@ -98,7 +98,7 @@ def test_learner_response_sum_p2_reads_the_response_slots(monkeypatch):
     V = 6
     logits = padded_logits(2, 4, vocab=V, padded=V, seed=21)
     select = torch.tensor([1, 2, 5, 6, 7])
-    mb = SimpleNamespace(select=select, order=[0, 1], sizes=[2, 3])
+    mb = SimpleNamespace(select=select, order=[0, 1], sizes=[2, 3], head_selected=False)
     me = response_pass_stub(logits, V, mb)
     got = Learner.response_sum_p2(me, [[1, 2, 3, 4], [1, 2, 3, 4, 5]], [2, 2])
     want = ref_sum_p2(logits.reshape(-1, V)[select])
@@ -340,9 +340,10 @@ def test_learner_glue_gives_lp_reg_the_proxy_at_the_selected_slots(monkeypatch):
     select = torch.tensor([1, 2, 5, 6, 7])
     targets = torch.randint(0, V, (8,), generator=torch.Generator().manual_seed(13))
     mask = torch.tensor([[True, True, False], [True, True, True]])
-    mb = SimpleNamespace(select=select, targets=targets, mask=mask, place=torch.tensor([0, 1, 3, 4, 5]))
+    mb = SimpleNamespace(select=select, targets=targets, mask=mask, place=torch.tensor([0, 1, 3, 4, 5]),
+                         head_selected=False)
     me = SimpleNamespace(spec=SimpleNamespace(vocab_size=V), _padded=Learner._padded)
-    got = Learner._policy_proxy_logp(me, mb, logits, 0.2, "relative")
+    got = Learner._at_selected(lambda m, x: Learner._policy_proxy_logp(me, m, x, 0.2, "relative"), mb, logits)
     flat = logits.detach().reshape(-1, V)
     for n, (i, t) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]):
         want = ref_proxy_logp(flat[select[n]], int(targets[select[n]]), 0.2, "relative")
@@ -460,9 +461,10 @@ def test_learner_glue_gives_rlpt_the_promising_mass_and_membership(monkeypatch):
     targets = torch.randint(0, V, (8,), generator=torch.Generator().manual_seed(20))
     targets[5] = logits[1, 1].argmax()
     mask = torch.tensor([[True, True, False], [True, True, True]])
-    mb = SimpleNamespace(select=select, targets=targets, mask=mask, place=torch.tensor([0, 1, 3, 4, 5]))
+    mb = SimpleNamespace(select=select, targets=targets, mask=mask, place=torch.tensor([0, 1, 3, 4, 5]),
+                         head_selected=False)
     me = SimpleNamespace(spec=SimpleNamespace(vocab_size=V), _padded=Learner._padded)
-    got = Learner._policy_topk_inputs(me, mb, logits, 3)
+    got = Learner._at_selected(lambda m, x: Learner._policy_topk_inputs(me, m, x, 3), mb, logits)
     full = torch.log_softmax(logits.detach().reshape(-1, V)[select], dim=-1)
     for n, (i, t) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]):
         top = full[n].topk(3)

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megapo import compat
 from megapo.engines.base import (Engine, EngineCapabilities, Sample, SamplingParams, check_prompts, joined,
                                  versions_of)
 from megapo.replay.routes import route_dtype
@@ -212,7 +213,8 @@ class EmbeddedEngine(Engine):
             with self._lock:
                 if (self._running.is_set() and not self._preempted.is_set()) or self._closed:
                     self._check_open()
-                    return self._generate_locked(prompts, params, gen, noise_gen)
+                    with compat.device_mode_suspended():  # megapo's own loop: no device="cuda" literal to rewrite
+                        return self._generate_locked(prompts, params, gen, noise_gen)
 
     def _continue(self, groups: list[list[Sample]], params: SamplingParams, gen,
                   noise_gen=None) -> list[list[Sample]]:

@@ -68,7 +68,7 @@ class Critic:
         def collect(mb, out: torch.Tensor):
             if not mb.order:
                 return out.new_zeros(()), {"value": None}
-            return out.new_zeros(()), {"value": out.detach().reshape(-1)[mb.select].float(), "order": mb.order,
+            return out.new_zeros(()), {"value": out.detach().reshape(-1).float(), "order": mb.order,
                                        "sizes": mb.sizes}
 
         learner.model.eval()
@@ -101,7 +101,7 @@ class Critic:
         def loss_func(mb, out: torch.Tensor):
             if not mb.order:  # an empty micro-batch (DP balancing): keep the graph connected
                 return out.sum() * 0.0, {"stats": None}
-            v = learner._padded(mb, out.reshape(-1)[mb.select].float())
+            v = learner._padded(mb, out.reshape(-1).float())
             r, o = learner._padded(mb, target[mb.columns]), learner._padded(mb, old[mb.columns])
             loss = clipped_value_loss(v, o, r, mb.mask, clip) * (mb.num_tokens / global_tokens)
             stats = torch.stack([loss.detach(), v.detach()[mb.mask].sum(), _clipped(v.detach(), o, r, clip)[mb.mask]

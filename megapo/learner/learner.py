@@ -61,6 +61,7 @@ class MicroBatch:
     loss_mask: torch.Tensor | None = None  # train: [S, T] the entries the loss counts (real, and loss_mask 1)
     loss_tokens: int = 0  # how many
     shared: list = ()  # shared-prefix units: (first member, the other members, shared positions) (packing.SlotMap)
+    head_selected: bool = False  # the head ran at the `select` slots only (HeadSelection)
 
 
 @dataclass
@@ -132,6 +133,7 @@ class Learner:
         self.config = model_lib.transformer_config(self.spec, parallel, self.backend, routing_replay=routing_replay,
                                                    precision=precision)
         self.model = model_lib.build_model(self.spec, parallel, self.backend, self.config, ddp=not frozen)
+        self._head = model_lib.HeadSelection(self.module)
         if routing_replay:  # megapo/replay: routes through the micro-batches into Megatron's RouterReplay
             from megapo.replay.hook import attach
 
@@ -243,15 +245,24 @@ class Learner:
         if self.route_hook is not None:
             self.route_hook.before_forward(mb)
         set_positions(model, mb.position_ids, int(mb.pos.max()) + 1)
+        self._head.select(mb)
         kwargs = {"packed_seq_params": mb.packed_seq_params} if mb.packed_seq_params is not None else {}
         output = model(mb.tokens, mb.position_ids, mb.attention_mask, **kwargs)
-        return output, partial(loss_func, mb)
+        return output, partial(self._at_selected, loss_func, mb)
+
+    @staticmethod
+    def _at_selected(loss_func, mb: MicroBatch, output: torch.Tensor):
+        """The last stage's head output at the selected slots, [N, V/tp] (or [N, 1] for a score head), to
+        `loss_func(mb, ...)`: as the head computed it (HeadSelection) or picked from the full [rows, W, ...]."""
+        flat = output.reshape(-1, output.shape[-1])
+        if not mb.head_selected:
+            flat = flat[mb.select] if mb.select is not None else flat[:0]
+        return loss_func(mb, flat)
 
     def _selected_logprobs(self, mb: MicroBatch, logits: torch.Tensor, with_entropy: bool, entropy_grad: bool = False):
         """log p(token t+1 | its sequence up to t) at the selected slots: ([N], [N] or None); logits
-        [rows, W, V/tp]. Only the selected slots go through the vocabulary reduction."""
-        flat = logits.reshape(-1, logits.shape[-1])
-        return vocab_parallel_logprobs(flat[mb.select], mb.targets[mb.select], vocab_size=self.spec.vocab_size,
+        [N, V/tp] at those slots (_at_selected)."""
+        return vocab_parallel_logprobs(logits, mb.targets[mb.select], vocab_size=self.spec.vocab_size,
                                        with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     def _policy_topk_inputs(self, mb: MicroBatch, logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
@@ -259,7 +270,7 @@ class Learner:
         Σ_k log π_θ(v_k) over π_θ's k most likely tokens (differentiable), top1 = 1.0 where the sampled token is
         the most likely one, topk_lse = log Σ_k π_θ(v_k) (differentiable) and in_topk = 1.0 where the sampled token is
         among the k (rlpt). Vocabulary-parallel: O(k) values per token cross TP ranks."""
-        flat = logits.reshape(-1, logits.shape[-1])[mb.select]
+        flat = logits
         ids, _ = vocab_parallel_topk(flat, k, vocab_size=self.spec.vocab_size)
         logp = vocab_parallel_logprobs_at(flat, ids, vocab_size=self.spec.vocab_size)
         targets = mb.targets[mb.select]
@@ -272,7 +283,7 @@ class Learner:
         """log q(y_t) at each selected slot as the [S, T] input policy_loss takes, q the min-p proxy of this forward's
         distribution (logprobs.vocab_parallel_min_p_logprobs: the tokens below the threshold dropped, the rest
         renormalised; 2–3 values per token cross TP ranks). Detached."""
-        flat = logits.detach().reshape(-1, logits.shape[-1])[mb.select]
+        flat = logits.detach()
         return self._padded(mb, vocab_parallel_min_p_logprobs(flat, mb.targets[mb.select], min_p=min_p, mode=threshold,
                                                               vocab_size=self.spec.vocab_size))
 
@@ -422,7 +433,7 @@ class Learner:
         def collect(mb: MicroBatch, logits: torch.Tensor):
             if not mb.order:
                 return logits.new_zeros(()), {"values": None}
-            flat = logits.detach().reshape(-1, logits.shape[-1])[mb.select]
+            flat = logits.detach()
             values = per_slot(flat, mb.targets[mb.select]) if with_targets else per_slot(flat)
             return logits.new_zeros(()), {"values": values, "order": mb.order, "sizes": mb.sizes}
 
@@ -576,8 +587,7 @@ class Learner:
         if topk is None:
             raise ValueError("batch: the loss has a top-k distillation term (distill_topk) but the samples carry no "
                              "teacher_topk_ids / teacher_topk_logp")
-        flat = logits.reshape(-1, logits.shape[-1])
-        student = vocab_parallel_logprobs_at(flat[mb.select], topk["teacher_topk_ids"][mb.columns],
+        student = vocab_parallel_logprobs_at(logits, topk["teacher_topk_ids"][mb.columns],
                                              vocab_size=self.spec.vocab_size)
         teacher = topk["teacher_topk_logp"][mb.columns]
         b = TokenBatch(logp, old, advantages, mb.loss_mask)
@@ -758,22 +768,19 @@ def _routes_agreed(routes: list, groups: list[tuple[list[int], int]], *, strict:
 def _agreed_positions(routes: list, members: list[int], shared: int) -> int:
     if shared < 1:
         return 0
-    rows = [_route_rows(routes[m], shared) for m in members]
-    if all(r is None for r in rows):
+    given = [routes[m] for m in members]
+    if all(r is None for r in given):
         return shared
-    if any(r is None or len(r) < shared for r in rows):
+    if any(r is None or len(r) < shared for r in given):
         return 0
-    same = np.ones(shared, dtype=bool)
-    for r in rows[1:]:
-        same &= (r == rows[0]).all(axis=(1, 2))
+    # [members, shared, layers * k], each route sorted: a route is a set of experts
+    block = np.sort(np.stack([_host(r)[:shared] for r in given]), axis=-1).reshape(len(given), shared, -1)
+    same = (block == block[0]).all(axis=(0, 2))
     return shared if same.all() else int(np.argmin(same))
 
 
-def _route_rows(routes, shared: int) -> np.ndarray | None:
-    if routes is None:
-        return None
-    arr = routes.cpu().numpy() if isinstance(routes, torch.Tensor) else np.asarray(routes)
-    return np.sort(arr[:shared], axis=-1)  # a route is a set of experts
+def _host(routes) -> np.ndarray:
+    return routes.cpu().numpy() if isinstance(routes, torch.Tensor) else np.asarray(routes)
 
 
 def _check_sequences(sequences: list[list[int]], vocab: int) -> np.ndarray:

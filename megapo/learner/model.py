@@ -121,7 +121,7 @@ def transformer_config(spec: ModelSpec, parallel: ParallelConfig, backend: Backe
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=compat.rope_fused() and spec.mla is None,  # CPU: compat's RoPE pass; TE: unfused
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
@@ -259,7 +259,7 @@ def layer_spec(spec: ModelSpec, config, backend: Backend):
     if spec.moe_layers and not all(spec.moe_layers):
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=backend.use_te, normalization="RMSNorm")
         for layer in block.layer_specs:
-            _local_mla_attention(layer, spec, backend)
+            _local_attention(layer, spec, backend)
         return block
     experts = spec.num_experts or None
     mla = spec.mla is not None
@@ -267,20 +267,26 @@ def layer_spec(spec: ModelSpec, config, backend: Backend):
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm,
             multi_latent_attention=mla)
-    layer = _local_mla_attention(
+    layer = _local_attention(
         get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
                                  multi_latent_attention=mla, normalization="RMSNorm"), spec, backend)
-    if spec.sliding_window:
-        compat.use_local_window_attention(layer.submodules.self_attention.submodules)
     if spec.linear_bias and experts:
         compat.use_local_expert_bias(layer.submodules.mlp.submodules.experts.submodules)
     return layer
 
 
-def _local_mla_attention(layer, spec: ModelSpec, backend: Backend):
-    """The local spec's MLA, with the pieces megatron-core 0.16.1 lacks without TE (see compat.use_local_mla)."""
-    if spec.mla is not None and not backend.use_te:
-        compat.use_local_mla(layer.submodules.self_attention.submodules)
+def _local_attention(layer, spec: ModelSpec, backend: Backend):
+    """The local spec's core attention: grouped heads over one additive mask (compat.grouped_core_attention), as MLA's variant
+    with the pieces megatron-core 0.16.1 lacks without TE (compat.use_local_mla) and with sliding windows
+    kept inside the packing mask (compat.use_local_window_attention)."""
+    if backend.use_te:
+        return layer
+    attention = layer.submodules.self_attention.submodules
+    compat.use_grouped_attention(attention)
+    if spec.mla is not None:
+        compat.use_local_mla(attention)
+    if spec.sliding_window:
+        compat.use_local_window_attention(attention)
     return layer
 
 
@@ -329,6 +335,40 @@ def build_model(spec: ModelSpec, parallel: ParallelConfig, backend: Backend, con
         use_distributed_optimizer=parallel.distributed_optimizer,
     )
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+class HeadSelection:
+    """Runs the model's head (the LM head, or the score or value head in its place) only at the slots a
+    micro-batch reads: a forward pre-hook on `output_layer` hands it the final hidden states at those slots,
+    [N, 1, h] of [W, rows, h], so the vocabulary projection, its gradient and the logits' copies cost N rows,
+    not rows x W (on the main job's batch, 2.6k of 3.5k). Where the head gathers a sequence-parallel input
+    itself the slots are spread over the TP ranks: the caller then picks them from the full output
+    (MicroBatch.head_selected stays False)."""
+
+    def __init__(self, module):
+        self.module = module  # the unwrapped GPTModel of this pipeline stage
+        self.hooked = None
+        self.rows: torch.Tensor | None = None
+
+    def select(self, mb) -> None:
+        """Before mb's forward: the head will see mb.select's slots only, and mb.head_selected says so."""
+        head = getattr(self.module, "output_layer", None)  # None: not the last pipeline stage
+        mb.head_selected = head is not None and not getattr(head, "sequence_parallel", False)
+        if not mb.head_selected:
+            self.rows = None
+            return
+        if head is not self.hooked:  # the first forward, or a score head replaced the LM head since
+            head.register_forward_pre_hook(self._pick)
+            self.hooked = head
+        rows, width = mb.tokens.shape
+        slots = mb.select if mb.select is not None else mb.tokens.new_zeros(0)
+        self.rows = (slots % width) * rows + torch.div(slots, width, rounding_mode="floor")  # seq-first order
+
+    def _pick(self, module, args):
+        if self.rows is None:
+            return None
+        hidden, self.rows = args[0].reshape(-1, args[0].shape[-1]).index_select(0, self.rows)[:, None], None
+        return (hidden, *args[1:])
 
 
 def mark_sinks(model) -> None:

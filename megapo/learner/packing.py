@@ -185,10 +185,8 @@ def prefix_units(sequences: list[list[int]], prompt_lens, capacity: int, agreed=
 def common_prefix(sequences: list[list[int]], members: list[int]) -> int:
     """Length of the longest prefix all `members` share."""
     n = min(len(sequences[i]) for i in members)
-    first = np.asarray(sequences[members[0]][:n])
-    same = np.ones(n, dtype=bool)
-    for i in members[1:]:
-        same &= np.asarray(sequences[i][:n]) == first
+    block = np.array([sequences[i][:n] for i in members])  # [members, n]
+    same = (block == block[0]).all(0)
     return n if same.all() else int(np.argmin(same))
 
 

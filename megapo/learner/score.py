@@ -193,7 +193,7 @@ class ScoreModel:
         def collect(mb, out: torch.Tensor):
             if not mb.order:
                 return out.new_zeros(()), {"score": None}
-            return out.new_zeros(()), {"score": out.detach().reshape(-1)[mb.select].float(), "order": mb.order,
+            return out.new_zeros(()), {"score": out.detach().reshape(-1).float(), "order": mb.order,
                                        "sizes": mb.sizes}
 
         learner.model.eval()
@@ -225,7 +225,7 @@ class ScoreModel:
         def surrogate(mb, out: torch.Tensor):
             if not mb.order:  # an empty micro-batch (DP balancing): keep the graph connected
                 return out.sum() * 0.0, {}
-            mine = out.reshape(-1)[mb.select].float()
+            mine = out.reshape(-1).float()
             return (mine * weight[mb.order]).sum() * scale, {}
 
         learner.model.train()

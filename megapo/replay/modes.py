@@ -243,7 +243,10 @@ def engine_mismatch(samples: list[TrainSample], logps: list) -> dict[str, float]
     samples = as_train_samples(samples)
     from megapo.algorithms.corrections import mismatch_metrics
 
-    def flat(values) -> torch.Tensor:
+    def flat(values) -> torch.Tensor:  # tensors (the learner's) joined by torch, lists (the engine's) by numpy
+        values = list(values)
+        if values and all(isinstance(v, torch.Tensor) for v in values):
+            return torch.cat([v.reshape(-1) for v in values]).to(torch.float64)
         return torch.from_numpy(np.concatenate([np.asarray(v, dtype=np.float64).reshape(-1) for v in values]))
 
     pi, mu = flat(logps), flat(s.rollout_logp for s in samples)

@@ -18,7 +18,8 @@ safetensors (the main job's SFT warm start, made under --work-dir on the first r
 - sync: none (the sampler reads the trained parameters).
 It is meant to be the fastest plain implementation: nothing a single process does not need (fused SDPA for the
 right-padded causal passes, attention by hand for one decode token where CPU SDPA is slower, row gathers by
-index_select, no per-token Python work in the sampler).
+index_select, no per-token Python work in the sampler), and it runs without megapo.compat's device-literal mode
+(a plain program has none; megapo's learner process needs it for Megatron on CPU and pays its per-call cost).
 megapo's step is the main job's: EmbeddedEngine (megapo.trainer.engine_setup) and megapo.trainer's
 collect_rollouts / update_policy / sync_weights with the config's RunConfig, so changes there show up here.
 
@@ -34,6 +35,7 @@ when the step-0 log-probs differ, 2 on a config the floor does not implement.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -45,6 +47,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from megapo import compat
 
 PHASES = ("generate", "old_logp", "train", "sync")
 REPO = Path(__file__).resolve().parents[2]
@@ -503,8 +507,9 @@ def sampler_rates(floor: Floor, megapo: Megapo, rounds: int) -> dict:
         for side in (("floor", "megapo") if k % 2 else ("megapo", "floor")):
             t0 = time.perf_counter()
             if side == "floor":
-                out = floor_generate(floor.model, prompts, r.n_samples, r.max_new_tokens, floor.stop_id, r.temperature,
-                                     floor.gen)
+                with compat.device_mode_suspended():
+                        out = floor_generate(floor.model, prompts, r.n_samples, r.max_new_tokens, floor.stop_id,
+                                         r.temperature, floor.gen)
             else:
                 out = megapo.engine.generate(prompts, megapo.params)
             rates[side].append(sum(len(s.output_ids) for g in out for s in g) / (time.perf_counter() - t0))
@@ -628,7 +633,10 @@ def run_bench(args, cfg) -> dict:
         for k in range(args.warmup + args.steps):
             for name in (("floor", "megapo") if k % 2 == 0 else ("megapo", "floor")):
                 timer: dict = {}
-                generated = sides[name].step(timer)
+                # megapo's learner process rewrites device="cuda" literals for Megatron on CPU (megapo.compat); a
+                # plain program has no such mode, so the floor runs without it
+                with compat.device_mode_suspended() if name == "floor" else contextlib.nullcontext():
+                    generated = sides[name].step(timer)
                 if k >= args.warmup and all(p in timer for p in PHASES):
                     per_step[name].append(timer)
                     tokens[name].append(generated)

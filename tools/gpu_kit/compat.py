@@ -34,7 +34,8 @@ def section_compat(ctx: Context) -> dict:
 COMPAT_MODULES = ("megatron.core.tensor_parallel.random", "megatron.core.tensor_parallel.mappings",
                   "megatron.core.transformer.torch_norm", "megatron.core.transformer.moe.moe_utils",
                   "megatron.core.transformer.moe.token_dispatcher",
-                  "megatron.core.dist_checkpointing.strategies.filesystem_async")
+                  "megatron.core.dist_checkpointing.strategies.filesystem_async",
+                  "megatron.core.models.common.embeddings.rope_utils")
 
 
 def compat_patched_attributes() -> list[str]:
