@@ -361,24 +361,26 @@ def rope_fused() -> bool:
     return rope_utils is not None and rope_utils.fused_apply_rotary_pos_emb is _rope_bshd
 
 
-_ROPE_ANGLES: dict = {}  # the last angles' (freqs, cos, sin): every layer's query and key use one freqs tensor
+_ROPE_ANGLES: dict = {}  # the last angles' (freqs, cos, signed sin): every layer's query and key use one freqs tensor
 
 
 def _rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Megatron's unfused RoPE, x cos + rotate_half(x) sin on the first freqs.shape[-1] dims of t [s, b, heads, d]
-    (the rest passed through), with cos and sin of the same angles taken once and no copy for an empty pass-through.
-    Bitwise equal: each half is x1 cos - x2 sin and x2 cos + x1 sin, as the unfused path's x cos + (-x2, x1) sin."""
+    (the rest passed through), as x cos + roll(x, half) (-sin, sin): cos and the signed sin taken once per angles,
+    no concatenation of halves, no copy for an empty pass-through. Bitwise equal: each half is x1 cos + (-x2) sin and
+    x2 cos + x1 sin in both."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
     if interleaved:
         return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=True)
-    if _ROPE_ANGLES.get("freqs") is not freqs:
-        _ROPE_ANGLES.update(freqs=freqs, cos=torch.cos(freqs), sin=torch.sin(freqs))
-    cos, sin = _ROPE_ANGLES["cos"].to(t.dtype), _ROPE_ANGLES["sin"].to(t.dtype)
     rot = freqs.shape[-1]
     half = rot // 2
-    x1, x2 = t[..., :half], t[..., half:rot]
-    out = torch.cat((x1 * cos[..., :half] - x2 * sin[..., :half], x2 * cos[..., half:] + x1 * sin[..., half:]), -1)
+    if _ROPE_ANGLES.get("freqs") is not freqs:
+        sin = torch.sin(freqs)
+        _ROPE_ANGLES.update(freqs=freqs, cos=torch.cos(freqs), sin=torch.cat((-sin[..., :half], sin[..., half:]), -1))
+    cos, sin = _ROPE_ANGLES["cos"].to(t.dtype), _ROPE_ANGLES["sin"].to(t.dtype)
+    x = t[..., :rot]
+    out = x * cos + torch.roll(x, half, -1) * sin  # roll by half: (x2, x1)
     return out if rot == t.shape[-1] else torch.cat((out, t[..., rot:]), -1)
 
 
