@@ -83,7 +83,8 @@ def test_token_whitening_needs_lengths():
 # one sample), rloo by n-1 (no sample left out), dr_grpo and reinforce_pp_baseline subtract the group
 # mean (one sample is its own baseline: every advantage 0, nothing to learn); drpo and canon compare two
 # subgroups of the group (correct vs incorrect, shorter vs longer half), each needing a response.
-MIN_GROUP = {"grpo": 2, "rloo": 2, "dr_grpo": 2, "reinforce_pp_baseline": 2, "riskpo": 2, "drpo": 2, "canon": 2}
+MIN_GROUP = {"grpo": 2, "rloo": 2, "dr_grpo": 2, "reinforce_pp_baseline": 2, "riskpo": 2, "drpo": 2, "canon": 2,
+             "hapo_tga": 2}
 
 
 @pytest.mark.parametrize("name", sorted(MIN_GROUP))
@@ -185,3 +186,30 @@ def test_length_penalty():
     assert out.tolist() == pytest.approx([1.0 - 0.125, -0.375])
     with pytest.raises(ValueError, match="^lengths"):
         shape_rewards("length_penalty", _t([1.0, 0.0]), torch.tensor([10]), coef=0.5)
+
+
+def test_hapo_token_group_average_weighs_each_token():
+    """HAPO's Token Level Group Average: the group's mean and population std over its response tokens (a response of
+    L tokens counts L times), written out as a loop over the tokens; the third group has one long outlier whose
+    |A| reaches the fallback, so it takes GRPO's advantages (the authors' code)."""
+    rewards = [[1.0, 0.0, 0.0, 1.0], [0.5, 0.25, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]]
+    lengths = [[3, 9, 2, 5], [4, 4, 1, 7], [30, 30, 30, 1]]
+    a = compute_advantages("hapo_tga", _t(rewards), lengths=torch.tensor(lengths), eps=1e-6, fallback=5.0)
+    for g, ls, row in zip(rewards, lengths, a.tolist()):
+        tokens = [r for r, n in zip(g, ls) for _ in range(n)]
+        mu, sd = statistics.mean(tokens), statistics.pstdev(tokens)
+        tga = [(r - mu) / (sd + 1e-6) for r in g]
+        want = tga if max(abs(x) for x in tga) < 5.0 else [(r - statistics.mean(g)) / (statistics.stdev(g) + 1e-6)
+                                                             for r in g]
+        assert row == pytest.approx(want, rel=1e-12)
+    assert a[2].tolist() == pytest.approx([(r - 0.25) / (0.5 + 1e-6) for r in rewards[2]], rel=1e-12)  # fell back
+    assert abs(a[0, 1].item() - a[0, 2].item()) < 1e-12  # equal rewards, equal advantages: the lengths only weigh
+
+
+@pytest.mark.parametrize("opts, field", [({"fallback": 0}, "fallback"), ({"eps": -1.0}, "eps"),
+                                          ({"fallback": float("inf")}, "fallback")])
+def test_hapo_token_group_average_refuses_bad_options(opts, field):
+    with pytest.raises(ValueError, match=field):
+        compute_advantages("hapo_tga", _t(REWARDS), lengths=torch.ones(3, 4), **opts)
+    with pytest.raises(ValueError, match="lengths"):
+        compute_advantages("hapo_tga", _t(REWARDS))

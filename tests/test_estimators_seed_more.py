@@ -145,6 +145,7 @@ BAD_ESTIMATOR = [
     ("drpo", {"max_len": 8, "correct_threshold": "half"}, "correct_threshold"),
     ("canon", {"mu": 1.5}, "mu"), ("canon", {"mu": True}, "mu"), ("canon", {"metric": "entropy"}, "metric"),
     ("canon", {"metric": "tokens"}, "metric"), ("canon", {"alpha": 1.0}, "unknown option"),
+    ("hapo_tga", {"fallback": 0}, "fallback"), ("hapo_tga", {"eps": "1e-6"}, "eps"),
 ]
 
 

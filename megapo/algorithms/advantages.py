@@ -92,6 +92,40 @@ def reinforce_pp_baseline(r: Tensor, o: WhitenOptions, lengths: Tensor | None) -
 
 
 @dataclass
+class TokenGroupAverageOptions:
+    eps: float = 1e-6
+    fallback: float = 5.0  # a group with any |A_i| >= fallback takes GRPO's advantages (the authors' "smooth score")
+
+    def __post_init__(self):
+        for key in ("eps", "fallback"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ValueError(f"{key}: must be a finite number > 0, got {v!r}")
+
+
+@register(
+    "hapo_tga", "advantage", "group",
+    "Liu et al. 2025, From Uniform to Heterogeneous: Tailoring Policy Optimization to Every Token's Nature "
+    "(HAPO, arXiv:2509.16591), its Token Level Group Average as the authors' released estimator",
+    TokenGroupAverageOptions, min_group=2,  # one sample: its own mean, every advantage 0
+)
+def hapo_tga(r: Tensor, o: TokenGroupAverageOptions, lengths: Tensor | None) -> Tensor:
+    """Within each group, the mean and std over the group's response tokens (response i counts L_i times):
+    μ = Σ L_i R_i / Σ L_i, σ² = Σ L_i (R_i - μ)² / Σ L_i (population), A_i = (R_i - μ) / (σ + eps); a group where
+    some |A_i| >= fallback (a lone long outlier) takes GRPO's (R_i - mean) / (std_{n-1} + eps) instead, as the
+    authors' code does."""
+    if lengths is None:
+        raise ValueError("lengths: hapo_tga averages over tokens: pass each response's token count")
+    w = lengths.to(r.dtype)
+    total = w.sum(-1, keepdim=True)
+    mean = (w * r).sum(-1, keepdim=True) / total
+    std = ((w * (r - mean) ** 2).sum(-1, keepdim=True) / total).sqrt()
+    a = (r - mean) / (std + o.eps)
+    plain = (r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) + o.eps)
+    return torch.where((a.abs() >= o.fallback).any(-1, keepdim=True), plain, a)
+
+
+@dataclass
 class RiskPOOptions:
     alpha: float = 0.2  # [P] lower quantile level (the paper's α)
     beta: float = 0.8  # [P] upper quantile level (β)

@@ -166,8 +166,8 @@ def ppo(b: TokenBatch, o: PPOOptions) -> ObjectiveOut:
     clip_mode=dynamic (DCPO; its smooth advantage standardisation is not part of this objective): the
     bounds depend on the token's prior probability q = π_old(y_t), wider for rare tokens (abstract),
     [(1 + √max(1 - 4ε_low/q, 0))/2, min((1 + √(1 + 4ε_high/q))/2, ratio_cap)] [P].
-    clip_mode=entropy (HAPO's Asymmetric Adaptive Clipping; its adaptive temperature, token-level group average
-    and advantage redistribution are not part of this objective): h_t = 1 - e^{-H_t/τ} from π_old's entropy H_t
+    clip_mode=entropy (HAPO's Asymmetric Adaptive Clipping; its token-level group average is the estimator hapo_tga,
+    its adaptive temperature and advantage redistribution are not built): h_t = 1 - e^{-H_t/τ} from π_old's entropy H_t
     [A: the map], ε_low,t = ε_low + (ε_low_wide - ε_low)·(1 - h_t) (low-entropy tokens may fall further: the
     abstract's aggressive reduction of noisy low-entropy tokens), ε_high,t = ε_high + (ε_high_wide - ε_high)·h_t
     (high-entropy tokens may rise further: exploration) [A: the linear form and the wide ends' defaults]."""
