@@ -366,8 +366,8 @@ class AlgorithmConfig:
         loss (sample.old_entropy; a fused on-policy step takes it from its own forward instead)."""
         from megapo.algorithms.loss import token_inputs
 
-        return ("old_entropy" in self.stage_inputs()
-                or "old_entropy" in token_inputs(self.objective, self.objective_options))
+        objective = token_inputs(self.objective, self.objective_options)
+        return "old_entropy" in self.stage_inputs() or bool({"old_entropy", "entropy_score"} & set(objective))
 
     def computed_inputs(self) -> set[str]:
         """The stage inputs this section's run computes (pipeline.INPUTS): all of them, but no per-sample advantage

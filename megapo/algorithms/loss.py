@@ -96,6 +96,7 @@ def policy_loss(
     in_topk: Tensor | None = None,
     proxy_logp: Tensor | None = None,
     low_prob: Tensor | None = None,
+    entropy_score: Tensor | None = None,
     kl_weight: Tensor | None = None,
     loss_agg: str | None = None,
     **options: Any,
@@ -115,7 +116,8 @@ def policy_loss(
     over the same k, differentiable) and in_topk (1.0 where the sampled token is among them: rlpt), proxy_logp (log q(y_t)
     under the min-p proxy of π_θ, detached: lp_reg, the learner's vocabulary-parallel reduction) reach the objective
     only when its options ask for them (`token_inputs`), and are refused missing then; so does low_prob (1.0 where
-    lp_reg's batch-global low-probability quantile selects the token, detached: megapo.trainer.update.set_low_prob).
+    lp_reg's batch-global low-probability quantile selects the token, detached: megapo.trainer.update.set_low_prob)
+    and entropy_score (HAPO's batch-global signed entropy score of π_old, detached: set_entropy_scores).
     kl_weight (detached, >= 0: stage low_entropy_kl's coefficients, megapo/algorithms/semantic_entropy.py) adds
     the term Σ c_t · |log π_θ(y_t) − log π_old(y_t)|, aggregated as the policy loss is (metric low_entropy_kl).
     global_polarity: loss_agg="balanced"'s sequence and token counts by advantage sign over the whole
@@ -148,7 +150,8 @@ def policy_loss(
     if kl_weight is not None:
         extra["kl_weight"] = kl_weight.detach() if isinstance(kl_weight, Tensor) else kl_weight
     asked = {"old_entropy": old_entropy, "sentence_end": sentence_end, "topk_logp_sum": topk_logp_sum, "top1": top1,
-             "topk_lse": topk_lse, "in_topk": in_topk, "proxy_logp": proxy_logp, "low_prob": low_prob}
+             "topk_lse": topk_lse, "in_topk": in_topk, "proxy_logp": proxy_logp, "low_prob": low_prob,
+             "entropy_score": entropy_score}
     for key in getattr(obj_opts, "token_inputs", ()):  # only what the objective reads; the rest is ignored
         value = asked.get(key)
         if value is None:

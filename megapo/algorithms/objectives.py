@@ -36,7 +36,7 @@ class ObjectiveOut:
 
 def _check_nonneg(**values: float) -> None:
     for key, value in values.items():
-        if value is None or not math.isfinite(value) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{key}: must be a finite number >= 0, got {value!r}")
 
 
@@ -81,6 +81,10 @@ class PPOOptions:
     eps_low_wide: float = 0.4  # clip_mode=entropy: ε_low at entropy 0 [A]
     eps_high_wide: float = 0.4  # clip_mode=entropy: ε_high as the entropy grows without bound [A]
     entropy_scale: float = 1.0  # clip_mode=entropy: τ of the entropy level 1 - e^{-H/τ} [A]
+    clip_alpha: float = 1.0  # clip_mode=hapo: how far ĥ widens a token's bound (the authors' default)
+    adv_beta: float = 1.0  # clip_mode=hapo: the advantage redistribution's A·(1 + β ĥ) (the authors' default)
+    adaptive_advantage: bool = True  # clip_mode=hapo: redistribute the advantages (else the clip alone)
+    entropy_pivot: float = 0.5  # clip_mode=hapo: the quantile of log-entropy ĥ is centred on (the median)
 
     def __post_init__(self):
         _check_nonneg(eps_low=self.eps_low, eps_high=self.eps_high)
@@ -91,8 +95,14 @@ class PPOOptions:
         if isinstance(self.ratio_cap, bool) or not isinstance(self.ratio_cap, (int, float)) or not self.ratio_cap > 1 \
                 or not math.isfinite(self.ratio_cap):
             raise ValueError(f"ratio_cap: must be a finite number > 1, got {self.ratio_cap!r}")
-        _check_nonneg(eps_low_wide=self.eps_low_wide, eps_high_wide=self.eps_high_wide)
+        _check_nonneg(eps_low_wide=self.eps_low_wide, eps_high_wide=self.eps_high_wide, clip_alpha=self.clip_alpha,
+                      adv_beta=self.adv_beta)
         check_entropy_scale(self.entropy_scale)
+        if not isinstance(self.adaptive_advantage, bool):
+            raise ValueError(f"adaptive_advantage: must be true or false, got {self.adaptive_advantage!r}")
+        if isinstance(self.entropy_pivot, bool) or not isinstance(self.entropy_pivot, (int, float)) \
+                or not 0 <= self.entropy_pivot <= 1:
+            raise ValueError(f"entropy_pivot: must be in [0, 1], got {self.entropy_pivot!r}")
         for name in ("eps_low", "eps_high"):
             if getattr(self, name + "_wide") < getattr(self, name):
                 raise ValueError(f"{name}_wide: must be >= {name} ({getattr(self, name)!r}), "
@@ -101,10 +111,10 @@ class PPOOptions:
     @property
     def token_inputs(self) -> tuple[str, ...]:
         """Per-token inputs beyond logp / old_logp / advantages that the objective reads (policy_loss)."""
-        return ("old_entropy",) if self.clip_mode == "entropy" else ()
+        return {"entropy": ("old_entropy",), "hapo": ("entropy_score",)}.get(self.clip_mode, ())
 
 
-CLIP_MODES = ("fixed", "dynamic", "entropy")
+CLIP_MODES = ("fixed", "dynamic", "entropy", "hapo")
 
 
 def check_entropy_scale(value) -> None:
@@ -140,6 +150,59 @@ def entropy_bounds(b: TokenBatch, o: "PPOOptions") -> tuple[Tensor, Tensor]:
                                 o.eps_high + (o.eps_high_wide - o.eps_high) * h)
 
 
+def hapo_terms(b: TokenBatch, o: "PPOOptions", log_r: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """HAPO's Asymmetric Adaptive Clipping and Differential Advantage Redistribution, as the authors' released
+    ada_clip / ada_advantage, from each token's entropy score ĥ (entropy_score: hapo_entropy_scores over the whole
+    batch). ε_low,t = ε_low (1 − α ĥ) where ĥ <= 0 (low entropy: may fall further), ε_high,t = ε_high (1 + α ĥ) where
+    ĥ > 0 (high entropy: may rise further). With adaptive_advantage, inside the neutral band
+    1 − ε_low,t/2 < r_t < 1 + ε_high,t/2 a high-entropy token keeps A_t and a low-entropy one takes A_t (1 + β ĥ);
+    outside it, the other way round (the ratio selects, no gradient through the choice). -> (log lower bound, log upper
+    bound, advantages)."""
+    if "entropy_score" not in b.extra:
+        raise ValueError("entropy_score: clip_mode hapo needs the batch-global entropy score (policy_loss "
+                         "entropy_score=; the trainer computes it: objectives.hapo_entropy_scores)")
+    h = b.extra["entropy_score"].detach().to(b.logp.dtype)
+    low = torch.where(h <= 0, o.eps_low * (1 - o.clip_alpha * h), torch.full_like(h, o.eps_low))
+    high = torch.where(h > 0, o.eps_high * (1 + o.clip_alpha * h), torch.full_like(h, o.eps_high))
+    adv = b.advantages
+    if o.adaptive_advantage:
+        ratio = torch.exp(log_r.detach())
+        neutral = (ratio > 1 - low / 2) & (ratio < 1 + high / 2)
+        spread = adv * (1 + o.adv_beta * h)
+        adv = torch.where(h > 0, torch.where(neutral, adv, spread), torch.where(neutral, spread, adv))
+    lo, hi = log_bounds_per_token(low, high)
+    return lo, hi, adv
+
+
+def hapo_entropy_scores(entropies: list, loss_mask: list | None, pivot: float, eps: float = 1e-8) -> list[Tensor]:
+    """HAPO's entropy score over a whole train batch (the authors' compute_entropy_h on its policy tokens, loss_mask 1;
+    all when None): g = log max(H, eps) − the pivot-quantile of g (nearest rank, as torch_quantile "nearest"),
+    divided by its root mean square; ĥ = g / max(g > 0) where g > 0, g / |min(g < 0)| where g <= 0, so ĥ in [-1, 1]
+    with the low-entropy side negative. [A] The released code multiplies that side by 1 / min(g < 0), a negative
+    number, which turns it positive (every token then counts as high-entropy); we keep the sign the abstract's
+    asymmetric treatment needs. [A] The statistics are the whole batch's, computed once before the mini-batch split
+    (the released code takes them per micro-batch), so no split changes them. Non-policy tokens get 0. -> per
+    sample a float64 tensor."""
+    lengths = [len(e) for e in entropies]
+    ent = [torch.as_tensor(e, dtype=torch.float64).reshape(-1) for e in entropies]
+    policy = [torch.ones(n, dtype=torch.bool) if loss_mask is None or loss_mask[i] is None
+              else torch.as_tensor(loss_mask[i]).reshape(-1) == 1 for i, n in enumerate(lengths)]
+    g = [torch.log(e.clamp(min=eps)) for e in ent]
+    values = torch.cat([x[m] for x, m in zip(g, policy)]) if g else torch.zeros(0, dtype=torch.float64)
+    if values.numel() == 0:
+        return [torch.zeros(n, dtype=torch.float64) for n in lengths]
+    k = round(pivot * (values.numel() - 1))  # Python's round, as the authors' torch_quantile
+    centre = torch.kthvalue(values, k + 1).values
+    scale = ((values - centre) ** 2).mean().clamp(min=eps).sqrt()
+    top = ((values - centre) / scale).max().clamp(min=eps)
+    bottom = ((values - centre) / scale).min().clamp(max=-eps)
+    out = []
+    for x, m in zip(g, policy):
+        z = (x - centre) / scale
+        out.append(torch.where(m, torch.where(z > 0, z / top, z / -bottom), torch.zeros_like(z)))
+    return out
+
+
 def dynamic_bounds(old_logp: Tensor, eps_low: float, eps_high: float, ratio_cap: float) -> tuple[Tensor, Tensor]:
     """DCPO's per-token ratio bounds in log space, from q = π_old(y_t) [P: the formula of a public DCPO
     implementation, not the abstract]: [(1 + √max(1 - 4ε_low/q, 0))/2, min((1 + √(1 + 4ε_high/q))/2, cap)].
@@ -156,7 +219,8 @@ def dynamic_bounds(old_logp: Tensor, eps_low: float, eps_high: float, ratio_cap:
     "(arXiv:2503.14476); dual clip: Ye et al. 2020 (arXiv:1912.09729); clip_mode=dynamic: Yang et al. "
     "2025, DCPO: Dynamic Clipping Policy Optimization (arXiv:2509.02333); clip_mode=entropy: "
     "Liu et al. 2025, From Uniform to Heterogeneous: Tailoring Policy Optimization to Every Token's Nature "
-    "(arXiv:2509.16591), HAPO's Asymmetric Adaptive Clipping",
+    "(arXiv:2509.16591), HAPO: clip_mode=hapo its Asymmetric Adaptive Clipping and Differential Advantage "
+    "Redistribution (the authors' code), clip_mode=entropy an entropy-level reading of the abstract",
     PPOOptions,
     loss_agg="token-mean",  # PPO's per-token mean, as DAPO writes it
 )
@@ -166,8 +230,10 @@ def ppo(b: TokenBatch, o: PPOOptions) -> ObjectiveOut:
     clip_mode=dynamic (DCPO; its smooth advantage standardisation is not part of this objective): the
     bounds depend on the token's prior probability q = π_old(y_t), wider for rare tokens (abstract),
     [(1 + √max(1 - 4ε_low/q, 0))/2, min((1 + √(1 + 4ε_high/q))/2, ratio_cap)] [P].
-    clip_mode=entropy (HAPO's Asymmetric Adaptive Clipping; its token-level group average is the estimator hapo_tga,
-    its adaptive temperature and advantage redistribution are not built): h_t = 1 - e^{-H_t/τ} from π_old's entropy H_t
+    clip_mode=hapo: HAPO's Asymmetric Adaptive Clipping and Differential Advantage Redistribution as the authors'
+    released code (hapo_terms; π_old's entropy scored over the whole batch, hapo_entropy_scores; its token-level
+    group average is the estimator hapo_tga; its adaptive sampling temperature is not built).
+    clip_mode=entropy (an earlier reading of HAPO's clipping from its abstract alone): h_t = 1 - e^{-H_t/τ} from π_old's entropy H_t
     [A: the map], ε_low,t = ε_low + (ε_low_wide - ε_low)·(1 - h_t) (low-entropy tokens may fall further: the
     abstract's aggressive reduction of noisy low-entropy tokens), ε_high,t = ε_high + (ε_high_wide - ε_high)·h_t
     (high-entropy tokens may rise further: exploration) [A: the linear form and the wide ends' defaults]."""
@@ -178,6 +244,8 @@ def ppo(b: TokenBatch, o: PPOOptions) -> ObjectiveOut:
         lo, hi = dynamic_bounds(b.old_logp, o.eps_low, o.eps_high, o.ratio_cap)
     elif o.clip_mode == "entropy":
         lo, hi = entropy_bounds(b, o)
+    elif o.clip_mode == "hapo":
+        lo, hi, adv = hapo_terms(b, o, log_r)
     else:
         lo, hi = _log_bounds(o.eps_low, o.eps_high)
     neg_cap = None if o.dual_clip is None else math.log(o.dual_clip)

@@ -47,6 +47,9 @@ class TrainSample:
     # per response token: 1.0 where lp_reg's batch-global low-probability quantile selects it (π_old at or below the
     # ρ-quantile of its advantage sign's tokens over the whole train batch; megapo.trainer.update.set_low_prob)
     low_prob: list[float] | None = None
+    # per response token: HAPO's signed entropy score ĥ in [-1, 1] of π_old's entropy over the whole train batch
+    # (objectives.hapo_entropy_scores; megapo.trainer.update.set_entropy_scores), read by ppo's clip_mode hapo
+    entropy_score: list[float] | None = None
 
     # ------------------------------------------------------------------------- read and set by field name
 
@@ -76,10 +79,10 @@ class TrainSample:
 FIELDS = tuple(f.name for f in fields(TrainSample))
 # per-token fields: one value per response token (advantage: or one per sample), laid end to end by the learner
 TOKEN_FIELDS = ("old_logp", "advantage", "rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end",
-                "loss_mask", "kl_weight", "low_prob")
+                "loss_mask", "kl_weight", "low_prob", "entropy_score")
 # optional ones: every sample of a batch has it or none does
 OPTIONAL_FIELDS = ("rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end", "loss_mask",
-                   "kl_weight", "low_prob")
+                   "kl_weight", "low_prob", "entropy_score")
 # per-token rows: k values per response token (every sample of a batch has them or none does)
 TOPK_FIELDS = ("teacher_topk_ids", "teacher_topk_logp")
 

@@ -202,20 +202,44 @@ def on_policy(cfg: RunConfig, learner: Learner) -> bool:
     OnPolicyLearner (megapo.learner.protocol: declares no train_step_on_policy) gets the separate pass, and so
     does a stage that needs π_old's per-token statistics before the loss (a token stage reading old_logp or
     old_entropy, AlgorithmConfig.needs_old_stats), and an objective reading low_prob (lp_reg's batch-global quantile
-    of π_old, set_low_prob), and stage lopti (two optimizer steps per mini-batch: the second needs π_old from
+    of π_old, set_low_prob) or entropy_score (ppo clip_mode hapo, set_entropy_scores), and stage lopti (two optimizer steps per mini-batch: the second needs π_old from
     before the first, the separate pass's)."""
     return (cfg.train.updates_per_rollout == 1 and cfg.train.mini_batches == 1 and cfg.old_policy() == "learner"
             and not cfg.algorithm.needs_old_stats() and not reads_low_prob(cfg)
+            and not reads_token_input(cfg, "entropy_score")
             and not cfg.algorithm.has_stage("lopti")
             and isinstance(learner, OnPolicyLearner))
 
 
 def reads_low_prob(cfg: RunConfig | LossSpec) -> bool:
     """Whether the objective (algorithm.objective, or a LossSpec's) reads the per-token input low_prob (lp_reg)."""
+    return reads_token_input(cfg, "low_prob")
+
+
+def reads_token_input(cfg: RunConfig | LossSpec, name: str) -> bool:
+    """Whether the objective (algorithm.objective, or a LossSpec's) reads the per-token input `name`."""
     from megapo.algorithms.loss import token_inputs
 
     spec = cfg if isinstance(cfg, LossSpec) else cfg.algorithm
-    return "low_prob" in token_inputs(spec.objective, spec.objective_options)
+    return name in token_inputs(spec.objective, spec.objective_options)
+
+
+def set_entropy_scores(batch: list[TrainSample], loss: LossSpec) -> dict:
+    """ppo clip_mode hapo's per-token input: sample.entropy_score = objectives.hapo_entropy_scores of π_old's entropy
+    (sample.old_entropy, the old-log-prob pass's) over the whole train batch, on every rank the same, before the
+    mini-batch split. Metric hapo/high_entropy_frac: the share of policy tokens scored above the pivot."""
+    from megapo.algorithms.objectives import hapo_entropy_scores
+
+    batch = as_train_samples(batch)
+    if any(s.old_entropy is None for s in batch):
+        raise ValueError("old_entropy: clip_mode hapo scores π_old's entropy; the old-log-prob pass kept none")
+    masks = [s.loss_mask for s in batch]
+    scores = hapo_entropy_scores([s.old_entropy for s in batch], masks if any(m is not None for m in masks) else None,
+                                 loss.objective_config().entropy_pivot)
+    for sample, h in zip(batch, scores):
+        sample.entropy_score = h.tolist()
+    flat = torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64)
+    return {"hapo/high_entropy_frac": float((flat > 0).double().mean()) if flat.numel() else 0.0}
 
 
 def set_low_prob(batch: list[TrainSample], loss: LossSpec) -> dict:
@@ -581,6 +605,8 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
             metrics.update(teacher_terms(teachers, batch, cfg))
     if reads_low_prob(loss):  # lp_reg: the batch-global quantile, after every stage set the advantages
         metrics.update(set_low_prob(batch, loss))
+    if reads_token_input(loss, "entropy_score"):  # ppo clip_mode hapo: π_old's entropy scored over the batch
+        metrics.update(set_entropy_scores(batch, loss))
     with timer("train"):
         last: dict = {}
         if fused:  # one update on the whole batch, π_old from its own forward
