@@ -266,12 +266,14 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "balanced": ("algorithm.loss_agg=balanced",),
     "clip_dynamic": ("algorithm.objective_options={clip_mode: dynamic}",),
     "clip_entropy": ("algorithm.objective_options={clip_mode: entropy}",),
+    "clip_hapo": ("algorithm.objective_options={clip_mode: hapo}",),  # HAPO's clipping + advantage redistribution
     "tempo": ("algorithm.stages=[{name: tempo}]",),
     "ktae": ("algorithm.stages=[{name: ktae}]",),
     "gtpo_trajectory": ("algorithm.stages=[{name: gtpo_trajectory}]",),
     "tw_grpo": ("algorithm.stages=[{name: tw_grpo}]",),
     "drpo": ("algorithm.advantage=drpo",),  # advantage estimators: grpo's place, the stages as configured
     "canon": ("algorithm.advantage=canon",),
+    "hapo_tga": ("algorithm.advantage=hapo_tga",),  # HAPO's token-level group average
     "spo": ("algorithm.advantage=spo",),  # its value tracker persists across steps (the checkpoint keeps it)
     # self-distillation (the policy as its own teacher behind the task's reference answer; the regime's π_old is
     # the learner's, as these need: megapo.trainer.config._check_stage_policy); credit's contrast K = 1 of the
