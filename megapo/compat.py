@@ -417,9 +417,9 @@ def grouped_core_attention():
     """Megatron's local DotProductAttention with the query heads of each key head as rows of one matmul: the
     scores come from one baddbmm onto the mask's additive bias (made once per micro-batch, shared by the layers),
     then softmax and one bmm. megatron-core 0.16.1's local path repeats every key and value per query head, writes
-    the scores, masks them with a fill and copies the context twice (on the main job's micro-batch a quarter of
-    the train step went there; torch's fused SDPA kernel took 1.3x this path's time, forward and backward, at
-    those shapes). The mask means the same (True = masked; none: causal for a square causal layer). What this
+    the scores, masks them with a fill and copies the context twice; torch's fused SDPA kernel was slower than this
+    path, forward and backward, at the tiny models' head counts and widths on CPU.
+    The mask means the same (True = masked; none: causal for a square causal layer). What this
     path does not take, the local one still runs: attention sinks (softmax_offset), a window left to the local
     softmax, query-key layer scaling, dropout while training, a non-square causal layer; and bf16 / fp16, where
     the local path's half-precision scores with an fp32 softmax are what transformers' eager attention computes

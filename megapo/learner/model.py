@@ -341,7 +341,7 @@ class HeadSelection:
     """Runs the model's head (the LM head, or the score or value head in its place) only at the slots a
     micro-batch reads: a forward pre-hook on `output_layer` hands it the final hidden states at those slots,
     [N, 1, h] of [W, rows, h], so the vocabulary projection, its gradient and the logits' copies cost N rows,
-    not rows x W (on the main job's batch, 2.6k of 3.5k). Where the head gathers a sequence-parallel input
+    not rows x W (the prompt slots and the padding are skipped). Where the head gathers a sequence-parallel input
     itself the slots are spread over the TP ranks: the caller then picks them from the full output
     (MicroBatch.head_selected stays False)."""
 
