@@ -145,6 +145,7 @@ _FACTORIES = {
     torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.as_tensor,
 }
 _TENSOR_METHODS = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type}
+_REWRITTEN = _FACTORIES | _TENSOR_METHODS
 
 
 def _is_cuda_device(dev) -> bool:
@@ -161,6 +162,8 @@ class _CudaToCpu(TorchFunctionMode):
     ('torch.cuda.FloatTensor') as if the tensor were on a GPU (only for callers inside megatron)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func not in _REWRITTEN:  # nearly every call: straight through (this mode wraps each torch call)
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = dict(kwargs or {})
         if func in _FACTORIES:
             if _is_cuda_device(kwargs.get("device")):
