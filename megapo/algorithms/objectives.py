@@ -174,6 +174,13 @@ def hapo_terms(b: TokenBatch, o: "PPOOptions", log_r: Tensor) -> tuple[Tensor, T
     return lo, hi, adv
 
 
+def _policy_tokens(loss_mask: list | None, lengths: list[int]) -> list[Tensor]:
+    """Per sample, bool per response token: loss_mask 1 (the policy's tokens); all where the batch or the sample has
+    no loss_mask."""
+    return [torch.ones(n, dtype=torch.bool) if loss_mask is None or loss_mask[i] is None
+            else torch.as_tensor(loss_mask[i]).reshape(-1) == 1 for i, n in enumerate(lengths)]
+
+
 def hapo_entropy_scores(entropies: list, loss_mask: list | None, pivot: float, eps: float = 1e-8) -> list[Tensor]:
     """HAPO's entropy score over a whole train batch (the authors' compute_entropy_h on its policy tokens, loss_mask 1;
     all when None): g = log max(H, eps) − the pivot-quantile of g (nearest rank, as torch_quantile "nearest"),
@@ -184,18 +191,16 @@ def hapo_entropy_scores(entropies: list, loss_mask: list | None, pivot: float, e
     (the released code takes them per micro-batch), so no split changes them. Non-policy tokens get 0. -> per
     sample a float64 tensor."""
     lengths = [len(e) for e in entropies]
-    ent = [torch.as_tensor(e, dtype=torch.float64).reshape(-1) for e in entropies]
-    policy = [torch.ones(n, dtype=torch.bool) if loss_mask is None or loss_mask[i] is None
-              else torch.as_tensor(loss_mask[i]).reshape(-1) == 1 for i, n in enumerate(lengths)]
-    g = [torch.log(e.clamp(min=eps)) for e in ent]
+    policy = _policy_tokens(loss_mask, lengths)
+    g = [torch.log(torch.as_tensor(e, dtype=torch.float64).reshape(-1).clamp(min=eps)) for e in entropies]
     values = torch.cat([x[m] for x, m in zip(g, policy)]) if g else torch.zeros(0, dtype=torch.float64)
     if values.numel() == 0:
         return [torch.zeros(n, dtype=torch.float64) for n in lengths]
     k = round(pivot * (values.numel() - 1))  # Python's round, as the authors' torch_quantile
     centre = torch.kthvalue(values, k + 1).values
     scale = ((values - centre) ** 2).mean().clamp(min=eps).sqrt()
-    top = ((values - centre) / scale).max().clamp(min=eps)
-    bottom = ((values - centre) / scale).min().clamp(max=-eps)
+    batch_z = (values - centre) / scale
+    top, bottom = batch_z.max().clamp(min=eps), batch_z.min().clamp(max=-eps)
     out = []
     for x, m in zip(g, policy):
         z = (x - centre) / scale
@@ -900,8 +905,7 @@ def low_prob_flags(old_logp: list, advantages: list, loss_mask: list | None, neg
     lengths = [len(lp) if lp is not None else 0 for lp in old_logp]
     logp = per_token_values("old_logp", old_logp, lengths)
     adv = per_token_advantages(advantages, lengths)
-    policy = [torch.ones(n, dtype=torch.bool) if loss_mask is None or loss_mask[i] is None
-              else torch.as_tensor(loss_mask[i]).reshape(-1) == 1 for i, n in enumerate(lengths)]
+    policy = _policy_tokens(loss_mask, lengths)
     flags = [torch.zeros(n, dtype=torch.float64) for n in lengths]
     for sign, share in ((-1.0, neg_fraction), (1.0, pos_fraction)):
         chosen = [(a * sign > 0) & m for a, m in zip(adv, policy)]

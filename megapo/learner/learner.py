@@ -270,9 +270,8 @@ class Learner:
         Σ_k log π_θ(v_k) over π_θ's k most likely tokens (differentiable), top1 = 1.0 where the sampled token is
         the most likely one, topk_lse = log Σ_k π_θ(v_k) (differentiable) and in_topk = 1.0 where the sampled token is
         among the k (rlpt). Vocabulary-parallel: O(k) values per token cross TP ranks."""
-        flat = logits
-        ids, _ = vocab_parallel_topk(flat, k, vocab_size=self.spec.vocab_size)
-        logp = vocab_parallel_logprobs_at(flat, ids, vocab_size=self.spec.vocab_size)
+        ids, _ = vocab_parallel_topk(logits, k, vocab_size=self.spec.vocab_size)
+        logp = vocab_parallel_logprobs_at(logits, ids, vocab_size=self.spec.vocab_size)
         targets = mb.targets[mb.select]
         top1 = (ids[:, 0] == targets).to(logp.dtype)
         inside = (ids == targets[:, None]).any(-1).to(logp.dtype)

@@ -233,8 +233,7 @@ def set_entropy_scores(batch: list[TrainSample], loss: LossSpec) -> dict:
     batch = as_train_samples(batch)
     if any(s.old_entropy is None for s in batch):
         raise ValueError("old_entropy: clip_mode hapo scores π_old's entropy; the old-log-prob pass kept none")
-    masks = [s.loss_mask for s in batch]
-    scores = hapo_entropy_scores([s.old_entropy for s in batch], masks if any(m is not None for m in masks) else None,
+    scores = hapo_entropy_scores([s.old_entropy for s in batch], [s.loss_mask for s in batch],
                                  loss.objective_config().entropy_pivot)
     for sample, h in zip(batch, scores):
         sample.entropy_score = h.tolist()

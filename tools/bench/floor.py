@@ -508,7 +508,7 @@ def sampler_rates(floor: Floor, megapo: Megapo, rounds: int) -> dict:
             t0 = time.perf_counter()
             if side == "floor":
                 with compat.device_mode_suspended():
-                        out = floor_generate(floor.model, prompts, r.n_samples, r.max_new_tokens, floor.stop_id,
+                    out = floor_generate(floor.model, prompts, r.n_samples, r.max_new_tokens, floor.stop_id,
                                          r.temperature, floor.gen)
             else:
                 out = megapo.engine.generate(prompts, megapo.params)
