@@ -483,16 +483,17 @@ def test_dose_grid_cells_and_overrides():
     assert old.noise == 0.0 and old.name == "ppo-off-m8-tis-s2" and len(old.overrides()) == 5
 
 
-def test_dose_grid_dry_run_defaults_to_two_seeds(tmp_path, capsys):
+def test_dose_grid_dry_run_defaults_to_three_seeds(tmp_path, capsys):
     from megapo.cli import main
 
     out = tmp_path / "grid"
     assert main(["bench", "stability", "--grid", "dose", "--dry-run", "--out", str(out), "--steps", "60",
                  "--jobs", "1"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert printed[:-1] == [c.name for c in st.grid_cells("dose", st.DOSE_SEEDS)]
-    minutes = (120 + 80 * (30 + 60 * 0.5)) / 60
-    assert printed[-1].startswith("80 cells x 60 steps, 1 at a time") and f"about {minutes:.0f} min" in printed[-1]
+    assert printed[:-1] == [c.name for c in st.grid_cells("dose", 3)]
+    assert {int(name.rsplit("-s", 1)[1]) for name in printed[:-1]} == {0, 1, 2}
+    minutes = (120 + 120 * (30 + 60 * 0.5)) / 60
+    assert printed[-1].startswith("120 cells x 60 steps, 1 at a time") and f"about {minutes:.0f} min" in printed[-1]
     assert not out.exists()
     assert main(["bench", "stability", "--grid", "dose", "--dry-run", "--out", str(out),
                  "--set", "rollout.router_noise=0.1"]) == 2

@@ -20,8 +20,8 @@ engine in bfloat16, the learner in fp32; megapo/configs/stability_base.yaml).
 `dose` (issue 30) raises that mismatch under control: rollout.router_noise σ (DOSES: N(0, σ²) on the engine's
 router logits before its top-k, the learner untouched) x routing replay {off, r2, r3} x train.mini_batches {1, 8},
 ppo, no correction; and at the highest dose the alternatives (DOSE_ALTERNATIVES: ppo + tis / icepop / mis_seq,
-gspo off, gspo r3) at m=1 and m=8. Its seeds default to DOSE_SEEDS (2) so that it fits the 2-core machine in
-under two hours. The report adds the dose table (collapse and final accuracy per dose, with the disagreement
+gspo off, gspo r3) at m=1 and m=8, 3 seeds: 120 cells, under two hours on the 2-core machine with --jobs 2
+(one thread per cell; these tiny cells do not use a second thread). The report adds the dose table (collapse and final accuracy per dose, with the disagreement
 the dose's cells measured) and plots/dose.png.
 
 Layout of --out:
@@ -102,7 +102,6 @@ DOSE_AXES: dict[str, tuple] = {"objective": ("ppo",), "replay": ("off", "r2", "r
 DOSE_ALTERNATIVES: tuple[tuple[str, str, str], ...] = (
     ("ppo", "off", "tis"), ("ppo", "off", "icepop"), ("ppo", "off", "mis_seq"),
     ("gspo", "off", "none"), ("gspo", "r3", "none"))
-DOSE_SEEDS = 2  # the dose grid's default --seeds (3 for the others): 80 cells, ~1.5 h on 2 cores (--dry-run)
 DEFAULT_SEEDS = 3
 DONE_FILE = "done.json"
 CELL_FILE = "cell.json"
@@ -1066,8 +1065,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(issue 30)")
     parser.add_argument("--out", default="runs/stability", help="grid folder (cells, warm start, report)")
     parser.add_argument("--seeds", type=int, default=None,
-                        help=f"seeds per setting (train.seed 0..N-1; default {DEFAULT_SEEDS}, {DOSE_SEEDS} for the "
-                             "dose grid)")
+                        help=f"seeds per setting (train.seed 0..N-1; default {DEFAULT_SEEDS})")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per cell (default: the config's train.steps)")
     parser.add_argument("--jobs", type=int, default=None, help="cells at a time (default: cores // 2, at least 1)")
     parser.add_argument("--threads", type=int, default=None, help="OpenMP threads per cell (default: cores // jobs)")
@@ -1111,7 +1109,7 @@ def plan_from_args(args: argparse.Namespace) -> GridPlan:
         if args.grid == "dose" and s.split("=", 1)[0].strip() == "rollout.router_noise":
             raise ConfigError(f"--set[{i}]", "the dose grid sets rollout.router_noise per cell (DOSES)")
     jobs = args.jobs or max(1, cores() // 2)
-    seeds = args.seeds or (DOSE_SEEDS if args.grid == "dose" else DEFAULT_SEEDS)
+    seeds = args.seeds or DEFAULT_SEEDS
     return GridPlan(config=config.resolve(), out=Path(args.out).resolve(), grid=args.grid, seeds=seeds,
                     steps=args.steps, jobs=jobs, threads=args.threads or max(1, cores() // jobs),
                     sets=list(args.sets), resume=args.resume, only=[c for c in args.cells.split(",") if c],
