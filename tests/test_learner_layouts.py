@@ -142,6 +142,30 @@ def test_logprobs_match_transformers_in_every_layout(runs, model):
             assert err < 1e-4, f"{key}: max |logp - transformers| = {err:.2e}"
 
 
+def hf_response_hidden(model_dir, batch):
+    """The final hidden state (after the last norm: the LM head's input) at each sample's response positions
+    prompt_len-1 .. len-2, from transformers' fp32 forward."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return [model(torch.tensor([s["tokens"]]), output_hidden_states=True).hidden_states[-1][0,
+                s["prompt_len"] - 1:len(s["tokens"]) - 1] for s in batch]
+
+
+@pytest.mark.parametrize("model", ["moe", "dense"])
+def test_response_hidden_matches_transformers_in_every_layout(runs, model):
+    """Learner.response_hidden (DelTA's input): the LM head's input at the response slots, under TP=2 with sequence
+    parallel (gathered over the TP ranks), PP=2, EP, DP and both packings, equals transformers' last hidden state."""
+    ref = hf_response_hidden(runs["models"][model], runs["batch"])
+    for key in [k for k in runs["results"] if k.startswith(model + "/") and "hidden" in runs["results"][k]]:
+        got = runs["results"][key]["hidden"]
+        assert [tuple(g.shape) for g in got] == [tuple(r.shape) for r in ref], key
+        for g, r in zip(got, ref):
+            err = (g - r).abs().max().item()
+            assert err < 1e-4, f"{key}: max |hidden - transformers| = {err:.2e}"
+
+
 @pytest.mark.parametrize("model", ["moe", "dense"])
 def test_tp1_step_matches_transformers_adam_step(runs, model, tmp_path):
     expected, loss = hf_reinforce_step(runs["models"][model], runs["batch"], tmp_path)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from megapo.algorithms import blockwise
+from megapo.algorithms import discriminative
 from megapo.algorithms import distribution_centric
 from megapo.algorithms import entropy_credit
 from megapo.algorithms import information
@@ -68,6 +69,9 @@ INPUTS = {
     "old_sum_p2": "Σ_v π_old(v)² at each response token (one more learner forward, Learner.response_sum_p2: with "
                   "old_logp, OTB's Logit-Gradient Proxy)",
     "reward": "each sample's reward, the one the estimator reads (OTB's return at every token)",
+    # DelTA's (megapo/algorithms/discriminative.py)
+    "old_hidden": "the LM head's input (the final hidden state) at each response token under π_old (one more learner "
+                  "forward, Learner.response_hidden: DelTA's token-gradient proxy (1 − π_old(y))·h)",
     "block_rewards": "each response token's block (cut at the stage's delimiters) and each response's block rewards",
     # Distribution-Centric Policy Optimization's (megapo/algorithms/distribution_centric.py)
     "old_tempered_logp": "log softmax(z_old/T) at each response token, T the stage's target temperature from the "
@@ -110,6 +114,7 @@ class TokenContext:
     privileged: list | None = None  # per sample: a privileged rollout of hdpo (megapo/trainer/privileged.py)
     blocks: Any = None  # blockwise.BlockInputs: the input block_rewards (bae)
     sum_p2: list | None = None  # per sample, Σ_v π_old(v)² at each response token (otb)
+    hidden: list | None = None  # per sample, the LM head's input [response tokens, hidden] under π_old (delta)
     rewards: list | None = None  # per sample, its reward (otb's return)
     tempered_logp: list | None = None  # per sample, log π^T_old at each response token (distribution_centric)
     first_correct: list | None = None  # per sample, the answer's end a_i, -1: none (decs)
@@ -274,6 +279,20 @@ def _otb(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
     return {"otb/baseline_mean": float(base.mean()) if base.numel() else 0.0}
 
 
+def _delta(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+    """DelTA (megapo/algorithms/discriminative.py): each token's advantage times its discriminative weight."""
+    if ctx.hidden is None:
+        raise ValueError(f"old_hidden: stage {s.name} needs the LM head's input at the response tokens "
+                         "(update.advantage_stages)")
+    adv = token_credit.sequence_advantages(s.name, [x.advantage for x in batch])
+    masks = [x.loss_mask for x in batch]
+    weights, metrics = discriminative.delta_weights(
+        adv, [torch.as_tensor(x.old_logp, dtype=torch.float64) for x in batch], ctx.hidden,
+        masks if any(m is not None for m in masks) else None, s.options)
+    _set_advantages(batch, [a * w for a, w in zip(adv, weights)])
+    return metrics
+
+
 def _low_entropy_kl(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
     """SENT's low-entropy-token KL (megapo/algorithms/semantic_entropy.py): per-token KL coefficients into
     sample.kl_weight, which the loss multiplies each token's |log π_θ − log π_old| by; low_entropy_kl/coef_mean,
@@ -351,6 +370,8 @@ STAGES: dict[str, StageDecl] = {
     # Blockwise Advantage Estimation (megapo/algorithms/blockwise.py): per-block advantages on their blocks' tokens
     "otb": StageDecl("token", "advantage_stage", ("old_logp", "old_sum_p2", "reward"), _otb),
     "bae": StageDecl("token", "advantage_stage", ("response_tokens", "block_rewards"), blockwise.run_bae_stage),
+    # DelTA (megapo/algorithms/discriminative.py): advantages reweighted by the side-wise token-gradient discriminator
+    "delta": StageDecl("token", "advantage_stage", ("sequence_advantage", "old_logp", "old_hidden"), _delta),
     # SENT's KL on the low-entropy tokens (megapo/algorithms/semantic_entropy.py): coefficients into sample.kl_weight
     "low_entropy_kl": StageDecl("token", "token_weight", ("old_logp", "old_entropy"), _low_entropy_kl),
     # Distribution-Centric Policy Optimization (megapo/algorithms/distribution_centric.py; not the dynamic-clipping

@@ -76,6 +76,7 @@ _MODULES = (
     "megapo.algorithms.value_tracker",
     "megapo.algorithms.semantic_entropy",
     "megapo.algorithms.otb",
+    "megapo.algorithms.discriminative",
     "megapo.algorithms.distribution_centric",
     "megapo.algorithms.token_length",
     "megapo.algorithms.lopti",

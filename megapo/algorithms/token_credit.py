@@ -301,7 +301,7 @@ GROUP_TOKEN_STAGES = {"tempo": "advantage_stage", "gtpo_trajectory": "advantage_
 READS_OLD_LOGP = ("tw_grpo",)
 
 
-def _sequence_advantages(name: str, advantages: list) -> list[float]:
+def sequence_advantages(name: str, advantages: list) -> list[float]:
     """One number per sample; ValueError where an earlier token stage already made them per token."""
     out = []
     for i, a in enumerate(advantages):
@@ -337,7 +337,7 @@ def group_token_stage(name: str, responses: list, *, group_size: int, advantages
     lengths = [len(r) for r in responses]
     if group_size < 1 or len(responses) % group_size:
         raise ValueError(f"group_size: {len(responses)} samples are no whole groups of {group_size}")
-    adv = _sequence_advantages(name, advantages) if entry.kind == "advantage_stage" else [0.0] * len(responses)
+    adv = sequence_advantages(name, advantages) if entry.kind == "advantage_stage" else [0.0] * len(responses)
     if len(adv) != len(responses):
         raise ValueError(f"advantages: {len(adv)} for {len(responses)} samples")
     lp = _per_token("old_logp", old_logp, lengths) if name in READS_OLD_LOGP else None

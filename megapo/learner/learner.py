@@ -394,6 +394,22 @@ class Learner:
 
         return self._response_pass(sequences, prompt_lens, routes, sum_p2, ("sum_p2",))["sum_p2"]
 
+    def response_hidden(self, sequences: list[list[int]], prompt_lens: list[int], routes=None) -> list[torch.Tensor]:
+        """Per sequence, the LM head's input (the final hidden state, after the last norm) at each response token
+        (the positions prompt_len-1 .. len-2, whose logits predict the response): [len - prompt_len, hidden] fp32,
+        CPU, on every rank (collective; DelTA's token-gradient features, megapo/algorithms/discriminative.py). Kept
+        by HeadSelection's hook; under sequence parallel it gathers the head's input over the TP ranks first. The
+        whole [tokens, hidden] comes to the host: memory grows with the batch's response tokens times hidden."""
+        def kept(flat: torch.Tensor) -> dict:
+            hidden, self._head.kept = self._head.kept, None
+            return {"hidden": hidden.float()}
+
+        self._head.keep_input = True
+        try:
+            return self._response_pass(sequences, prompt_lens, routes, kept, ("hidden",))["hidden"]
+        finally:
+            self._head.keep_input = False
+
     def response_tempered_logp(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float,
                                routes=None) -> list[torch.Tensor]:
         """Per sequence, log softmax(z/T)(y_t) at each response token (the positions prompt_len-1 .. len-2 predicting

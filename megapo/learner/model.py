@@ -343,19 +343,23 @@ class HeadSelection:
     [N, 1, h] of [W, rows, h], so the vocabulary projection, its gradient and the logits' copies cost N rows,
     not rows x W (the prompt slots and the padding are skipped). Where the head gathers a sequence-parallel input
     itself the slots are spread over the TP ranks: the caller then picks them from the full output
-    (MicroBatch.head_selected stays False)."""
+    (MicroBatch.head_selected stays False). With `keep_input` set, the hook also keeps the head's input at those
+    slots, [N, h] detached, in `kept` (Learner.response_hidden: the hidden states DelTA's token gradients use)."""
 
     def __init__(self, module):
         self.module = module  # the unwrapped GPTModel of this pipeline stage
         self.hooked = None
         self.rows: torch.Tensor | None = None
+        self.pick = False  # the hook hands the head the selected rows (else it only keeps them)
+        self.keep_input = False
+        self.kept: torch.Tensor | None = None
 
     def select(self, mb) -> None:
         """Before mb's forward: the head will see mb.select's slots only, and mb.head_selected says so."""
         head = getattr(self.module, "output_layer", None)  # None: not the last pipeline stage
         mb.head_selected = head is not None and not getattr(head, "sequence_parallel", False)
-        if not mb.head_selected:
-            self.rows = None
+        self.rows, self.kept = None, None
+        if head is None or not (mb.head_selected or self.keep_input):
             return
         if head is not self.hooked:  # the first forward, or a score head replaced the LM head since
             head.register_forward_pre_hook(self._pick)
@@ -363,12 +367,22 @@ class HeadSelection:
         rows, width = mb.tokens.shape
         slots = mb.select if mb.select is not None else mb.tokens.new_zeros(0)
         self.rows = (slots % width) * rows + torch.div(slots, width, rounding_mode="floor")  # seq-first order
+        self.pick = mb.head_selected
 
     def _pick(self, module, args):
         if self.rows is None:
             return None
-        hidden, self.rows = args[0].reshape(-1, args[0].shape[-1]).index_select(0, self.rows)[:, None], None
-        return (hidden, *args[1:])
+        rows, self.rows = self.rows, None
+        if not self.pick:  # sequence parallel: the head gathers its input itself; keep the slots' rows only
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            full = gather_from_sequence_parallel_region(args[0].detach(), tensor_parallel_output_grad=False)
+            self.kept = full.reshape(-1, full.shape[-1]).index_select(0, rows)
+            return None
+        hidden = args[0].reshape(-1, args[0].shape[-1]).index_select(0, rows)
+        if self.keep_input:
+            self.kept = hidden.detach()
+        return (hidden[:, None], *args[1:])
 
 
 def mark_sinks(model) -> None:

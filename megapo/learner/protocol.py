@@ -40,6 +40,10 @@ class Learner(Protocol):
         """Σ_v p(v)² of the next-token distribution at each response token, on every rank (OTB's stage)."""
         ...
 
+    def response_hidden(self, sequences: list[list[int]], prompt_lens: list[int], routes: Any = None) -> list[Tensor]:
+        """The LM head's input [tokens, hidden] at each response token, on every rank (the stage delta)."""
+        ...
+
     def response_tempered_logp(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float,
                                routes: Any = None) -> list[Tensor]:
         """log softmax(z/T) of each response token, on every rank (the stage distribution_centric)."""

@@ -266,7 +266,7 @@ def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int, **inputs) 
     nat_prefix draws from (train.seed, `step`), so a resumed run cuts as the unstopped one. `inputs`: the
     pipeline.TokenContext fields the loop computed where a stage reads them (advantage_stages): self_teacher (the
     self-teacher pass's values), correct (each sample's verdict), privileged (hdpo's), blocks (bae's block rewards),
-    sum_p2 and rewards (otb's), first_correct (decs's; rollout.max_new_tokens is always passed, decs's L_max),
+    sum_p2 and rewards (otb's), hidden (delta's), first_correct (decs's; rollout.max_new_tokens is always passed, decs's L_max),
     answer_information (iapo's), answer_steps (spae's)."""
     from megapo.algorithms.pipeline import TokenContext, run_token_stages
 
@@ -351,6 +351,10 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
     if "old_sum_p2" in reads:  # OTB's (collective), after the old-log-prob pass set the routes the steps replay
         with timer("sum_p2"):
             sum_p2 = old_sum_p2(learner, batch)
+    hidden = None
+    if "old_hidden" in reads:  # DelTA's (collective): the LM head's input, on the replayed routes
+        with timer("hidden"):
+            hidden = old_hidden(learner, batch)
     rewards = [r for g in groups for r in g.rewards] if "reward" in reads else None
     tempered = None
     if "old_tempered_logp" in reads:  # distribution_centric's target π^T_old (collective), on the replayed routes
@@ -368,7 +372,7 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
         with timer("answer_steps"):
             steps = answer_steps(learner, batch, groups, cfg, tokenizer)
     return token_stages(batch, cfg, step, self_teacher=self_teacher, correct=correct, privileged=privileged,
-                        blocks=blocks, sum_p2=sum_p2, rewards=rewards, first_correct=first_correct,
+                        blocks=blocks, sum_p2=sum_p2, hidden=hidden, rewards=rewards, first_correct=first_correct,
                         tempered_logp=tempered, answer_information=information, answer_steps=steps)
 
 
@@ -464,6 +468,14 @@ def old_sum_p2(learner: Learner, batch: list[TrainSample]) -> list:
     the train steps replay (sample.routes, set by the old-log-prob pass; routing freely where there are none)."""
     routes = [s.routes for s in batch]
     return learner.response_sum_p2([list(s.tokens) for s in batch], [s.prompt_len for s in batch],
+                                   routes=routes if all(r is not None for r in routes) else None)
+
+
+def old_hidden(learner: Learner, batch: list[TrainSample]) -> list:
+    """The LM head's input at each response token of every sample (Learner.response_hidden, collective), on the
+    routes the train steps replay (sample.routes; routing freely where there are none)."""
+    routes = [s.routes for s in batch]
+    return learner.response_hidden([list(s.tokens) for s in batch], [s.prompt_len for s in batch],
                                    routes=routes if all(r is not None for r in routes) else None)
 
 
