@@ -26,6 +26,7 @@ from megapo.algorithms import blockwise
 from megapo.algorithms import discriminative
 from megapo.algorithms import distribution_centric
 from megapo.algorithms import entropy_credit
+from megapo.algorithms import hidden_reward
 from megapo.algorithms import information
 from megapo.algorithms import lopti
 from megapo.algorithms import plackett_luce
@@ -72,6 +73,9 @@ INPUTS = {
     # DelTA's (megapo/algorithms/discriminative.py)
     "old_hidden": "the LM head's input (the final hidden state) at each response token under π_old (one more learner "
                   "forward, Learner.response_hidden: DelTA's token-gradient proxy (1 − π_old(y))·h)",
+    # THR's (megapo/algorithms/hidden_reward.py), with old_hidden
+    "old_vocab_logp": "π_old's log-probs of every token id that occurs in the batch's responses, at each response "
+                      "token (one more learner forward, Learner.response_logp_at: THR's prediction errors e_y − π_old)",
     "block_rewards": "each response token's block (cut at the stage's delimiters) and each response's block rewards",
     # Distribution-Centric Policy Optimization's (megapo/algorithms/distribution_centric.py)
     "old_tempered_logp": "log softmax(z_old/T) at each response token, T the stage's target temperature from the "
@@ -114,7 +118,9 @@ class TokenContext:
     privileged: list | None = None  # per sample: a privileged rollout of hdpo (megapo/trainer/privileged.py)
     blocks: Any = None  # blockwise.BlockInputs: the input block_rewards (bae)
     sum_p2: list | None = None  # per sample, Σ_v π_old(v)² at each response token (otb)
-    hidden: list | None = None  # per sample, the LM head's input [response tokens, hidden] under π_old (delta)
+    hidden: list | None = None  # per sample, the LM head's input [response tokens, hidden] under π_old (delta, thr)
+    vocab: list | None = None  # the token ids vocab_logp's columns are (thr)
+    vocab_logp: list | None = None  # per sample, [response tokens, len(vocab)] log π_old at those ids (thr)
     rewards: list | None = None  # per sample, its reward (otb's return)
     tempered_logp: list | None = None  # per sample, log π^T_old at each response token (distribution_centric)
     first_correct: list | None = None  # per sample, the answer's end a_i, -1: none (decs)
@@ -293,6 +299,21 @@ def _delta(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
     return metrics
 
 
+def _thr(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+    """THR (megapo/algorithms/hidden_reward.py): each dominant token's advantage scaled by the sign of its hidden
+    reward."""
+    if ctx.hidden is None or ctx.vocab_logp is None:
+        raise ValueError(f"old_vocab_logp: stage {s.name} needs the LM head's input and π_old over the response "
+                         "vocabulary (update.advantage_stages)")
+    adv = token_credit.sequence_advantages(s.name, [x.advantage for x in batch])
+    masks = [x.loss_mask for x in batch]
+    values, metrics = hidden_reward.thr_advantages(
+        [x.tokens[x.prompt_len:] for x in batch], adv, ctx.vocab_logp, ctx.vocab, ctx.hidden, ctx.group_size,
+        masks if any(m is not None for m in masks) else None, s.options)
+    _set_advantages(batch, values)
+    return metrics
+
+
 def _low_entropy_kl(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
     """SENT's low-entropy-token KL (megapo/algorithms/semantic_entropy.py): per-token KL coefficients into
     sample.kl_weight, which the loss multiplies each token's |log π_θ − log π_old| by; low_entropy_kl/coef_mean,
@@ -372,6 +393,9 @@ STAGES: dict[str, StageDecl] = {
     "bae": StageDecl("token", "advantage_stage", ("response_tokens", "block_rewards"), blockwise.run_bae_stage),
     # DelTA (megapo/algorithms/discriminative.py): advantages reweighted by the side-wise token-gradient discriminator
     "delta": StageDecl("token", "advantage_stage", ("sequence_advantage", "old_logp", "old_hidden"), _delta),
+    # THR (megapo/algorithms/hidden_reward.py): advantages reweighted by the sign of each token's hidden reward
+    "thr": StageDecl("token", "advantage_stage", ("sequence_advantage", "response_tokens", "old_hidden",
+                                                  "old_vocab_logp"), _thr),
     # SENT's KL on the low-entropy tokens (megapo/algorithms/semantic_entropy.py): coefficients into sample.kl_weight
     "low_entropy_kl": StageDecl("token", "token_weight", ("old_logp", "old_entropy"), _low_entropy_kl),
     # Distribution-Centric Policy Optimization (megapo/algorithms/distribution_centric.py; not the dynamic-clipping

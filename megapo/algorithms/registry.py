@@ -77,6 +77,7 @@ _MODULES = (
     "megapo.algorithms.semantic_entropy",
     "megapo.algorithms.otb",
     "megapo.algorithms.discriminative",
+    "megapo.algorithms.hidden_reward",
     "megapo.algorithms.distribution_centric",
     "megapo.algorithms.token_length",
     "megapo.algorithms.lopti",

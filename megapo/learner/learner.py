@@ -394,6 +394,23 @@ class Learner:
 
         return self._response_pass(sequences, prompt_lens, routes, sum_p2, ("sum_p2",))["sum_p2"]
 
+    def response_logp_at(self, sequences: list[list[int]], prompt_lens: list[int], ids: list[int], routes=None
+                         ) -> list[torch.Tensor]:
+        """Per sequence, log p(v) for each token id v of `ids` (the same ids at every position) at each response token
+        (the positions prompt_len-1 .. len-2): [len - prompt_len, len(ids)] fp32, CPU, on every rank (collective;
+        THR's prediction errors over the group's response vocabulary, megapo/algorithms/hidden_reward.py).
+        Vocabulary-parallel (logprobs.vocab_parallel_logprobs_at: len(ids) + 1 values per token cross TP ranks)."""
+        if not ids or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < self.spec.vocab_size
+                          for v in ids):
+            raise ValueError(f"ids: one or more token ids in [0, vocab_size={self.spec.vocab_size}), got {ids!r}")
+        wanted = torch.tensor(ids, dtype=torch.long)
+
+        def logp_at(flat: torch.Tensor) -> dict:
+            at = wanted.to(flat.device).expand(flat.shape[0], -1)
+            return {"logp": vocab_parallel_logprobs_at(flat, at, vocab_size=self.spec.vocab_size).float()}
+
+        return self._response_pass(sequences, prompt_lens, routes, logp_at, ("logp",))["logp"]
+
     def response_hidden(self, sequences: list[list[int]], prompt_lens: list[int], routes=None) -> list[torch.Tensor]:
         """Per sequence, the LM head's input (the final hidden state, after the last norm) at each response token
         (the positions prompt_len-1 .. len-2, whose logits predict the response): [len - prompt_len, hidden] fp32,

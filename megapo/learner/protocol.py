@@ -40,6 +40,11 @@ class Learner(Protocol):
         """Σ_v p(v)² of the next-token distribution at each response token, on every rank (OTB's stage)."""
         ...
 
+    def response_logp_at(self, sequences: list[list[int]], prompt_lens: list[int], ids: list[int],
+                         routes: Any = None) -> list[Tensor]:
+        """log p(v) for the given token ids at each response token, on every rank (the stage thr)."""
+        ...
+
     def response_hidden(self, sequences: list[list[int]], prompt_lens: list[int], routes: Any = None) -> list[Tensor]:
         """The LM head's input [tokens, hidden] at each response token, on every rank (the stage delta)."""
         ...

@@ -266,7 +266,7 @@ def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int, **inputs) 
     nat_prefix draws from (train.seed, `step`), so a resumed run cuts as the unstopped one. `inputs`: the
     pipeline.TokenContext fields the loop computed where a stage reads them (advantage_stages): self_teacher (the
     self-teacher pass's values), correct (each sample's verdict), privileged (hdpo's), blocks (bae's block rewards),
-    sum_p2 and rewards (otb's), hidden (delta's), first_correct (decs's; rollout.max_new_tokens is always passed, decs's L_max),
+    sum_p2 and rewards (otb's), hidden (delta's and thr's), vocab and vocab_logp (thr's), first_correct (decs's; rollout.max_new_tokens is always passed, decs's L_max),
     answer_information (iapo's), answer_steps (spae's)."""
     from megapo.algorithms.pipeline import TokenContext, run_token_stages
 
@@ -352,9 +352,13 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
         with timer("sum_p2"):
             sum_p2 = old_sum_p2(learner, batch)
     hidden = None
-    if "old_hidden" in reads:  # DelTA's (collective): the LM head's input, on the replayed routes
+    if "old_hidden" in reads:  # DelTA's and THR's (collective): the LM head's input, on the replayed routes
         with timer("hidden"):
             hidden = old_hidden(learner, batch)
+    vocab = vocab_logp = None
+    if "old_vocab_logp" in reads:  # THR's (collective): π_old over the batch's response vocabulary
+        with timer("vocab_logp"):
+            vocab, vocab_logp = old_vocab_logp(learner, batch)
     rewards = [r for g in groups for r in g.rewards] if "reward" in reads else None
     tempered = None
     if "old_tempered_logp" in reads:  # distribution_centric's target π^T_old (collective), on the replayed routes
@@ -372,7 +376,8 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
         with timer("answer_steps"):
             steps = answer_steps(learner, batch, groups, cfg, tokenizer)
     return token_stages(batch, cfg, step, self_teacher=self_teacher, correct=correct, privileged=privileged,
-                        blocks=blocks, sum_p2=sum_p2, hidden=hidden, rewards=rewards, first_correct=first_correct,
+                        blocks=blocks, sum_p2=sum_p2, hidden=hidden, vocab=vocab,
+                        vocab_logp=vocab_logp, rewards=rewards, first_correct=first_correct,
                         tempered_logp=tempered, answer_information=information, answer_steps=steps)
 
 
@@ -477,6 +482,16 @@ def old_hidden(learner: Learner, batch: list[TrainSample]) -> list:
     routes = [s.routes for s in batch]
     return learner.response_hidden([list(s.tokens) for s in batch], [s.prompt_len for s in batch],
                                    routes=routes if all(r is not None for r in routes) else None)
+
+
+def old_vocab_logp(learner: Learner, batch: list[TrainSample]) -> tuple[list[int], list]:
+    """(ids, per sample [response tokens, len(ids)]): log π_old of every token id in the batch's policy tokens at each
+    response token (Learner.response_logp_at, collective), on the routes the train steps replay."""
+    ids = sorted({int(v) for s in batch for v, m in zip(s.tokens[s.prompt_len:], s.loss_mask or
+                                                      [1] * (len(s.tokens) - s.prompt_len)) if m})
+    routes = [s.routes for s in batch]
+    return ids, learner.response_logp_at([list(s.tokens) for s in batch], [s.prompt_len for s in batch], ids,
+                                         routes=routes if all(r is not None for r in routes) else None)
 
 
 def block_rewards(batch: list[TrainSample], groups: list[Group], cfg: RunConfig, tokenizer):

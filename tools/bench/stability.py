@@ -291,6 +291,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "otb": ("algorithm.stages=[{name: otb}]",),  # Optimal Token Baseline: one more learner pass for Σ_v π²
     "low_entropy_kl": ("algorithm.stages=[{name: low_entropy_kl}]",),  # SENT's KL-Cov on low-entropy tokens
     "delta": ("algorithm.stages=[{name: delta}]",),  # DelTA: one more learner pass for the LM head's input
+    "thr": ("algorithm.stages=[{name: thr}]",),  # Token Hidden Reward, p = 0.5 (exploitation): two more passes
 }
 # what a variant (or an objective's OBJECTIVE_OVERRIDES) may not override: the cell's axes (its row would then say
 # what it did not run)

@@ -1,0 +1,250 @@
+"""THR (Deng et al. 2026, Token Hidden Reward: Steering Exploration-Exploitation in Group Relative Deep Reinforcement
+Learning, arXiv:2510.03669), the stage thr, against the hidden reward written out here as its double sum over the
+group's correct tokens, coordinate by coordinate of the prediction errors over the group's response vocabulary (never
+the function's own output, nor its matrix form); NTHR's threshold; the reweighting 1 + p·sign(THR) on the dominant
+tokens; the learner glue (log-probs at given ids against log_softmax, the loop's two passes on the replayed routes);
+split invariance of the loss on the reweighted advantages; a float64 finite-difference gradient; the refusals by
+field; the registry and the stability bench's variant."""
+
+from __future__ import annotations
+
+import math
+import sys
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megapo.algorithms import policy_loss
+from megapo.algorithms.hidden_reward import THROptions, thr_advantages
+from megapo.algorithms.sample import TrainSample
+from megapo.config import ConfigError
+from megapo.learner.logprobs import vocab_parallel_logprobs_at
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from algorithm_configs import make_cfg  # noqa: E402
+from objective_loops import assert_autograd_matches_fd  # noqa: E402
+from one_rank import ONE, response_pass_stub  # noqa: E402
+
+V, D = 7, 4
+
+
+def ref_advantages(responses, adv, logits, hidden, masks, group_size, p, beta, dominant_only):
+    """Loops: per mixed group, V* = the ids of its policy tokens; g_t[v] = 1[y_t = v] − softmax(z_t)[v] for v in V*;
+    s_t = Σ over the positive responses' policy tokens (j, k) of (Σ_v g_t[v] g_jk[v])·(Σ_d h_t[d] h_jk[d]);
+    τ = β·min over positive responses of their mean s; dominant |s| > τ: A·(1 + p·sign(A·s)), else A (0 when
+    dominant_only); groups of one sign and masked tokens keep A."""
+    out = [[a] * len(r) for r, a in zip(responses, adv)]
+    for lo in range(0, len(responses), group_size):
+        part = list(range(lo, lo + group_size))
+        if not (any(adv[i] > 0 for i in part) and any(adv[i] < 0 for i in part)):
+            continue
+        vocab = sorted({responses[i][t] for i in part for t in range(len(responses[i])) if masks[i][t]})
+
+        def g(i, t):
+            z = logits[i][t]
+            top = max(z)
+            den = sum(math.exp(x - top) for x in z)
+            return [(1.0 if responses[i][t] == v else 0.0) - math.exp(z[v] - top) / den for v in vocab]
+
+        pos = [(j, k) for j in part if adv[j] > 0 for k in range(len(responses[j])) if masks[j][k]]
+
+        def score(i, t):
+            gi = g(i, t)
+            total = 0.0
+            for j, k in pos:
+                gj = g(j, k)
+                total += sum(a * b for a, b in zip(gi, gj)) * sum(a * b for a, b in zip(hidden[i][t], hidden[j][k]))
+            return total
+
+        scores = {(i, t): score(i, t) for i in part for t in range(len(responses[i])) if masks[i][t]}
+        anchor = min(sum(scores[(j, t)] for t in range(len(responses[j])) if masks[j][t]) /
+                     sum(masks[j]) for j in part if adv[j] > 0)
+        tau = beta * anchor
+        for (i, t), s in scores.items():
+            if abs(s) > tau:
+                thr = adv[i] * s
+                out[i][t] = adv[i] * (1 + p * (1 if thr > 0 else -1 if thr < 0 else 0))
+            elif dominant_only:
+                out[i][t] = 0.0
+    return out
+
+
+def make_batch(seed, lengths=(4, 5, 3, 4, 3, 5, 2, 4), scale=2.0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = [torch.randn(n, V, generator=gen, dtype=torch.float64) * scale for n in lengths]
+    responses = [torch.randint(0, V - 1, (n,), generator=gen).tolist() for n in lengths]  # id 6 never sampled
+    hidden = [torch.randn(n, D, generator=gen, dtype=torch.float64) for n in lengths]
+    return logits, responses, hidden
+
+
+def at_ids(logits, ids):
+    return [torch.log_softmax(z, -1)[:, ids] for z in logits]
+
+
+@pytest.mark.parametrize("p, beta, dominant_only", [(0.5, 1.0, False), (-0.3, 0.5, False), (0.5, 1.0, True)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_advantages_match_the_hidden_reward_written_out(p, beta, dominant_only, masked):
+    logits, responses, hidden = make_batch(1)
+    adv = [0.9, -0.4, 0.5, -1.0, 0.0, 0.0, 0.7, -0.7]  # groups of 2: the third has one sign
+    masks = [[1] * len(r) for r in responses]
+    if masked:
+        masks[0][1] = masks[3][0] = masks[7][2] = 0
+    ids = sorted({v for r in responses for v in r}) + [6]  # the batch's ids, and one nobody sampled
+    got, metrics = thr_advantages(responses, adv, at_ids(logits, ids), ids, hidden, 2,
+                                  masks if masked else None, THROptions(p=p, beta=beta, dominant_only=dominant_only))
+    want = ref_advantages(responses, adv, [z.tolist() for z in logits], [h.tolist() for h in hidden], masks, 2, p,
+                          beta, dominant_only)
+    for g, w in zip(got, want):
+        assert g.tolist() == pytest.approx(w, abs=1e-12)
+    assert 0 < metrics["thr/dominant_frac"] <= 1
+
+
+def test_exploitation_amplifies_the_correct_side_and_weakens_the_harmful_negative_tokens():
+    """A positive response's token repeated in a negative response (the same token, the same hidden state): the
+    update on the negative copy lowers the correct response's likelihood, its THR < 0, and p > 0 weakens it, while the
+    positive copy's THR > 0 is amplified (NTHR's case, and THR's exploitation)."""
+    h = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    responses = [[0, 1], [0, 2]]
+    logits = [torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.float64)]
+    hidden = [h, torch.tensor([[1.0, 0.0], [0.0, -1.0]], dtype=torch.float64)]
+    got, _ = thr_advantages(responses, [1.0, -1.0], at_ids(logits, [0, 1, 2]), [0, 1, 2], hidden, 2, None,
+                            THROptions(p=0.5, beta=0.5))
+    assert got[0][0] == pytest.approx(1.5) and got[1][0] == pytest.approx(-0.5)
+
+
+def test_learner_logp_at_reads_the_response_slots(monkeypatch):
+    """Learner.response_logp_at's glue on a hand-made micro-batch (2 sequences at 2 and 3 selected slots, a padded
+    vocabulary entry; the schedule stubbed): log_softmax over the real vocabulary at the given ids."""
+    import megapo.learner.learner as learner_mod
+    from megapo.learner.learner import Learner
+
+    monkeypatch.setattr(learner_mod, "vocab_parallel_logprobs_at", partial(vocab_parallel_logprobs_at, group=ONE))
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 4, V + 1, generator=gen, dtype=torch.float64) * 2
+    logits[..., V] = 50.0  # padding: must not count
+    select = torch.tensor([1, 2, 5, 6, 7])
+    mb = SimpleNamespace(select=select, order=[0, 1], sizes=[2, 3], head_selected=False)
+    me = response_pass_stub(logits, V, mb)
+    got = Learner.response_logp_at(me, [[1, 2, 3, 4], [1, 2, 3, 4, 5]], [2, 2], [5, 0, 3])
+    want = torch.log_softmax(logits.reshape(-1, V + 1)[select, :V], -1)[:, [5, 0, 3]]
+    torch.testing.assert_close(torch.cat(got), want.float(), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="^ids:"):
+        Learner.response_logp_at(me, [[1, 2, 3]], [1], [V])
+
+
+def test_the_loop_takes_the_two_passes_on_the_replayed_routes():
+    from megapo.trainer.metrics import StepTimer
+    from megapo.trainer.update import advantage_stages
+
+    logits, responses, hidden = make_batch(3, lengths=(3, 4, 2, 5))
+    adv = [0.5, -0.5, -0.5, 0.5]
+    batch = [TrainSample([1, 2] + r, 2, a, old_logp=[-1.0] * len(r), routes=f"routes{i}")
+             for i, (r, a) in enumerate(zip(responses, adv))]
+    calls = []
+    ids = sorted({v for r in responses for v in r})
+
+    class PassLearner:
+        def response_hidden(self, sequences, prompt_lens, routes=None):
+            calls.append(("hidden", sequences, prompt_lens, routes))
+            return hidden
+
+        def response_logp_at(self, sequences, prompt_lens, wanted, routes=None):
+            calls.append(("logp_at", wanted, routes))
+            return at_ids(logits, wanted)
+
+    groups = [SimpleNamespace(rewards=[1.0, 0.0], samples=[None, None], privileged=False),
+              SimpleNamespace(rewards=[0.0, 1.0], samples=[None, None], privileged=False)]
+    cfg = make_cfg(stages=[{"name": "thr"}], n_samples=2)
+    metrics = advantage_stages(PassLearner(), batch, groups, cfg, 1, None, StepTimer())
+    routes = [f"routes{i}" for i in range(4)]
+    assert calls == [("hidden", [s.tokens for s in batch], [2] * 4, routes), ("logp_at", ids, routes)]
+    want = ref_advantages(responses, adv, [z.tolist() for z in logits], [h.tolist() for h in hidden],
+                          [[1] * len(r) for r in responses], 2, 0.5, 1.0, False)
+    for s, w in zip(batch, want):
+        assert s.advantage == pytest.approx(w, abs=1e-12)
+    assert "thr/dominant_frac" in metrics
+
+
+def loss_inputs(seed):
+    logits, responses, hidden = make_batch(seed)
+    adv = [0.9, -0.3, -0.3, 0.9, -0.6, 0.2, 0.9, -0.3]
+    ids = sorted({v for r in responses for v in r})
+    values, _ = thr_advantages(responses, adv, at_ids(logits, ids), ids, hidden, 2, None, THROptions())
+    old = [torch.log_softmax(z, -1).gather(-1, torch.tensor(r)[:, None])[:, 0].tolist()
+           for z, r in zip(logits, responses)]
+    width = max(len(o) for o in old)
+    pad = lambda rows: torch.stack([torch.nn.functional.pad(torch.as_tensor(r, dtype=torch.float64),  # noqa: E731
+                                                            (0, width - len(r))) for r in rows])
+    o = pad(old)
+    logp = o + torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64) * 0.2
+    mask = pad([[1.0] * len(r) for r in old]) > 0.5
+    return logp, o, pad([v.tolist() for v in values]), mask
+
+
+def test_ppo_on_the_stage_advantages_is_split_invariant():
+    """The scores are per group, taken before the split; PPO on the advantages over 4 micro-batches x 2 DP shards
+    sums to the one-batch loss (token-mean, the batch's global token count) to 1e-12."""
+    logp, old, adv, mask = loss_inputs(6)
+    n = int(mask.sum())
+    whole, _ = policy_loss("ppo", logp, old, adv, mask, loss_agg="token-mean", global_tokens=n)
+    parts = 0.0
+    for rank in range(2):
+        rows = list(range(rank, logp.shape[0], 2))
+        for micro in (rows[j::4] for j in range(4)):
+            if micro:
+                idx = torch.tensor(micro)
+                parts = parts + policy_loss("ppo", logp[idx], old[idx], adv[idx], mask[idx], loss_agg="token-mean",
+                                            global_tokens=n)[0]
+    assert abs(float(parts) - float(whole)) < 1e-12
+
+
+def test_loss_gradient_matches_float64_finite_differences():
+    logp, old, adv, mask = loss_inputs(8)
+
+    def loss(x):
+        return policy_loss("ppo", x, old, adv, mask, loss_agg="token-mean")[0]
+
+    assert_autograd_matches_fd(loss, logp, mask)
+
+
+@pytest.mark.parametrize("option, value", [("p", 1.5), ("p", float("nan")), ("beta", float("inf")),
+                                           ("dominant_only", 1)])
+def test_options_refused_naming_the_field(option, value):
+    with pytest.raises(ConfigError) as err:
+        make_cfg(stages=[{"name": "thr", option: value}])
+    assert err.value.field == f"algorithm.stages[0].{option}"
+
+
+def test_stage_refuses_mismatched_inputs():
+    logits, responses, hidden = make_batch(4, lengths=(2, 2))
+    ids = [0, 1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match=r"^vocab_logp\[1\]"):
+        thr_advantages(responses, [1.0, -1.0], [at_ids(logits, ids)[0], at_ids(logits, ids)[1][:1]], ids, hidden, 2,
+                       None, THROptions())
+    with pytest.raises(ValueError, match="^group_size:"):
+        thr_advantages(responses, [1.0, -1.0], at_ids(logits, ids), ids, hidden, 3, None, THROptions())
+
+
+def test_registered_with_its_paper_and_in_the_bench():
+    from megapo.algorithms.registry import entries
+    from tools.bench import stability as st
+
+    (entry,) = [e for e in entries("advantage_stage") if e.name == "thr"]
+    assert "Token Hidden Reward" in entry.paper and "arXiv:2510.03669" in entry.paper
+    assert "THR_{i,t} = Â_i·s_{i,t}" in entry.formula and "Assumptions, marked" in entry.formula
+    assert "thr" in st.variant_names("thr")
+
+
+def test_train_two_steps(tmp_path, tiny_moe):
+    """`megapo train` with the stage on ppo: the learner's two passes on the tiny MoE, both steps update with a finite
+    loss and log the stage's metrics."""
+    from train_runs import train_rows
+
+    rows = train_rows(tmp_path, "thr", f"model.path={tiny_moe}", "train.steps=2", "data.prompts_per_step=4",
+                      "rollout.n_samples=4", "algorithm.objective=ppo", "algorithm.stages=[{name: thr}]")
+    assert len(rows) == 2
+    assert all(math.isfinite(r["train/loss"]) and r["train/skipped_nonfinite"] == 0 for r in rows)
+    assert all(0 <= r["thr/dominant_frac"] <= 1 for r in rows)
