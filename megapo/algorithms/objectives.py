@@ -181,29 +181,45 @@ def _policy_tokens(loss_mask: list | None, lengths: list[int]) -> list[Tensor]:
             else torch.as_tensor(loss_mask[i]).reshape(-1) == 1 for i, n in enumerate(lengths)]
 
 
-def hapo_entropy_scores(entropies: list, loss_mask: list | None, pivot: float, eps: float = 1e-8) -> list[Tensor]:
-    """HAPO's entropy score over a whole train batch (the authors' compute_entropy_h on its policy tokens, loss_mask 1;
-    all when None): g = log max(H, eps) − the pivot-quantile of g (nearest rank, as torch_quantile "nearest"),
-    divided by its root mean square; ĥ = g / max(g > 0) where g > 0, g / |min(g < 0)| where g <= 0, so ĥ in [-1, 1]
-    with the low-entropy side negative. [A] The released code multiplies that side by 1 / min(g < 0), a negative
-    number, which turns it positive (every token then counts as high-entropy); we keep the sign the abstract's
-    asymmetric treatment needs. [A] The statistics are the whole batch's, computed once before the mini-batch split
-    (the released code takes them per micro-batch), so no split changes them. Non-policy tokens get 0. -> per
-    sample a float64 tensor."""
+def hapo_entropy_stats(entropies: list, loss_mask: list | None, pivot: float, eps: float = 1e-8
+                       ) -> tuple[float, float, float, float] | None:
+    """HAPO's statistics of a batch's entropies over its policy tokens (loss_mask 1; all when None): (centre,
+    scale, top, bottom) with g = log max(H, eps), centre the pivot-quantile of g (nearest rank, as the authors'
+    torch_quantile "nearest"), scale the root mean square of g − centre (at least sqrt(eps)), top = max(z) and bottom
+    = min(z) of z = (g − centre) / scale (top >= eps, bottom <= −eps). None when the batch has no policy token.
+    hapo_entropy_scores scores the batch's own tokens with them; the engine's adaptive temperature scores the next
+    batch's (megapo.engines.base.EntropyTemperature)."""
     lengths = [len(e) for e in entropies]
     policy = _policy_tokens(loss_mask, lengths)
-    g = [torch.log(torch.as_tensor(e, dtype=torch.float64).reshape(-1).clamp(min=eps)) for e in entropies]
-    values = torch.cat([x[m] for x, m in zip(g, policy)]) if g else torch.zeros(0, dtype=torch.float64)
+    values = [torch.log(torch.as_tensor(e, dtype=torch.float64).reshape(-1).clamp(min=eps))[m]
+              for e, m in zip(entropies, policy)]
+    values = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
     if values.numel() == 0:
-        return [torch.zeros(n, dtype=torch.float64) for n in lengths]
+        return None
     k = round(pivot * (values.numel() - 1))  # Python's round, as the authors' torch_quantile
     centre = torch.kthvalue(values, k + 1).values
     scale = ((values - centre) ** 2).mean().clamp(min=eps).sqrt()
     batch_z = (values - centre) / scale
-    top, bottom = batch_z.max().clamp(min=eps), batch_z.min().clamp(max=-eps)
+    return (float(centre), float(scale), float(batch_z.max().clamp(min=eps)), float(batch_z.min().clamp(max=-eps)))
+
+
+def hapo_entropy_scores(entropies: list, loss_mask: list | None, pivot: float, eps: float = 1e-8) -> list[Tensor]:
+    """HAPO's entropy score over a whole train batch (the authors' compute_entropy_h on its policy tokens, loss_mask 1;
+    all when None): g = log max(H, eps) − the pivot-quantile of g (nearest rank, as torch_quantile "nearest"),
+    divided by its root mean square; ĥ = g / max(g > 0) where g > 0, g / |min(g < 0)| where g <= 0, so ĥ in [-1, 1]
+    with the low-entropy side negative (hapo_entropy_stats). [A] The released code multiplies that side by
+    1 / min(g < 0), a negative number, which turns it positive (every token then counts as high-entropy); we keep
+    the sign the abstract's asymmetric treatment needs. [A] The statistics are the whole batch's, computed once
+    before the mini-batch split (the released code takes them per micro-batch), so no split changes them.
+    Non-policy tokens get 0. -> per sample a float64 tensor."""
+    lengths = [len(e) for e in entropies]
+    stats = hapo_entropy_stats(entropies, loss_mask, pivot, eps)
+    if stats is None:
+        return [torch.zeros(n, dtype=torch.float64) for n in lengths]
+    centre, scale, top, bottom = stats
     out = []
-    for x, m in zip(g, policy):
-        z = (x - centre) / scale
+    for e, m in zip(entropies, _policy_tokens(loss_mask, lengths)):
+        z = (torch.log(torch.as_tensor(e, dtype=torch.float64).reshape(-1).clamp(min=eps)) - centre) / scale
         out.append(torch.where(m, torch.where(z > 0, z / top, z / -bottom), torch.zeros_like(z)))
     return out
 

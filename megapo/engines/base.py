@@ -6,7 +6,8 @@ Conventions every engine keeps:
   EOS), so every engine stops at the same tokens. The stop token is the last output token.
 - `logprobs[i]` is the log-probability of `output_ids[i]` under the distribution the token was sampled from,
   before top-p truncation: log_softmax(logits / temperature). At temperature 1 this is exactly log pi(token) of
-  the policy; at temperature 0 (greedy) it is the temperature-1 log-prob.
+  the policy; at temperature 0 (greedy) it is the temperature-1 log-prob. With `entropy_temperature` the
+  temperature is each token's own (EntropyTemperature.temperatures).
 - `routes` (when `return_routes`) holds, for every position fed to the model (prompt and every output token but
   the last, which is never fed), the top-k expert ids each MoE layer chose: int [len(prompt)+len(output)-1,
   num_moe_layers, topk], in layer order and the router's top-k order.
@@ -43,6 +44,7 @@ class EngineCapabilities:
     sessions: bool = False  # generate(..., sessions=) keeps a multi-turn trajectory on one server; end_sessions()
     partial: bool = False  # preempt(): a batch in flight stops and continues its samples on the new weights
     router_noise: bool = False  # takes a router_noise dose (rollout.router_noise: N(0, σ²) on its router logits)
+    adaptive_temperature: bool = False  # samples each token at its own temperature (SamplingParams.entropy_temperature)
     default_dtype: str = "bfloat16"  # the compute dtype rollout.dtype=auto resolves to
 
     def __post_init__(self) -> None:
@@ -56,6 +58,40 @@ class EngineCapabilities:
         return self.routes == "yes", self.routes_note
 
 
+@dataclass(frozen=True)
+class EntropyTemperature:
+    """HAPO's entropy-adaptive sampling temperature (Liu et al. 2025, From Uniform to Heterogeneous: Tailoring Policy
+    Optimization to Every Token's Nature, arXiv:2509.16591; its authors' vLLM sampler,
+    compute_entropy_based_temperature): each token is drawn at T·(1 + τ·ĥ), ĥ the entropy H of its next-token
+    distribution (the raw logits) scored against the last train batch's statistics of π_old's entropy
+    (objectives.hapo_entropy_stats): z = (log max(H, 1e-6) − centre) / (scale + 1e-6), ĥ = z / top above the centre
+    and z / |bottom| at or below it, clamped to [-1, 1]. [A] The released code scales the low side by 1 / bottom
+    (negative), turning it positive; as for the clip, we keep the sign the abstract's asymmetry needs, so
+    low-entropy tokens are drawn cooler and high-entropy ones hotter."""
+
+    tau: float  # τ: the relative range of the temperature (the authors' temperature_tau, 0.05)
+    centre: float  # the pivot quantile of log H over the batch's policy tokens
+    scale: float  # their root-mean-square deviation from it
+    top: float  # the batch's largest standardised log-entropy (> 0)
+    bottom: float  # its smallest (< 0)
+
+    def __post_init__(self) -> None:
+        for name in ("tau", "centre", "scale", "top", "bottom"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+                raise ValueError(f"EntropyTemperature.{name} must be a finite number, got {value!r}")
+        if not 0 <= self.tau < 1 or self.scale < 0 or self.top <= 0 or self.bottom >= 0:
+            raise ValueError(f"EntropyTemperature: needs 0 <= tau < 1, scale >= 0, top > 0 > bottom; got {self!r}")
+
+    def temperatures(self, logits: torch.Tensor, base: float) -> torch.Tensor:
+        """[B] each row's temperature from its logits [B, V] (float32)."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        entropy = -(logp.exp() * logp).sum(dim=-1)
+        z = (entropy.clamp(min=1e-6).log() - self.centre) / (self.scale + 1e-6)
+        h_hat = torch.where(z > 0, z / self.top, z / -self.bottom).clamp(-1.0, 1.0)
+        return base * (1.0 + self.tau * h_hat)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -65,6 +101,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     return_routes: bool = False
     seed: int | None = None
+    entropy_temperature: EntropyTemperature | None = None  # HAPO's per-token temperature (engines that say so)
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:

@@ -96,6 +96,12 @@ class RolloutConfig:
     # train.seed (kept in checkpoints); the held-out evaluation on the engine sees it too. Engines whose
     # capabilities say router_noise (embedded); MoE models only.
     router_noise: float = bounded(0.0, ">= 0", "0: off")
+    # HAPO's entropy-adaptive sampling temperature (Liu et al. 2025, arXiv:2509.16591; the authors' τ 0.05): each
+    # token drawn at temperature·(1 + τ·ĥ), ĥ in [-1, 1] its next-token entropy scored against the last train batch's
+    # π_old entropies (megapo.engines.base.EntropyTemperature; the first step at the plain temperature). The
+    # statistics are kept in checkpoints. Engines whose capabilities say adaptive_temperature (embedded);
+    # train.mode sync only.
+    adaptive_temperature: float = bounded(0.0, "[0, 1)", "0: off")
 
     def compute_dtype(self, precision: str = "fp32") -> str:
         """rollout.dtype with auto resolved for this engine and the learner's train.precision."""
@@ -127,6 +133,9 @@ class RolloutConfig:
         if self.router_noise > 0 and not caps.router_noise:
             raise ConfigError("rollout.router_noise", f"engine {self.engine!r} cannot add noise to its routers (the "
                               "embedded engine can); set it to 0")
+        if self.adaptive_temperature > 0 and not caps.adaptive_temperature:
+            raise ConfigError("rollout.adaptive_temperature", f"engine {self.engine!r} samples at one temperature "
+                              "per request (the embedded engine can give each token its own); set it to 0")
         self._check_servers(caps)
         self._check_api_key_file(caps)
         if self.weight_sync not in WEIGHT_SYNC:

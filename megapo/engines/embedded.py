@@ -51,7 +51,8 @@ def router_noise_generator(seed: int) -> torch.Generator:
 
 class EmbeddedEngine(Engine):
     capabilities = EngineCapabilities(in_process=True, weight_syncs=("tensor", "disk"), rng_state=True,
-                                      partial=True, router_noise=True, default_dtype="float32")
+                                      partial=True, router_noise=True, adaptive_temperature=True,
+                                      default_dtype="float32")
     max_versions = 0  # partial rollouts: most weight versions one sample may span (0: no limit)  # fp32: its log-probs and routes match the learner's
 
     def __init__(self, model_dir: str | Path | None = None, *, config: dict | None = None,
@@ -169,7 +170,10 @@ class EmbeddedEngine(Engine):
             token = logits.argmax(dim=-1)
             logp = torch.log_softmax(logits, dim=-1)
             return token, logp.gather(1, token[:, None])[:, 0]
-        logp = torch.log_softmax(logits / params.temperature, dim=-1)
+        temperature = params.temperature
+        if params.entropy_temperature is not None:  # HAPO: each row's own temperature from its entropy
+            temperature = params.entropy_temperature.temperatures(logits, params.temperature)[:, None]
+        logp = torch.log_softmax(logits / temperature, dim=-1)
         probs = logp.exp()
         order = None
         if params.top_p < 1.0:

@@ -84,6 +84,8 @@ class SGLangEngine(Engine):
 
     # ------------------------------------------------------------------------------------------ sampling
     def request_body(self, prompt: list[int], params: SamplingParams, seed: int | None) -> dict:
+        if params.entropy_temperature is not None:
+            raise ValueError("entropy_temperature: an SGLang server samples at one temperature per request")
         sp = {"n": params.n, "temperature": params.temperature, "top_p": params.top_p,
               "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
               "ignore_eos": True, "skip_special_tokens": False, "no_stop_trim": True}

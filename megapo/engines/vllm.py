@@ -51,6 +51,8 @@ def decode_routed_experts(payload: str) -> np.ndarray:
 
 
 def vllm_sampling_params(params: SamplingParams, seed: int | None) -> dict:
+    if params.entropy_temperature is not None:
+        raise ValueError("entropy_temperature: a vLLM server samples at one temperature per request")
     sp = {"n": params.n, "temperature": params.temperature, "top_p": params.top_p,
           "max_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids), "ignore_eos": True,
           "logprobs": 0, "detokenize": False, "skip_special_tokens": False}

@@ -619,8 +619,8 @@ def _check_reference(cfg: RunConfig) -> None:
 
 
 def _check_rollout(cfg: RunConfig) -> None:
-    """The group size the advantage needs, partial rollouts only in async runs, r3 only from an engine that
-    returns routes."""
+    """The group size the advantage needs, partial rollouts only in async runs, HAPO's adaptive temperature only in
+    sync ones, r3 only from an engine that returns routes."""
     from megapo.engines.registry import capabilities
 
     r, a = cfg.rollout, cfg.algorithm
@@ -630,6 +630,10 @@ def _check_rollout(cfg: RunConfig) -> None:
     if r.partial and cfg.train.mode != "async":
         raise ConfigError("rollout.partial", "partial rollouts continue generations across weight updates, which "
                           "happen during generation only with train.mode=async")
+    if r.adaptive_temperature > 0 and cfg.train.mode != "sync":
+        raise ConfigError("rollout.adaptive_temperature", "the temperature follows the last train batch's entropy "
+                          "statistics, which an async producer generating ahead does not have yet; use "
+                          "train.mode=sync")
     if a.routing_replay == ReplayMode.R3:
         ok, why = capabilities(r.engine).returns_routes()
         if not ok:

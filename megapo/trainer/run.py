@@ -33,7 +33,8 @@ from megapo.trainer.run_dir import CHECKPOINTS
 from megapo.trainer.privileged import privileged_rollouts
 from megapo.trainer.rollout import Group, collect_rollouts, make_reward_fn, sampling_params, turn_play
 from megapo.trainer.stop import signals_held
-from megapo.trainer.update import new_prompt_stats, stability_step, stage_state, update_policy
+from megapo.trainer.update import (TEMPERATURE_STATS, new_prompt_stats, stability_step, stage_state,
+                                   update_policy)
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class Run:
         self.prompt_stats = new_prompt_stats(self.cfg, state.extra)
         if self.length is not None:
             self.length.load_state_dict(state.extra.get("length", {}))
+        self._set_temperature(state.extra.get("entropy_temperature", {}))
         if self.version > 0:
             sync_weights(self.learner, self.engine, self.version, self.cfg, self.transport, self.fleet)
         log.info("resumed from %s (step %d)", latest, self.step)
@@ -222,12 +224,25 @@ class Run:
     def update(self, step: int, groups: list[Group], timer: StepTimer) -> dict:
         """Advantages, π_old, π_ref, token stages and the optimizer steps (megapo.trainer.update)."""
         cfg = self.cfg
-        return update_policy(self.learner, groups, cfg, self.reference, self.loss.at_step(step), timer,
-                             teachers=self.teachers,
-                             critic=self.critic, reward_model=self.reward_model,
-                             measure_free_kl=self.eval_due(step, last=False),
-                             measure_free_routing=stability_step(cfg, step), step=step,
-                             prompt_stats=self.prompt_stats, tokenizer=self.tokenizer)
+        metrics = update_policy(self.learner, groups, cfg, self.reference, self.loss.at_step(step), timer,
+                                teachers=self.teachers,
+                                critic=self.critic, reward_model=self.reward_model,
+                                measure_free_kl=self.eval_due(step, last=False),
+                                measure_free_routing=stability_step(cfg, step), step=step,
+                                prompt_stats=self.prompt_stats, tokenizer=self.tokenizer)
+        self._set_temperature({k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("hapo_temperature/")})
+        return metrics
+
+    def _set_temperature(self, stats: dict) -> None:
+        """HAPO's adaptive temperature (rollout.adaptive_temperature): the next rollouts' per-token temperatures
+        from the last train batch's π_old entropy statistics (update.temperature_stats; kept in checkpoints)."""
+        from dataclasses import replace
+
+        from megapo.engines.base import EntropyTemperature
+
+        if self.cfg.rollout.adaptive_temperature > 0 and stats:
+            self.params = replace(self.params, entropy_temperature=EntropyTemperature(
+                tau=self.cfg.rollout.adaptive_temperature, **stats))
 
     def sync_weights(self, step: int) -> dict:
         """The learner's new weights (after `step`) to the engine, as the next version; async mode waits first
@@ -284,6 +299,9 @@ class Run:
 
         ahead = self.producer.made_ahead() if self.producer is not None else []  # the producer waits now
         extra = {**stage_state(self.prompt_stats), "length": self.length.state_dict() if self.length is not None else {}}
+        if self.params.entropy_temperature is not None:  # HAPO's: the next rollout's temperature statistics
+            t = self.params.entropy_temperature
+            extra["entropy_temperature"] = {k: getattr(t, k) for k in TEMPERATURE_STATS}
         if self.producer is not None:
             extra["async"] = {"made_ahead": len(ahead), "staleness": self.cfg.train.staleness}
         state = ckpt.TrainerState(step, self.source.state_dict(), self.version, extra=extra)

@@ -121,7 +121,7 @@ def old_logprob_pass(learner: Learner, batch: list[TrainSample], cfg: RunConfig,
 
     batch = as_train_samples(batch)
     mode = cfg.algorithm.routing_replay
-    logps, metrics = old_logprobs(learner, batch, mode, with_entropy=cfg.algorithm.needs_old_entropy())
+    logps, metrics = old_logprobs(learner, batch, mode, with_entropy=keeps_old_entropy(cfg))
     for sample, lp in zip(batch, logps):
         sample.old_logp = lp.tolist()
     free = logps if mode != "r3" else free_logps  # off / r2: this pass routed freely
@@ -636,7 +636,8 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
     with timer("train"):
         last: dict = {}
         if fused:  # one update on the whole batch, π_old from its own forward
-            last, old_pass = on_policy_step(learner, batch, mode, loss, measure_kl=measure_free_kl, free_logps=free)
+            last, old_pass = on_policy_step(learner, batch, mode, loss, measure_kl=measure_free_kl, free_logps=free,
+                                            keep_entropy=cfg.rollout.adaptive_temperature > 0)
             metrics.update(old_pass)
         else:
             bounds = mini_batch_bounds([len(g.samples) for g in groups], cfg.train.mini_batches)
@@ -653,7 +654,35 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
                   None)
     if kl_key is not None:
         metrics["kl"] = metrics[kl_key]
+    if cfg.rollout.adaptive_temperature > 0:  # the next rollout's temperatures follow this batch's π_old entropy
+        metrics.update(temperature_stats(batch))
     return metrics
+
+
+def keeps_old_entropy(cfg: RunConfig) -> bool:
+    """Whether the old-log-prob pass keeps π_old's entropy: for a stage or the loss, or for HAPO's adaptive sampling
+    temperature (rollout.adaptive_temperature)."""
+    return cfg.algorithm.needs_old_entropy() or cfg.rollout.adaptive_temperature > 0
+
+
+TEMPERATURE_STATS = ("centre", "scale", "top", "bottom")  # EntropyTemperature's fields from a batch
+
+
+def temperature_stats(batch: list[TrainSample]) -> dict:
+    """HAPO's adaptive temperature's statistics of this batch's π_old entropy over its policy tokens
+    (objectives.hapo_entropy_stats, pivot the median as in the authors' sampler) as metrics
+    hapo_temperature/<centre | scale | top | bottom>: the trainer builds the next rollout's EntropyTemperature
+    from them (megapo.trainer.run). None of them when the batch has no policy token."""
+    from megapo.algorithms.objectives import hapo_entropy_stats
+
+    batch = as_train_samples(batch)
+    if any(s.old_entropy is None for s in batch):
+        raise ValueError("old_entropy: rollout.adaptive_temperature scores π_old's entropy; the old-log-prob pass "
+                         "kept none")
+    masks = [s.loss_mask for s in batch]
+    stats = hapo_entropy_stats([s.old_entropy for s in batch], masks if any(m is not None for m in masks) else None,
+                               0.5, eps=1e-6)
+    return {} if stats is None else {f"hapo_temperature/{k}": v for k, v in zip(TEMPERATURE_STATS, stats)}
 
 
 def stability_step(cfg: RunConfig, step: int) -> bool:

@@ -273,6 +273,10 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "drpo": ("algorithm.advantage=drpo",),  # advantage estimators: grpo's place, the stages as configured
     "canon": ("algorithm.advantage=canon",),
     "hapo_tga": ("algorithm.advantage=hapo_tga",),  # HAPO's token-level group average
+    # HAPO whole: its adaptive sampling temperature (the authors' τ), token-level group average, clipping and
+    # advantage redistribution together
+    "hapo": ("rollout.adaptive_temperature=0.05", "algorithm.advantage=hapo_tga",
+             "algorithm.objective_options={clip_mode: hapo}"),
     "spo": ("algorithm.advantage=spo",),  # its value tracker persists across steps (the checkpoint keeps it)
     # self-distillation (the policy as its own teacher behind the task's reference answer; the regime's π_old is
     # the learner's, as these need: megapo.trainer.config._check_stage_policy); credit's contrast K = 1 of the
