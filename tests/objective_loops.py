@@ -117,6 +117,17 @@ def assert_ppo_split_invariant(old: list, adv: list, lengths: list[int], seed: i
     assert total == pytest.approx(full.item(), rel=1e-12)
 
 
+def assert_ppo_gradient_matches_fd(old: list, adv: list, lengths: list[int], seed: int) -> None:
+    """PPO's token-mean loss on per-token advantages `adv`: autograd's gradient in the log-probs (`old` moved by
+    seeded noise) equals float64 central finite differences (assert_autograd_matches_fd)."""
+    from megapo.algorithms import policy_loss
+
+    width = max(lengths)
+    o, a, mask = pad_rows(old, width), pad_rows(adv, width), pad_rows([[1] * n for n in lengths], width).bool()
+    logp = o + torch.randn(o.shape, generator=torch.Generator().manual_seed(seed), dtype=F64) * 0.2
+    assert_autograd_matches_fd(lambda x: policy_loss("ppo", x, o, a, mask, loss_agg="token-mean")[0], logp, mask)
+
+
 class RecordingLearner:
     """learner.logprobs of the old-log-prob pass: records whether π_old's entropy was asked for (the pipeline tests:
     an input no stage asks for is not computed)."""

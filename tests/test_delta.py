@@ -11,21 +11,19 @@ from __future__ import annotations
 
 import math
 import sys
-from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megapo.algorithms import policy_loss
 from megapo.algorithms.discriminative import DeltaOptions, delta_weights
 from megapo.algorithms.sample import TrainSample
 from megapo.config import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from algorithm_configs import make_cfg  # noqa: E402
-from objective_loops import assert_autograd_matches_fd  # noqa: E402
+from objective_loops import assert_ppo_gradient_matches_fd, assert_ppo_split_invariant  # noqa: E402
 from one_rank import response_pass_stub  # noqa: E402
 
 EPS = 1e-8
@@ -171,44 +169,21 @@ def test_the_loop_takes_one_hidden_pass_on_the_replayed_routes():
     assert "delta/discriminator_acc" in metrics
 
 
-def loss_inputs(seed):
+def stage_inputs(seed):
+    """π_old per token, the stage's advantages (one list per sample) and the lengths, on a batch of 8."""
     old, hidden = make_batch(seed, lengths=(4, 6, 3, 5, 2, 6, 4, 3))
     adv = [0.9, -0.3, -0.3, 0.9, -0.6, 0.2, 0.9, -0.3]
-    weights, _ = delta_weights(adv, [torch.tensor(x, dtype=torch.float64) for x in old], [torch.tensor(h, dtype=torch.float64) for h in hidden], None,
-                               DeltaOptions())
-    width = max(len(o) for o in old)
-    pad = lambda rows: torch.stack([torch.nn.functional.pad(torch.as_tensor(r, dtype=torch.float64),  # noqa: E731
-                                                            (0, width - len(r))) for r in rows])
-    o = pad(old)
-    logp = o + torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64) * 0.2
-    mask = pad([[1.0] * len(r) for r in old]) > 0.5
-    return logp, o, pad([(a * w).tolist() for a, w in zip(adv, weights)]), mask
+    weights, _ = delta_weights(adv, [torch.tensor(x, dtype=torch.float64) for x in old],
+                               [torch.tensor(h, dtype=torch.float64) for h in hidden], None, DeltaOptions())
+    return old, [(a * w).tolist() for a, w in zip(adv, weights)], [len(o) for o in old]
 
 
-def test_ppo_on_the_stage_advantages_is_split_invariant():
-    """The weights are taken once over the whole batch; PPO on them over 4 micro-batches x 2 DP shards sums to the
-    one-batch loss (token-mean, the batch's global token count) to 1e-12."""
-    logp, old, adv, mask = loss_inputs(6)
-    n = int(mask.sum())
-    whole, _ = policy_loss("ppo", logp, old, adv, mask, loss_agg="token-mean", global_tokens=n)
-    parts = 0.0
-    for rank in range(2):
-        rows = list(range(rank, logp.shape[0], 2))
-        for micro in (rows[j::4] for j in range(4)):
-            if micro:
-                idx = torch.tensor(micro)
-                parts = parts + policy_loss("ppo", logp[idx], old[idx], adv[idx], mask[idx], loss_agg="token-mean",
-                                            global_tokens=n)[0]
-    assert abs(float(parts) - float(whole)) < 1e-12
-
-
-def test_loss_gradient_matches_float64_finite_differences():
-    logp, old, adv, mask = loss_inputs(8)
-
-    def loss(x):
-        return policy_loss("ppo", x, old, adv, mask, loss_agg="token-mean")[0]
-
-    assert_autograd_matches_fd(loss, logp, mask)
+def test_ppo_on_the_stage_advantages_is_split_invariant_and_its_gradient_matches_finite_differences():
+    """The stage's statistics are taken once, before the split: PPO's loss and gradient on its advantages over 2 DP
+    ranks x 4 micro-batches equal the one-batch ones (1e-12), and that gradient equals float64 finite differences."""
+    old, adv, lengths = stage_inputs(6)
+    assert_ppo_split_invariant(old, adv, lengths, seed=7)
+    assert_ppo_gradient_matches_fd(old, adv, lengths, seed=9)
 
 
 @pytest.mark.parametrize("option, value", [("steps", -1), ("steps", 1.5), ("w_min", -0.1), ("w_max", 0.5),

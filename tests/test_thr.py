@@ -17,7 +17,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megapo.algorithms import policy_loss
 from megapo.algorithms.hidden_reward import THROptions, thr_advantages
 from megapo.algorithms.sample import TrainSample
 from megapo.config import ConfigError
@@ -25,7 +24,7 @@ from megapo.learner.logprobs import vocab_parallel_logprobs_at
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from algorithm_configs import make_cfg  # noqa: E402
-from objective_loops import assert_autograd_matches_fd  # noqa: E402
+from objective_loops import assert_ppo_gradient_matches_fd, assert_ppo_split_invariant  # noqa: E402
 from one_rank import ONE, response_pass_stub  # noqa: E402
 
 V, D = 7, 4
@@ -168,46 +167,23 @@ def test_the_loop_takes_the_two_passes_on_the_replayed_routes():
     assert "thr/dominant_frac" in metrics
 
 
-def loss_inputs(seed):
+def stage_inputs(seed):
+    """π_old per token, the stage's advantages (one list per sample) and the lengths, on a batch of 8."""
     logits, responses, hidden = make_batch(seed)
     adv = [0.9, -0.3, -0.3, 0.9, -0.6, 0.2, 0.9, -0.3]
     ids = sorted({v for r in responses for v in r})
     values, _ = thr_advantages(responses, adv, at_ids(logits, ids), ids, hidden, 2, None, THROptions())
     old = [torch.log_softmax(z, -1).gather(-1, torch.tensor(r)[:, None])[:, 0].tolist()
            for z, r in zip(logits, responses)]
-    width = max(len(o) for o in old)
-    pad = lambda rows: torch.stack([torch.nn.functional.pad(torch.as_tensor(r, dtype=torch.float64),  # noqa: E731
-                                                            (0, width - len(r))) for r in rows])
-    o = pad(old)
-    logp = o + torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64) * 0.2
-    mask = pad([[1.0] * len(r) for r in old]) > 0.5
-    return logp, o, pad([v.tolist() for v in values]), mask
+    return old, [v.tolist() for v in values], [len(o) for o in old]
 
 
-def test_ppo_on_the_stage_advantages_is_split_invariant():
-    """The scores are per group, taken before the split; PPO on the advantages over 4 micro-batches x 2 DP shards
-    sums to the one-batch loss (token-mean, the batch's global token count) to 1e-12."""
-    logp, old, adv, mask = loss_inputs(6)
-    n = int(mask.sum())
-    whole, _ = policy_loss("ppo", logp, old, adv, mask, loss_agg="token-mean", global_tokens=n)
-    parts = 0.0
-    for rank in range(2):
-        rows = list(range(rank, logp.shape[0], 2))
-        for micro in (rows[j::4] for j in range(4)):
-            if micro:
-                idx = torch.tensor(micro)
-                parts = parts + policy_loss("ppo", logp[idx], old[idx], adv[idx], mask[idx], loss_agg="token-mean",
-                                            global_tokens=n)[0]
-    assert abs(float(parts) - float(whole)) < 1e-12
-
-
-def test_loss_gradient_matches_float64_finite_differences():
-    logp, old, adv, mask = loss_inputs(8)
-
-    def loss(x):
-        return policy_loss("ppo", x, old, adv, mask, loss_agg="token-mean")[0]
-
-    assert_autograd_matches_fd(loss, logp, mask)
+def test_ppo_on_the_stage_advantages_is_split_invariant_and_its_gradient_matches_finite_differences():
+    """The stage's statistics are taken once, before the split: PPO's loss and gradient on its advantages over 2 DP
+    ranks x 4 micro-batches equal the one-batch ones (1e-12), and that gradient equals float64 finite differences."""
+    old, adv, lengths = stage_inputs(6)
+    assert_ppo_split_invariant(old, adv, lengths, seed=7)
+    assert_ppo_gradient_matches_fd(old, adv, lengths, seed=9)
 
 
 @pytest.mark.parametrize("option, value", [("p", 1.5), ("p", float("nan")), ("beta", float("inf")),
