@@ -230,7 +230,9 @@ class Run:
                                 measure_free_kl=self.eval_due(step, last=False),
                                 measure_free_routing=stability_step(cfg, step), step=step,
                                 prompt_stats=self.prompt_stats, tokenizer=self.tokenizer)
-        self._set_temperature({k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("hapo_temperature/")})
+        if cfg.rollout.adaptive_temperature > 0:  # HAPO: the next rollouts' temperatures from this batch's entropy
+            self._set_temperature({k.split("/", 1)[1]: v for k, v in metrics.items()
+                                   if k.startswith("hapo_temperature/")})
         return metrics
 
     def _set_temperature(self, stats: dict) -> None:
