@@ -291,10 +291,9 @@ def _delta(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
         raise ValueError(f"old_hidden: stage {s.name} needs the LM head's input at the response tokens "
                          "(update.advantage_stages)")
     adv = token_credit.sequence_advantages(s.name, [x.advantage for x in batch])
-    masks = [x.loss_mask for x in batch]
     weights, metrics = discriminative.delta_weights(
         adv, [torch.as_tensor(x.old_logp, dtype=torch.float64) for x in batch], ctx.hidden,
-        masks if any(m is not None for m in masks) else None, s.options)
+        [x.loss_mask for x in batch], s.options)
     _set_advantages(batch, [a * w for a, w in zip(adv, weights)])
     return metrics
 
@@ -306,10 +305,9 @@ def _thr(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
         raise ValueError(f"old_vocab_logp: stage {s.name} needs the LM head's input and π_old over the response "
                          "vocabulary (update.advantage_stages)")
     adv = token_credit.sequence_advantages(s.name, [x.advantage for x in batch])
-    masks = [x.loss_mask for x in batch]
     values, metrics = hidden_reward.thr_advantages(
         [x.tokens[x.prompt_len:] for x in batch], adv, ctx.vocab_logp, ctx.vocab, ctx.hidden, ctx.group_size,
-        masks if any(m is not None for m in masks) else None, s.options)
+        [x.loss_mask for x in batch], s.options)
     _set_advantages(batch, values)
     return metrics
 

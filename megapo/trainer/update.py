@@ -446,9 +446,8 @@ def old_tempered_logp(learner: Learner, batch: list[TrainSample], cfg: RunConfig
     masks = [s.loss_mask for s in batch]
     temperature = batch_temperature([s.old_logp for s in batch], masks if any(m is not None for m in masks) else None,
                                     stage.options)
-    routes = [s.routes for s in batch]
     return learner.response_tempered_logp([list(s.tokens) for s in batch], [s.prompt_len for s in batch], temperature,
-                                          routes=routes if all(r is not None for r in routes) else None)
+                                          routes=replayed_routes(batch))
 
 
 def first_correct_answers(batch: list[TrainSample], groups: list[Group], cfg: RunConfig, tokenizer) -> list[int]:
@@ -468,20 +467,25 @@ def first_correct_answers(batch: list[TrainSample], groups: list[Group], cfg: Ru
                               stage.options.step_delimiter)
 
 
+def replayed_routes(batch: list[TrainSample]) -> list | None:
+    """The routes the train steps replay (sample.routes, set by the old-log-prob pass) for a learner's extra response
+    pass, or None (route freely) where a sample has none."""
+    routes = [s.routes for s in batch]
+    return routes if all(r is not None for r in routes) else None
+
+
 def old_sum_p2(learner: Learner, batch: list[TrainSample]) -> list:
     """Σ_v π_old(v)² at each response token of every sample (Learner.response_sum_p2, collective), on the routes
     the train steps replay (sample.routes, set by the old-log-prob pass; routing freely where there are none)."""
-    routes = [s.routes for s in batch]
     return learner.response_sum_p2([list(s.tokens) for s in batch], [s.prompt_len for s in batch],
-                                   routes=routes if all(r is not None for r in routes) else None)
+                                   routes=replayed_routes(batch))
 
 
 def old_hidden(learner: Learner, batch: list[TrainSample]) -> list:
     """The LM head's input at each response token of every sample (Learner.response_hidden, collective), on the
     routes the train steps replay (sample.routes; routing freely where there are none)."""
-    routes = [s.routes for s in batch]
     return learner.response_hidden([list(s.tokens) for s in batch], [s.prompt_len for s in batch],
-                                   routes=routes if all(r is not None for r in routes) else None)
+                                   routes=replayed_routes(batch))
 
 
 def old_vocab_logp(learner: Learner, batch: list[TrainSample]) -> tuple[list[int], list]:
@@ -489,9 +493,8 @@ def old_vocab_logp(learner: Learner, batch: list[TrainSample]) -> tuple[list[int
     response token (Learner.response_logp_at, collective), on the routes the train steps replay."""
     ids = sorted({int(v) for s in batch for v, m in zip(s.tokens[s.prompt_len:], s.loss_mask or
                                                       [1] * (len(s.tokens) - s.prompt_len)) if m})
-    routes = [s.routes for s in batch]
     return ids, learner.response_logp_at([list(s.tokens) for s in batch], [s.prompt_len for s in batch], ids,
-                                         routes=routes if all(r is not None for r in routes) else None)
+                                         routes=replayed_routes(batch))
 
 
 def block_rewards(batch: list[TrainSample], groups: list[Group], cfg: RunConfig, tokenizer):
@@ -679,9 +682,7 @@ def temperature_stats(batch: list[TrainSample]) -> dict:
     if any(s.old_entropy is None for s in batch):
         raise ValueError("old_entropy: rollout.adaptive_temperature scores π_old's entropy; the old-log-prob pass "
                          "kept none")
-    masks = [s.loss_mask for s in batch]
-    stats = hapo_entropy_stats([s.old_entropy for s in batch], masks if any(m is not None for m in masks) else None,
-                               0.5, eps=1e-6)
+    stats = hapo_entropy_stats([s.old_entropy for s in batch], [s.loss_mask for s in batch], 0.5, eps=1e-6)
     return {} if stats is None else {f"hapo_temperature/{k}": v for k, v in zip(TEMPERATURE_STATS, stats)}
 
 
