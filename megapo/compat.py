@@ -459,6 +459,28 @@ def grouped_core_attention():
     return GroupedDotProductAttention
 
 
+def grouped_attention_probs(attention, query: torch.Tensor, key: torch.Tensor, attention_mask,
+                            attn_mask_type=None) -> torch.Tensor:
+    """[b, heads, sq, sk] fp32: the attention probabilities grouped_core_attention's forward takes for these inputs
+    (query [sq, b, heads, d], key [sk, b, groups, d]; the mask as there, True = masked, None: causal), computed
+    again. For the opt-in recording of megapo/learner/attention_entropy.py (a forward hook on the core attention,
+    set only for the pass that asks): the forward above is left as it is and pays nothing."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    (sq, b, heads, d), sk, groups = query.shape, key.shape[0], key.shape[2]
+    causal = (attn_mask_type or attention.attn_mask_type) == AttnMaskType.causal
+    if attention_mask is None and not (causal and sq == sk):
+        raise ValueError("attention_mask: none given and the layer is not square causal")
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        raise ValueError(f"attention_mask: expected a bool mask (True = masked), got {attention_mask.dtype}")
+    per = heads // groups
+    q = query.float().permute(1, 2, 0, 3).reshape(b * groups, per * sq, d)
+    k = key.float().permute(1, 2, 3, 0).reshape(b * groups, d, sk)
+    bias = _mask_bias(attention_mask, b, groups, per, sq, sk, query.device)
+    probs = torch.softmax(torch.baddbmm(bias, q, k, alpha=attention.softmax_scale), dim=-1)
+    return probs.view(b, heads, sq, sk)  # head h = group h // per, as the forward reads them
+
+
 # ----------------------------------------------------------------------------- local-spec MLA
 
 

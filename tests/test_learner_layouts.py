@@ -167,6 +167,25 @@ def test_response_hidden_matches_transformers_in_every_layout(runs, model):
 
 
 @pytest.mark.parametrize("model", ["moe", "dense"])
+def test_attention_entropy_matches_transformers_in_every_layout(runs, model):
+    """Learner.response_attention_entropy (the stage attention_entropy's input) at layer 0, under TP=2 with sequence
+    parallel (the heads' probabilities summed over the TP ranks), PP=2 (the layer on the first stage), EP, DP and
+    both packings, equals the head-averaged eager attention entropy of transformers (tests/test_attention_entropy.py
+    writes it out)."""
+    from test_attention_entropy import hf_attention_entropy
+
+    ref = hf_attention_entropy(runs["models"][model], runs["batch"], 0)
+    checked = [k for k in runs["results"] if k.startswith(model + "/") and "attention_entropy" in runs["results"][k]]
+    assert any("tp2" in k for k in checked) and any("pp2" in k for k in checked)
+    for key in checked:
+        got = runs["results"][key]["attention_entropy"]
+        assert [tuple(g.shape) for g in got] == [tuple(r.shape) for r in ref], key
+        for g, r in zip(got, ref):
+            err = (g - r).abs().max().item()
+            assert err < 1e-6, f"{key}: max |H - transformers| = {err:.2e}"
+
+
+@pytest.mark.parametrize("model", ["moe", "dense"])
 def test_tp1_step_matches_transformers_adam_step(runs, model, tmp_path):
     expected, loss = hf_reinforce_step(runs["models"][model], runs["batch"], tmp_path)
     got = runs["results"][f"{model}/tp1_pp1_ep1_dp1/alltoall"]

@@ -429,7 +429,8 @@ def test_every_registered_method_is_documented_and_shapes_the_batch():
             if method.step_delimiter() is not None:
                 groups = [one_step_each(g) for g in groups]
             check_shaped(groups, method.shape(groups, step), e.name)
-    assert {e.name for e in entries("group_filter")} == {"gfpo", "decs_curriculum"}  # the latter: test_decs_curriculum.py
+    # decs_curriculum: tests/test_decs_curriculum.py; duet: tests/test_duet.py
+    assert {e.name for e in entries("group_filter")} == {"gfpo", "decs_curriculum", "duet"}
 
 
 @pytest.mark.parametrize("kind,name,options,message", [

@@ -42,6 +42,9 @@ class ScoredGroup:
     # int64 [G]: tokens through the first step whose prefix the task's answer checker accepts (reward >=
     # data.correct_threshold), -1 when none; None unless the method reads it (LengthMethod.needs_first_correct)
     first_correct: Tensor | None = None
+    # int64 [G]: tokens through the first appearance of a group filter's answer marker (duet's abort rule), -1 when
+    # none; None unless the filter names one (GroupFilter.marker)
+    marker_end: Tensor | None = None
 
     @property
     def size(self) -> int:

@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from megapo.algorithms import attention_entropy
+from megapo.algorithms import anytime
 from megapo.algorithms import blockwise
 from megapo.algorithms import discriminative
 from megapo.algorithms import distribution_centric
@@ -29,6 +31,7 @@ from megapo.algorithms import entropy_credit
 from megapo.algorithms import hidden_reward
 from megapo.algorithms import information
 from megapo.algorithms import lopti
+from megapo.algorithms import multi_reward
 from megapo.algorithms import plackett_luce
 from megapo.algorithms import otb
 from megapo.algorithms import self_distill
@@ -74,6 +77,9 @@ INPUTS = {
     "old_hidden": "the LM head's input (the final hidden state) at each response token under π_old (one more learner "
                   "forward, Learner.response_hidden: DelTA's token-gradient proxy (1 − π_old(y))·h)",
     # THR's (megapo/algorithms/hidden_reward.py), with old_hidden
+    # the attention-entropy reweighting's (megapo/algorithms/attention_entropy.py)
+    "old_attention_entropy": "the entropy of one layer's head-averaged attention at each response token under π_old "
+                             "(one more learner forward, Learner.response_attention_entropy)",
     "old_vocab_logp": "π_old's log-probs of every token id that occurs in the batch's responses, at each response "
                       "token (one more learner forward, Learner.response_logp_at: THR's prediction errors e_y − π_old)",
     "block_rewards": "each response token's block (cut at the stage's delimiters) and each response's block rewards",
@@ -89,6 +95,16 @@ INPUTS = {
     # SPAE's (megapo/algorithms/information.py)
     "answer_steps": "π_old's log-probs and next-token entropies of a*'s tokens after the prompt and after each step, "
                     "a* the reference answer (one more learner forward of each step's prefix followed by a*)",
+    # GDPO's and MRTPO's (megapo/algorithms/multi_reward.py; megapo/trainer/multi_reward.py computes them)
+    "reward_components": "each sample's reward components and their verifier information, from the task's verifier "
+                         "(Task.components: a task with several named rewards)",
+    "old_js_distance": "per reward component, the Jensen-Shannon distance between π_old's next-token distributions "
+                       "with and without its verifier information in the prompt, at each response token (one more "
+                       "learner forward per component, Learner.response_js_distance)",
+    # AnytimeReasoner's (megapo/algorithms/anytime.py): from the budget rewards and summaries rank 0 drew
+    # (megapo/trainer/anytime.py)
+    "anytime": "per sample its per-token advantage: a thinking's BRPO advantage of each budget segment, a summary's "
+               "reward less its baseline (from the summaries drawn after each response cut at the step's budgets)",
 }
 
 
@@ -119,6 +135,7 @@ class TokenContext:
     blocks: Any = None  # blockwise.BlockInputs: the input block_rewards (bae)
     sum_p2: list | None = None  # per sample, Σ_v π_old(v)² at each response token (otb)
     hidden: list | None = None  # per sample, the LM head's input [response tokens, hidden] under π_old (delta, thr)
+    attention_entropy: list | None = None  # per sample, one layer's attention entropy at each response token
     vocab: list | None = None  # the token ids vocab_logp's columns are (thr)
     vocab_logp: list | None = None  # per sample, [response tokens, len(vocab)] log π_old at those ids (thr)
     rewards: list | None = None  # per sample, its reward (otb's return)
@@ -126,7 +143,10 @@ class TokenContext:
     first_correct: list | None = None  # per sample, the answer's end a_i, -1: none (decs)
     answer_information: list | None = None  # per sample, each response token's information about a* (iapo)
     answer_steps: list | None = None  # per sample, an information.AnswerProbe at the prompt and each step (spae)
+    components: Any = None  # multi_reward.ComponentRewards: each sample's reward components (gdpo, mrtpo)
+    js_distance: list | None = None  # per sample, [components, response tokens] JS distances (mrtpo)
     max_new_tokens: int = 0  # rollout.max_new_tokens, decs's L_max
+    anytime: list | None = None  # per sample, stage anytime's per-token advantages (megapo/trainer/anytime.py)
 
 
 @dataclass(frozen=True)
@@ -312,6 +332,18 @@ def _thr(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
     return metrics
 
 
+def _attention_entropy(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+    """The attention-entropy reweighting (megapo/algorithms/attention_entropy.py): each token's advantage (the
+    sample's one, or a previous stage's per-token ones) times its entropy-rank weight at this trainer step."""
+    if ctx.attention_entropy is None:
+        raise ValueError(f"old_attention_entropy: stage {s.name} needs the attention entropies at the response tokens "
+                         "(update.advantage_stages)")
+    weights, metrics = attention_entropy.attention_entropy_weights(
+        ctx.attention_entropy, [x.prompt_len for x in batch], [x.loss_mask for x in batch], ctx.step, s.options)
+    _set_advantages(batch, [torch.as_tensor(x.advantage, dtype=torch.float64) * w for x, w in zip(batch, weights)])
+    return metrics
+
+
 def _low_entropy_kl(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
     """SENT's low-entropy-token KL (megapo/algorithms/semantic_entropy.py): per-token KL coefficients into
     sample.kl_weight, which the loss multiplies each token's |log π_θ − log π_old| by; low_entropy_kl/coef_mean,
@@ -392,6 +424,9 @@ STAGES: dict[str, StageDecl] = {
     # DelTA (megapo/algorithms/discriminative.py): advantages reweighted by the side-wise token-gradient discriminator
     "delta": StageDecl("token", "advantage_stage", ("sequence_advantage", "old_logp", "old_hidden"), _delta),
     # THR (megapo/algorithms/hidden_reward.py): advantages reweighted by the sign of each token's hidden reward
+    # attention-entropy reweighting (megapo/algorithms/attention_entropy.py): advantages times entropy-rank weights
+    "attention_entropy": StageDecl("token", "advantage_stage", ("old_attention_entropy", "step"),
+                                   _attention_entropy),
     "thr": StageDecl("token", "advantage_stage", ("sequence_advantage", "response_tokens", "old_hidden",
                                                   "old_vocab_logp"), _thr),
     # SENT's KL on the low-entropy tokens (megapo/algorithms/semantic_entropy.py): coefficients into sample.kl_weight
@@ -409,8 +444,15 @@ STAGES: dict[str, StageDecl] = {
     "iapo": StageDecl("token", "advantage_stage", ("answer_information",), information.run_iapo_stage),
     # SPAE (megapo/algorithms/information.py): each step's potential from the answer's likelihood after it
     "spae": StageDecl("token", "advantage_stage", ("answer_steps",), information.run_spae_stage),
+    # GDPO (megapo/algorithms/multi_reward.py): each reward component normalised in its group on its own
+    "gdpo": StageDecl("token", "advantage_stage", ("reward_components",), multi_reward.run_gdpo_stage),
+    # MRTPO: each reward's GDPO advantage over the tokens its verifier information moves (JS distance)
+    "mrtpo": StageDecl("token", "advantage_stage", ("reward_components", "old_js_distance"),
+                       multi_reward.run_mrtpo_stage),
     # Lopti (megapo/algorithms/lopti.py): each update as two optimizer steps, the low-probability tokens' first
     "lopti": StageDecl("token", "token_weight", ("old_logp",), _lopti),
+    # AnytimeReasoner (megapo/algorithms/anytime.py): BRPO on the thinking's budget segments, the summaries' own
+    "anytime": StageDecl("token", "advantage_stage", ("anytime",), anytime.run_anytime_stage),
 }
 
 

@@ -77,11 +77,15 @@ _MODULES = (
     "megapo.algorithms.semantic_entropy",
     "megapo.algorithms.otb",
     "megapo.algorithms.discriminative",
+    "megapo.algorithms.attention_entropy",
     "megapo.algorithms.hidden_reward",
+    "megapo.algorithms.multi_reward",
     "megapo.algorithms.distribution_centric",
     "megapo.algorithms.token_length",
     "megapo.algorithms.lopti",
     "megapo.algorithms.information",
+    "megapo.algorithms.anytime",
+    "megapo.algorithms.duet",
 )
 
 

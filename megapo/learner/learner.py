@@ -178,18 +178,19 @@ class Learner:
 
     def _micro_batches(self, sequences: list[list[int]], lo: np.ndarray, hi: np.ndarray,
                        columns_start: np.ndarray | None = None, policy: np.ndarray | None = None,
-                       prompt_lens=None, routes=None) -> list[MicroBatch]:
+                       prompt_lens=None, routes=None, units: list | None = None) -> list[MicroBatch]:
         """This rank's micro-batches of `sequences`, each selecting the positions [lo[i], hi[i]) of
         sequence i whose log-probs are wanted (the logits at t predict token t + 1); `columns_start`:
         where sample i's per-token inputs start in the train columns; `policy`: TrainInputs.policy;
-        `prompt_lens` (None: no sharing) and `routes`: for shared prefixes (_units). Sets packed_tokens: the slots
-        the whole batch fills on all ranks (its tokens, less what shared prefixes save)."""
+        `prompt_lens` (None: no sharing) and `routes`: for shared prefixes (_units); `units`: the packing units as
+        given instead (packing.pair_units). Sets packed_tokens: the slots the whole batch fills on all ranks (its
+        tokens, less what shared prefixes save)."""
         from megatron.core import parallel_state as ps
 
         lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
         flat = np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int64, count=int(lengths.sum()))
         starts = np.cumsum(lengths) - lengths
-        units = self._units(sequences, lengths, prompt_lens, routes)
+        units = units if units is not None else self._units(sequences, lengths, prompt_lens, routes)
         layouts = packing.plan([u.size for u in units], dp=ps.get_data_parallel_world_size(),
                                dp_rank=ps.get_data_parallel_rank(), budget=self.micro_batch_tokens,
                                row_tokens=self.row_tokens, pad_multiple=self.parallel.tp,
@@ -216,8 +217,9 @@ class Learner:
         if self.backend.use_te:  # one THD row; TE's attention takes the boundaries, not a mask
             from megatron.core.packed_seq_params import PackedSeqParams
 
-            cu = packing.cu_seqlens(layout.rows[0]).to(dev)
-            longest = max([*layout.rows[0].lengths, layout.width - layout.rows[0].used, 1])
+            row = packing.member_row(layout.rows[0], units)  # a pair unit's two sequences: two segments
+            cu = packing.cu_seqlens(row).to(dev)
+            longest = max([*row.lengths, layout.width - row.used, 1])
             packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                      max_seqlen_q=longest, max_seqlen_kv=longest)
         else:
@@ -427,6 +429,18 @@ class Learner:
         finally:
             self._head.keep_input = False
 
+    def response_attention_entropy(self, sequences: list[list[int]], prompt_lens: list[int], layer: int = -1,
+                                   routes=None) -> list[torch.Tensor]:
+        """Per sequence, the entropy (nats) of layer `layer`'s head-averaged attention distribution at each response
+        token (the queries at prompt_len-1 .. len-2): [len - prompt_len] float64, CPU, on every rank (collective; the
+        stage attention_entropy's input). One forward-only pass with an opt-in recording hook on that layer's core
+        attention (megapo/learner/attention_entropy.py: TP-, PP-, packing-aware; refuses attention kinds it cannot
+        read, naming why)."""
+        from megapo.learner.attention_entropy import response_attention_entropy
+
+        lengths = _check_sequences(sequences, self.spec.vocab_size)
+        return response_attention_entropy(self, sequences, lengths, prompt_lens, layer, routes)
+
     def response_tempered_logp(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float,
                                routes=None) -> list[torch.Tensor]:
         """Per sequence, log softmax(z/T)(y_t) at each response token (the positions prompt_len-1 .. len-2 predicting
@@ -444,6 +458,58 @@ class Learner:
             return {"logp": logp[:, 0].float()}
 
         return self._response_pass(sequences, prompt_lens, routes, tempered, ("logp",), with_targets=True)["logp"]
+
+    def response_js_distance(self, sequences: list[list[int]], prompt_lens: list[int],
+                             context_sequences: list[list[int]], context_prompt_lens: list[int], routes=None
+                             ) -> list[torch.Tensor]:
+        """Per pair i, at each response token t the Jensen-Shannon distance between the next-token distributions of
+        sequences[i] and context_sequences[i] (the same response behind another prompt: x ⊕ c): [len - prompt_len]
+        fp32, CPU, on every rank (collective; MRTPO's token relevance, megapo/algorithms/multi_reward.py). One
+        forward-only pass: each pair is one packing unit (packing.pair_units), so both members' logits sit in one
+        micro-batch on one DP rank; `routes` (one per sequences[i], or None) are replayed there, the context
+        sequences route freely. Vocabulary-parallel (divergence.vocab_parallel_js_distance: per position, four
+        values cross TP ranks, then one)."""
+        from megapo.learner.divergence import vocab_parallel_js_distance
+
+        n = len(sequences)
+        if len(context_sequences) != n or len(context_prompt_lens) != n or len(prompt_lens) != n:
+            raise ValueError(f"context_sequences: one with its prompt length per sequence ({n}), got "
+                             f"{len(context_sequences)} and {len(context_prompt_lens)} ({len(prompt_lens)} prompt_lens)")
+        for i, (a, p, b, q) in enumerate(zip(sequences, prompt_lens, context_sequences, context_prompt_lens)):
+            if list(a[p:]) != list(b[q:]):
+                raise ValueError(f"context_sequences[{i}]: must end with sequences[{i}]'s response "
+                                 f"(its tokens after prompt_lens[{i}]={p})")
+        both = [*sequences, *context_sequences]
+        lengths = _check_sequences(both, self.spec.vocab_size)
+        starts = np.asarray([*prompt_lens, *context_prompt_lens], dtype=np.int64)
+        if ((starts < 1) | (starts >= lengths)).any():
+            raise ValueError("prompt_lens: each in [1, len(sequence) - 1]")
+        if routes is not None and self.route_hook is None:
+            raise ValueError("routes: given, but this learner has no routing replay hook (routing_replay=True)")
+        if self.route_hook is not None:
+            self.route_hook.set_routes(None if routes is None else [*routes, *[None] * n], both)
+        units = packing.pair_units(lengths[:n].tolist(), lengths[n:].tolist())
+        micro_batches = self._micro_batches(both, starts - 1, lengths - 1, units=units)
+        vocab = self.spec.vocab_size
+
+        def collect(mb: MicroBatch, logits: torch.Tensor):
+            if not mb.order:
+                return logits.new_zeros(()), {"values": None}
+            at = dict(zip(mb.order, np.cumsum([0, *mb.sizes[:-1]]).tolist()))
+            size = dict(zip(mb.order, mb.sizes))
+            mine = [i for i in mb.order if i < n]
+            rows_p = [r for i in mine for r in range(at[i], at[i] + size[i])]
+            rows_q = [r for i in mine for r in range(at[n + i], at[n + i] + size[n + i])]
+            flat = logits.detach()
+            index = lambda rows: torch.tensor(rows, dtype=torch.long, device=flat.device)
+            values = vocab_parallel_js_distance(flat[index(rows_p)], flat[index(rows_q)], vocab_size=vocab)
+            return logits.new_zeros(()), {"values": values.float(), "order": mine, "sizes": [size[i] for i in mine]}
+
+        self.model.eval()
+        with torch.no_grad():
+            stored = [d for d in self._run(micro_batches, collect, forward_only=True) if d["values"] is not None]
+        self.model.train()
+        return self._per_sequence([(d["order"], d["values"], d["sizes"]) for d in stored], n)
 
     def _response_pass(self, sequences: list[list[int]], prompt_lens: list[int], routes, per_slot,
                        names: tuple[str, ...], with_targets: bool = False) -> dict[str, list[torch.Tensor]]:

@@ -160,6 +160,22 @@ def single_units(lengths) -> list[Unit]:
     return [Unit((i,), (int(n),)) for i, n in enumerate(lengths)]
 
 
+def pair_units(lengths, partner_lengths) -> list[Unit]:
+    """Unit i: sequence i and sequence len(lengths) + i (its partner), unshared, side by side in one row of one
+    micro-batch on one DP rank (Learner.response_js_distance reads both members' logits together)."""
+    if len(lengths) != len(partner_lengths):
+        raise ValueError(f"partner_lengths: one per sequence ({len(lengths)}), got {len(partner_lengths)}")
+    n = len(lengths)
+    return [Unit((i, n + i), (int(a), int(b))) for i, (a, b) in enumerate(zip(lengths, partner_lengths))]
+
+
+def member_row(row: PackedRow, units: list[Unit]) -> PackedRow:
+    """`row` (whose lengths are its units' sizes) with an unshared unit's members as segments of their own: the
+    sequence boundaries Transformer Engine's THD attention takes (a shared unit, which it never gets, stays one)."""
+    lengths = [n for i in row.indices for n in (units[i].lengths if not units[i].shared else (units[i].size,))]
+    return PackedRow(list(row.indices), lengths, row.width)
+
+
 def prefix_units(sequences: list[list[int]], prompt_lens, capacity: int, agreed=None) -> list[Unit]:
     """Units of `sequences`: those whose first prompt_lens[i] tokens are the same share their longest common
     prefix but its last token (a lone sequence stays a unit of its own); a group larger than `capacity` slots is

@@ -49,6 +49,19 @@ class Learner(Protocol):
         """The LM head's input [tokens, hidden] at each response token, on every rank (the stage delta)."""
         ...
 
+    def response_js_distance(self, sequences: list[list[int]], prompt_lens: list[int],
+                             context_sequences: list[list[int]], context_prompt_lens: list[int],
+                             routes: Any = None) -> list[Tensor]:
+        """The Jensen-Shannon distance between the next-token distributions of each sequence and its context
+        sequence (the same response behind x ⊕ c) at each response token, on every rank (the stage mrtpo)."""
+        ...
+
+    def response_attention_entropy(self, sequences: list[list[int]], prompt_lens: list[int], layer: int = -1,
+                                   routes: Any = None) -> list[Tensor]:
+        """The entropy of one layer's head-averaged attention at each response token, on every rank (the stage
+        attention_entropy)."""
+        ...
+
     def response_tempered_logp(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float,
                                routes: Any = None) -> list[Tensor]:
         """log softmax(z/T) of each response token, on every rank (the stage distribution_centric)."""

@@ -15,6 +15,9 @@ the SFT warm start teaches the formats (scratchpad_frac of the demonstrations sh
 of those do them twice), and RL can trade tokens (9 per digit and pass) for accuracy, more digits needing
 the columns more, while the second pass is pure cost.
 
+The summary trigger (stage anytime) is the separator: a response cut anywhere and followed by ";" asks for the sum,
+which the reward reads as the text after the last ";" (graded last) or the first part without "=" (graded first).
+
 `graded` says which written sum is graded: `last` (the default, above) or `first` (the first part without
 "=", the whole response when there is none). Graded at the last sum, a slip in the check's second pass
 changes the answer, so accuracy alone pushes RL to drop the check; graded at the first, the check comes after
@@ -126,4 +129,4 @@ def task(min_digits: int = MIN_DIGITS, max_digits: int = MAX_DIGITS, scratchpad_
 
     sizes = {"train": TRAIN_SIZE, "validation": VALIDATION_PER_DIGITS * counts, "test": TEST_PER_DIGITS * counts}
     return Task("addition_cot", sizes, get, reward=REWARDS[graded], demonstrations=demonstrations,
-                response_kind=response_format)
+                response_kind=response_format, summary_trigger=SEPARATOR)

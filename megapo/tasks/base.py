@@ -12,6 +12,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from megapo.tasks.components import ComponentVerifier
+
 SPLITS = ("train", "validation", "test")
 
 
@@ -45,6 +47,12 @@ class Task:
     # a multi-turn task's environment, a new one per trajectory (megapo.envs.base.Environment; env.name=auto
     # uses it); its demonstrations are then lists of policy turns, the environment answering between them
     environment: Callable[[], Any] | None = None
+    # the text that ends a (truncated) thinking and asks for the answer: stage anytime appends it to each response cut
+    # at a budget and samples a summary after it (megapo/trainer/anytime.py); None: the task has none
+    summary_trigger: str | None = None
+    # its verifier as several named rewards, each with the information it checks (megapo.tasks.components
+    # .ComponentVerifier; None: one reward). The multi-reward stages read them (gdpo, mrtpo)
+    components: ComponentVerifier | None = None
 
     def size(self, split: str) -> int:
         if split not in self.sizes:

@@ -19,6 +19,7 @@ from megapo.tasks.base import Task
 BUILTIN = {
     "addition": "megapo.tasks.addition:task",
     "addition_cot": "megapo.tasks.addition_cot:task",
+    "addition_parts": "megapo.tasks.addition_parts:task",
     "calculator": "megapo.tasks.calculator:task",
 }
 

@@ -519,6 +519,7 @@ class RunConfig:
         _check_stage_policy(self)
         _check_contrast(self)
         _check_hdpo(self)
+        _check_anytime(self)
         _check_reference(self)
 
     def _validate_rollout(self) -> None:
@@ -533,6 +534,7 @@ class RunConfig:
     def _validate_data(self) -> None:
         self.data.validate()
         _check_data(self)
+        _check_reward_components(self)
 
 
 # ----------------------------------------------------------------------------- rules that span sections
@@ -580,6 +582,13 @@ def _check_hdpo(cfg: RunConfig) -> None:
     if cfg.algorithm.advantage == "gae":
         raise ConfigError("algorithm.advantage", "gae's critic values the privileged responses of hdpo "
                           f"(algorithm.stages[{where[0]}]) as the policy's own; use a group estimator (grpo, ...)")
+
+
+def _check_anytime(cfg: RunConfig) -> None:
+    """Stage anytime's refusals (megapo/trainer/anytime.py: its trigger, budgets, sync rollouts, estimator)."""
+    from megapo.trainer.anytime_config import check_anytime
+
+    check_anytime(cfg)
 
 
 def _check_old_policy(cfg: RunConfig) -> None:
@@ -652,6 +661,23 @@ def _check_batches(cfg: RunConfig) -> None:
                           f"max_prompt_tokens + the response budget = {seq_len} tokens")
 
 
+def _check_reward_components(cfg: RunConfig) -> None:
+    """A stage reading reward_components (gdpo, mrtpo) needs data.task with several named rewards (Task.components,
+    megapo.tasks.components): one reward has nothing to decouple or reassign."""
+    where = [i for i, s in enumerate(cfg.algorithm.pipeline()) if "reward_components" in s.inputs]
+    if not where:
+        return
+    from megapo.tasks.registry import get_task
+
+    name = cfg.algorithm.pipeline()[where[0]].name
+    verifier = get_task(cfg.data.task, cfg.data.task_options).components if cfg.data.task else None
+    count = len(verifier.names) if verifier is not None else 1
+    if count < 2:
+        raise ConfigError("data.task", f"stage {name} (algorithm.stages[{where[0]}]) reads reward_components, and "
+                          f"{'task ' + repr(cfg.data.task) if cfg.data.task else 'data.train_files'} gives one reward; "
+                          "use a task whose verifier has several named rewards (Task.components, e.g. addition_parts)")
+
+
 def _check_data(cfg: RunConfig) -> None:
     """The prompts against the layout and the group size, the length methods on one group, the held-out split."""
     d, r = cfg.data, cfg.rollout
@@ -665,6 +691,9 @@ def _check_data(cfg: RunConfig) -> None:
     _check_prompt_order(cfg)
     check_length_methods(d, r.n_samples, r.max_new_tokens)
     _check_group_filter(cfg)
+    from megapo.algorithms.duet import check_duet_config
+
+    check_duet_config(cfg)  # duet's budget, sync rollouts, single-turn (megapo/algorithms/duet.py)
     _check_dense_rewards(cfg)
     if d.task:
         from megapo.tasks.registry import get_task
@@ -790,6 +819,7 @@ def _check_model(cfg: RunConfig) -> None:
     _check_second_models(cfg, hf)
     _check_servable(cfg, hf)
     _check_moe(cfg, hf, spec)
+    _check_attention_entropy(cfg, spec)
     if m.exists():  # the safetensors hold exactly the tensors config.json describes
         from megapo.convert.inputs import check_hf_tensors
         from megapo.models.family import family_for
@@ -845,6 +875,25 @@ def _check_servable(cfg: RunConfig, hf: dict) -> None:
             check_servable_here(hf)
         except ValueError as err:
             raise ConfigError("rollout.engine", str(err)) from None
+
+
+def _check_attention_entropy(cfg: RunConfig, spec) -> None:
+    """A stage that reads the attention entropies (old_attention_entropy) names a layer of this model whose attention
+    the recording path can read here (megapo/learner/attention_entropy.py: no TE fused attention, MLA, sinks or
+    sliding window)."""
+    from megapo.learner.attention_entropy import attention_kind_error, layer_error
+    from megapo.learner.backend import detect_backend
+
+    for i, s in enumerate(cfg.algorithm.pipeline()):
+        if "old_attention_entropy" not in s.inputs:
+            continue
+        bad_layer = layer_error(spec, s.options.layer)
+        if bad_layer is not None:
+            raise ConfigError(f"algorithm.stages[{i}].layer", f"{s.name}: {bad_layer}")
+        why = attention_kind_error(spec, s.options.layer, detect_backend().use_te)
+        if why is not None:
+            raise ConfigError(f"algorithm.stages[{i}]", f"{s.name} reads the attention entropies, which cannot be "
+                              f"read here: {why}")
 
 
 def _check_moe(cfg: RunConfig, hf: dict, spec) -> None:

@@ -742,7 +742,7 @@ def observe_answers(source, groups, tokenizer) -> None:
     from megapo.trainer.rewards import extract_answer
 
     for g in groups:
-        if g.prompt_index is None or g.privileged:
+        if g.prompt_index is None or g.extra:  # hdpo's privileged, anytime's summary groups: not the prompt's own
             continue
         texts = [tokenizer.decode(list(s.output_ids), skip_special_tokens=True) for s in g.samples]
         source.observe(g.prompt_index, [extract_answer(t) for t in texts])

@@ -38,11 +38,22 @@ class LengthStage:
         self.correct_threshold = d.correct_threshold
         self.steps = StepSplitter.of(self.reward, d, tokenizer)  # None: no method reads steps
         self.answers = StepSplitter.for_filter(self.filter, d, tokenizer)  # None: the filter observes nothing
+        self.markers = MarkerFinder.for_filter(self.filter, tokenizer)  # None: the filter reads no answer marker
         if self.filter is not None:
             self.filter.seed = cfg.train.seed
         self.step = 0  # batches begun
         if state:
             self.load_state_dict(state)
+
+    def rollout_counts(self, examples: list, n_samples: int) -> list[int] | None:
+        """Each prompt's rollout count for the next round where the filter allocates them (duet), else None
+        (rollout.n_samples each)."""
+        from megapo.algorithms.stages import prompt_key
+
+        if self.filter is None or not hasattr(self.filter, "allocate"):
+            return None
+        return self.filter.allocate([prompt_key(ex.prompt) for ex in examples], n_samples,
+                                    [getattr(ex, "difficulty", None) for ex in examples])
 
     def begin_batch(self) -> int:
         """A new step's batch starts (its rounds share the step number); returns that step."""
@@ -60,20 +71,23 @@ class LengthStage:
         if self.reward is not None:
             shaped = check_shaped(scored, self.reward.shape(scored, self.step), "data.length_reward")
         kept = [torch.arange(s.size) for s in scored]
+        weights = None
         if self.filter is not None:
             kept = check_kept(scored, self.filter.select(scored, self.step), "data.group_filter",
                               drops=self.filter.drops_groups)
+            weights = getattr(self.filter, "weights", None)  # duet's importance weights, per group
             if self.answers is not None:
                 self.filter.observe([self.answers.answer_ends(s, g) for g, s, k in zip(groups, scored, kept)
                                      if k.numel()], self.step)
         out = []
-        for g, s, r, k in zip(groups, scored, shaped, kept):
+        for gi, (g, s, r, k) in enumerate(zip(groups, scored, shaped, kept)):
             idx = k.tolist()
             if not idx:  # the filter dropped the whole group
                 continue
             out.append(Group(g.example, [g.samples[i] for i in idx], [float(r[i]) for i in idx],
                              scores=[float(s.rewards[i]) for i in idx], correct=[bool(s.correct[i]) for i in idx],
-                             sampled=s.size, prompt_index=g.prompt_index, sample_ids=idx))
+                             sampled=s.size, prompt_index=g.prompt_index, sample_ids=idx,
+                             weights=[float(weights[gi][i]) for i in idx] if weights else None))
         return out
 
     def scored_group(self, g, key: str) -> ScoredGroup:
@@ -81,7 +95,8 @@ class LengthStage:
         scored = ScoredGroup(key, getattr(g.example, "difficulty", None), rewards, rewards >= self.correct_threshold,
                              torch.tensor([len(s.output_ids) for s in g.samples], dtype=torch.int64),
                              torch.tensor([s.finish_reason != "stop" for s in g.samples]))
-        return self.steps.split(scored, g) if self.steps is not None else scored
+        scored = self.steps.split(scored, g) if self.steps is not None else scored
+        return self.markers.find(scored, g) if self.markers is not None else scored
 
     def metrics(self) -> dict[str, float]:
         """The methods' own numbers (a dual variable, targets), under length/."""
@@ -171,3 +186,31 @@ class StepSplitter:
             first = torch.tensor([first_accepted_end(t, e, accept, self.delimiter) for t, e in zip(texts, ends)],
                                  dtype=torch.int64)
         return replace(scored, step_lengths=steps, first_correct=first)
+
+
+class MarkerFinder:
+    """Where a group filter's answer marker (GroupFilter.marker: duet's abort rule) first appears in each response,
+    in tokens (ScoredGroup.marker_end), from the run's tokenizer's per-token texts."""
+
+    def __init__(self, marker: str, tokenizer):
+        self.marker, self.tokenizer = marker, tokenizer
+        self.cache: dict = {}  # token id -> its text, shared across rounds
+
+    @classmethod
+    def for_filter(cls, method, tokenizer) -> "MarkerFinder | None":
+        marker = method.marker() if method is not None and hasattr(method, "marker") else None
+        if marker is None:
+            return None
+        if tokenizer is None:
+            raise ValueError("data.group_filter_options.marker: the abort rule finds the marker in each decoded "
+                             "response and needs the run's tokenizer")
+        return cls(marker, tokenizer)
+
+    def find(self, scored: ScoredGroup, g) -> ScoredGroup:
+        from dataclasses import replace
+
+        from megapo.algorithms.duet import marker_end
+        from megapo.algorithms.process_rewards import token_texts
+
+        ends = [marker_end(token_texts(self.tokenizer, list(s.output_ids), self.cache), self.marker) for s in g.samples]
+        return replace(scored, marker_end=torch.tensor(ends, dtype=torch.int64))

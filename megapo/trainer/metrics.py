@@ -172,7 +172,9 @@ class SampleLogger:
                 "weight_version": s.weight_version, "finish_reason": s.finish_reason, **self.turns(s),
                 **({"token_versions": list(s.token_versions)} if getattr(s, "token_versions", None) else {}),
                 # hdpo's privileged rollouts: drawn with the reference answer in the prompt, trained behind this one
-                **({"privileged": True} if g.privileged else {})}
+                **({"privileged": True} if g.privileged else {}),
+                # stage anytime's summaries: drawn after the thinking cut at a budget and the trigger (prompt_ids)
+                **({"summary": True} if getattr(g.anytime, "slots", None) is not None else {})}
 
     def turns(self, s) -> dict:
         """A multi-turn trajectory's turns in order (role policy | env, text), why it ended, its tool calls."""

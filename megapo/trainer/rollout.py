@@ -7,7 +7,7 @@ their rewards."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from megapo.engines.base import Engine, Sample, SamplingParams
 from megapo.envs.base import Trajectory
@@ -33,6 +33,18 @@ class Group:
     # HDPO's privileged rollouts (megapo/trainer/privileged.py): correct responses drawn with the reference answer in
     # the prompt, attached to the original prompt; no estimator advantage (stage hdpo gives them λ)
     privileged: bool = False
+    # stage anytime's (megapo/trainer/anytime.py): the budget rewards of a group's thinkings, or of the thinkings a
+    # summary group summarises (anytime.BudgetRewards; slots set on a summary group)
+    anytime: Any = None
+    # each kept sample's importance weight, multiplying its loss (duet's abort rule: 1/q for a rollout continued
+    # past the abort check; megapo/algorithms/duet.py); None: all 1
+    weights: list[float] | None = None
+
+    @property
+    def extra(self) -> bool:
+        """A group the step adds beside the sampled ones (hdpo's privileged, anytime's summaries): no estimator
+        advantage, its stage sets it."""
+        return self.privileged or getattr(self.anytime, "slots", None) is not None
 
     def verdicts(self, threshold: float) -> list[bool]:
         """Each kept sample's verifier verdict: `correct` where the length stage set it, else its score (the reward
@@ -76,23 +88,42 @@ def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[list], list[float]]:
 
 
 def rollout_round(engine: Engine, params, examples: list, prompt_ids: list[list[int]], reward_fn,
-                  indices: list[int] | None = None, sampler=None) -> list[Group]:
+                  indices: list[int] | None = None, sampler=None, counts: list[int] | None = None) -> list[Group]:
     """One sampling round: every prompt's samples with the verifier's rewards (before length shaping);
     `indices`: the prompts' places in the prompt pool; `sampler`: multi-turn trajectories in place of
-    engine.generate (megapo.envs.rollout.trajectory_sampler)."""
-    drawn = sampler(engine, prompt_ids, examples, params) if sampler is not None else engine.generate(prompt_ids, params)
+    engine.generate (megapo.envs.rollout.trajectory_sampler); `counts`: each prompt's own number of samples
+    (duet's allocation) in place of params.n."""
+    if counts is not None:
+        drawn = generate_counts(engine, params, prompt_ids, counts)
+    elif sampler is not None:
+        drawn = sampler(engine, prompt_ids, examples, params)
+    else:
+        drawn = engine.generate(prompt_ids, params)
     scores = iter(reward_fn([(ex, s) for ex, samples in zip(examples, drawn) for s in samples]))
     indices = indices if indices is not None else [None] * len(examples)
     return [Group(ex, samples, [next(scores) for _ in samples], prompt_index=i)
             for ex, samples, i in zip(examples, drawn, indices)]
 
 
+def generate_counts(engine: Engine, params: SamplingParams, prompt_ids: list[list[int]],
+                    counts: list[int]) -> list[list[Sample]]:
+    """Prompt i's counts[i] samples: one engine call with prompt i repeated counts[i] times at n = 1 (every engine
+    takes it; the rows are independent draws as n rows of one prompt are)."""
+    from dataclasses import replace
+
+    flat = [ids for ids, c in zip(prompt_ids, counts) for _ in range(c)]
+    rows = iter(engine.generate(flat, replace(params, n=1)))
+    return [[next(rows)[0] for _ in range(c)] for c in counts]
+
+
 def collect_rollouts(engine: Engine, params, pool, source, reward_fn, cfg: RunConfig, length=None,
-                     sampler=None, privileged=None) -> tuple[list[Group], dict, int]:
+                     sampler=None, privileged=None, anytime=None) -> tuple[list[Group], dict, int]:
     """Rank 0: sample groups for one step (with dynamic sampling, refilled up to max_sampling_rounds), each
     round shaped and filtered by `length` (trainer.length_stage.LengthStage) before dynamic sampling judges it;
     `sampler`: multi-turn trajectories (rollout_round); `privileged` (privileged.PrivilegedRollouts, stage hdpo):
-    one more engine call for the step's all-fail groups, their privileged groups after the others; returns the
+    one more engine call for the step's all-fail groups, their privileged groups after the others; `anytime`
+    (anytime.AnytimeRollouts, stage anytime): one more engine call for the kept groups' responses cut at the step's
+    budgets, their summary groups after the others; returns the
     groups to train on (whole groups, a multiple of dp), metrics, generated tokens."""
     from megapo.trainer import data
     from megapo.trainer.metrics import length_metrics
@@ -105,8 +136,10 @@ def collect_rollouts(engine: Engine, params, pool, source, reward_fn, cfg: RunCo
     def one_round() -> list[Group]:
         chosen = source.next_batch(cfg.data.prompts_per_step)
         items = [pool[i] for i in chosen]
-        new = rollout_round(engine, params, [ex for ex, _ in items], [ids for _, ids in items], reward_fn,
-                            [int(i) for i in chosen], sampler)
+        examples = [ex for ex, _ in items]
+        counts = length.rollout_counts(examples, cfg.rollout.n_samples) if length is not None else None
+        new = rollout_round(engine, params, examples, [ids for _, ids in items], reward_fn,
+                            [int(i) for i in chosen], sampler, counts)
         sampled.extend(new)
         new = length.apply(new) if length is not None else new
         shaped.extend(new)
@@ -148,6 +181,10 @@ def collect_rollouts(engine: Engine, params, pool, source, reward_fn, cfg: RunCo
         extra, hdpo_metrics, extra_tokens = privileged(engine, shaped, reward_fn)
         metrics.update(hdpo_metrics)
         groups, tokens = dp_whole(groups, extra, cfg.parallel.dp), tokens + extra_tokens
+    if anytime is not None and groups:  # stage anytime: the kept groups' budget rewards, their summaries after them
+        groups, summaries, anytime_metrics, extra_tokens = anytime(engine, groups, reward_fn)
+        metrics.update(anytime_metrics)
+        groups, tokens = dp_whole(groups, summaries, cfg.parallel.dp), tokens + extra_tokens
     return groups, metrics, tokens
 
 

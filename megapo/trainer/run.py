@@ -31,6 +31,7 @@ from megapo.trainer.metrics import MetricsLogger, SampleLogger, StepTimer
 from megapo.trainer.reward_model import build_reward_model
 from megapo.trainer.run_dir import CHECKPOINTS
 from megapo.trainer.privileged import privileged_rollouts
+from megapo.trainer.anytime import anytime_rollouts
 from megapo.trainer.rollout import Group, collect_rollouts, make_reward_fn, sampling_params, turn_play
 from megapo.trainer.stop import signals_held
 from megapo.trainer.update import (TEMPERATURE_STATS, new_prompt_stats, stability_step, stage_state,
@@ -117,6 +118,7 @@ class Run:
                                       routes=cfg.algorithm.routing_replay == "r3" or compare_routes)
         self.loss = cfg.loss_spec()  # every train step's LossSpec (validate() has checked it)
         self.privileged = privileged_rollouts(cfg, self.tokenizer, self.params)  # stage hdpo's (None: not listed)
+        self.anytime = anytime_rollouts(cfg, self.tokenizer, self.params)  # stage anytime's (None: not listed)
         self.turns = turn_play(cfg)
         self.sampler = None
         if self.turns is not None:
@@ -200,7 +202,7 @@ class Run:
 
     def _collect(self) -> tuple[list[Group], dict, int]:
         return collect_rollouts(self.engine, self.params, self.pool, self.source, self.reward_fn, self.cfg,
-                                self.length, self.sampler, self.privileged)
+                                self.length, self.sampler, self.privileged, self.anytime)
 
     def generate(self, step: int, timer: StepTimer) -> tuple[list[Group], dict, int]:
         """This step's groups on every rank (drawn on rank 0, or taken from the async producer; with PP > 1 the other
@@ -212,6 +214,8 @@ class Run:
 
             groups, metrics, tokens = next_batch(self.producer, self.version, self.cfg.train.staleness, timer)
         elif rank() == 0:
+            if self.anytime is not None:  # its budget draws follow (train.seed, step)
+                self.anytime.step = step
             with timer("generate"):
                 groups, metrics, tokens = self._collect()
             from megapo.trainer import data

@@ -36,6 +36,7 @@ def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_sta
         adv = [a_g.tolist() for a_g in group_advantages(groups, cfg, step, prompt_stats)]
     sentence_ends = _sentence_end_ids(cfg)  # the objective splits responses into sentences (sspo)
     replay = cfg.algorithm.routing_replay == "r3"
+    weighted = any(g.weights is not None for g in groups)  # duet's importance weights: then every sample has one
     return [TrainSample(
         tokens=list(s.prompt_ids) + list(s.output_ids), prompt_len=len(s.prompt_ids), advantage=adv[gi][si],
         # hdpo's privileged samples: the engine's log-probs are of the hinted prompt, not μ (privileged_mu sets it)
@@ -45,7 +46,8 @@ def train_samples(groups: list[Group], cfg: RunConfig, step: int = 1, prompt_sta
         routes=s.routes if replay else None,
         # for router/disagree (megapo.replay.modes.stability_metrics), against the learner's routes of every MoE
         # layer: not where the routes are a pipeline stage's columns only (g.route_layers; rank 0 has them all)
-        engine_routes=s.routes if g.route_layers is None else None)
+        engine_routes=s.routes if g.route_layers is None else None,
+        token_weight=[g.weights[si] if g.weights is not None else 1.0] * len(s.output_ids) if weighted else None)
         for gi, g in enumerate(groups) for si, s in enumerate(g.samples)]
 
 
@@ -58,10 +60,10 @@ def group_advantages(groups: list[Group], cfg: RunConfig, step: int, prompt_stat
     from megapo.algorithms.pipeline import run_sequence_stages
 
     a, stages = cfg.algorithm, cfg.algorithm.pipeline()
-    if any(g.privileged for g in groups):  # hdpo's privileged groups: no estimator (stage hdpo gives them λ)
-        regular = [g for g in groups if not g.privileged]
+    if any(_added(g) for g in groups):  # hdpo's privileged, anytime's summary groups: no estimator (their stage's)
+        regular = [g for g in groups if not _added(g)]
         adv = iter(group_advantages(regular, cfg, step, prompt_stats) if regular else [])
-        return [torch.zeros(len(g.samples), dtype=torch.float64) if g.privileged else next(adv) for g in groups]
+        return [torch.zeros(len(g.samples), dtype=torch.float64) if _added(g) else next(adv) for g in groups]
 
     if a.advantage == "spo":  # SPO: the persistent value tracker `prompt_stats` (value_tracker.ValueTracker), no groups
         from megapo.algorithms.stages import prompt_key
@@ -77,6 +79,11 @@ def group_advantages(groups: list[Group], cfg: RunConfig, step: int, prompt_stat
     if len({len(g.samples) for g in groups}) > 1:
         return [advantages([g])[0] for g in groups]
     return list(advantages(groups))
+
+
+def _added(g) -> bool:
+    """A group the step added beside the sampled ones (Group.extra; a stand-in group with privileged only: that)."""
+    return getattr(g, "extra", g.privileged)
 
 
 def _rewards(groups: list[Group]) -> torch.Tensor:
@@ -266,8 +273,9 @@ def token_stages(batch: list[TrainSample], cfg: RunConfig, step: int, **inputs) 
     nat_prefix draws from (train.seed, `step`), so a resumed run cuts as the unstopped one. `inputs`: the
     pipeline.TokenContext fields the loop computed where a stage reads them (advantage_stages): self_teacher (the
     self-teacher pass's values), correct (each sample's verdict), privileged (hdpo's), blocks (bae's block rewards),
-    sum_p2 and rewards (otb's), hidden (delta's and thr's), vocab and vocab_logp (thr's), first_correct (decs's; rollout.max_new_tokens is always passed, decs's L_max),
-    answer_information (iapo's), answer_steps (spae's)."""
+    sum_p2 and rewards (otb's), hidden (delta's and thr's), attention_entropy (attention_entropy's), vocab and vocab_logp (thr's), first_correct (decs's; rollout.max_new_tokens is always passed, decs's L_max),
+    answer_information (iapo's), answer_steps (spae's), anytime (stage anytime's per-token advantages), components
+    (gdpo's and mrtpo's reward components) and js_distance (mrtpo's)."""
     from megapo.algorithms.pipeline import TokenContext, run_token_stages
 
     a = cfg.algorithm
@@ -355,6 +363,10 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
     if "old_hidden" in reads:  # DelTA's and THR's (collective): the LM head's input, on the replayed routes
         with timer("hidden"):
             hidden = old_hidden(learner, batch)
+    attention = None
+    if "old_attention_entropy" in reads:  # the attention-entropy stage's (collective), on the replayed routes
+        with timer("attention_entropy"):
+            attention = old_attention_entropy(learner, batch, cfg)
     vocab = vocab_logp = None
     if "old_vocab_logp" in reads:  # THR's (collective): π_old over the batch's response vocabulary
         with timer("vocab_logp"):
@@ -368,6 +380,12 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
     if "first_correct" in reads:  # decs's: the task's checker on each correct response's step prefixes
         with timer("first_correct"):
             first_correct = first_correct_answers(batch, groups, cfg, tokenizer)
+    anytime = None
+    if "anytime" in reads:  # stage anytime's: BRPO on the thinkings, r − baseline on the summaries
+        from megapo.trainer.anytime import anytime_token_advantages
+
+        stage = next(s for s in cfg.algorithm.pipeline() if "anytime" in s.inputs)
+        anytime = anytime_token_advantages(groups, stage.options.summaries)
     information = steps = None
     if "answer_information" in reads:  # iapo's (collective): every prefix followed by the reference answer
         with timer("answer_information"):
@@ -375,10 +393,15 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
     if "answer_steps" in reads:  # spae's (collective): the prefix before each step followed by the reference answer
         with timer("answer_steps"):
             steps = answer_steps(learner, batch, groups, cfg, tokenizer)
+    from megapo.trainer.multi_reward import multi_reward_inputs
+
+    # gdpo's and mrtpo's: the task's reward components; mrtpo's JS distances (collective, one pass per component)
+    multi = multi_reward_inputs(learner, batch, groups, cfg, tokenizer, reads, timer, replayed_routes(batch))
     return token_stages(batch, cfg, step, self_teacher=self_teacher, correct=correct, privileged=privileged,
-                        blocks=blocks, sum_p2=sum_p2, hidden=hidden, vocab=vocab,
+                        blocks=blocks, sum_p2=sum_p2, hidden=hidden, attention_entropy=attention, vocab=vocab,
                         vocab_logp=vocab_logp, rewards=rewards, first_correct=first_correct,
-                        tempered_logp=tempered, answer_information=information, answer_steps=steps)
+                        tempered_logp=tempered, answer_information=information, answer_steps=steps,
+                        anytime=anytime, **multi)
 
 
 def answer_information(learner: Learner, batch: list[TrainSample], groups: list[Group], cfg: RunConfig,
@@ -486,6 +509,14 @@ def old_hidden(learner: Learner, batch: list[TrainSample]) -> list:
     routes the train steps replay (sample.routes; routing freely where there are none)."""
     return learner.response_hidden([list(s.tokens) for s in batch], [s.prompt_len for s in batch],
                                    routes=replayed_routes(batch))
+
+
+def old_attention_entropy(learner: Learner, batch: list[TrainSample], cfg: RunConfig) -> list:
+    """The entropy of the stage attention_entropy's layer's head-averaged attention at each response token of every
+    sample (Learner.response_attention_entropy, collective), on the routes the train steps replay."""
+    stage = next(s for s in cfg.algorithm.pipeline() if "old_attention_entropy" in s.inputs)
+    return learner.response_attention_entropy([list(s.tokens) for s in batch], [s.prompt_len for s in batch],
+                                              stage.options.layer, routes=replayed_routes(batch))
 
 
 def old_vocab_logp(learner: Learner, batch: list[TrainSample]) -> tuple[list[int], list]:

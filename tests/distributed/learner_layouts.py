@@ -79,8 +79,11 @@ def main() -> None:
 def _logprobs_and_step(learner: Learner, spec: dict) -> dict:
     logprobs = learner.logprobs(spec["sequences"])
     hidden = learner.response_hidden([b["tokens"] for b in spec["batch"]], [b["prompt_len"] for b in spec["batch"]])
+    # layer 0: under PP=2 a stage other than the last holds it
+    attention = learner.response_attention_entropy([b["tokens"] for b in spec["batch"]],
+                                                   [b["prompt_len"] for b in spec["batch"]], layer=0)
     metrics = learner.train_step(spec["batch"], spec["objective"], spec["loss_agg"])
-    out = {"logprobs": logprobs, "hidden": hidden, "weights": dict(learner.hf_state_dict()), "grad_norm": metrics["grad_norm"],
+    out = {"logprobs": logprobs, "hidden": hidden, "attention_entropy": attention, "weights": dict(learner.hf_state_dict()), "grad_norm": metrics["grad_norm"],
            "loss": metrics["loss"]}
     if not learner.parallel.distributed_optimizer:  # (its grad buffers hold only this rank's reduced shard)
         out["grads"] = hf_grads(learner)

@@ -90,6 +90,15 @@ METHODS: dict[str, list[str]] = {
     "iapo": ['algorithm.stages=[{name: iapo, step_delimiter: ";"}]'],
     # SPAE (the same module): each step's potential from the answer's probability and entropy after it
     "spae": ['algorithm.stages=[{name: spae, step_delimiter: ";"}]'],
+    # AnytimeReasoner (megapo/algorithms/anytime.py): each response cut at 20 / 40 / 80 / 160 tokens (a uniform prior;
+    # budgets ours, dense where this task's responses end), a summary of at most 16 tokens drawn after each cut and
+    # the task's ";", BRPO on the response's segments, the summaries trained with their own advantages
+    "anytime": ['algorithm.stages=[{name: anytime, budgets: [20, 40, 80, 160], summary_tokens: 16}]'],
+    # DUET (megapo/algorithms/duet.py): each prompt's rollouts from a pass-rate surrogate (a prompt not seen yet: its
+    # digit count's pooled pass rate) under GRPO's budget, and under half of it; its abort rule needs an answer
+    # marker, which this task's responses have none of
+    "duet": ["data.group_filter=duet"],
+    "duet_half": ["data.group_filter=duet", "data.group_filter_options={budget_scale: 0.5}"],
 }
 # the methods whose length target follows the prompt's difficulty (the second target of issue 15)
 ADAPTIVE = ("alp", "laser_d", "dast", "deepcompress", "dler")

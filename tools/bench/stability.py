@@ -296,6 +296,15 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "low_entropy_kl": ("algorithm.stages=[{name: low_entropy_kl}]",),  # SENT's KL-Cov on low-entropy tokens
     "delta": ("algorithm.stages=[{name: delta}]",),  # DelTA: one more learner pass for the LM head's input
     "thr": ("algorithm.stages=[{name: thr}]",),  # Token Hidden Reward, p = 0.5 (exploitation): two more passes
+    # multi-reward (addition_parts: the same problems and exact-match accuracy, its verifier as correct + format):
+    # GDPO's decoupled normalisation, and MRTPO's per-reward token credit (one more paired pass per reward)
+    "gdpo": ("data.task=addition_parts", "algorithm.stages=[{name: gdpo}]"),
+    "mrtpo": ("data.task=addition_parts", "algorithm.stages=[{name: mrtpo}]"),
+    # attention-entropy reweighting (arXiv:2605.07660): one more learner pass for the last layer's attention entropies
+    "attention_entropy": ("algorithm.stages=[{name: attention_entropy}]",),
+    # DUET's rollout allocation (GRPO's budget of prompts × n_samples, redistributed by the pass-rate surrogate); its
+    # abort rule needs an answer marker, which the addition task's responses have none of
+    "duet": ("data.group_filter=duet",),
 }
 # what a variant (or an objective's OBJECTIVE_OVERRIDES) may not override: the cell's axes (its row would then say
 # what it did not run)
