@@ -333,3 +333,42 @@ def test_the_lm_head_runs_at_the_selected_slots_only(tmp_path, tiny_moe):
     assert len(r["head_rows"]) > 1  # several micro-batches, each its own selection
     for got, ref in zip(r["logprobs"], transformers_logprobs(tiny_moe, sequences)):
         assert (torch.tensor(got) - ref).abs().max().item() < 1e-4
+
+
+# ----------------------------------------------------------------------------- padding slots skip the experts
+
+
+PADDING_SCRIPT = r"""
+import json, sys
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megapo.config import ParallelConfig
+from megapo.learner.learner import Learner
+
+learner = Learner(sys.argv[1], ParallelConfig(), micro_batch_tokens=40, share_prefix="off")
+routed, slots = [], []
+for m in learner.module.modules():
+    if isinstance(m, SequentialMLP):
+        m.register_forward_hook(lambda m, args, out: routed.append(int(torch.as_tensor(args[1]).sum())))
+learner.module.embedding.register_forward_hook(lambda m, args, out: slots.append(out.shape[0] * out.shape[1]))
+sequences = json.loads(sys.argv[2])
+logps = learner.logprobs(sequences)
+print(json.dumps({"logprobs": [l.tolist() for l in logps], "routed": routed, "slots": slots,
+                  "layers": learner.spec.num_moe_layers, "topk": learner.spec.topk}))
+"""
+
+
+def test_padding_slots_reach_no_expert(tmp_path, tiny_moe):
+    """Packed micro-batches hold padding; the experts of every MoE layer get top-k x the real tokens only (the
+    sequences' lengths summed), fewer than the slots, and the log-probs still equal transformers' forward."""
+    sequences = write_input(tmp_path / "in.jsonl")
+    (tmp_path / "pads.py").write_text(PADDING_SCRIPT)
+    proc = subprocess.run([sys.executable, str(tmp_path / "pads.py"), str(tiny_moe), json.dumps(sequences)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    real = sum(len(s) for s in sequences)
+    assert sum(r["slots"]) > real  # the packing padded some slots
+    assert sum(r["routed"]) == r["layers"] * r["topk"] * real
+    for got, ref in zip(r["logprobs"], transformers_logprobs(tiny_moe, sequences)):
+        assert (torch.tensor(got) - ref).abs().max().item() < 1e-4

@@ -112,9 +112,16 @@ def register(name: str, kind: str, granularity: str, paper: str, options: type |
     return wrap
 
 
+_loaded = False  # every module of _MODULES has registered (the loss looks entries up at every step)
+
+
 def _load_all() -> None:
+    global _loaded
+    if _loaded:
+        return
     for module in _MODULES:
         importlib.import_module(module)
+    _loaded = True
 
 
 def entries(kind: str | None = None) -> list[Entry]:

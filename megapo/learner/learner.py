@@ -15,6 +15,7 @@ the device until the step ends.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -26,6 +27,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from megapo import compat
 from megapo.config import OptimConfig, ParallelConfig
 from megapo.dist import any_rank, min_over_ranks
 from megapo.layout import check_layout, read_hf_config
@@ -138,6 +140,8 @@ class Learner:
             from megapo.replay.hook import attach
 
             self.route_hook = attach(self.module, self.config, self.spec)
+        self._pads = model_lib.PaddingRoutes(self.module, self.config) \
+            if model_lib.PaddingRoutes.applies(self.config) else None  # after replay's hooks: they see every row
         if hf_weights:  # False: model_dir needs only config.json; `load` a checkpoint next (conversion)
             hf_load.load_hf_weights(self.module, self.family, self.spec, model_dir)
         self.frozen = frozen
@@ -249,7 +253,9 @@ class Learner:
         set_positions(model, mb.position_ids, int(mb.pos.max()) + 1)
         self._head.select(mb)
         kwargs = {"packed_seq_params": mb.packed_seq_params} if mb.packed_seq_params is not None else {}
-        output = model(mb.tokens, mb.position_ids, mb.attention_mask, **kwargs)
+        pads = self._pads.around(mb) if self._pads is not None else contextlib.nullcontext()
+        with pads, compat.device_mode_suspended():  # the model's forward writes no device="cuda" literal
+            output = model(mb.tokens, mb.position_ids, mb.attention_mask, **kwargs)
         return output, partial(self._at_selected, loss_func, mb)
 
     @staticmethod

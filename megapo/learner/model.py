@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import tempfile
@@ -383,6 +384,51 @@ class HeadSelection:
         if self.keep_input:
             self.kept = hidden.detach()
         return (hidden[:, None], *args[1:])
+
+
+class PaddingRoutes:
+    """Sends a micro-batch's padding slots to no expert: a forward hook on each of this stage's MoE routers
+    clears their rows of the routing map, so the token dispatcher leaves them out and the experts compute real
+    tokens only (the MoE output at a padding slot is then 0; nothing reads it: attention masks padding out and
+    no head reads it, so every other value and gradient is the same). Registered after routing replay's hooks,
+    which check and record the full map. Not built with activation recompute (the recompute, in backward, would
+    need its micro-batch's slots again) or an expert capacity (padding takes capacity there, and leaving it out
+    would change which real tokens are dropped)."""
+
+    def __init__(self, module, config):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.sequence_parallel = config.sequence_parallel
+        self.real: torch.Tensor | None = None  # [width * rows] in the routers' (position-major) order
+        for router in (m for m in module.modules() if isinstance(m, TopKRouter)):
+            router.register_forward_hook(self._clear)
+
+    @staticmethod
+    def applies(config) -> bool:
+        return bool(config.num_moe_experts) and config.recompute_granularity is None and \
+            config.moe_expert_capacity_factor is None and config.moe_token_dispatcher_type in ("alltoall", "allgather")
+
+    @contextlib.contextmanager
+    def around(self, mb):
+        """mb's forward, its padding slots cleared; a forward outside (none set) routes every slot."""
+        real = mb.seq >= 0  # [rows, width] on the host (packing.SlotMap: -1 marks padding)
+        self.real = None if real.all() else torch.from_numpy(real.T.reshape(-1)).to(mb.tokens.device)
+        try:
+            yield
+        finally:
+            self.real = None
+
+    def _clear(self, router, args, output):
+        if self.real is None:
+            return None
+        probs, routing_map = output
+        n = routing_map.shape[0]
+        start = 0
+        if self.sequence_parallel:  # this TP rank's contiguous slice of the positions
+            from megatron.core import parallel_state
+
+            start = parallel_state.get_tensor_model_parallel_rank() * n
+        return probs, routing_map & self.real[start:start + n, None]
 
 
 def mark_sinks(model) -> None:

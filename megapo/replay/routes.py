@@ -18,6 +18,7 @@ At every position of a micro-batch (megapo/learner/packing.py) routers see, a ta
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,7 @@ class RouteShape:
         return route_dtype(self.num_experts)
 
 
+@functools.lru_cache(maxsize=None)  # asked once per sample per pass; np.iinfo is slow to build
 def route_dtype(num_experts: int) -> np.dtype:
     """The smallest signed integer type holding every expert id and -1 (no route): int8 up to 127 experts, int16
     up to 32767; routes are the largest per-token payload of an MoE rollout, so they are kept in it from the
