@@ -28,5 +28,6 @@ def response_pass_stub(logits, vocab: int, mb):
                          _run=lambda mbs, collect, forward_only: [Learner._at_selected(collect, m, logits)[1] for m in mbs],
                          _share_results=lambda items: items)
     me._per_sequence = partial(Learner._per_sequence, me)
+    me._response_micro_batches = partial(Learner._response_micro_batches, me)
     me._response_pass = partial(Learner._response_pass, me)
     return me

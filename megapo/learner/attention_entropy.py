@@ -103,15 +103,7 @@ def _forward_responses(learner, sequences: list[list[int]], lengths: np.ndarray,
     """One forward-only pass of the sequences (checked by the learner: their `lengths`) as Learner._response_pass
     packs them (shared prompts, replayed routes); the logits are not read. Returns this rank's micro-batches in the
     order they ran."""
-    starts = np.asarray(prompt_lens, dtype=np.int64)
-    if starts.shape != lengths.shape or ((starts < 1) | (starts >= lengths)).any():
-        raise ValueError("prompt_lens: one per sequence, each in [1, len(sequence) - 1]")
-    if routes is not None and learner.route_hook is None:
-        raise ValueError("routes: given, but this learner has no routing replay hook (routing_replay=True)")
-    if learner.route_hook is not None:
-        learner.route_hook.set_routes(routes, sequences)
-    micro_batches = learner._micro_batches(sequences, starts - 1, lengths - 1, prompt_lens=list(starts),
-                                           routes=routes)
+    micro_batches = learner._response_micro_batches(sequences, prompt_lens, routes, lengths)
     learner.model.eval()
     try:
         with torch.no_grad():

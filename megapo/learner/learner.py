@@ -517,13 +517,13 @@ class Learner:
         self.model.train()
         return self._per_sequence([(d["order"], d["values"], d["sizes"]) for d in stored], n)
 
-    def _response_pass(self, sequences: list[list[int]], prompt_lens: list[int], routes, per_slot,
-                       names: tuple[str, ...], with_targets: bool = False) -> dict[str, list[torch.Tensor]]:
-        """A forward-only pass that reads each sequence's response positions (prompt_len-1 .. len-2): `per_slot`
-        maps the selected slots' logits [N, V_local] (and with `with_targets` the tokens they predict, [N]) to
-        {name: [N, ...]}; per name, one CPU tensor per sequence on every rank (collective). Prompts shared as in
-        `logprobs`, `routes` replayed as there."""
-        lengths = _check_sequences(sequences, self.spec.vocab_size)
+    def _response_micro_batches(self, sequences: list[list[int]], prompt_lens: list[int], routes,
+                                lengths: np.ndarray | None = None) -> list[MicroBatch]:
+        """This rank's micro-batches selecting each sequence's response positions (prompt_len-1 .. len-2), prompts
+        shared as in `logprobs`, `routes` set on the replay hook; the sequences (unless their `lengths` are given,
+        checked already), prompt_lens and routes checked first."""
+        if lengths is None:
+            lengths = _check_sequences(sequences, self.spec.vocab_size)
         starts = np.asarray(prompt_lens, dtype=np.int64)
         if starts.shape != lengths.shape or ((starts < 1) | (starts >= lengths)).any():
             raise ValueError("prompt_lens: one per sequence, each in [1, len(sequence) - 1]")
@@ -531,8 +531,15 @@ class Learner:
             raise ValueError("routes: given, but this learner has no routing replay hook (routing_replay=True)")
         if self.route_hook is not None:
             self.route_hook.set_routes(routes, sequences)
-        micro_batches = self._micro_batches(sequences, starts - 1, lengths - 1, prompt_lens=list(starts),
-                                            routes=routes)
+        return self._micro_batches(sequences, starts - 1, lengths - 1, prompt_lens=list(starts), routes=routes)
+
+    def _response_pass(self, sequences: list[list[int]], prompt_lens: list[int], routes, per_slot,
+                       names: tuple[str, ...], with_targets: bool = False) -> dict[str, list[torch.Tensor]]:
+        """A forward-only pass that reads each sequence's response positions (prompt_len-1 .. len-2): `per_slot`
+        maps the selected slots' logits [N, V_local] (and with `with_targets` the tokens they predict, [N]) to
+        {name: [N, ...]}; per name, one CPU tensor per sequence on every rank (collective). Prompts shared as in
+        `logprobs`, `routes` replayed as there."""
+        micro_batches = self._response_micro_batches(sequences, prompt_lens, routes)
 
         def collect(mb: MicroBatch, logits: torch.Tensor):
             if not mb.order:

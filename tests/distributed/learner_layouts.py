@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from megapo.config import OptimConfig, ParallelConfig
+from megapo.learner.attention_entropy import attention_kind_error
 from megapo.learner.learner import Learner
 from megapo.layout import num_experts, read_hf_config
 from spec_io import finish, hf_grads, read_spec  # this script's folder is on sys.path
@@ -79,12 +80,13 @@ def main() -> None:
 def _logprobs_and_step(learner: Learner, spec: dict) -> dict:
     logprobs = learner.logprobs(spec["sequences"])
     hidden = learner.response_hidden([b["tokens"] for b in spec["batch"]], [b["prompt_len"] for b in spec["batch"]])
-    # layer 0: under PP=2 a stage other than the last holds it
-    attention = learner.response_attention_entropy([b["tokens"] for b in spec["batch"]],
-                                                   [b["prompt_len"] for b in spec["batch"]], layer=0)
+    out = {"logprobs": logprobs, "hidden": hidden}
+    if attention_kind_error(learner.spec, 0, learner.backend.use_te) is None:  # not with sinks (gpt_oss), MLA, TE
+        # layer 0: under PP=2 a stage other than the last holds it
+        out["attention_entropy"] = learner.response_attention_entropy([b["tokens"] for b in spec["batch"]],
+                                                                      [b["prompt_len"] for b in spec["batch"]], layer=0)
     metrics = learner.train_step(spec["batch"], spec["objective"], spec["loss_agg"])
-    out = {"logprobs": logprobs, "hidden": hidden, "attention_entropy": attention, "weights": dict(learner.hf_state_dict()), "grad_norm": metrics["grad_norm"],
-           "loss": metrics["loss"]}
+    out.update(weights=dict(learner.hf_state_dict()), grad_norm=metrics["grad_norm"], loss=metrics["loss"])
     if not learner.parallel.distributed_optimizer:  # (its grad buffers hold only this rank's reduced shard)
         out["grads"] = hf_grads(learner)
     return out
