@@ -23,11 +23,12 @@ import torch
 from megapo.algorithms.anytime import (AnytimeOptions, BudgetRewards, brpo_advantages, prior_weights, segment_of,
                                        step_budgets, summary_baselines, thinking_token_advantages)
 from megapo.config import ConfigError
-from megapo.engines.base import Engine, Sample
+from megapo.engines.base import Sample
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import algorithm_configs  # noqa: E402
 from test_self_distill import CharTokenizer, CountingLearner, stand_in_logp  # noqa: E402
+from scripted_engine import ScriptedEngine, Source  # noqa: E402
 from train_runs import train_rows  # noqa: E402
 
 make_cfg = partial(algorithm_configs.make_cfg, n_samples=2)
@@ -125,7 +126,7 @@ def test_summary_baselines_one_and_several_summaries():
 # ----------------------------------------------------------------------------- one step of the loop
 
 
-class SummaryEngine(Engine):
+class SummaryEngine(ScriptedEngine):
     """Behind a plain prompt the script of that prompt's text (finish `length` where it has no EOS room); behind a
     prompt ending in the trigger ";" the right answer when the thinking before it has `right_cut` characters, else
     "0"; records every call."""
@@ -151,18 +152,6 @@ class SummaryEngine(Engine):
         ids = [ord(c) for c in text] + ([EOS] if finish == "stop" else [])
         routes = np.full((len(prompt) + len(ids) - 1, 1, 1), 7, np.int32) if params.return_routes else None
         return Sample(list(prompt), ids, [-0.01] * len(ids), finish, self.weight_version, routes)
-
-    def update_weights(self, named_tensors, version): ...
-    def update_weights_from_disk(self, path, version): ...
-    def pause(self): ...
-    def resume(self): ...
-    def health(self): return True
-    def close(self): ...
-
-
-class Source:
-    def next_batch(self, n):
-        return list(range(n))
 
 
 def test_summaries_after_each_truncation_and_their_advantages():

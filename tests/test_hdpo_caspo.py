@@ -25,11 +25,12 @@ import torch
 from megapo.algorithms import policy_loss
 from megapo.algorithms.self_distill import TeacherInputs, self_distill_advantages
 from megapo.config import ConfigError
-from megapo.engines.base import Engine, Sample
+from megapo.engines.base import Sample
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import algorithm_configs  # noqa: E402
 from test_self_distill import CharTokenizer, CountingLearner, stand_in_logp  # noqa: E402
+from scripted_engine import ScriptedEngine, Source  # noqa: E402
 from train_runs import train_rows  # noqa: E402
 
 make_cfg = partial(algorithm_configs.make_cfg, n_samples=2)
@@ -151,7 +152,7 @@ def test_hdpo_advantage_and_loss_against_the_formula():
 # ----------------------------------------------------------------------------- HDPO: one step of the loop
 
 
-class AdditionEngine(Engine):
+class AdditionEngine(ScriptedEngine):
     """Answers behind a hinted prompt with `hinted` (the hint's answer where the script says "right"), behind a
     plain prompt with the script of that prompt's text; records every call's prompts and parameters."""
 
@@ -176,18 +177,6 @@ class AdditionEngine(Engine):
         ids = [ord(c) for c in text] + [EOS]
         routes = np.full((len(prompt) + len(ids) - 1, 1, 1), 7, np.int32) if params.return_routes else None
         return Sample(list(prompt), ids, [-0.01] * len(ids), "stop", self.weight_version, routes)
-
-    def update_weights(self, named_tensors, version): ...
-    def update_weights_from_disk(self, path, version): ...
-    def pause(self): ...
-    def resume(self): ...
-    def health(self): return True
-    def close(self): ...
-
-
-class Source:
-    def next_batch(self, n):
-        return list(range(n))
 
 
 def test_cliff_groups_get_privileged_samples_behind_the_original_prompt():
