@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,6 +28,7 @@ from megapo.algorithms.sample import TrainSample
 from megapo.config import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layout_runs import run_layout_script  # noqa: E402
 from algorithm_configs import make_cfg  # noqa: E402
 from objective_loops import assert_ppo_gradient_matches_fd, assert_ppo_split_invariant  # noqa: E402
 
@@ -89,22 +89,14 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def entropy_runs(tiny_dense, tmp_path_factory):
-    from megapo.launch.local import run_torchrun
 
     tmp = tmp_path_factory.mktemp("attention_entropy")
     batch = entropy_batch()
     results = {}
     for world, runs in RUNS.items():
         spec = dict(runs=[dict(r, model=str(tiny_dense)) for r in runs], batch=batch, layers=LAYERS)
-        spec_path, out = tmp / f"spec{world}.json", tmp / f"out{world}.pt"
-        spec_path.write_text(json.dumps(spec))
-        args = [str(SCRIPT), "--spec", str(spec_path), "--out", str(out)]
-        if world == 1:
-            rc = subprocess.run([sys.executable, *args], cwd=ROOT, timeout=600).returncode
-        else:
-            rc = run_torchrun(args, world, timeout_s=600)
-        assert rc == 0, f"world {world}: exit code {rc}"
-        results.update(torch.load(out, weights_only=False))
+        saved = run_layout_script(SCRIPT, spec, world, tmp)
+        results.update(saved)
     return dict(results=results, batch=batch, model=tiny_dense)
 
 

@@ -23,9 +23,11 @@ import pytest
 import torch
 
 from megapo.config import ConfigError
-from megapo.launch.local import run_torchrun
 from megapo.models.family import family_for
 from megapo.weights.safetensors_io import open_tensors
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layout_runs import run_layout_script  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed" / "learner_layouts.py"
@@ -160,15 +162,8 @@ def runs(tiny_oss, tmp_path_factory):
                 row_tokens=0, objective="reinforce", loss_agg="token-mean", dispatchers=["alltoall"])
     results = {}
     for world in (1, 2):
-        spec_path, out = tmp / f"spec{world}.json", tmp / f"out{world}.pt"
-        spec_path.write_text(json.dumps(dict(base, layouts=LAYOUTS[world])))
-        args = [str(SCRIPT), "--spec", str(spec_path), "--out", str(out)]
-        if world == 1:
-            rc = subprocess.run([sys.executable, *args], cwd=ROOT, timeout=600).returncode
-        else:
-            rc = run_torchrun(args, world, timeout_s=600)
-        assert rc == 0, f"world {world}: exit code {rc}"
-        results.update(torch.load(out, weights_only=False))
+        saved = run_layout_script(SCRIPT, dict(base, layouts=LAYOUTS[world]), world, tmp)
+        results.update(saved)
     return dict(results=results, sequences=sequences, batch=batch)
 
 

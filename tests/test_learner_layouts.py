@@ -16,16 +16,16 @@ lr*g/(|g|+eps) ~ g, linear in the gradient: a sign-only update would hide gradie
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from megapo.launch.local import run_torchrun
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layout_runs import run_layout_script  # noqa: E402
+
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed" / "learner_layouts.py"
@@ -70,15 +70,8 @@ def runs(tiny_moe, tiny_dense, tmp_path_factory):
         if world == 1:
             spec["load_dir"] = str(ckpt)
             spec["agg_variants"] = AGG_VARIANTS
-        spec_path, out = tmp / f"spec{world}.json", tmp / f"out{world}.pt"
-        spec_path.write_text(json.dumps(spec))
-        args = [str(SCRIPT), "--spec", str(spec_path), "--out", str(out)]
-        if world == 1:
-            rc = subprocess.run([sys.executable, *args], cwd=ROOT, timeout=600).returncode
-        else:
-            rc = run_torchrun(args, world, timeout_s=600)
-        assert rc == 0, f"world {world}: exit code {rc}"
-        results.update(torch.load(out, weights_only=False))
+        saved = run_layout_script(SCRIPT, spec, world, tmp)
+        results.update(saved)
     return dict(results=results, sequences=sequences, batch=batch, models=base["models"])
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,6 +32,7 @@ from megapo.learner.divergence import vocab_parallel_js_distance
 from megapo.tasks.components import ComponentVerifier, RewardComponent
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layout_runs import run_layout_script  # noqa: E402
 from algorithm_configs import make_cfg  # noqa: E402
 from objective_loops import assert_ppo_gradient_matches_fd, assert_ppo_split_invariant  # noqa: E402
 from one_rank import ONE  # noqa: E402
@@ -131,7 +131,6 @@ def hf_js(model_dir, seqs, plens, ctx, clens):
 
 @pytest.fixture(scope="module")
 def js_runs(tiny_moe, tmp_path_factory):
-    from megapo.launch.local import run_torchrun
 
     tmp = tmp_path_factory.mktemp("js_layouts")
     vocab = json.loads((Path(tiny_moe) / "config.json").read_text())["vocab_size"]
@@ -142,13 +141,7 @@ def js_runs(tiny_moe, tmp_path_factory):
     results = {}
     for world, layouts in ((1, [dict(tp=1, pp=1, ep=1, dp=1)]),
                            (2, [dict(tp=2, pp=1, ep=1, dp=1), dict(tp=1, pp=1, ep=1, dp=2)])):
-        spec, out = tmp / f"spec{world}.json", tmp / f"out{world}.pt"
-        spec.write_text(json.dumps(dict(base, layouts=layouts)))
-        args = [str(script), "--spec", str(spec), "--out", str(out)]
-        rc = (subprocess.run([sys.executable, *args], cwd=ROOT, timeout=600).returncode if world == 1
-              else run_torchrun(args, world, timeout_s=600))
-        assert rc == 0, f"world {world}: exit code {rc}"
-        results.update(torch.load(out, weights_only=False))
+        results.update(run_layout_script(script, dict(base, layouts=layouts), world, tmp))
     return results, hf_js(tiny_moe, seqs, plens, ctx, clens)
 
 

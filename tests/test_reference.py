@@ -24,9 +24,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layout_runs import run_layout_script  # noqa: E402
 from test_replay_layouts import hf_forced, hf_model  # noqa: E402  (transformers forcing given routes)
 
-from megapo.launch.local import run_torchrun  # noqa: E402
 from megapo.config import ConfigError, load_config  # noqa: E402
 from megapo.trainer.config import RunConfig  # noqa: E402
 
@@ -62,15 +62,8 @@ def runs(tiny_moe, tmp_path_factory):
     for world, layouts in LAYOUTS.items():
         spec = dict(model=str(tiny_moe), batch=batch, routes=routes, micro_batch_tokens=24,
                     layouts=list(layouts.values()), teachers={k: str(v) for k, v in teachers.items()})
-        spec_path, out = tmp / f"spec{world}.json", tmp / f"out{world}.pt"
-        spec_path.write_text(json.dumps(spec))
-        args = [str(SCRIPT), "--spec", str(spec_path), "--out", str(out)]
-        if world == 1:
-            rc = subprocess.run([sys.executable, *args], cwd=ROOT, timeout=600).returncode
-        else:
-            rc = run_torchrun(args, world, timeout_s=600)
-        assert rc == 0, f"world {world}: exit code {rc}"
-        results.update(zip(layouts, torch.load(out, weights_only=False).values()))  # in layout order
+        saved = run_layout_script(SCRIPT, spec, world, tmp)
+        results.update(zip(layouts, saved.values()))  # in layout order
     return dict(results=results, batch=batch, routes=routes, model=tiny_moe, teachers=teachers)
 
 

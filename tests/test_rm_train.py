@@ -22,7 +22,9 @@ import pytest
 import torch
 
 from megapo.cli import run_command
-from megapo.launch.local import run_torchrun
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layout_runs import run_layout_script  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed" / "score_layouts.py"
@@ -98,15 +100,8 @@ def score_runs(tiny_model_factory, tmp_path_factory):
     for world, layouts in LAYOUTS.items():
         spec = dict(model=str(model), pairs=pairs, micro_batch_tokens=24, layouts=list(layouts.values()),
                     prefix=prefix_inputs())
-        spec_path, out = tmp / f"spec{world}.json", tmp / f"out{world}.pt"
-        spec_path.write_text(json.dumps(spec))
-        args = [str(SCRIPT), "--spec", str(spec_path), "--out", str(out)]
-        if world == 1:
-            rc = subprocess.run([sys.executable, *args], cwd=ROOT, timeout=900).returncode
-        else:
-            rc = run_torchrun(args, world, timeout_s=900)
-        assert rc == 0, f"world {world}: exit code {rc}"
-        results.update(zip(layouts, torch.load(out, weights_only=False).values()))
+        saved = run_layout_script(SCRIPT, spec, world, tmp, timeout_s=900)
+        results.update(zip(layouts, saved.values()))
     return dict(results=results, reference=transformers_bt(model, pairs))
 
 

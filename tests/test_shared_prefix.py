@@ -10,16 +10,16 @@ sharing off, one pass apart (the weights do not move between them).
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from megapo.launch.local import run_torchrun
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layout_runs import run_layout_script  # noqa: E402
+
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed" / "shared_prefix_layouts.py"
@@ -61,15 +61,8 @@ def runs(tiny_model_factory, tmp_path_factory):
         # a 40-token micro-batch splits the larger groups into prompt-repeating parts
         spec = dict(runs=world_runs, batch=make_batch(), modes=MODES, micro_batch_tokens=40, row_tokens=0,
                     objective="gspo", strict=world == 1)
-        spec_path, out = tmp / f"spec{world}.json", tmp / f"out{world}.pt"
-        spec_path.write_text(json.dumps(spec))
-        args = [str(SCRIPT), "--spec", str(spec_path), "--out", str(out)]
-        if world == 1:
-            rc = subprocess.run([sys.executable, *args], cwd=ROOT, timeout=900).returncode
-        else:
-            rc = run_torchrun(args, world, timeout_s=900)
-        assert rc == 0, f"world {world}: exit code {rc}"
-        results.update(torch.load(out, weights_only=False))
+        saved = run_layout_script(SCRIPT, spec, world, tmp, timeout_s=900)
+        results.update(saved)
     names = [r["name"] for w in worlds.values() for r in w]
     return dict(results=results, names=names)
 
