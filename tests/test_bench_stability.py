@@ -448,8 +448,22 @@ def test_every_variant_config_is_valid_and_a_bad_one_stops_the_grid_first(tmp_pa
 ])
 def test_malformed_variants_are_refused(variants, field, words):
     with pytest.raises(ConfigError) as err:
-        st.check_variants(variants, ["ppo", "gspo"])
+        st.check_variants(variants, ["ppo", "gspo"], {})
     assert err.value.field == field and words in str(err.value)
+
+
+def test_an_objective_option_variant_runs_on_its_objective(tmp_path):
+    plan = make_plan(tmp_path, variants=st.variant_names("holder_anneal"))
+    cell = next(c for c in plan.cells() if c.variant)
+    assert (cell.name, cell.objective, cell.label) == ("holder_anneal-off-m8-none-s0", "holder",
+                                                        "holder + holder_anneal")
+    options = next(o for o in cell.overrides() if o.startswith("algorithm.objective_options="))
+    assert "schedule: linear" in options and "algorithm.objective=holder" in cell.overrides()
+    st.validate_cells(plan, [cell], STEPS)  # the schedule is a valid holder config
+    for table, words in (({"nope": "holder"}, "names no variant"), ({"stapo": "nope"}, "no registered objective")):
+        with pytest.raises(ConfigError) as err:
+            st.check_variants({"stapo": ()}, ["ppo", "holder"], table)
+        assert err.value.field == f"VARIANT_OBJECTIVES[{next(iter(table))!r}]" and words in str(err.value)
 
 
 # ----------------------------------------------------------------------------- --grid dose

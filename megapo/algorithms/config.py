@@ -426,6 +426,7 @@ class AlgorithmConfig:
                                   f"standardisation; algorithm.advantage is {self.advantage!r} (set grpo)")
         _check_self_teacher_contexts(stages)
         _check_haepo(self, stages)
+        _check_nat_cut(self, stages)
 
 
 def _check_haepo(a: "AlgorithmConfig", stages: list) -> None:
@@ -443,6 +444,19 @@ def _check_haepo(a: "AlgorithmConfig", stages: list) -> None:
                           f"objective haepo reads; algorithm.objective is {a.objective!r}")
     if a.objective == "haepo" and not a.entropy_coef > 0:
         raise ConfigError("algorithm.entropy_coef", "haepo's entropy regularisation: must be > 0")
+
+
+def _check_nat_cut(a: "AlgorithmConfig", stages: list) -> None:
+    """nat_prefix's cut drops the tokens after it only where the loss at the kept ones stays exact
+    (megapo/algorithms/nat_cut.py)."""
+    from megapo.algorithms.nat_cut import cut_refusal
+
+    for i, s in enumerate(stages):
+        why = cut_refusal(a.objective, a.loss_agg, a.objective_options) if s.name == "nat_prefix" and s.options.cut \
+            else None
+        if why:
+            raise ConfigError(f"algorithm.stages[{i}].cut", why)
+
 
 def _check_self_teacher_contexts(stages: list) -> None:
     """The self-distillation stages share one context (one self-teacher pass serves them): ConfigError naming

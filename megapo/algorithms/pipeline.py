@@ -23,8 +23,10 @@ import torch
 from torch import Tensor
 
 from megapo.algorithms import attention_entropy
+from megapo.algorithms import a3po
 from megapo.algorithms import anytime
 from megapo.algorithms import blockwise
+from megapo.algorithms import dast_preference
 from megapo.algorithms import discriminative
 from megapo.algorithms import distribution_centric
 from megapo.algorithms import entropy_credit
@@ -36,6 +38,7 @@ from megapo.algorithms import plackett_luce
 from megapo.algorithms import otb
 from megapo.algorithms import self_distill
 from megapo.algorithms import semantic_entropy
+from megapo.algorithms import soup
 from megapo.algorithms import stages as st
 from megapo.algorithms import token_credit
 from megapo.algorithms import token_length
@@ -105,6 +108,10 @@ INPUTS = {
     # (megapo/trainer/anytime.py)
     "anytime": "per sample its per-token advantage: a thinking's BRPO advantage of each budget segment, a summary's "
                "reward less its baseline (from the summaries drawn after each response cut at the step's budgets)",
+    # SOUP's (megapo/algorithms/soup.py): which response tokens are a historical policy's prefix
+    # (megapo/trainer/soup.py draws the mixed samples)
+    "soup_prefix": "per sample, the number of its first response tokens drawn by a historical policy (a stored "
+                   "response's prefix; the continuation is on-policy)",
 }
 
 
@@ -147,6 +154,7 @@ class TokenContext:
     js_distance: list | None = None  # per sample, [components, response tokens] JS distances (mrtpo)
     max_new_tokens: int = 0  # rollout.max_new_tokens, decs's L_max
     anytime: list | None = None  # per sample, stage anytime's per-token advantages (megapo/trainer/anytime.py)
+    soup_prefix: list | None = None  # per sample, stage soup's historical prefix length (megapo/trainer/soup.py)
 
 
 @dataclass(frozen=True)
@@ -400,6 +408,7 @@ STAGES: dict[str, StageDecl] = {
     "token_select": StageDecl("token", "token_weight", ("old_entropy", "step"), _token_select),
     "stapo": StageDecl("token", "token_weight", ("old_logp", "old_entropy"), _token_mask),
     "nat_prefix": StageDecl("token", "token_weight", ("seed", "step"), _token_mask),
+    "nat_uniform": StageDecl("token", "token_weight", ("seed", "step"), _token_mask),
     "tempo": StageDecl("token", "advantage_stage", _GROUP_TOKENS, _group_credit),
     "ktae": StageDecl("token", "advantage_stage", _GROUP_TOKENS, _group_credit),
     "gtpo_trajectory": StageDecl("token", "advantage_stage", _GROUP_TOKENS, _group_credit),  # + old_entropy: filter
@@ -440,6 +449,10 @@ STAGES: dict[str, StageDecl] = {
                       token_length.run_decs_stage),
     "bingo": StageDecl("token", "advantage_stage", ("old_logp", "reward", "correct", "step"),
                        token_length.run_bingo_stage),
+    # DAST's budget preference optimisation (megapo/algorithms/dast_preference.py): on-policy SimPO pairs from the
+    # dast length reward's shaped rewards, their π_old gradient coefficients added to the advantages
+    "dast_simpo": StageDecl("token", "advantage_stage", ("old_logp", "reward", "correct"),
+                            dast_preference.run_dast_simpo_stage),
     # IAPO (megapo/algorithms/information.py): each token's information about the answer shifts its advantage
     "iapo": StageDecl("token", "advantage_stage", ("answer_information",), information.run_iapo_stage),
     # SPAE (megapo/algorithms/information.py): each step's potential from the answer's likelihood after it
@@ -453,6 +466,11 @@ STAGES: dict[str, StageDecl] = {
     "lopti": StageDecl("token", "token_weight", ("old_logp",), _lopti),
     # AnytimeReasoner (megapo/algorithms/anytime.py): BRPO on the thinking's budget segments, the summaries' own
     "anytime": StageDecl("token", "advantage_stage", ("anytime",), anytime.run_anytime_stage),
+    # SOUP (megapo/algorithms/soup.py): π_old := μ (sample.rollout_logp, always at hand) on the historical prefixes
+    # of the mixed samples; with old_policy=engine π_old is μ already and the stage changes nothing
+    "soup": StageDecl("token", "token_weight", ("old_logp", "soup_prefix"), soup.run_soup_stage),
+    # A3PO (megapo/algorithms/a3po.py): a positive response's rare tokens and a negative one's confident tokens scaled
+    "a3po": StageDecl("token", "advantage_stage", ("sequence_advantage", "old_logp", "step"), a3po.run_a3po_stage),
 }
 
 

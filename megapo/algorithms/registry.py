@@ -72,6 +72,7 @@ _MODULES = (
     "megapo.algorithms.token_credit",
     "megapo.algorithms.self_distill",
     "megapo.algorithms.entropy_credit",
+    "megapo.algorithms.a3po",
     "megapo.algorithms.plackett_luce",
     "megapo.algorithms.value_tracker",
     "megapo.algorithms.semantic_entropy",
@@ -85,7 +86,9 @@ _MODULES = (
     "megapo.algorithms.lopti",
     "megapo.algorithms.information",
     "megapo.algorithms.anytime",
+    "megapo.algorithms.soup",
     "megapo.algorithms.duet",
+    "megapo.algorithms.dast_preference",
 )
 
 

@@ -291,7 +291,8 @@ NEEDS_ENTROPY = ("gtpo", "grpo_s")
 # advantage_stage entries that do not turn sequence advantages into per-token ones (token_advantages refuses them)
 NOT_TOKEN_ADVANTAGE = ("polarity", "future_kl", "d3s_select", "cumulative_std", "tempo", "gtpo_trajectory", "ktae",
                        "opid", "credit", "srpo",  # these three: megapo/algorithms/self_distill.py
-                       "erpo", "aepo")  # megapo/algorithms/entropy_credit.py
+                       "erpo", "aepo",  # megapo/algorithms/entropy_credit.py
+                       "a3po")  # megapo/algorithms/a3po.py
 
 
 def _padded(values: list, width: int, dtype) -> Tensor:
@@ -552,26 +553,76 @@ def stapo(prob: Tensor, entropy: Tensor, positive: Tensor, owner: Tensor, o: Sta
     return kept
 
 
+@dataclass
+class NatPrefixOptions:
+    # drop the tokens after each cut from the train steps' batch (megapo/algorithms/nat_cut.py: the forward and
+    # backward never see them); False: they stay in it at weight 0 (any objective and aggregation)
+    cut: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.cut, bool):
+            raise ValueError(f"cut: must be true or false, got {self.cut!r}")
+
+
+def nat_prefix_cuts(lengths: list[int], rng) -> list[int]:
+    """nat_prefix's cut c ~ Uniform{1, …, L} per response of L tokens (0 for an empty one), in batch order."""
+    return [int(rng.integers(1, n + 1)) if n else 0 for n in lengths]
+
+
 @register(
     "nat_prefix", "token_weight", "sequence",
     "Sang et al. 2026, Not all tokens are needed (NAT): token efficient reinforcement learning (arXiv:2603.06619), "
     "Random Prefix Cutting with Horvitz-Thompson reweighting",
+    NatPrefixOptions,
 )
 def nat_prefix(lengths: list[int], rng) -> list[Tensor]:
     """Per response of L tokens a cut c ~ Uniform{1, …, L}; tokens t ≤ c are kept with weight
     1/P(t kept) = L/(L − t + 1) (Horvitz–Thompson: P(c ≥ t) = (L − t + 1)/L, so the weighted sum of a
     per-token loss is unbiased for the full sum), tokens t > c get weight 0. `rng` a numpy Generator (the loop
-    seeds it from (train.seed, trainer step), so a resumed run cuts as the unstopped one). [A: the cut
-    tokens still run forward and backward here at weight 0: the paper's compute saving is not realised.]"""
+    seeds it from (train.seed, trainer step), so a resumed run cuts as the unstopped one). With cut (the default)
+    the train steps never see the tokens after c: each sample ends at prompt + c before packing, and the kept
+    tokens' weights absorb the change of the loss normalisers, so the policy loss and its gradient are those of
+    the uncut batch at weight 0 (megapo/algorithms/nat_cut.py). Assumption: the normalisers stay those of the full
+    responses (the unbiased estimate of the full loss); the KL and entropy terms, unweighted, average over the kept
+    tokens."""
     out = []
-    for n in lengths:
-        cut = int(rng.integers(1, n + 1)) if n else 0
+    for n, cut in zip(lengths, nat_prefix_cuts(lengths, rng)):
         t = torch.arange(1, n + 1, dtype=torch.float64)
         out.append(torch.where(t <= cut, n / (n - t + 1), torch.zeros_like(t)))
     return out
 
 
-TOKEN_MASKS = ("stapo", "nat_prefix")
+@dataclass
+class NatUniformOptions:
+    keep: float = 0.5  # q: each response token is kept with this probability
+
+    def __post_init__(self):
+        q = self.keep
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not math.isfinite(q) or not 0 < q <= 1:
+            raise ValueError(f"keep: must be in (0, 1], got {q!r}")
+
+
+@register(
+    "nat_uniform", "token_weight", "sequence",
+    "Sang et al. 2026, Not all tokens are needed (NAT): token efficient reinforcement learning (arXiv:2603.06619), "
+    "Uniform Random Sampling with Horvitz-Thompson reweighting",
+    NatUniformOptions,
+)
+def nat_uniform(lengths: list[int], rng, o: NatUniformOptions) -> list[Tensor]:
+    """Each response token is kept independently with probability q = keep, at weight 1/q (Horvitz–Thompson:
+    E[w_t] = q·(1/q) = 1, so the weighted sum of a per-token loss is unbiased for the full sum); a dropped token
+    gets weight 0. One uniform draw per token, the batch's responses in order, from `rng` (a numpy Generator seeded
+    from (train.seed, trainer step), as nat_prefix). A causal model still needs every token as context, so the
+    dropped ones still run forward and backward at weight 0 (no compute saved, unlike nat_prefix's cut).
+    Assumption: the loss normalisers stay those of the full responses (the unbiased estimate of the full loss)."""
+    out = []
+    for n in lengths:
+        kept = torch.from_numpy(rng.random(n)) < o.keep
+        out.append(kept.to(torch.float64) / o.keep)
+    return out
+
+
+TOKEN_MASKS = ("stapo", "nat_prefix", "nat_uniform")
 
 
 def _sequence_sign(advantages: list, lengths: list[int]) -> Tensor:
@@ -582,9 +633,9 @@ def _sequence_sign(advantages: list, lengths: list[int]) -> Tensor:
 
 def token_mask_weights(name: str, *, lengths: list[int], advantages: list | None = None, old_logp: list | None = None,
                        entropy: list | None = None, seed: int = 0, step: int = 1, **options) -> list[Tensor]:
-    """Per-token loss weights of token mask `name` (stapo | nat_prefix) for a whole train batch of responses of
-    `lengths` tokens: stapo from per-sample `advantages` (a number or one per token), π_old's `old_logp` and
-    `entropy` (per token); nat_prefix draws from numpy's default_rng([seed, step])."""
+    """Per-token loss weights of token mask `name` (stapo | nat_prefix | nat_uniform) for a whole train batch of
+    responses of `lengths` tokens: stapo from per-sample `advantages` (a number or one per token), π_old's
+    `old_logp` and `entropy` (per token); nat_prefix and nat_uniform draw from numpy's default_rng([seed, step])."""
     import numpy as np
 
     if name not in TOKEN_MASKS:
@@ -594,6 +645,8 @@ def token_mask_weights(name: str, *, lengths: list[int], advantages: list | None
     lengths = [int(n) for n in lengths]
     if name == "nat_prefix":
         return entry.fn(lengths, np.random.default_rng([int(seed), int(step)]))
+    if name == "nat_uniform":
+        return entry.fn(lengths, np.random.default_rng([int(seed), int(step)]), opts)
     if old_logp is None or [len(v) for v in old_logp] != lengths:
         raise ValueError("old_logp: token_mask 'stapo' needs π_old's log-prob at every response token")
     if entropy is None or any(e is None for e in entropy):

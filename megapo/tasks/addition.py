@@ -51,9 +51,14 @@ def example(problem_id: int) -> Example:
     return Example(prompt_text(a, b), answer_text(a, b), {"a": a, "b": b, "id": int(problem_id)}, difficulty=3)
 
 
-def task() -> Task:
-    """data.task=addition (megapo.tasks.registry): the answer is the whole response, scored by exact match."""
-    sizes = {"train": NUM_PROBLEMS - TEST_SIZE - VALIDATION_SIZE, "validation": VALIDATION_SIZE, "test": TEST_SIZE}
+def task(train_size: int = 0) -> Task:
+    """data.task=addition (megapo.tasks.registry): the answer is the whole response, scored by exact match.
+    `train_size` (data.task_options) > 0: only the first train_size problems of the train split, a small pool the
+    prompt order cycles through (each prompt seen again every epoch: what SOUP's prefix buffer needs)."""
+    full = NUM_PROBLEMS - TEST_SIZE - VALIDATION_SIZE
+    if isinstance(train_size, bool) or not isinstance(train_size, int) or not 0 <= train_size <= full:
+        raise ValueError(f"train_size: must be an int in [0, {full}] (0: the whole train split), got {train_size!r}")
+    sizes = {"train": train_size or full, "validation": VALIDATION_SIZE, "test": TEST_SIZE}
     return Task("addition", sizes, lambda split, i: example(split_ids(split)[i]), reward="exact_match")
 
 

@@ -520,6 +520,8 @@ class RunConfig:
         _check_contrast(self)
         _check_hdpo(self)
         _check_anytime(self)
+        _check_dast_simpo(self)
+        _check_soup(self)
         _check_reference(self)
 
     def _validate_rollout(self) -> None:
@@ -584,11 +586,25 @@ def _check_hdpo(cfg: RunConfig) -> None:
                           f"(algorithm.stages[{where[0]}]) as the policy's own; use a group estimator (grpo, ...)")
 
 
+def _check_soup(cfg: RunConfig) -> None:
+    """Stage soup's refusals (megapo/trainer/soup.py: mix, room for a prefix, sync, single-turn, stage order)."""
+    from megapo.trainer.soup import check_soup
+
+    check_soup(cfg)
+
+
 def _check_anytime(cfg: RunConfig) -> None:
     """Stage anytime's refusals (megapo/trainer/anytime.py: its trigger, budgets, sync rollouts, estimator)."""
     from megapo.trainer.anytime_config import check_anytime
 
     check_anytime(cfg)
+
+
+def _check_dast_simpo(cfg: RunConfig) -> None:
+    """Stage dast_simpo's refusals (megapo/algorithms/dast_preference.py: the dast length reward, the aggregation)."""
+    from megapo.algorithms.dast_preference import check_run_config
+
+    check_run_config(cfg)
 
 
 def _check_old_policy(cfg: RunConfig) -> None:

@@ -39,6 +39,9 @@ class Group:
     # each kept sample's importance weight, multiplying its loss (duet's abort rule: 1/q for a rollout continued
     # past the abort check; megapo/algorithms/duet.py); None: all 1
     weights: list[float] | None = None
+    # stage soup's (megapo/trainer/soup.py): per kept sample, how many of its first response tokens are a prefix a
+    # historical policy drew (0: on-policy); None: no sample is mixed
+    prefix_lens: list[int] | None = None
 
     @property
     def extra(self) -> bool:
@@ -117,13 +120,14 @@ def generate_counts(engine: Engine, params: SamplingParams, prompt_ids: list[lis
 
 
 def collect_rollouts(engine: Engine, params, pool, source, reward_fn, cfg: RunConfig, length=None,
-                     sampler=None, privileged=None, anytime=None) -> tuple[list[Group], dict, int]:
+                     sampler=None, privileged=None, anytime=None, soup=None) -> tuple[list[Group], dict, int]:
     """Rank 0: sample groups for one step (with dynamic sampling, refilled up to max_sampling_rounds), each
     round shaped and filtered by `length` (trainer.length_stage.LengthStage) before dynamic sampling judges it;
     `sampler`: multi-turn trajectories (rollout_round); `privileged` (privileged.PrivilegedRollouts, stage hdpo):
     one more engine call for the step's all-fail groups, their privileged groups after the others; `anytime`
     (anytime.AnytimeRollouts, stage anytime): one more engine call for the kept groups' responses cut at the step's
-    budgets, their summary groups after the others; returns the
+    budgets, their summary groups after the others; `soup` (soup.SoupRollouts, stage soup): one more engine call
+    per continuation budget for the kept groups' mixed samples (historical prefix, on-policy continuation); returns the
     groups to train on (whole groups, a multiple of dp), metrics, generated tokens."""
     from megapo.trainer import data
     from megapo.trainer.metrics import length_metrics
@@ -177,6 +181,10 @@ def collect_rollouts(engine: Engine, params, pool, source, reward_fn, cfg: RunCo
         metrics["reward/truncated_frac"] = truncated / max(scored, 1)
     keep = len(groups) - len(groups) % cfg.parallel.dp  # every DP rank gets whole groups
     groups, tokens = groups[:keep], sum(policy_tokens(s) for s in samples)
+    if soup is not None and groups:  # stage soup: the kept groups' last `mix` slots mixed where the buffer allows
+        groups, soup_metrics, extra_tokens = soup(engine, groups, reward_fn)
+        metrics.update(soup_metrics)
+        tokens += extra_tokens
     if privileged is not None:  # HDPO: every group of the step is looked at, also those dynamic sampling dropped
         extra, hdpo_metrics, extra_tokens = privileged(engine, shaped, reward_fn)
         metrics.update(hdpo_metrics)

@@ -32,6 +32,7 @@ from megapo.trainer.reward_model import build_reward_model
 from megapo.trainer.run_dir import CHECKPOINTS
 from megapo.trainer.privileged import privileged_rollouts
 from megapo.trainer.anytime import anytime_rollouts
+from megapo.trainer.soup import soup_rollouts
 from megapo.trainer.rollout import Group, collect_rollouts, make_reward_fn, sampling_params, turn_play
 from megapo.trainer.stop import signals_held
 from megapo.trainer.update import (TEMPERATURE_STATS, new_prompt_stats, stability_step, stage_state,
@@ -119,6 +120,7 @@ class Run:
         self.loss = cfg.loss_spec()  # every train step's LossSpec (validate() has checked it)
         self.privileged = privileged_rollouts(cfg, self.tokenizer, self.params)  # stage hdpo's (None: not listed)
         self.anytime = anytime_rollouts(cfg, self.tokenizer, self.params)  # stage anytime's (None: not listed)
+        self.soup = soup_rollouts(cfg, self.params)  # stage soup's mixed samples and prefix buffer (None: not listed)
         self.turns = turn_play(cfg)
         self.sampler = None
         if self.turns is not None:
@@ -144,6 +146,8 @@ class Run:
         self.prompt_stats = new_prompt_stats(self.cfg, state.extra)
         if self.length is not None:
             self.length.load_state_dict(state.extra.get("length", {}))
+        if self.soup is not None:  # stage soup's prefix buffer: mix as the unstopped run would
+            self.soup.buffer.load_state_dict(state.extra.get("soup", {}))
         self._set_temperature(state.extra.get("entropy_temperature", {}))
         if self.version > 0:
             sync_weights(self.learner, self.engine, self.version, self.cfg, self.transport, self.fleet)
@@ -202,7 +206,7 @@ class Run:
 
     def _collect(self) -> tuple[list[Group], dict, int]:
         return collect_rollouts(self.engine, self.params, self.pool, self.source, self.reward_fn, self.cfg,
-                                self.length, self.sampler, self.privileged, self.anytime)
+                                self.length, self.sampler, self.privileged, self.anytime, soup=self.soup)
 
     def generate(self, step: int, timer: StepTimer) -> tuple[list[Group], dict, int]:
         """This step's groups on every rank (drawn on rank 0, or taken from the async producer; with PP > 1 the other
@@ -216,6 +220,8 @@ class Run:
         elif rank() == 0:
             if self.anytime is not None:  # its budget draws follow (train.seed, step)
                 self.anytime.step = step
+            if self.soup is not None:  # its buffer and prefix draws follow the trainer step
+                self.soup.step = step
             with timer("generate"):
                 groups, metrics, tokens = self._collect()
             from megapo.trainer import data
@@ -310,6 +316,8 @@ class Run:
             extra["entropy_temperature"] = {k: getattr(t, k) for k in TEMPERATURE_STATS}
         if self.producer is not None:
             extra["async"] = {"made_ahead": len(ahead), "staleness": self.cfg.train.staleness}
+        if self.soup is not None:  # rank 0's prefix buffer (the others' is empty; rank 0 writes the state)
+            extra["soup"] = self.soup.buffer.state_dict()
         state = ckpt.TrainerState(step, self.source.state_dict(), self.version, extra=extra)
         engine = self.engine
         engine_rng = {"engine": engine.rng_state()} if engine is not None and engine.capabilities.rng_state else {}

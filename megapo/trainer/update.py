@@ -386,6 +386,9 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
 
         stage = next(s for s in cfg.algorithm.pipeline() if "anytime" in s.inputs)
         anytime = anytime_token_advantages(groups, stage.options.summaries)
+    # stage soup's: each sample's historical prefix length (megapo/trainer/soup.py)
+    soup_prefix = [(g.prefix_lens or [0] * len(g.samples))[i] for g in groups for i in range(len(g.samples))] \
+        if "soup_prefix" in reads else None
     information = steps = None
     if "answer_information" in reads:  # iapo's (collective): every prefix followed by the reference answer
         with timer("answer_information"):
@@ -401,7 +404,7 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
                         blocks=blocks, sum_p2=sum_p2, hidden=hidden, attention_entropy=attention, vocab=vocab,
                         vocab_logp=vocab_logp, rewards=rewards, first_correct=first_correct,
                         tempered_logp=tempered, answer_information=information, answer_steps=steps,
-                        anytime=anytime, **multi)
+                        anytime=anytime, soup_prefix=soup_prefix, **multi)
 
 
 def answer_information(learner: Learner, batch: list[TrainSample], groups: list[Group], cfg: RunConfig,
@@ -619,6 +622,7 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
     `teachers` (algorithm.distill, in its order, collective): their weighted reverse KLs enter the advantage.
     `tokenizer`: the run's, for the self-distillation stages' prompts with a context (self_teacher_inputs)."""
     from megapo.replay.modes import free_routing, on_policy_step
+    from megapo.algorithms.nat_cut import cut_stage, cut_train_batch
 
     metrics: dict[str, float] = {}
     mode = cfg.algorithm.routing_replay
@@ -667,6 +671,11 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
         metrics.update(set_low_prob(batch, loss))
     if reads_token_input(loss, "entropy_score"):  # ppo clip_mode hapo: π_old's entropy scored over the batch
         metrics.update(set_entropy_scores(batch, loss))
+    if cut_stage(cfg.algorithm.pipeline()) is not None:  # NAT's prefix cut: the tokens after it leave the batch
+        bounds = [(0, len(batch))] if fused else mini_batch_bounds([len(g.samples) for g in groups],
+                                                                    cfg.train.mini_batches)
+        batch, free, cut = cut_train_batch(batch, cfg.train.seed, step, loss, bounds, free)
+        metrics.update(cut)
     with timer("train"):
         last: dict = {}
         if fused:  # one update on the whole batch, π_old from its own forward

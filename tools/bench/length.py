@@ -99,6 +99,10 @@ METHODS: dict[str, list[str]] = {
     # marker, which this task's responses have none of
     "duet": ["data.group_filter=duet"],
     "duet_half": ["data.group_filter=duet", "data.group_filter_options={budget_scale: 0.5}"],
+    # DAST's budget preference optimisation (megapo/algorithms/dast_preference.py): the dast length reward's shaped
+    # rewards make on-policy SimPO pairs in each group (a shorter correct over a longer correct, a longer incorrect
+    # over a shorter incorrect, score gap > 0.1), their gradient added to GSPO's at π_old
+    "dast_simpo": [*_reward("dast"), "algorithm.stages=[{name: dast_simpo}]"],
 }
 # the methods whose length target follows the prompt's difficulty (the second target of issue 15)
 ADAPTIVE = ("alp", "laser_d", "dast", "deepcompress", "dler")

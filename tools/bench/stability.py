@@ -245,11 +245,19 @@ def with_tokenizer_options(plan: GridPlan, cells: list[Cell]) -> list[Cell]:
 # OBJECTIVE_REGIME: name -> config overrides, applied after the cell's axes. Options are the stages' defaults
 # unless a value is needed (kl_future's β; token_select's ρ = 0.2, the high-entropy-minority rule's fraction).
 VARIANT_OBJECTIVE = "ppo"
+# variants that are an objective's option rather than a stage: the objective their cells run instead of ppo (the
+# cell's objective axis, so its row says it; the overrides then set only that objective's options)
+VARIANT_OBJECTIVES: dict[str, str] = {"holder_anneal": "holder"}
 VARIANTS: dict[str, tuple[str, ...]] = {
+    # HölderPO with its p annealed over the run (the paper's linear schedule from 2 to -2, over the cells' 60
+    # steps); the plain holder row is p = 0 throughout (GSPO's geometric mean)
+    "holder_anneal": ("algorithm.objective_options={schedule: linear, p_start: 2.0, p_end: -2.0, "
+                      "schedule_steps: 60}",),
     "token_select_entropy": ("algorithm.stages=[{name: token_select, score: entropy, rho: 0.2}]",),
     "token_select_adv_entropy": ("algorithm.stages=[{name: token_select, score: adv_entropy, rho: 0.2}]",),
     "stapo": ("algorithm.stages=[{name: stapo}]",),
-    "nat_prefix": ("algorithm.stages=[{name: nat_prefix}]",),
+    "nat_prefix": ("algorithm.stages=[{name: nat_prefix}]",),  # NAT's RPC: the cut tokens leave the batch (cut)
+    "nat_uniform": ("algorithm.stages=[{name: nat_uniform}]",),  # NAT's URS, keep q = 0.5
     "gtpo": ("algorithm.stages=[{name: gtpo}]",),
     "grpo_s": ("algorithm.stages=[{name: grpo_s}]",),
     "advantage_reweighting": ("algorithm.stages=[{name: advantage_reweighting}]",),
@@ -287,6 +295,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "srpo": ("algorithm.stages=[{name: srpo}]",),
     "erpo": ("algorithm.stages=[{name: erpo}]",),  # entropy credit (aepo's KL terms are 0 by default: no π_ref)
     "aepo": ("algorithm.stages=[{name: aepo}]",),
+    # A3PO: a positive response's rarest 20 % of tokens and a negative one's likeliest 20 % get 2x their advantage,
+    # the factor decaying linearly to 1 over 100 steps (1.41x at step 60)
+    "a3po": ("algorithm.stages=[{name: a3po}]",),
     # Distribution-Centric Policy Optimization (not clip_dynamic's / cumulative_std's dynamic-clipping DCPO): one more
     # learner forward per step for π_old at the target temperature
     "distribution_centric": ("algorithm.stages=[{name: distribution_centric}]",),
@@ -305,6 +316,11 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     # DUET's rollout allocation (GRPO's budget of prompts × n_samples, redistributed by the pass-rate surrogate); its
     # abort rule needs an answer marker, which the addition task's responses have none of
     "duet": ("data.group_filter=duet",),
+    # SOUP (arXiv:2601.21476): 2 of each group's 8 samples continue a prefix of the response an earlier step drew for
+    # the same prompt; the addition task's 10^6 problems never repeat in 60 steps, so the pool is its first 512
+    # (each prompt seen again every few steps), and soup_pool is the same pool without SOUP (its baseline)
+    "soup": ("algorithm.stages=[{name: soup, mix: 2}]", "data.task_options={train_size: 512}"),
+    "soup_pool": ("data.task_options={train_size: 512}",),
 }
 # what a variant (or an objective's OBJECTIVE_OVERRIDES) may not override: the cell's axes (its row would then say
 # what it did not run)
@@ -323,9 +339,15 @@ def _check_overrides(where: str, overrides: tuple[str, ...]) -> None:
             raise ConfigError(f"{where}[{i}]", f"sets {key}, a cell axis (the row would not say it)")
 
 
-def check_variants(variants: dict[str, tuple[str, ...]], objectives: list[str]) -> None:
+def check_variants(variants: dict[str, tuple[str, ...]], objectives: list[str],
+                   variant_objectives: dict[str, str] | None = None) -> None:
     """A variant's overrides are `section.field=value`, none of them a cell axis, and its name is no objective's
-    (the cell names would clash)."""
+    (the cell names would clash); each VARIANT_OBJECTIVES entry names a variant and a registered objective."""
+    for name, objective in (VARIANT_OBJECTIVES if variant_objectives is None else variant_objectives).items():
+        if name not in variants:
+            raise ConfigError(f"VARIANT_OBJECTIVES[{name!r}]", "names no variant of VARIANTS")
+        if objective not in objectives:
+            raise ConfigError(f"VARIANT_OBJECTIVES[{name!r}]", f"{objective!r} is no registered objective")
     for name, overrides in variants.items():
         if name in objectives:
             raise ConfigError(f"VARIANTS[{name!r}]", "has an objective's name; its cells would clash with the "
@@ -386,7 +408,8 @@ def grid_cells(grid: str, seeds: int, objectives: tuple[str, ...] = (), variants
     regime = tuple(OBJECTIVE_REGIME[a] for a in AXES if a != "objective")
     settings += [s for s in ((o, *regime, 0.0) for o in objectives) if s not in settings]
     settings = [(*s, "") for s in settings]
-    settings += [s for s in ((VARIANT_OBJECTIVE, *regime, 0.0, v) for v in variants) if s not in settings]
+    settings += [s for s in ((VARIANT_OBJECTIVES.get(v, VARIANT_OBJECTIVE), *regime, 0.0, v) for v in variants)
+                 if s not in settings]
     return [Cell(*s[:4], seed=seed, noise=s[4], variant=s[5]) for seed in range(seeds) for s in settings]
 
 
@@ -789,7 +812,7 @@ def write_report(plan: GridPlan, steps: int) -> dict:
         summary["plots"].append(str(write_objectives_plot(plan, plain)))  # beside the grid's own objectives
     variants = [c for c in regime if c.variant]
     if variants:  # --variants: one figure, beside the baseline they modify and gspo
-        base = [c for c in plain if c.objective in (VARIANT_OBJECTIVE, "gspo")]
+        base = [c for c in plain if c.objective in (VARIANT_OBJECTIVE, "gspo", *VARIANT_OBJECTIVES.values())]
         summary["plots"].append(str(write_objectives_plot(
             plan, base + variants, name="variants-m8.png",
             title=f"{VARIANT_OBJECTIVE} with one stage / option each, no replay, no correction, 8 optimizer steps "

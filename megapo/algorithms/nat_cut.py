@@ -1,0 +1,141 @@
+"""NAT's Random Prefix Cutting with the compute saved: the response tokens after each cut leave the train batch.
+
+Sang et al. 2026, Not all tokens are needed (NAT): token efficient reinforcement learning (arXiv:2603.06619). The
+stage nat_prefix (megapo/algorithms/stages.py) draws a cut c_i per response and weighs the tokens t ≤ c_i by
+Horvitz–Thompson's L_i/(L_i − t + 1), the tokens after it by 0. With its option cut (the default) the trainer then
+ends every sample at prompt + c_i before the train steps (megapo.trainer.update.update_policy), so the learner packs,
+runs forward and backward on fewer tokens; a causal model's log-probs at the kept tokens do not read the later
+ones, so π_old from the train forward (on-policy) is unchanged there.
+
+Dropping the tokens changes the loss normalisers, which count every policy token of the train step's batch; the
+kept tokens' weights absorb that, so the policy loss (and its gradient) equal those of the uncut batch with the cut
+tokens at weight 0:
+    token-mean           w · N_kept / N_full, N the policy tokens of each train step's mini-batch
+    seq-mean-token-mean  w · c_i / L_i per sample, c_i and L_i its kept and full policy tokens
+    seq-mean-token-sum(-norm)  w unchanged (no token count in the normaliser)
+A sample keeps at least its first policy token (loss_mask 1; at weight 0 past the cut), so the sequence count
+global_seqs does not change either. Sequence-level objectives (their loss at a token reads the whole response),
+objectives that read sentence_end (a sentence cut in two) and the other aggregations are refused at config time
+(cut: false keeps the cut tokens at weight 0 instead). Assumption: the KL and entropy terms, which token weights do
+not scale, average over the kept tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from megapo.algorithms.sample import TOKEN_FIELDS, TOPK_FIELDS, MappingSample, TrainSample, as_train_samples
+
+_STAGE = "nat_prefix"
+# the aggregations whose normalisers the weights can absorb exactly (module docstring)
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+ROUTE_FIELDS = ("routes", "engine_routes", "own_routes")  # one row per position fed to the model: [m <= tokens - 1]
+# what a cut does to each TrainSample field: every field must be in one of these (tests/test_nat.py checks)
+CUT_FIELDS = ("tokens",) + TOKEN_FIELDS + TOPK_FIELDS + ROUTE_FIELDS
+KEPT_FIELDS = ("prompt_len",)
+
+
+def cut_stage(stages: list):
+    """The pipeline's nat_prefix stage when it cuts the batch (option cut), else None."""
+    return next((s for s in stages if s.name == _STAGE and s.options.cut), None)
+
+
+def cut_refusal(objective: str, loss_agg: str, objective_options: dict | None = None) -> str | None:
+    """Why nat_prefix cannot drop the cut tokens under this loss (None: it can, exactly)."""
+    from megapo.algorithms.aggregation import resolve
+    from megapo.algorithms.loss import token_inputs
+    from megapo.algorithms.registry import get
+
+    if get("objective", objective).granularity != "token":
+        return (f"objective {objective!r} is sequence-level (its loss at a kept token reads the cut ones); set cut: "
+                "false to keep the cut tokens at weight 0")
+    if "sentence_end" in token_inputs(objective, objective_options or {}):
+        return f"objective {objective!r} reads sentence_end (a cut splits a sentence); set cut: false"
+    agg = resolve(loss_agg, objective)
+    if agg not in AGGREGATIONS:
+        return (f"loss_agg {agg!r}: the weights absorb the normalisers of {', '.join(AGGREGATIONS)} only; set cut: "
+                "false")
+    return None
+
+
+def kept_lengths(batch: list[TrainSample], cuts: list[int]) -> list[int]:
+    """Response tokens each sample keeps: its cut, or up to its first policy token when the cut is before it."""
+    out = []
+    for s, c in zip(as_train_samples(batch), cuts):
+        mask = s.loss_mask
+        first = next((t + 1 for t, m in enumerate(mask) if m), c) if mask is not None else c
+        out.append(max(int(c), first))
+    return out
+
+
+def policy_counts(batch: list[TrainSample], lengths: list[int]) -> list[int]:
+    """Policy tokens (loss_mask 1; every token without one) among each sample's first `lengths` response tokens."""
+    return [n if s.loss_mask is None else int(sum(1 for m in s.loss_mask[:n] if m))
+            for s, n in zip(as_train_samples(batch), lengths)]
+
+
+def normaliser_factors(full: list[int], kept: list[int], bounds: list[tuple[int, int]], agg: str) -> list[float]:
+    """Per sample, the factor on its kept weights that keeps aggregation `agg`'s normalisers those of the uncut
+    batch (module docstring); `full` / `kept`: its policy tokens before / after the cut, `bounds`: the [lo, hi)
+    samples of each train step."""
+    factors = [1.0] * len(full)
+    if agg == "token-mean":
+        for lo, hi in bounds:
+            n_full = sum(full[lo:hi])
+            factors[lo:hi] = [sum(kept[lo:hi]) / n_full if n_full else 1.0] * (hi - lo)
+    elif agg == "seq-mean-token-mean":
+        factors = [k / n if n else 1.0 for k, n in zip(kept, full)]
+    elif agg not in AGGREGATIONS:
+        raise ValueError(f"loss_agg: stage nat_prefix's cut keeps the normalisers of {', '.join(AGGREGATIONS)} "
+                         f"only, got {agg!r}")
+    return factors
+
+
+def truncated(sample: TrainSample, keep: int, factor: float = 1.0) -> TrainSample:
+    """A copy of `sample` ending at prompt + `keep` response tokens: every per-token field cut to `keep` values,
+    the routes to the positions fed, token_weight times `factor`."""
+    changes = {"tokens": list(sample.tokens[:sample.prompt_len + keep])}
+    for name in TOKEN_FIELDS + TOPK_FIELDS:
+        value = getattr(sample, name)
+        if value is not None and not (name == "advantage" and isinstance(value, (int, float))):
+            changes[name] = value[:keep]
+    for name in ROUTE_FIELDS:
+        value = getattr(sample, name)
+        if value is not None:
+            changes[name] = value[:sample.prompt_len + keep - 1]
+    if sample.token_weight is not None:
+        changes["token_weight"] = [float(w) * factor for w in sample.token_weight[:keep]]
+    if isinstance(sample, MappingSample):
+        return MappingSample({**sample.data, **changes})  # type: ignore[return-value]
+    return dataclasses.replace(sample, **changes)
+
+
+def cut_batch(batch: list[TrainSample], cuts: list[int], bounds: list[tuple[int, int]],
+              agg: str) -> tuple[list[TrainSample], list[int]]:
+    """`batch` cut after `cuts` response tokens per sample (kept_lengths), the weights rescaled for aggregation
+    `agg` over the train steps' `bounds`; and the response tokens each kept."""
+    batch = as_train_samples(batch)
+    keep = kept_lengths(batch, cuts)
+    full = policy_counts(batch, [len(s.tokens) - s.prompt_len for s in batch])
+    factors = normaliser_factors(full, policy_counts(batch, keep), bounds, agg)
+    return [truncated(s, k, f) for s, k, f in zip(batch, keep, factors)], keep
+
+
+def cut_train_batch(batch: list[TrainSample], seed: int, step: int, loss, bounds: list[tuple[int, int]],
+                    free: list | None = None) -> tuple[list[TrainSample], list | None, dict]:
+    """The trainer's side: nat_prefix's cuts at (seed, step), drawn as the stage drew them (stages.nat_prefix_cuts),
+    applied to `batch` for `loss` (the run's LossSpec) and to r3's free-routing log-probs `free` (per sample, one
+    per response token). Metric nat_prefix/kept_tokens_frac: the response tokens kept, of all."""
+    from megapo.algorithms.aggregation import resolve
+    from megapo.algorithms.stages import nat_prefix_cuts
+
+    batch = as_train_samples(batch)
+    lengths = [len(s.tokens) - s.prompt_len for s in batch]
+    cuts = nat_prefix_cuts(lengths, np.random.default_rng([int(seed), int(step)]))
+    out, keep = cut_batch(batch, cuts, bounds, resolve(loss.loss_agg, loss.objective))
+    if free is not None:
+        free = [f[:k] for f, k in zip(free, keep)]
+    return out, free, {f"{_STAGE}/kept_tokens_frac": sum(keep) / max(sum(lengths), 1)}
+

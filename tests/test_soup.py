@@ -1,0 +1,344 @@
+"""Stage soup: SOUP's token-level mix-policy samples (megapo/algorithms/soup.py, megapo/trainer/soup.py; SOUP:
+Token-level Single-sample Mix-policy Reinforcement Learning for Large Language Models, arXiv:2601.21476).
+
+Checked: the mixing rule (slots, prefix shares, prefix lengths) against loops written out here; the loss's per-token
+ratio (π_θ/μ on the historical prefix, π_θ/π_old on the continuation, the objective's clip on both) against the
+clipped surrogate written out, and its float64 gradient against finite differences; two steps of the loop with a
+scripted engine and a recording learner, token by token (the continuation prompts x ⊕ prefix and budgets, the mixed
+samples' tokens, μ, routes, rewards, and the trained π_old); a resumed run mixes as the unstopped one (the buffer in
+the checkpoint state, through JSON); config refusals naming the field; `megapo train` with the stage on, stopped
+after a checkpoint and resumed, against the unstopped run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+
+from megapo.algorithms.soup import mixed_slots, prefix_fractions, prefix_length, run_soup_stage
+from megapo.config import ConfigError
+from megapo.engines.base import Sample
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import algorithm_configs  # noqa: E402
+from test_self_distill import CharTokenizer, CountingLearner, stand_in_logp  # noqa: E402
+from scripted_engine import ScriptedEngine, Source  # noqa: E402
+from train_runs import train_rows  # noqa: E402
+
+make_cfg = partial(algorithm_configs.make_cfg, n_samples=4)
+F64 = torch.float64
+EOS = 2
+
+
+# ----------------------------------------------------------------------------- the mixing rule
+
+
+@pytest.mark.parametrize("n, mix", [(8, 2), (4, 1), (4, 3), (2, 5), (1, 1)])
+def test_mixed_slots_against_a_loop(n, mix):
+    want = []
+    for slot in range(n):  # the last `mix` slots, slot 0 always on-policy
+        if slot >= n - mix and slot != 0:
+            want.append(slot)
+    assert mixed_slots(n, mix) == want
+
+
+def test_prefix_length_against_a_loop():
+    for length in range(0, 10):
+        for stopped in (False, True):
+            for frac in (0.01, 0.2, 0.5, 0.77, 1.0):
+                for max_new in (2, 5, 9):
+                    usable = length - 1 if stopped else length
+                    usable = min(usable, max_new - 1)
+                    want = 0 if usable < 1 else min(usable, max(1, int(round(frac * usable))))
+                    got = prefix_length(length, stopped, frac, max_new)
+                    assert got == want
+                    assert 0 <= got <= max(0, max_new - 1) and (got == 0 or got <= length - stopped)
+
+
+def test_prefix_fractions_seeded_and_in_range():
+    a = prefix_fractions(3, 5, 17, 4, 0.2, 0.8)
+    assert a == prefix_fractions(3, 5, 17, 4, 0.2, 0.8)  # a resumed run draws the same
+    assert all(0.2 <= f <= 0.8 for f in a) and len(a) == 4
+    assert a != prefix_fractions(3, 6, 17, 4, 0.2, 0.8) and a != prefix_fractions(3, 5, 18, 4, 0.2, 0.8)
+    assert prefix_fractions(0, 1, 0, 3, 0.5, 0.5) == [0.5] * 3
+
+
+# ----------------------------------------------------------------------------- the loss's ratio
+
+
+class _X:
+    def __init__(self, n, old, mu):
+        self.tokens, self.prompt_len = list(range(3 + n)), 3
+        self.old_logp, self.rollout_logp = list(old), list(mu)
+
+
+def test_stage_sets_mu_on_the_prefix_only():
+    from megapo.algorithms.pipeline import TokenContext
+
+    old, mu = [-0.1, -0.2, -0.3, -0.4], [-0.5, -0.6, -0.7, -0.8]
+    batch = [_X(4, old, mu), _X(4, old, mu)]
+    ctx = TokenContext(group_size=2, step=1, seed=0, kl_coef=0.0, soup_prefix=[0, 3])
+    m = run_soup_stage(batch, None, ctx)
+    assert batch[0].old_logp == old  # on-policy: untouched
+    assert batch[1].old_logp == [-0.5, -0.6, -0.7, -0.4]
+    assert m["soup/prefix_frac"] == 3 / 8
+    assert m["soup/prefix_log_ratio"] == pytest.approx(((-0.1 + 0.5) + (-0.2 + 0.6) + (-0.3 + 0.7)) / 3, abs=1e-15)
+
+
+def ppo_by_hand(logp, old, mu, adv, prefix, eps_low=0.2, eps_high=0.2):
+    """The clipped surrogate with SOUP's per-token ratio, token-mean over the response, written out."""
+    terms = []
+    for t in range(len(logp)):
+        denom = mu[t] if t < prefix else old[t]
+        r = math.exp(logp[t] - denom)
+        clipped = min(max(r, 1 - eps_low), 1 + eps_high)
+        terms.append(-min(r * adv, clipped * adv))
+    return sum(terms) / len(terms)
+
+
+@pytest.mark.parametrize("adv", [1.3, -0.7])
+def test_loss_ratio_is_pi_over_mu_on_the_prefix(adv):
+    from megapo.algorithms.loss import policy_loss
+    from megapo.algorithms.pipeline import TokenContext
+
+    g = torch.Generator().manual_seed(0)
+    n, L = 7, 3
+    logp = (-torch.rand(n, generator=g, dtype=F64) * 2).tolist()
+    old = [v + 0.1 * float(torch.randn(1, generator=g, dtype=F64)) for v in logp]
+    mu = [v + 0.4 * float(torch.randn(1, generator=g, dtype=F64)) for v in logp]  # a historical policy, further off
+    x = _X(n, old, mu)
+    run_soup_stage([x], None, TokenContext(group_size=1, step=1, seed=0, kl_coef=0.0, soup_prefix=[L]))
+    lp = torch.tensor([logp], dtype=F64, requires_grad=True)
+    loss, _ = policy_loss("ppo", lp, torch.tensor([x.old_logp], dtype=F64), torch.full((1, n), adv, dtype=F64),
+                          torch.ones(1, n, dtype=F64), loss_agg="token-mean", eps_low=0.2, eps_high=0.2)
+    assert float(loss.detach()) == pytest.approx(ppo_by_hand(logp, old, mu, adv, L), rel=1e-12, abs=1e-14)
+    loss.backward()
+    h = 1e-6  # float64 central differences of the written-out loss
+    for t in range(n):
+        up, down = list(logp), list(logp)
+        up[t] += h
+        down[t] -= h
+        fd = (ppo_by_hand(up, old, mu, adv, L) - ppo_by_hand(down, old, mu, adv, L)) / (2 * h)
+        assert float(lp.grad[0, t]) == pytest.approx(fd, rel=1e-6, abs=1e-9)
+    # the prefix's ratio is far enough from 1 that some prefix token is clipped where its continuation twin is not
+    assert any(abs(math.exp(logp[t] - mu[t]) - 1) > 0.2 for t in range(L))
+
+
+# ----------------------------------------------------------------------------- the loop with a scripted engine
+
+
+class PrefixEngine(ScriptedEngine):
+    """Behind a prompt it knows: its scripted responses; behind prompt ⊕ prefix: the continuation "9" then EOS (cut
+    at the budget). Log-probs: −0.01 · (step + 1) per token, step the engine's call count; routes 7 + call count."""
+
+    def __init__(self, plain: dict[tuple, list[str]]):
+        self.plain, self.calls, self.weight_version = plain, [], 1
+
+    def generate(self, prompts, params):
+        self.calls.append(([list(p) for p in prompts], params))
+        c = len(self.calls)
+        out = []
+        for p in prompts:
+            key = next((k for k in self.plain if tuple(p[:len(k)]) == k), None)
+            if tuple(p) == key:
+                out.append([self._sample(p, t, params, c) for t in self.plain[key][:params.n]])
+            else:
+                out.append([self._sample(p, "9", params, c)])
+        return out
+
+    def _sample(self, prompt, text, params, c):
+        ids = ([ord(ch) for ch in text] + [EOS])[:params.max_new_tokens]
+        finish = "stop" if ids[-1] == EOS else "length"
+        routes = np.full((len(prompt) + len(ids) - 1, 1, 1), 7 + c, np.int32) if params.return_routes else None
+        return Sample(list(prompt), ids, [-0.01 * c] * len(ids), finish, self.weight_version, routes)
+
+
+def _reward(tok):
+    return lambda pairs: [float(tok.decode(s.output_ids[:-1] if s.finish_reason == "stop" else s.output_ids)
+                                == e.answer) for e, s in pairs]
+
+
+def _setup(max_new=6, **options):
+    from megapo.tasks.base import Example
+    from megapo.trainer.data import encode_example
+    from megapo.trainer.rollout import sampling_params
+    from megapo.trainer.soup import soup_rollouts
+
+    tok = CharTokenizer()
+    options = options or {"mix": 2, "prefix_min": 0.5, "prefix_max": 0.5}
+    cfg = make_cfg(stages=[{"name": "soup", **options}], routing_replay="r3")
+    cfg.data.prompts_per_step = 1
+    cfg.rollout.max_new_tokens = max_new
+    ex = Example("1+2=", "3")
+    prompt = encode_example(tok, ex, False)
+    engine = PrefixEngine({tuple(prompt): ["3", "45", "3", "678"]})
+    params = sampling_params(cfg, EOS, routes=True)
+    return tok, cfg, ex, prompt, engine, params, soup_rollouts(cfg, params)
+
+
+def test_two_steps_token_by_token():
+    from megapo.trainer.metrics import StepTimer
+    from megapo.trainer.rollout import collect_rollouts
+    from megapo.trainer.update import update_policy
+
+    tok, cfg, ex, prompt, engine, params, soup = _setup()
+    soup.step = 1
+    groups, metrics, _ = collect_rollouts(engine, params, [(ex, prompt)], Source(), _reward(tok), cfg, soup=soup)
+    assert len(engine.calls) == 1 and metrics["soup/mixed"] == 0  # nothing stored before step 1
+    assert groups[0].prefix_lens == [0, 0, 0, 0]
+    stored = soup.buffer.entries[0]
+    assert stored["step"] == 1 and [r["ids"] for r in stored["responses"]] == [[ord("3"), EOS], [ord("4"), ord("5"), EOS]]
+    assert stored["responses"][0]["logp"] == [-0.01, -0.01] and all(r["stop"] for r in stored["responses"])
+
+    soup.step = 2
+    groups, metrics, tokens = collect_rollouts(engine, params, [(ex, prompt)], Source(), _reward(tok), cfg, soup=soup)
+    # slots 2, 3 mixed with stored responses 0 ("3" EOS: usable 1, prefix 1) and 1 ("45" EOS: usable 2, prefix 1)
+    (g,) = groups
+    assert g.prefix_lens == [0, 0, 1, 1]
+    (cont_prompts, cont_params), = engine.calls[2:]  # one budget (6 − 1): one call
+    assert cont_prompts == [prompt + [ord("3")], prompt + [ord("4")]]
+    assert cont_params.n == 1 and cont_params.max_new_tokens == 5 and cont_params.return_routes
+    s2, s3 = g.samples[2], g.samples[3]
+    assert s2.prompt_ids == prompt and s2.output_ids == [ord("3"), ord("9"), EOS]
+    assert s3.output_ids == [ord("4"), ord("9"), EOS]
+    assert s2.logprobs == [-0.01, -0.03, -0.03]  # μ of the step-1 draw, then the continuation call's (3rd call)
+    assert s2.token_versions == [1, 1, 1] and s2.finish_reason == "stop"
+    assert s2.routes.shape == (len(prompt) + 3 - 1, 1, 1) and (s2.routes == 10).all()  # the continuation call's
+    assert g.rewards[2:] == [0.0, 0.0]
+    assert [s.output_ids for s in g.samples[:2]] == [[ord("3"), EOS], [ord("4"), ord("5"), EOS]]
+    assert g.rewards[:2] == [1.0, 0.0]
+    assert metrics["soup/mixed"] == 2 and metrics["soup/prefix_len"] == 1.0 and metrics["soup/mixed_reward"] == 0.0
+    assert tokens == (2 + 3 + 2 + 4) + 2 * 2  # the step's draws and the two continuations ("9" EOS)
+    assert soup.buffer.entries[0]["step"] == 2  # refilled with step 2's draws (before mixing)
+    assert soup.buffer.entries[0]["responses"][0]["logp"] == [-0.02, -0.02]
+
+    learner = CountingLearner(hook=True)
+    update_policy(learner, groups, cfg, None, cfg.loss_spec(), StepTimer(), tokenizer=tok)
+    trained = learner.calls[-1][1]
+    for i, x in enumerate(trained):
+        own = stand_in_logp(x["tokens"])[x["prompt_len"] - 1:].tolist()
+        L = g.prefix_lens[i]
+        assert x["rollout_logp"] == g.samples[i].logprobs
+        assert x["old_logp"][:L] == g.samples[i].logprobs[:L]  # π_old := μ on the historical prefix
+        assert x["old_logp"][L:] == pytest.approx(own[L:], rel=1e-15)  # the learner's π_old on the rest
+        assert x["tokens"] == prompt + g.samples[i].output_ids
+
+
+def _run(steps, soup, engine, cfg, tok, ex, prompt, params):
+    from megapo.trainer.rollout import collect_rollouts
+
+    out = []
+    for step in steps:
+        soup.step = step
+        groups, metrics, _ = collect_rollouts(engine, params, [(ex, prompt)], Source(), _reward(tok), cfg, soup=soup)
+        out.append(([(s.output_ids, s.logprobs) for s in groups[0].samples], groups[0].prefix_lens, metrics))
+    return out
+
+
+def test_resume_equals_unstopped():
+    from megapo.trainer.soup import soup_rollouts
+
+    tok, cfg, ex, prompt, _, params, _ = _setup(max_new=8, mix=3, prefix_min=0.2, prefix_max=1.0)
+
+    def fresh():
+        return PrefixEngine({tuple(prompt): ["3", "4567", "3", "678"]})
+
+    e1 = fresh()
+    unstopped = _run(range(1, 5), soup_rollouts(cfg, params), e1, cfg, tok, ex, prompt, params)
+    e2 = fresh()
+    first = soup_rollouts(cfg, params)
+    part = _run(range(1, 3), first, e2, cfg, tok, ex, prompt, params)
+    state = json.loads(json.dumps(first.buffer.state_dict()))  # what the checkpoint's trainer state holds
+    resumed = soup_rollouts(cfg, params)
+    resumed.buffer.load_state_dict(state)
+    e3 = fresh()
+    e3.calls = list(e2.calls)  # the scripted engine's log-probs follow its call count (its RNG state)
+    rest = _run(range(3, 5), resumed, e3, cfg, tok, ex, prompt, params)
+    assert part + rest == unstopped
+    assert any(sum(p) > 0 for _, p, _ in unstopped[1:])  # the later steps did mix
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("stage, field, words", [
+    ({"mix": 0}, "algorithm.stages[0].mix", "int >= 1"),
+    ({"mix": 4}, "algorithm.stages[0].mix", "mix < n_samples"),
+    ({"prefix_min": 0.0}, "algorithm.stages[0].prefix_min", "(0, 1]"),
+    ({"prefix_max": 1.5}, "algorithm.stages[0].prefix_max", "(0, 1]"),
+    ({"prefix_min": 0.9, "prefix_max": 0.5}, "algorithm.stages[0].prefix_min", "exceeds"),
+])
+def test_bad_options_refused_naming_the_field(stage, field, words):
+    with pytest.raises(ConfigError) as err:
+        make_cfg(stages=[{"name": "soup", **stage}])
+    assert err.value.field == field and words in str(err.value)
+
+
+@pytest.mark.parametrize("change, field, words", [
+    (lambda d: d["train"].update(mode="async"), "train.mode", "sync"),
+    (lambda d: d["rollout"].update(max_new_tokens=1), "rollout.max_new_tokens", ">= 2"),
+    (lambda d: d["data"].update(length_reward="kimi"), "data.length_reward", "none"),
+    (lambda d: d["algorithm"]["stages"].insert(0, {"name": "gtpo"}), "algorithm.stages[1]", "before the token stage"),
+    (lambda d: d["algorithm"]["stages"].append({"name": "hdpo"}), "algorithm.stages[0]", "hdpo"),
+])
+def test_runs_it_cannot_serve_refused(change, field, words):
+    from megapo.config import from_dict
+    from megapo.trainer.config import RunConfig
+
+    data = algorithm_configs.config_data(n_samples=4, stages=[{"name": "soup"}])
+    change(data)
+    with pytest.raises(ConfigError) as err:
+        cfg = from_dict(RunConfig, data)
+        cfg._validate_algorithm()
+        cfg._validate_train()
+    assert err.value.field == field and words in str(err.value)
+
+
+def test_small_addition_pool_option():
+    from megapo.tasks.registry import get_task
+
+    t = get_task("addition", {"train_size": 5})
+    assert t.size("train") == 5 and t.example("train", 4) == get_task("addition").example("train", 4)
+    with pytest.raises(ConfigError) as err:
+        get_task("addition", {"train_size": -1})
+    assert err.value.field == "data.task_options" and "train_size" in str(err.value)
+
+
+def test_objectives_lists_soup(capsys):
+    from megapo.cli import main
+
+    assert main(["objectives", "--formulas"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.split()[:1] == ["soup"] and not line.startswith(" "))
+    assert "SOUP" in row and "2601.21476" in row
+    assert "π_θ/μ" in out and "Assumption" in out
+
+
+# ----------------------------------------------------------------------------- one tiny run
+
+
+def test_megapo_train_with_soup_resumes_as_the_unstopped_run(tmp_path, tiny_moe):
+    """Three steps of `megapo train` (the Megatron learner on CPU, r3 from the config) with stage soup on a pool of
+    two prompts: every step after the first revisits them and mixes; the same run stopped after step 2's checkpoint
+    and resumed mixes at step 3 as the unstopped one (the prefix buffer comes back from the checkpoint: an empty
+    one would mix nothing there)."""
+    from test_critic_loop import stopped_after
+
+    args = (f"model.path={tiny_moe}", "train.steps=3", "train.ckpt_every=2", "data.prompts_per_step=2",
+            "rollout.n_samples=4", "rollout.max_new_tokens=6", "data.task_options={train_size: 2}",
+            "algorithm.stages=[{name: soup, mix: 2}]")
+    full = train_rows(tmp_path, "full", *args)
+    assert full[0]["soup/mixed"] == 0 and all(r["soup/mixed"] > 0 and r["soup/prefix_frac"] > 0 for r in full[1:])
+    assert all(math.isfinite(r["train/loss"]) and math.isfinite(r["soup/prefix_log_ratio"]) for r in full)
+    stopped_after(tmp_path / "full", tmp_path / "half", 2)
+    rest = {r["step"]: r for r in train_rows(tmp_path, "half", *args, "--resume")}
+    for key in ("soup/mixed", "soup/prefix_len", "soup/mixed_reward", "soup/prefix_frac", "soup/prefix_log_ratio",
+                "reward", "train/loss", "train/grad_norm"):
+        # the tolerance of tests/test_trainer_resume.py
+        assert rest[3][key] == pytest.approx(full[2][key], rel=1e-6, abs=1e-9), key
