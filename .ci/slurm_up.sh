@@ -10,8 +10,9 @@
 #   urgent  (higher PriorityTier)        a job there preempts debug jobs
 # Fast scheduler intervals and a short credential lifetime let a requeued job restart within
 # seconds (the default cred_expire of 120 s delays every restart by two minutes).
-# KillWait 8 s (SIGTERM to SIGKILL on a cancel): the stand-in ranks checkpoint at once, and a rank blocked on a
-# failed peer (the crash test) is killed after it, so a longer wait only lengthens that test.
+# KillWait 30 s (SIGTERM to SIGKILL on a cancel): the stand-in ranks checkpoint at once, but on a loaded machine the
+# batch script's own end (its log lines after the learner exits) came after 8 s and was killed; a rank blocked on a
+# failed peer (the crash test) is killed after it, so the longer wait lengthens that test by 22 s.
 #
 #   .ci/slurm_up.sh          start (or check) the cluster
 #   .ci/slurm_up.sh --stop   end the daemons this script started (by their pid files)
@@ -109,7 +110,7 @@ SchedulerParameters=bf_interval=1,sched_interval=1
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 JobRequeue=1
-KillWait=8
+KillWait=30
 MinJobAge=900
 ReturnToService=2
 SlurmdParameters=config_overrides

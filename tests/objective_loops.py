@@ -143,6 +143,30 @@ class RecordingLearner:
         return (logps, [torch.full((len(s),), 0.7, dtype=F64) for s in sequences]) if with_entropy else logps
 
 
+def old_pass_request(cfg) -> tuple[list[bool], dict]:
+    """The old-log-prob pass of `cfg` on one 4-token sample with a RecordingLearner: (whether each call asked for
+    π_old's entropy, the sample as the pass left it)."""
+    from megapo.trainer.update import old_logprob_pass
+
+    learner = RecordingLearner()
+    batch = [{"tokens": [1, 2, 3, 4], "prompt_len": 2, "advantage": 1.0}]
+    old_logprob_pass(learner, batch, cfg)
+    return learner.asked, batch[0]
+
+
+def objectives_listing(capsys, name: str) -> tuple[str, str, list[str]]:
+    """`megapo objectives --formulas` and `--stages` for the entry `name`: (its row of the listing, the whole
+    formulas output, the stage's declared inputs, [] when it is no stage)."""
+    from megapo.cli import main
+
+    assert main(["objectives", "--formulas"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.split()[:1] == [name] and not line.startswith(" "))
+    assert main(["objectives", "--stages"]) == 0
+    rows = {line.split()[0]: line.split()[1:3] for line in capsys.readouterr().out.splitlines()[1:]}
+    return row, out, rows.get(name, [])
+
+
 def assert_autograd_matches_fd(loss_of, logp: torch.Tensor, mask: torch.Tensor, h: float = 1e-6,
                                atol: float = 1e-7) -> None:
     """loss_of(logp [S, T]) -> scalar: its autograd gradient equals float64 central finite differences at every

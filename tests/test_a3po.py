@@ -24,7 +24,7 @@ from megapo.algorithms.a3po import a3po_advantages
 from megapo.config import ConfigError
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from objective_loops import (RecordingLearner, assert_ppo_gradient_matches_fd,  # noqa: E402
+from objective_loops import (objectives_listing, old_pass_request, assert_ppo_gradient_matches_fd,  # noqa: E402
                              assert_ppo_split_invariant)
 import algorithm_configs  # noqa: E402
 from train_runs import train_rows  # noqa: E402
@@ -165,18 +165,14 @@ def test_the_stage_in_the_pipeline_sets_advantages_and_metrics():
     ([{"name": "a3po"}], True, False),
 ])
 def test_the_old_log_prob_pass_runs_without_entropy(stages, stats, entropy):
-    from megapo.trainer.update import old_logprob_pass
-
     cfg = make_cfg(stages=stages)
     a = cfg.algorithm
     assert (a.needs_old_stats(), a.needs_old_entropy(), a.needs_reference()) == (stats, entropy, False)
     if not stages:
         return
-    learner = RecordingLearner()
-    batch = [{"tokens": [1, 2, 3, 4], "prompt_len": 2, "advantage": 1.0}]
-    old_logprob_pass(learner, batch, cfg)
-    assert learner.asked == [False]
-    assert batch[0].get("old_logp") is not None and batch[0].get("old_entropy") is None
+    asked, sample = old_pass_request(cfg)
+    assert asked == [False]
+    assert sample.get("old_logp") is not None and sample.get("old_entropy") is None
 
 
 # ----------------------------------------------------------------------------- config
@@ -208,16 +204,10 @@ def test_unknown_option_and_gae_are_refused():
 
 
 def test_objectives_lists_it_with_paper_and_formula(capsys):
-    from megapo.cli import main
-
-    assert main(["objectives", "--formulas"]) == 0
-    out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if line.split()[:1] == ["a3po"] and not line.startswith(" "))
+    row, out, inputs = objectives_listing(capsys, "a3po")
     assert "Rethinking Sample Polarity" in row and "arXiv:2512.21625" in row
     assert "τ₊ = the k₊-th smallest p" in out and "Assumption:" in out
-    assert main(["objectives", "--stages"]) == 0
-    rows = {line.split()[0]: line.split()[1:3] for line in capsys.readouterr().out.splitlines()[1:]}
-    assert rows["a3po"] == ["token", "sequence_advantage,old_logp,step"]
+    assert inputs == ["token", "sequence_advantage,old_logp,step"]
 
 
 # ----------------------------------------------------------------------------- one tiny run

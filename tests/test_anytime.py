@@ -28,6 +28,7 @@ from megapo.engines.base import Sample
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import algorithm_configs  # noqa: E402
 from test_self_distill import CharTokenizer, CountingLearner, stand_in_logp  # noqa: E402
+from objective_loops import objectives_listing  # noqa: E402
 from scripted_engine import ScriptedEngine, Source  # noqa: E402
 from train_runs import train_rows  # noqa: E402
 
@@ -287,16 +288,10 @@ def test_runs_it_cannot_serve_refused(change, field, words):
 
 
 def test_objectives_lists_anytime(capsys):
-    from megapo.cli import main
-
-    assert main(["objectives", "--formulas"]) == 0
-    out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if line.split()[:1] == ["anytime"] and not line.startswith(" "))
+    row, out, inputs = objectives_listing(capsys, "anytime")
     assert "Optimizing Anytime Reasoning via Budget Relative Policy Optimization" in row and "2505.13438" in row
     assert "A_{g,s} = ret_{g,s} −" in out and "Assumption" in out
-    assert main(["objectives", "--stages"]) == 0
-    rows = {line.split()[0]: line.split()[1:3] for line in capsys.readouterr().out.splitlines()[1:]}
-    assert rows["anytime"] == ["token", "anytime"]
+    assert inputs == ["token", "anytime"]
 
 
 # ----------------------------------------------------------------------------- one tiny run

@@ -23,7 +23,7 @@ from megapo.algorithms.entropy_credit import entropy_credit_advantages
 from megapo.config import ConfigError
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from objective_loops import RecordingLearner, assert_ppo_split_invariant  # noqa: E402
+from objective_loops import assert_ppo_split_invariant, old_pass_request  # noqa: E402
 import algorithm_configs  # noqa: E402
 from train_runs import train_rows  # noqa: E402
 
@@ -250,18 +250,14 @@ def test_the_stages_in_the_pipeline_set_advantages_and_metrics():
     ([{"name": "aepo", "kl_hard": 0.1}], True, True),
 ])
 def test_the_old_log_prob_pass_keeps_the_entropy_only_for_these_stages(stages, entropy, reference):
-    from megapo.trainer.update import old_logprob_pass
-
     cfg = make_cfg(stages=stages)
     a = cfg.algorithm
     assert (a.needs_old_stats(), a.needs_old_entropy(), a.needs_reference()) == (entropy, entropy, reference)
     if not stages:
         return
-    learner = RecordingLearner()
-    batch = [{"tokens": [1, 2, 3, 4], "prompt_len": 2, "advantage": 1.0}]
-    old_logprob_pass(learner, batch, cfg)
-    assert learner.asked == [entropy]
-    assert (batch[0].get("old_entropy") is not None) == entropy
+    asked, sample = old_pass_request(cfg)
+    assert asked == [entropy]
+    assert (sample.get("old_entropy") is not None) == entropy
 
 
 # ----------------------------------------------------------------------------- config

@@ -28,6 +28,7 @@ from megapo.engines.base import Sample
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import algorithm_configs  # noqa: E402
 from test_self_distill import CharTokenizer, CountingLearner, stand_in_logp  # noqa: E402
+from objective_loops import objectives_listing  # noqa: E402
 from scripted_engine import ScriptedEngine, Source  # noqa: E402
 from train_runs import train_rows  # noqa: E402
 
@@ -311,11 +312,7 @@ def test_small_addition_pool_option():
 
 
 def test_objectives_lists_soup(capsys):
-    from megapo.cli import main
-
-    assert main(["objectives", "--formulas"]) == 0
-    out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if line.split()[:1] == ["soup"] and not line.startswith(" "))
+    row, out, _ = objectives_listing(capsys, "soup")
     assert "SOUP" in row and "2601.21476" in row
     assert "π_θ/μ" in out and "Assumption" in out
 
