@@ -166,7 +166,8 @@ def test_bench_runs_one_step_and_writes_its_json(tiny_moe, tmp_path):
     log-probs with megapo's learner (Megatron, engine routes replayed) on the same batch."""
     out = tmp_path / "floor.json"
     cmd = [sys.executable, "-m", "megapo.cli", "bench", "floor", "--out", str(out), "--steps", "1", "--warmup", "0",
-           "--sampler-rounds", "1", "--work-dir", str(tmp_path / "work"), f"model.path={tiny_moe}", "sft.enabled=false",
+           "--sampler-rounds", "1", "--paired-rounds", "1", "--work-dir", str(tmp_path / "work"),
+           f"model.path={tiny_moe}", "sft.enabled=false",
            "data.prompts_per_step=4", "rollout.n_samples=4", "rollout.max_new_tokens=4", "data.dynamic_sampling=false",
            "train.eval_every=0"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -181,6 +182,9 @@ def test_bench_runs_one_step_and_writes_its_json(tiny_moe, tmp_path):
         assert len(result["generated_tokens"][side]) == 1 and 16 <= result["generated_tokens"][side][0] <= 64
     assert set(result["ratio_megapo_over_floor"]) >= {"generate", "old_logp", "train", "step"}
     assert result["sampler"]["floor_tokens_per_s"] > 0 and result["sampler"]["megapo_tokens_per_s"] > 0
+    same = result["same_rollouts"]  # both sides trained once on the same round of megapo's rollouts
+    assert same["rounds"] == 1 and len(same["per_round"]["floor"]) == len(same["per_round"]["megapo"]) == 1
+    assert same["megapo_over_floor_train"] == pytest.approx(same["megapo_train_s"] / same["floor_train_s"])
     assert result["torch_threads"] >= 1 and len(result["load_avg_start"]) == 3 and len(result["git"]["commit"]) == 40
 
 

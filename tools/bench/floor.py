@@ -26,8 +26,11 @@ collect_rollouts / update_policy / sync_weights with the config's RunConfig, so 
 Before timing, step 0 checks that both do the same work: on megapo's first batch (its engine's samples and
 routes) the floor's log-probs must equal megapo's learner's old log-probs (--tolerance); and both samplers
 generate the same prompts a few times, interleaved, for generated tokens/s. Then --warmup untimed and --steps
-timed steps, alternating which side goes first. The JSON holds per-phase medians (wall and this process's CPU
-seconds), the ratios megapo/floor, the machine's load, torch threads and the git commit; old_logp is 0 on
+timed steps, alternating which side goes first. Each side trains its own policy there, so a step's
+dynamic-sampling rounds differ between the sides; --paired-rounds then times the train phase alone with both sides
+on the same rollouts (`same_rollouts`: megapo's engine draws each round's groups, each side trains on them once).
+The JSON holds per-phase medians (wall and this process's CPU seconds), the ratios megapo/floor, the machine's load,
+torch threads and the git commit; old_logp is 0 on
 the floor's side and on megapo's steps that fold it into the train forward (its ratio is then null). Exit 1
 when the step-0 log-probs differ, 2 on a config the floor does not implement.
 """
@@ -388,21 +391,24 @@ class Floor:
         samples = [s for g, _ in groups for s in g]
         timer.setdefault("old_logp", [0.0, 0.0])  # one update per rollout: pi_old is the train forward's, detached
         with phase(timer, "train"):
-            batch = sequence_batch(samples)
-            response = batch[-1]
-            rewards = torch.tensor([rw for _, rw in groups], dtype=torch.float32)
-            adv = grpo_advantages(rewards, self.adv_eps).reshape(-1)
-            flat = sequence_logprobs(self.model, batch, response_only=True)
-            logp = torch.zeros(response.shape).masked_scatter(response, flat)
-            loss = gspo_loss(logp, logp.detach(), adv, response.float(), self.eps_low, self.eps_high)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if self.cfg.optim.grad_clip:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
-            self.optimizer.step()
-            self.schedule.step()
+            self.train(samples, [rw for _, rw in groups])
         timer.setdefault("sync", [0.0, 0.0])  # the sampler reads the trained parameters: nothing to hand over
         return self.generated
+
+    def train(self, samples: list[FloorSample], rewards: list[list[float]]) -> None:
+        """One update on `samples` (whole groups, in order) with their groups' `rewards` [groups, n]."""
+        batch = sequence_batch(samples)
+        response = batch[-1]
+        adv = grpo_advantages(torch.tensor(rewards, dtype=torch.float32), self.adv_eps).reshape(-1)
+        flat = sequence_logprobs(self.model, batch, response_only=True)
+        logp = torch.zeros(response.shape).masked_scatter(response, flat)
+        loss = gspo_loss(logp, logp.detach(), adv, response.float(), self.eps_low, self.eps_high)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.cfg.optim.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.schedule.step()
 
 
 class phase:
@@ -487,15 +493,52 @@ def step0_logprob_check(floor: Floor, megapo: Megapo) -> dict:
     groups, _, _ = megapo.collect()
     batch = train_samples(groups, megapo.cfg)
     old_logprob_pass(megapo.learner, batch, megapo.cfg)
-    samples = [FloorSample(s["tokens"][:s["prompt_len"]], s["tokens"][s["prompt_len"]:], [], False,
-                           torch.as_tensor(s["routes"])) for s in batch]
-    fb = sequence_batch(samples)
+    fb = sequence_batch(floor_samples(batch))
     with torch.no_grad():  # the train step's path: logits at the response positions only
         ours = sequence_logprobs(floor.model, fb, response_only=True).split(fb[-1].sum(1).tolist())
     diff = 0.0
     for got, s in zip(ours, batch):
         diff = max(diff, (got.double() - torch.tensor(s["old_logp"], dtype=torch.float64)).abs().max().item())
     return {"sequences": len(batch), "response_tokens": int(fb[-1].sum()), "max_abs_diff": diff}
+
+
+def floor_samples(batch: list) -> list[FloorSample]:
+    """megapo's train samples (engine tokens and routes) as the floor's."""
+    return [FloorSample(s["tokens"][:s["prompt_len"]], s["tokens"][s["prompt_len"]:], [], False,
+                        torch.as_tensor(s["routes"])) for s in batch]
+
+
+def same_rollout_train(floor: Floor, megapo: Megapo, rounds: int) -> dict:
+    """Both sides' train phase on the same rollouts: each round megapo's engine draws a step's groups, then each
+    side trains on them once (alternating which goes first; megapo's update_policy, the floor's train), so the
+    ratio holds neither side's own dynamic-sampling rounds nor its policy's drift. Wall and process-CPU seconds."""
+    from megapo.trainer.metrics import StepTimer
+    from megapo.trainer.run import sync_weights
+    from megapo.trainer.update import train_samples, update_policy
+
+    times: dict[str, list[tuple[float, float]]] = {"floor": [], "megapo": []}
+    for k in range(rounds):
+        groups, _, _ = megapo.collect()
+        if not groups:
+            continue
+        samples, rewards = floor_samples(train_samples(groups, megapo.cfg)), [g.rewards for g in groups]
+        for side in (("floor", "megapo") if k % 2 else ("megapo", "floor")):
+            t0, c0 = time.perf_counter(), time.process_time()
+            if side == "floor":
+                with compat.device_mode_suspended():
+                    floor.train(samples, rewards)
+            else:
+                update_policy(megapo.learner, groups, megapo.cfg, None, megapo.loss, StepTimer())
+            times[side].append((time.perf_counter() - t0, time.process_time() - c0))
+        megapo.version += 1  # untimed: the engine samples the next round from the trained weights
+        sync_weights(megapo.learner, megapo.engine, megapo.version, megapo.cfg, megapo.transport)
+    if not times["floor"]:
+        return {"rounds": 0}
+    med = {side: [statistics.median(t[i] for t in times[side]) for i in (0, 1)] for side in times}
+    return {"rounds": len(times["floor"]), "floor_train_s": med["floor"][0], "megapo_train_s": med["megapo"][0],
+            "floor_train_cpu_s": med["floor"][1], "megapo_train_cpu_s": med["megapo"][1],
+            "megapo_over_floor_train": med["megapo"][0] / med["floor"][0],
+            "megapo_over_floor_train_cpu": med["megapo"][1] / med["floor"][1], "per_round": times}
 
 
 def sampler_rates(floor: Floor, megapo: Megapo, rounds: int) -> dict:
@@ -640,6 +683,7 @@ def run_bench(args, cfg) -> dict:
                 if k >= args.warmup and all(p in timer for p in PHASES):
                     per_step[name].append(timer)
                     tokens[name].append(generated)
+        same = same_rollout_train(floor, megapo, args.paired_rounds) if args.paired_rounds else {"rounds": 0}
     finally:
         megapo.close()
     if not per_step["floor"] or not per_step["megapo"]:
@@ -655,6 +699,7 @@ def run_bench(args, cfg) -> dict:
         "warmup_steps": args.warmup, "timed_steps": args.steps,
         "step0_logprobs": check,
         "sampler": sampler,
+        "same_rollouts": same,
         "phases_median_s": phases,
         "ratio_megapo_over_floor": {name: ratio(m[name], f[name]) for name in
                                     ("generate", "old_logp", "train", "sync", "step", "step_cpu")},
@@ -677,6 +722,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
     parser.add_argument("--sampler-rounds", type=int, default=6, help="interleaved generate rounds per sampler")
+    parser.add_argument("--paired-rounds", type=int, default=6,
+                        help="after the timed steps, rounds in which both sides train on the same rollouts (0: none)")
     parser.add_argument("--work-dir", default="runs/bench_floor",
                         help="model folders (base, SFT warm start: reused when present) and megapo's run files")
     parser.add_argument("--threads", type=int, default=0,
@@ -690,7 +737,8 @@ def run(args: argparse.Namespace) -> int:
     from megapo.config import ConfigError
 
     for flag, value, least in (("--steps", args.steps, 1), ("--sampler-rounds", args.sampler_rounds, 1),
-                               ("--warmup", args.warmup, 0), ("--threads", args.threads, 0)):
+                               ("--warmup", args.warmup, 0), ("--threads", args.threads, 0),
+                               ("--paired-rounds", args.paired_rounds, 0)):
         if value < least:
             raise ConfigError(flag, f"must be >= {least}, got {value}")
     cfg = bench_config(args)
