@@ -26,3 +26,18 @@ def make_cfg(**fields):
     cfg = from_dict(RunConfig, config_data(**fields))
     cfg._validate_algorithm()
     return cfg
+
+
+def refusal(data: dict):
+    """The ConfigError the run config `data` raises, built and its algorithm and train sections validated (it must
+    raise one)."""
+    import pytest
+
+    from megapo.config import ConfigError, from_dict
+    from megapo.trainer.config import RunConfig
+
+    with pytest.raises(ConfigError) as err:
+        cfg = from_dict(RunConfig, data)
+        cfg._validate_algorithm()
+        cfg._validate_train()
+    return err.value

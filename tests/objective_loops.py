@@ -143,6 +143,19 @@ class RecordingLearner:
         return (logps, [torch.full((len(s),), 0.7, dtype=F64) for s in sequences]) if with_entropy else logps
 
 
+def rand_lists(seed: int, lengths: list[int], low: float, high: float) -> list[list[float]]:
+    """Seeded float64 values uniform in [low, high), one list of n per length."""
+    g = torch.Generator().manual_seed(seed)
+    return [(low + (high - low) * torch.rand(n, generator=g, dtype=F64)).tolist() for n in lengths]
+
+
+def close(got, want, tol: float = 1e-13) -> None:
+    """Per-sample tensors `got` equal the lists `want` within tol (relative and absolute)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.tolist() == pytest.approx(w, rel=tol, abs=tol)
+
+
 def old_pass_request(cfg) -> tuple[list[bool], dict]:
     """The old-log-prob pass of `cfg` on one 4-token sample with a RecordingLearner: (whether each call asked for
     π_old's entropy, the sample as the pass left it)."""

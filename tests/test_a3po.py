@@ -24,8 +24,9 @@ from megapo.algorithms.a3po import a3po_advantages
 from megapo.config import ConfigError
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from objective_loops import (objectives_listing, old_pass_request, assert_ppo_gradient_matches_fd,  # noqa: E402
-                             assert_ppo_split_invariant)
+import objective_loops  # noqa: E402
+from objective_loops import (assert_ppo_gradient_matches_fd, assert_ppo_split_invariant, close,  # noqa: E402
+                             objectives_listing, old_pass_request)
 import algorithm_configs  # noqa: E402
 from train_runs import train_rows  # noqa: E402
 
@@ -36,14 +37,7 @@ ADV = [0.5, -0.5, -0.3, 0.9, -1.0, 1.0, 0.0, -0.2]  # one response with advantag
 
 
 def rand_lists(seed, lengths, low=-4.0, high=0.0):
-    g = torch.Generator().manual_seed(seed)
-    return [(low + (high - low) * torch.rand(n, generator=g, dtype=F64)).tolist() for n in lengths]
-
-
-def close(got, want, tol=1e-13):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.tolist() == pytest.approx(w, rel=tol, abs=tol)
+    return objective_loops.rand_lists(seed, lengths, low, high)
 
 
 # ----------------------------------------------------------------------------- against a loop

@@ -275,16 +275,10 @@ def test_the_task_gives_the_trigger():
     (lambda d: d["data"].update(length_reward="kimi"), "data.length_reward", "verifier's scores"),
 ])
 def test_runs_it_cannot_serve_refused(change, field, words):
-    from megapo.config import from_dict
-    from megapo.trainer.config import RunConfig
-
     data = algorithm_configs.config_data(stages=[{"name": "anytime", "budgets": [4], "trigger": ";"}])
     change(data)
-    with pytest.raises(ConfigError) as err:
-        cfg = from_dict(RunConfig, data)
-        cfg._validate_algorithm()
-        cfg._validate_train()
-    assert err.value.field == field and words in str(err.value)
+    err = algorithm_configs.refusal(data)
+    assert err.field == field and words in str(err)
 
 
 def test_objectives_lists_anytime(capsys):

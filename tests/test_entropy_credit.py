@@ -23,7 +23,8 @@ from megapo.algorithms.entropy_credit import entropy_credit_advantages
 from megapo.config import ConfigError
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from objective_loops import assert_ppo_split_invariant, old_pass_request  # noqa: E402
+import objective_loops  # noqa: E402
+from objective_loops import assert_ppo_split_invariant, close, old_pass_request  # noqa: E402
 import algorithm_configs  # noqa: E402
 from train_runs import train_rows  # noqa: E402
 
@@ -32,14 +33,7 @@ F64 = torch.float64
 
 
 def rand_lists(seed, lengths, low=0.0, high=2.0):
-    g = torch.Generator().manual_seed(seed)
-    return [(low + (high - low) * torch.rand(n, generator=g, dtype=F64)).tolist() for n in lengths]
-
-
-def close(got, want, tol=1e-13):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.tolist() == pytest.approx(w, rel=tol, abs=tol)
+    return objective_loops.rand_lists(seed, lengths, low, high)
 
 
 # ----------------------------------------------------------------------------- erpo against a loop
