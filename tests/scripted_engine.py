@@ -1,5 +1,5 @@
 """The no-op half of a scripted stand-in Engine and a fixed prompt source, for tests that drive the rollout loop with
-an engine whose `generate` they write themselves (test_hdpo_caspo, test_anytime)."""
+an engine whose `generate` they write themselves (test_hdpo_caspo, test_anytime, test_soup, test_envs)."""
 
 from __future__ import annotations
 

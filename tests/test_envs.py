@@ -17,10 +17,13 @@ import numpy as np
 import pytest
 
 from megapo.config import ConfigError
-from megapo.engines.base import Engine, Sample, SamplingParams
+from megapo.engines.base import Sample, SamplingParams
 from megapo.envs.base import StepResult
 from megapo.envs.rollout import ObservationFormat, TurnLimits, generate_trajectories, trajectory_metrics
 from megapo.envs.tools import CalculatorEnvironment, MalformedCall, ToolCall, calculate, parse_tool_calls
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scripted_engine import ScriptedEngine as NoOpEngine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EOS = 99
@@ -86,7 +89,7 @@ def test_calculator_environment_steps():
 # ----------------------------------------------------------------------------- the driver, scripted
 
 
-class ScriptedEngine(Engine):
+class ScriptedEngine(NoOpEngine):
     """Answers each context with the next output of the script of its trajectory (keyed by the prompt's first
     token); every output token's log-prob is -(its position in the output + 1) / 10, routes one int per
     fed position equal to its token id. Records each call's contexts."""
@@ -109,13 +112,6 @@ class ScriptedEngine(Engine):
                                     "stop" if stopped else "length", self.weight_version, routes))
             out.append(group)
         return out
-
-    def update_weights(self, named_tensors, version): ...
-    def update_weights_from_disk(self, path, version): ...
-    def pause(self): ...
-    def resume(self): ...
-    def health(self): return True
-    def close(self): ...
 
 
 class ScriptedEnv:

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from megapo.algorithms.options import check_number
 from megapo.algorithms.registry import register
+from megapo.algorithms.token_tensors import group_ranges, per_token_advantages
 
 PAPER = ("Shen et al. 2025, DAST: Difficulty-Adaptive Slow-Thinking for Large Reasoning Models (arXiv:2503.04472), "
          "budget preference optimisation with SimPO")
@@ -79,12 +80,6 @@ def simpo_loss(mean_logp_w: Tensor, mean_logp_l: Tensor, beta: float, gamma: flo
     return -F.logsigmoid(beta * (mean_logp_w - mean_logp_l) - gamma)
 
 
-def group_slices(n: int, group_size: int) -> list[slice]:
-    if group_size < 1 or n % group_size:
-        raise ValueError(f"group_size: {group_size} does not divide the batch's {n} samples")
-    return [slice(lo, lo + group_size) for lo in range(0, n, group_size)]
-
-
 @register(STAGE, "advantage_stage", "group", PAPER, DastSimpoOptions)
 def dast_simpo_advantages(rewards: Tensor, correct: Tensor, mean_logp: Tensor, group_size: int,
                           o: DastSimpoOptions) -> tuple[Tensor, dict]:
@@ -109,7 +104,8 @@ def dast_simpo_advantages(rewards: Tensor, correct: Tensor, mean_logp: Tensor, g
         raise ValueError(f"mean_logp: rewards, correct and mean_logp must have one entry per sample ({n})")
     coeff = torch.zeros(n, dtype=torch.float64)
     losses, wins, per_group = [], [], []
-    for g in group_slices(n, group_size):
+    for r in group_ranges(n, group_size):
+        g = slice(r.start, r.stop)
         pairs = budget_pairs(rewards[g], correct[g], o.margin, o.cross_pairs)
         per_group.append(len(pairs))
         if not len(pairs):
@@ -150,9 +146,9 @@ def run_dast_simpo_stage(batch: list, s, ctx) -> dict:
     correct = torch.tensor([bool(c) for c in ctx.correct], dtype=torch.bool)
     mean_logp = torch.tensor([mean_policy_logp(x.old_logp, x.loss_mask) for x in batch], dtype=torch.float64)
     shift, metrics = dast_simpo_advantages(rewards, correct, mean_logp, ctx.group_size, s.options)
-    for x, d in zip(batch, shift.tolist()):
-        per_token = x.advantage if isinstance(x.advantage, (list, tuple)) else [x.advantage] * len(x.old_logp)
-        x.advantage = [float(a) + d for a in per_token]
+    per_token = per_token_advantages([x.advantage for x in batch], [len(x.old_logp) for x in batch])
+    for x, a, d in zip(batch, per_token, shift.tolist()):
+        x.advantage = (a + d).tolist()
     return metrics
 
 

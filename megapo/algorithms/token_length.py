@@ -39,6 +39,7 @@ from torch import Tensor
 from megapo.algorithms.length import GroupFilter, ScoredGroup, _check_state_keys, _is_int, _is_number
 from megapo.algorithms.options import check_choice, check_number
 from megapo.algorithms.registry import get, register
+from megapo.algorithms.token_tensors import group_ranges
 
 DECS_PAPER = ("Jiang et al. 2025, Overthinking Reduction with Decoupled Rewards and Curriculum Data Scheduling "
               "(arXiv:2509.25827), DECS's decoupled token-level reward (the necessary reasoning prefix found with "
@@ -49,12 +50,6 @@ DECS_CURRICULUM_PAPER = ("Jiang et al. 2025, Overthinking Reduction with Decoupl
 BINGO_PAPER = ("Liu et al. 2025, Bingo: Boosting Efficient Reasoning of LLMs via Dynamic and Significance-based "
                "Reinforcement Learning (arXiv:2506.08125), significance-aware and dynamic length rewards "
                "(significance from π_old)")
-
-
-def _groups(n: int, group_size: int) -> list[range]:
-    if group_size < 1 or n % group_size:
-        raise ValueError(f"group_size: {group_size} does not divide the batch's {n} samples")
-    return [range(lo, lo + group_size) for lo in range(0, n, group_size)]
 
 
 # ----------------------------------------------------------------------------- DECS
@@ -122,7 +117,7 @@ def decs_advantages(rewards: list[float], correct: list[bool], first_correct: li
     if budget < 1:
         raise ValueError(f"budget: L_max must be a token count >= 1, got {budget!r}")
     out: list[Tensor] = [torch.zeros(0)] * n
-    for idx in _groups(n, group_size):
+    for idx in group_ranges(n, group_size):
         width = max(lengths[i] for i in idx)
         rows = torch.stack([torch.cat([decs_token_rewards(rewards[i], correct[i], first_correct[i], lengths[i],
                                                           budget, o.beta),
@@ -406,7 +401,7 @@ def bingo_advantages(rewards: list[float], correct: list[bool], old_logp: list[T
         raise ValueError("old_logp: rewards, correct and old_logp must have one entry per sample")
     lam_dyn = dynamic_weight(step, o)
     shaped = torch.zeros(n, dtype=torch.float64)
-    for idx in _groups(n, group_size):
+    for idx in group_ranges(n, group_size):
         ratios = _ratios([significance_counts(old_logp[i], o.threshold) for i in idx])
         for i, (r_ins, r_sig) in zip(idx, ratios):
             shaped[i] = bingo_reward(rewards[i], correct[i], r_ins, r_sig, lam_dyn, o)

@@ -1,5 +1,6 @@
 """A train batch's per-response-token values as float64 tensors, checked against the responses' lengths: the
-shared input step of the token stages that work one sample at a time (self_distill, entropy_credit)."""
+shared input step of the token stages that work one sample at a time (self_distill, entropy_credit); and the
+batch's groups of contiguous samples."""
 
 from __future__ import annotations
 
@@ -27,3 +28,11 @@ def per_token_advantages(advantages: list, lengths: list[int]) -> list[Tensor]:
             raise ValueError(f"advantages[{i}]: {a.numel()} values for {n} response tokens")
         out.append(a.expand(n).clone())
     return out
+
+
+def group_ranges(n: int, group_size: int) -> list[range]:
+    """The sample indices of each group of a batch of `n` samples in contiguous groups of `group_size`; ValueError
+    when group_size does not divide n."""
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"group_size: {group_size} does not divide the batch's {n} samples")
+    return [range(lo, lo + group_size) for lo in range(0, n, group_size)]
