@@ -11,8 +11,8 @@
 # Fast scheduler intervals and a short credential lifetime let a requeued job restart within
 # seconds (the default cred_expire of 120 s delays every restart by two minutes).
 # KillWait 30 s (SIGTERM to SIGKILL on a cancel): the stand-in ranks checkpoint at once, but on a loaded machine the
-# batch script's own end (its log lines after the learner exits) came after 8 s and was killed; a rank blocked on a
-# failed peer (the crash test) is killed after it, so the longer wait lengthens that test by 22 s.
+# batch script's own end (its log lines after the learner exits) came after 8 s and was killed. (A stand-in rank
+# blocked on a failed peer gives up by itself 10 s after its SIGTERM, tests/slurm_standin.py, not at KillWait.)
 #
 #   .ci/slurm_up.sh          start (or check) the cluster
 #   .ci/slurm_up.sh --stop   end the daemons this script started (by their pid files)

@@ -554,6 +554,70 @@ def window_core_attention():
     return WindowDotProductAttention
 
 
+# ----------------------------------------------------------------------------- local-spec routed experts
+
+
+def use_lean_experts(mlp) -> None:
+    """Give the local spec's MoE layer (`mlp`: its ModuleSpec) lean_sequential_mlp's experts where it holds
+    megatron-core's SequentialMLP. Edits megapo's own spec; a dense MLP spec is left as it is."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    experts = getattr(getattr(mlp, "submodules", None), "experts", None)
+    if experts is not None and experts.module is SequentialMLP:
+        experts.module = lean_sequential_mlp()
+
+
+@functools.cache
+def lean_sequential_mlp():
+    """SequentialMLP (the local spec's experts, one MLP module per expert) whose forward runs each expert as two
+    plain linears around the SiLU gate: silu(x W_gate) * (x W_up) * prob, then W_down. megatron-core's path is
+    the same ops in the same order (bitwise equal, forward and backward) through four module calls and two
+    custom autograd Functions per expert, whose Python work is a sizeable part of a tiny model's step on CPU. The
+    lean path is taken only where those calls do nothing else: SiLU-gated experts without biases, clamp or offset,
+    no fp8 / fp4, no probs on the input, no deferred or fused weight gradients, expert linears that leave their
+    communication to the token dispatcher (explicit_expert_comm) or have none (an expert-TP group of one);
+    otherwise megatron-core's forward runs."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    def plain_linear(linear) -> bool:  # a matmul: no bias, no fused wgrad, no communication of its own
+        return (linear.bias is None and not linear.gradient_accumulation_fusion
+                and getattr(linear, "weight", None) is not None
+                and (linear.explicit_expert_comm or linear.tp_group.size() == 1))
+
+    class LeanSequentialMLP(SequentialMLP):
+        def _lean(self) -> bool:
+            lean = getattr(self, "_lean_path", None)
+            if lean is None:
+                c = self.config
+                lean = self._lean_path = bool(
+                    not (c.fp8 or getattr(c, "fp4", None)) and not c.moe_apply_probs_on_input
+                    and c.gated_linear_unit and c.activation_func is F.silu
+                    and getattr(c, "activation_func_clamp_value", None) is None
+                    and getattr(c, "glu_linear_offset", 0.0) == 0.0
+                    and not c.bias_activation_fusion and not getattr(c, "use_te_activation_func", False)
+                    and not getattr(c, "delay_wgrad_compute", False)
+                    and all(type(e) is MLP and plain_linear(e.linear_fc1) and plain_linear(e.linear_fc2)
+                            for e in self.local_experts))
+            return lean
+
+        def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+            if not self._lean():
+                return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+            counts = tokens_per_expert.tolist()
+            dtype = permuted_local_hidden_states.dtype
+            outputs = []
+            for expert, x, probs in zip(self.local_experts, permuted_local_hidden_states.split(counts),
+                                        permuted_probs.split(counts)):
+                gate, up = F.linear(x, expert.linear_fc1.weight).chunk(2, dim=-1)
+                hidden = (F.silu(gate) * up * probs.unsqueeze(-1)).to(dtype)  # MLP: the scale's dtype cast back
+                outputs.append(F.linear(hidden, expert.linear_fc2.weight))
+            return torch.cat(outputs), None
+
+    return LeanSequentialMLP
+
+
 # ----------------------------------------------------------------------------- local-spec expert biases
 
 

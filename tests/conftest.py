@@ -15,12 +15,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The README runs the suite on two workers, a module each (`-n 2 --dist loadfile`), handed out in collection
 # order: the slowest modules go first so that the last one to start is short (longest-first scheduling). From
 # `--durations` on the 2-core machine, slowest first; the other modules keep their order after them.
-SLOW_MODULES = ("test_vllm_server.py", "test_slurm_real.py", "test_rm_train.py", "test_fleet_vllm.py",
+SLOW_MODULES = ("test_vllm_server.py", "test_slurm_real.py", "test_rm_train.py",
                 "test_learner_layouts.py", "test_trainer_vllm.py", "test_family_replay.py", "test_gpu_check.py",
                 "test_critic_loop.py", "test_worker_errors.py", "test_deepseek_v3.py", "test_trainer_resume.py",
-                "test_convert.py", "test_bench_scaling.py", "test_replay_layouts.py", "test_precision.py",
+                "test_convert.py", "test_deepseek_moe_convert.py", "test_replay_layouts.py", "test_precision.py",
                 "test_learner.py", "test_trainer_distributed.py", "test_shared_prefix.py", "test_compat.py",
-                "test_gpt_oss_convert.py", "test_critic.py", "test_reward_model_http.py", "test_deepseek_moe_convert.py",
+                "test_bench_scaling.py", "test_critic.py", "test_reward_model_http.py",
                 "test_reference.py", "test_trainer_robust.py", "test_gpt_oss.py", "test_family_engines.py")
 
 

@@ -1,6 +1,7 @@
 """Checks shared by the MoE family tests (deepseek_v3, glm4_moe, gpt_oss): the tiny models the engine is compared
-on, transformers' forward with its routers' choice recorded or forced, `megapo logprobs` / `convert` / `train` run
-in a subprocess, and the learner's checkpoint read without megapo code. Imported by tests/test_family_engines.py,
+on, transformers' forward with its routers' choice recorded or forced, `megapo logprobs` / `train` run in a
+subprocess, `megapo convert` through its own planner and runner, and the learner's checkpoint read without megapo
+code. Imported by tests/test_family_engines.py,
 tests/test_family_replay.py (the checks parametrized over families) and tests/test_<family>_*.py (each family's
 own checks)."""
 
@@ -85,6 +86,19 @@ def hf_model(path):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def max_sample_dlogp(model, state: dict, samples) -> float:
+    """The largest |engine log-prob − transformers' fp32 log-prob| over the response tokens of `samples` (engine
+    Samples), `model` (a transformers causal LM) loaded with `state` first."""
+    model.load_state_dict(state)
+    worst = 0.0
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.output_ids])
+            lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
+            worst = max(worst, float((lp[len(s.prompt_ids) - 1:] - torch.tensor(s.logprobs)).abs().max()))
+    return worst
 
 
 def routers(hf) -> list:
@@ -249,13 +263,6 @@ def read_checkpoint(folder: Path, shapes: dict[str, tuple[int, ...]]) -> dict[st
     return out
 
 
-def convert(*argv: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "megapo.cli", "convert", *argv], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
-
-
 def _to_megatron(source: Path, ckpt: Path) -> list[str]:
     return ["hf-to-megatron", "--hf", str(source), "--out", str(ckpt), "--tp", "2", "--ep", "2"]
 
@@ -264,17 +271,10 @@ def _to_hf(ckpt: Path, back: Path) -> list[str]:
     return ["megatron-to-hf", "--ckpt", str(ckpt), "--out", str(back), "--pp", "2", "--verify"]
 
 
-def convert_round_trip(source: Path, tmp: Path) -> dict:
-    """HF -> torch_dist saved under TP=2xEP=2, back to HF loaded under PP=2 with --verify (the command line)."""
-    ckpt, back = tmp / "ckpt", tmp / "hf"
-    convert(*_to_megatron(source, ckpt))
-    log = convert(*_to_hf(ckpt, back))
-    return dict(source=source, ckpt=ckpt, back=back, log=log)
-
-
 def convert_round_trips(sources: dict[str, Path], tmp_path_factory) -> dict[str, dict]:
-    """convert_round_trip of several models, through the command's own planner and runner (megapo.commands.convert,
-    what `megapo convert` runs): every hf-to-megatron plan in one torchrun launch, every megatron-to-hf in a second.
+    """HF -> torch_dist saved under TP=2xEP=2, back to HF loaded under PP=2 with --verify, for several models,
+    through the command's own planner and runner (megapo.commands.convert, what `megapo convert` runs): every
+    hf-to-megatron plan in one torchrun launch, every megatron-to-hf in a second.
     Each round trip's log holds what its plans printed after the workers (the checkpoint written, the verdict)."""
     import argparse
     import contextlib

@@ -8,7 +8,9 @@ trainer is plugged in. It does no learning, only what the launch relies on:
         a SIGTERM arrived; if so rank 0 writes <output_dir>/checkpoints/latest.json (atomically)
         and every rank exits with EXIT_CHECKPOINTED. With --resume it continues from that file.
         Rank 0 appends one line per run to <output_dir>/runs.jsonl and writes <output_dir>/progress.
-        train.crash_rank / train.crash_step make one rank fail (exit 3), as a crashing trainer would.
+        train.crash_rank / train.crash_step make one rank fail (exit 3), as a crashing trainer would; a rank
+        told to stop that then waits on a peer which never comes gives up after PEER_WAIT_AFTER_STOP_S (exit 1),
+        as a collective timeout would.
     serve CONFIG --host H [--allow-remote] --port P [overrides]   an HTTP server answering GET /health
         with its Slurm node name (and the key file it was given); exits 0 on SIGTERM.
 """
@@ -28,9 +30,23 @@ from pathlib import Path
 
 import yaml
 
-from megapo.trainer.run_dir import CHECKPOINTS
 from megapo.trainer.stop import EXIT_CHECKPOINTED
 from megapo.config import apply_override
+
+
+def _checkpoints_folder() -> str:
+    """megapo.trainer.run_dir.CHECKPOINTS, read from the module's source: importing it imports torch, seconds of CPU
+    in every rank (and the torchrun agents import it too) on a 2-core machine, for one string."""
+    import ast
+    import importlib.util
+
+    tree = ast.parse(Path(importlib.util.find_spec("megapo.trainer.run_dir").origin).read_text())
+    [value] = [node.value.value for node in tree.body if isinstance(node, ast.Assign)
+               and [getattr(t, "id", None) for t in node.targets] == ["CHECKPOINTS"]]
+    return value
+
+
+CHECKPOINTS = _checkpoints_folder()
 
 
 def load(config: str, overrides: list[str]) -> dict:
@@ -62,7 +78,7 @@ def train(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_term)
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # set by torchrun
-    group = FileGroup(out, rank, world)
+    group = FileGroup(out, rank, world, stopped=lambda: stop["signal"] is not None)
     ckpt = out / CHECKPOINTS / "latest.json"
     start = 0
     if args.resume and ckpt.is_file():
@@ -112,19 +128,33 @@ class FileGroup:
     torchrun's own agents still rendezvous at the master address the template passes them.
     """
 
-    def __init__(self, out: Path, rank: int, world: int):
+    # Once this rank was told to stop (SIGTERM), how long it still waits for a peer before giving up with an error,
+    # as a trainer's collective timeout would: a peer that died (the crash test) never comes, and the rank ends
+    # by itself instead of at Slurm's SIGKILL (KillWait, 30 s on the test cluster). A live peer that got the same
+    # signal reaches the step's exchange within a step.
+    PEER_WAIT_AFTER_STOP_S = 10.0
+
+    def __init__(self, out: Path, rank: int, world: int, stopped=lambda: False):
         # one folder per launch: job and restart under Slurm; torchrun's master port for local runs
         launch_id = "-".join(os.environ.get(k, "") for k in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "MASTER_PORT"))
         self.dir = out / ".sync" / launch_id
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.stopped = rank, world, stopped
 
     def all_gather(self, key: str, value) -> list:
         tmp = self.dir / f".{key}.{self.rank}.tmp"
         tmp.write_text(json.dumps(value))
         os.replace(tmp, self.dir / f"{key}.{self.rank}")  # readers never see a partial file
         paths = [self.dir / f"{key}.{r}" for r in range(self.world)]
+        give_up_at = None
         while not all(path.exists() for path in paths):
+            if give_up_at is None and self.stopped():
+                give_up_at = time.monotonic() + self.PEER_WAIT_AFTER_STOP_S
+            if give_up_at is not None and time.monotonic() > give_up_at:
+                missing = [r for r, path in enumerate(paths) if not path.exists()]
+                print(f"rank {self.rank}: stopped, and ranks {missing} never reached {key!r} within "
+                      f"{self.PEER_WAIT_AFTER_STOP_S:.0f} s: giving up (exit 1)", flush=True)
+                sys.exit(1)
             time.sleep(0.01)
         return [json.loads(path.read_text()) for path in paths]
 

@@ -64,11 +64,23 @@ def _bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     (["--steps", "0"], "--steps: must be >= 1"),
     (["--layouts", "dp4", "--prompts", "1", "--n", "2"], "fewer sequences than dp=4"),
 ])
-def test_bad_arguments_are_refused_before_anything_starts(tmp_path, args, message):
+def test_bad_arguments_are_refused_before_anything_starts(tmp_path, args, message, monkeypatch, capsys):
+    """`megapo bench scaling` run in this process (megapo.cli.main, the command line's own dispatch): writing a
+    model or starting a process fails the test, besides the output folder that must not exist."""
+    import megapo.launch.local
+    import tools.bench.scaling as scaling
+    from megapo.cli import main
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was written or a process started")
+
+    for module, name in ((scaling, "write_models"), (scaling, "run_local"), (megapo.launch.local, "run_torchrun")):
+        monkeypatch.setattr(module, name, refuse)
     out = tmp_path / "out"
-    done = _bench(*args, "--out", str(out), timeout=120)
-    assert done.returncode == 2, done.stderr
-    assert message in done.stderr
+    rc = main(["bench", "scaling", *args, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert message in err
     assert not out.exists()  # no model written, no process started
 
 
@@ -101,14 +113,25 @@ def test_two_layouts_one_step_write_json_and_plots(tmp_path):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_plan_only_writes_specs_for_a_cluster_and_starts_nothing(tmp_path):
-    """--plan-only: no 4-process limit, one spec per world size, the per-rank command printed; no raw results."""
+def test_plan_only_writes_specs_for_a_cluster_and_starts_nothing(tmp_path, monkeypatch, capsys):
+    """--plan-only: no 4-process limit, one spec per world size, the per-rank command printed; no raw results.
+    Run in this process (megapo.cli.main): starting a process fails the test."""
+    import megapo.launch.local
+    import tools.bench.scaling as scaling
+    from megapo.cli import main
+
+    def refuse(*a, **k):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(scaling, "run_local", refuse)
+    monkeypatch.setattr(megapo.launch.local, "run_torchrun", refuse)
     out = tmp_path / "plan"
-    done = _bench("--layouts", "dp8,ep8,tp2", "--sizes", "small", "--plan-only", "--out", str(out), timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    rc = main(["bench", "scaling", "--layouts", "dp8,ep8,tp2", "--sizes", "small", "--plan-only", "--out", str(out)])
+    done = capsys.readouterr()
+    assert rc == 0, done.err[-3000:]
     spec8 = json.loads((out / "spec_world8.json").read_text())
     assert [r["parallel"] for r in spec8["runs"]] == [{"tp": 1, "pp": 1, "ep": 1, "dp": 8},
                                                        {"tp": 1, "pp": 1, "ep": 8, "dp": 8}]
     assert (out / "spec_world2.json").is_file() and (out / "models" / "small" / "config.json").is_file()
-    assert f"-m tools.bench.scaling_worker --spec {out / 'spec_world8.json'}" in done.stdout
+    assert f"-m tools.bench.scaling_worker --spec {out / 'spec_world8.json'}" in done.out
     assert not list(out.glob("raw_world*.jsonl"))

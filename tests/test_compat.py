@@ -218,6 +218,61 @@ print(json.dumps(out))
     assert out["mask"] < 1e-5 and out["causal"] < 1e-5 and out["blind"] < 1e-5, out
 
 
+def test_lean_experts_are_bitwise_megatrons_sequential_mlp():
+    # megatron-core's SequentialMLP is the reference: the same weights and routed tokens (one expert left with
+    # none), outputs, the input's gradient and every weight's gradient bitwise equal, in float32 and bfloat16;
+    # the reference's forward made to raise while the lean class runs, so the lean path is what ran; with expert
+    # biases (gpt_oss) the lean class runs megatron-core's forward.
+    out = run_py("""
+import copy, json, torch
+import torch.nn.functional as F
+from megapo import compat
+from megapo.config import ParallelConfig
+from megapo.learner import model as M
+M.init_distributed(ParallelConfig(), M.detect_backend(), 0)
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+pgs = ProcessGroupCollection.use_mpu_process_groups()
+out = {}
+for dtype, bias in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True)):
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                            moe_ffn_hidden_size=16, num_moe_experts=4, gated_linear_unit=True, activation_func=F.silu,
+                            add_bias_linear=bias, bias_activation_fusion=False, params_dtype=dtype,
+                            bf16=dtype == torch.bfloat16)
+    # (biased experts: megapo's spec gives their linear_fc2 compat.expert_fc2_with_bias, see use_local_expert_bias)
+    subs = MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                         linear_fc2=compat.expert_fc2_with_bias() if bias else RowParallelLinear)
+    torch.manual_seed(0)
+    ref = SequentialMLP(4, cfg, subs, pg_collection=pgs)
+    lean = compat.lean_sequential_mlp()(4, cfg, subs, pg_collection=pgs)
+    lean.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(1)
+    x0 = torch.randn(23, 32, generator=g).to(dtype)
+    counts, probs = torch.tensor([9, 0, 8, 6]), torch.rand(23, generator=g)
+    def run(module):
+        x = x0.clone().requires_grad_()
+        y, _ = module(x, counts, probs)
+        (y.float() * torch.arange(y.numel()).view_as(y).sin()).sum().backward()
+        return [y, x.grad] + [p.grad for p in module.parameters()]
+    want = run(ref)
+    forward = SequentialMLP.forward
+    if not bias:
+        SequentialMLP.forward = lambda *a, **k: (_ for _ in ()).throw(AssertionError("megatron-core's forward ran"))
+    got = run(lean)
+    SequentialMLP.forward = forward
+    out[f"{dtype}-{bias}"] = {"lean": lean._lean(), "equal": all(torch.equal(a, b) for a, b in zip(got, want)),
+                              "tensors": len(want)}
+print(json.dumps(out))
+""")
+    for key, res in out.items():
+        assert res["equal"] and res["tensors"] == 2 + 4 * (4 if key.endswith("True") else 2), (key, res)
+    assert out["torch.float32-False"]["lean"] and out["torch.bfloat16-False"]["lean"], out
+    assert not out["torch.float32-True"]["lean"], out
+
+
 def test_rope_pass_is_bitwise_megatrons_unfused_rope():
     # Megatron's unfused bshd RoPE is the reference: whole and partial rotary dims (glm4_moe rotates the first
     # half of each head), outputs and gradients bitwise equal; a second call on new angles is not served stale ones.

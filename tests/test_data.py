@@ -222,6 +222,15 @@ def test_prompt_pool_task_is_lazy_and_files_filtered(tiny_moe):
     assert ex.prompt == f"{a:03d}+{b:03d}=" and tok.decode(ids) == ex.prompt
     files = data.PromptPool(tok, False, 6, examples=[Example("1+1=", "2"), Example("123+456=", "579")])
     assert len(files) == 1 and files.dropped_too_long == 1 and files[0][0].prompt == "1+1="
+    # a round's prompts in one call: what one prompt at a time gives (a BOS prepended where the tokenizer has one)
+    for template in (False, True):
+        task_pool = data.PromptPool(tok, template, 64, task="addition")
+        assert task_pool.items([5, 9, 5]) == [task_pool[5], task_pool[9], task_pool[5]]
+    tok.bos_token = tok.convert_ids_to_tokens(7)
+    with_bos = data.PromptPool(tok, False, 16, task="addition").items([5, 9])
+    assert [ids for _, ids in with_bos] == [[7] + tok(ex.prompt, add_special_tokens=False)["input_ids"]
+                                            for ex, _ in with_bos]
+    assert files.items([0]) == [files[0]]
 
 
 # ----------------------------------------------------------------------------- sources through HF datasets

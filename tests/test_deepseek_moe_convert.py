@@ -5,7 +5,10 @@ stages split between the dense-and-MoE first half and the MoE second half), with
 learner on the converted weights). Reference: the source safetensors written by transformers, every tensor
 compared with torch.equal, the routers' expert bias (a buffer) included; the checkpoint's expert bias read
 with torch.distributed.checkpoint (no megapo code) is the source's. Config keys the Megatron model would not
-reproduce are refused by name before any process starts."""
+reproduce are refused by name before any process starts.
+
+gpt_oss's round trip (tests/test_gpt_oss_convert.py has its refusals) rides in the same two launches: its
+checks are below."""
 
 from __future__ import annotations
 
@@ -23,13 +26,14 @@ BIASES = [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3
 
 
 FAMILIES = ("deepseek_v3", "glm4_moe")
+# the tiny models converted: both DeepSeekMoE families, and gpt_oss (its own checks at the end of this module)
+TINY = {**{f: dict(layers=4, moe_ffn=32) for f in FAMILIES}, "gpt_oss": dict(moe_ffn=32)}
 
 
 @pytest.fixture(scope="module")
 def round_trips(tiny_model_factory, tmp_path_factory):
-    """Both families' round trips in one torchrun launch per direction."""
-    return convert_round_trips({f: Path(tiny_model_factory(f, layers=4, moe_ffn=32)) for f in FAMILIES},
-                               tmp_path_factory)
+    """Every family's round trip in one torchrun launch per direction."""
+    return convert_round_trips({f: Path(tiny_model_factory(f, **kw)) for f, kw in TINY.items()}, tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -64,3 +68,27 @@ def test_checkpoint_holds_the_expert_bias(round_trip):
         "glm-two_rotary_factors"])
 def test_configs_it_would_not_reproduce_are_refused(tiny_model_factory, tmp_path, capsys, family, change, words):
     check_convert_refuses(Path(tiny_model_factory(family, layers=4, moe_ffn=32)), tmp_path, capsys, change, words)
+
+
+# ----------------------------------------------------------------------------- gpt_oss (same launches)
+
+
+def test_gpt_oss_round_trip_is_bit_exact(round_trips):
+    """gpt_oss: HF -> torch_dist saved under TP=2xEP=2, back to HF loaded under PP=2, with --verify. Reference: the
+    source safetensors written by transformers (experts fused across experts, gate/up interleaved, transposed)."""
+    src = check_round_trip_is_bit_exact(round_trips["gpt_oss"])
+    assert src["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8  # fused across the 8 experts
+
+
+def test_gpt_oss_checkpoint_holds_the_sinks_and_expert_biases(round_trips):
+    """Megatron's layers are stacked on dim 0 (experts on dim 1); its fc2 bias of expert e is the file's
+    down_proj_bias[e]; the attention sinks read with torch.distributed.checkpoint (no megapo code) are the source's."""
+    round_trip = round_trips["gpt_oss"]
+    src = read_tensors(round_trip["source"])
+    stored = read_checkpoint(round_trip["ckpt"], {"decoder.layers.self_attention.core_attention.softmax_offset": (2, 4),
+                                                  "decoder.layers.mlp.experts.experts.linear_fc2.bias": (2, 8, 64)})
+    for layer in (0, 1):
+        assert torch.equal(stored["decoder.layers.self_attention.core_attention.softmax_offset"][layer],
+                           src[f"model.layers.{layer}.self_attn.sinks"])
+        assert torch.equal(stored["decoder.layers.mlp.experts.experts.linear_fc2.bias"][layer],
+                           src[f"model.layers.{layer}.mlp.experts.down_proj_bias"])

@@ -2,7 +2,7 @@
 joining servers take no request before they hold the current weights, a server that dies or stalls during a
 weight update is dropped and the update completes for the others within the timeout, the servers file adds and
 removes servers, the sync reports the fleet metrics, and the config names the fields it refuses.
-(tests/test_fleet_vllm.py does the same with real vLLM servers and a broadcast sync.)"""
+(tests/test_vllm_server.py's fleet test does the same with real vLLM servers and a broadcast sync.)"""
 
 import logging
 import threading

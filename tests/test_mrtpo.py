@@ -6,9 +6,11 @@ Its Relevant Tokens), against the formulas written out here as loops (never the 
   one-sequence rows and with pairs packed several to a row);
 - GDPO's group-then-batch normalisation and MRTPO's reassignment as loops; equal distances give GDPO's advantage;
 - PPO on the stage's advantages: split invariance (2 DP ranks x 4 micro-batches) and float64 finite differences;
-- the packing of the pairs (one unit, two segments: the context never sees the response behind x);
-- the task's components, the trainer glue (the components of the kept samples, truncation, one paired pass per
-  component on the replayed routes), refusals naming the field, the registry and the bench variants, one
+- the K components packed into one pass (Learner.response_js_distances: each x ⊕ y once beside its K variants) against
+  the separate paired passes and transformers, with the learner's passes counted (2 -> 1);
+- the packing of the pairs (one unit, two segments: the context never sees the response behind x) and of the groups;
+- the task's components, the trainer glue (the components of the kept samples, truncation, one packed call for all
+  components on the replayed routes), refusals naming the field, the registry and the bench variants, one
   `megapo train` run with the stage.
 """
 
@@ -129,26 +131,42 @@ def hf_js(model_dir, seqs, plens, ctx, clens):
     return out
 
 
+def more_contexts(seqs, plens, vocab: int, seed: int = 1):
+    """A second component's variants of js_batch's responses: other hints (other lengths) before the same x ⊕ y."""
+    rng = random.Random(seed)
+    ctx, clens = [], []
+    for s, p, c in zip(seqs, plens, (1, 3, 2, 2, 1)):
+        ctx.append([rng.randrange(vocab) for _ in range(c)] + list(s))
+        clens.append(c + p)
+    return ctx, clens
+
+
 @pytest.fixture(scope="module")
 def js_runs(tiny_moe, tmp_path_factory):
-
+    """(response_js_distance's results by layout name, response_js_distances' by layout name, transformers' loop for
+    the first context list, for the second)."""
     tmp = tmp_path_factory.mktemp("js_layouts")
     vocab = json.loads((Path(tiny_moe) / "config.json").read_text())["vocab_size"]
     seqs, plens, ctx, clens = js_batch(vocab)
+    ctx2, clens2 = more_contexts(seqs, plens, vocab)
     base = dict(model=str(tiny_moe), sequences=seqs, prompt_lens=plens, context_sequences=ctx,
-                context_prompt_lens=clens)
+                context_prompt_lens=clens, more_contexts=ctx2, more_context_prompt_lens=clens2)
     script = ROOT / "tests" / "distributed" / "js_layouts.py"
     results = {}
     for world, layouts in ((1, [dict(tp=1, pp=1, ep=1, dp=1)]),
                            (2, [dict(tp=2, pp=1, ep=1, dp=1), dict(tp=1, pp=1, ep=1, dp=2)])):
-        results.update(run_layout_script(script, dict(base, layouts=layouts), world, tmp))
-    return results, hf_js(tiny_moe, seqs, plens, ctx, clens)
+        # world 1 also with a budget (20 tokens) that holds a pair but not a sequence with both its variants
+        spec = dict(base, layouts=layouts, **({"chunked_budget": 20} if world == 1 else {}))
+        results.update(run_layout_script(script, spec, world, tmp))
+    single = {k: v for k, v in results.items() if not k.startswith("multi:")}
+    multi = {k[len("multi:"):]: v for k, v in results.items() if k.startswith("multi:")}
+    return single, multi, hf_js(tiny_moe, seqs, plens, ctx, clens), hf_js(tiny_moe, seqs, plens, ctx2, clens2)
 
 
 def test_learner_js_distance_matches_transformers_and_tp1(js_runs):
     """Learner.response_js_distance against the loop on transformers' logits (fp32 forwards: 1e-5), and TP=2 /
     DP=2 / packed rows against TP=1 (1e-6)."""
-    results, want = js_runs
+    results, _, want, _ = js_runs
     tp1 = results["tp1_pp1_ep1_dp1"]
     for got, ref in zip(tp1, want):
         torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5)
@@ -159,6 +177,40 @@ def test_learner_js_distance_matches_transformers_and_tp1(js_runs):
             torch.testing.assert_close(g, r, rtol=0, atol=1e-6, msg=name)
 
 
+def test_learner_js_distances_packs_the_components_into_one_pass(js_runs):
+    """Learner.response_js_distances on K = 2 context lists: row k equals transformers' loop for list k at TP=1 (1e-5)
+    and the separate paired pass of list k in every layout and packing (TP=1, TP=2, DP=2; one-sequence rows, rows
+    packed several units each; 1e-6). Counted on Learner._run: ONE pass where the two paired passes take two, packing
+    each x ⊕ y once instead of twice; with a budget that holds only pairs (/chunked) it falls back to two passes."""
+    _, multi, want, want2 = js_runs
+    assert set(multi) == {"tp1_pp1_ep1_dp1", "tp1_pp1_ep1_dp1/rows", "tp1_pp1_ep1_dp1/chunked", "tp2_pp1_ep1_dp1",
+                          "tp2_pp1_ep1_dp1/rows", "tp1_pp1_ep1_dp2", "tp1_pp1_ep1_dp2/rows"}
+    for got, r1, r2 in zip(multi["tp1_pp1_ep1_dp1"]["one"], want, want2):
+        torch.testing.assert_close(got.double(), torch.stack([r1, r2]), rtol=0, atol=1e-5)
+    response_tokens = sum(len(r) for r in want)
+    for name, r in multi.items():
+        assert r["passes"] == {"separate": 2, "one": 2 if name.endswith("/chunked") else 1}, name
+        if not name.endswith("/chunked"):  # x ⊕ y packed once, not once per component
+            assert r["tokens"]["separate"] - r["tokens"]["one"] > response_tokens, name
+        for i, got in enumerate(r["one"]):
+            assert got.shape == (2, len(want[i])), name
+            for k in range(2):
+                torch.testing.assert_close(got[k], r["separate"][k][i], rtol=0, atol=1e-6, msg=name)
+                torch.testing.assert_close(got[k], multi["tp1_pp1_ep1_dp1"]["separate"][k][i], rtol=0, atol=1e-6,
+                                           msg=name)
+
+
+def test_group_units_and_the_partners_a_pass_takes():
+    """packing.group_units: sequence i with its partner in each list, one unit in slot order (i, n + i, 2n + i);
+    partners_per_unit: as many as fit beside the sequence in the budget, at least one, at most the count."""
+    units = packing.group_units([5, 3], [[7, 4], [6, 2]])
+    assert [(u.members, u.lengths, u.shared, u.size) for u in units] == [((0, 2, 4), (5, 7, 6), 0, 18),
+                                                                           ((1, 3, 5), (3, 4, 2), 0, 9)]
+    with pytest.raises(ValueError, match=r"^partners\[1\]:"):
+        packing.group_units([5, 3], [[7, 4], [6]])
+    assert [packing.partners_per_unit(3, 10, b) for b in (5, 20, 29, 30, 40, 400)] == [1, 1, 1, 2, 3, 3]
+
+
 def test_learner_js_distance_refuses_a_context_with_another_response():
     from megapo.learner.learner import Learner
 
@@ -167,6 +219,10 @@ def test_learner_js_distance_refuses_a_context_with_another_response():
         Learner.response_js_distance(me, [[1, 2, 3], [1, 2, 3]], [1, 1], [[4, 1, 2, 3], [4, 1, 2, 4]], [2, 2])
     with pytest.raises(ValueError, match="^context_sequences:"):
         Learner.response_js_distance(me, [[1, 2, 3]], [1], [], [])
+    with pytest.raises(ValueError, match=r"^contexts\[1\]\[0\]:"):
+        Learner.response_js_distances(me, [[1, 2, 3]], [1], [[[4, 1, 2, 3]], [[5, 1, 2, 4]]], [[2], [2]])
+    with pytest.raises(ValueError, match="^contexts:"):
+        Learner.response_js_distances(me, [[1, 2, 3]], [1], [], [])
 
 
 # ----------------------------------------------------------------------------- GDPO and MRTPO, written out
@@ -404,10 +460,11 @@ def test_component_rewards_of_the_kept_samples_with_truncation():
     assert got.information[5] == [groups[1].example.answer, "the answer is exactly four digits"]
 
 
-def test_the_loop_takes_one_paired_pass_per_component_on_the_replayed_routes(monkeypatch):
-    """update.advantage_stages with stage mrtpo: the components from the task, then one Learner.response_js_distance
-    call per component, each response behind x ⊕ c_k (the template through the run's encoding) paired with itself
-    behind x, on the routes the train steps replay; the advantages are the loop's."""
+def test_the_loop_takes_one_packed_call_for_all_components_on_the_replayed_routes(monkeypatch):
+    """update.advantage_stages with stage mrtpo: the components from the task, then ONE Learner.response_js_distances
+    call for all K components (never one response_js_distance pass per component), each response behind x ⊕ c_k (the
+    template through the run's encoding) beside itself behind x, on the routes the train steps replay; the
+    advantages are the loop's."""
     from megapo.algorithms.sample import TrainSample
     from megapo.trainer.metrics import StepTimer
     from megapo.trainer.update import advantage_stages
@@ -419,8 +476,13 @@ def test_the_loop_takes_one_paired_pass_per_component_on_the_replayed_routes(mon
 
     class PairLearner:
         def response_js_distance(self, sequences, prompt_lens, context, context_lens, routes=None):
-            calls.append((sequences, prompt_lens, context, context_lens, routes))
-            return [torch.rand(len(s) - p, generator=gen) for s, p in zip(sequences, prompt_lens)]
+            raise AssertionError("one paired pass per component: the components are packed into one call")
+
+        def response_js_distances(self, sequences, prompt_lens, contexts, context_lens, routes=None):
+            calls.append((sequences, prompt_lens, contexts, context_lens, routes))
+            per_k = [[torch.rand(len(s) - p, generator=gen) for s, p in zip(sequences, prompt_lens)]
+                     for _ in contexts]
+            return [torch.stack([d[i] for d in per_k]) for i in range(len(sequences))]
 
     cfg = make_cfg(stages=[{"name": "mrtpo", "template": "[{hint}] {prompt}"}], n_samples=4)
     cfg.data.task, cfg.data.chat_template, cfg.data.truncated_reward = "addition_parts", False, 0.0
@@ -430,11 +492,13 @@ def test_the_loop_takes_one_paired_pass_per_component_on_the_replayed_routes(mon
 
     monkeypatch.setattr(data_mod, "encode_prompt", lambda tokenizer, text, chat: [ord(c) for c in text])
     metrics = advantage_stages(PairLearner(), batch, groups, cfg, 1, tok, StepTimer())
-    assert len(calls) == 2
+    assert len(calls) == 1
     owners = [g for g in groups for _ in g.samples]
-    for k, (seqs, plens, ctx, clens, routes) in enumerate(calls):
-        assert seqs == [s.tokens for s in batch] and plens == [s.prompt_len for s in batch]
-        assert routes == [f"routes{i}" for i in range(8)]
+    seqs, plens, contexts, context_lens, routes = calls[0]
+    assert seqs == [s.tokens for s in batch] and plens == [s.prompt_len for s in batch]
+    assert routes == [f"routes{i}" for i in range(8)]
+    assert len(contexts) == len(context_lens) == 2
+    for k, (ctx, clens) in enumerate(zip(contexts, context_lens)):
         for g, s, c, cl in zip(owners, batch, ctx, clens):
             info = g.example.answer if k == 0 else "the answer is exactly four digits"
             assert c == [ord(ch) for ch in f"[{info}] {g.example.prompt}"] + s.tokens[s.prompt_len:]

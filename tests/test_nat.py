@@ -2,7 +2,9 @@
 nat_uniform's weights against a loop of its draws and both schemes unbiased by exact enumeration; nat_prefix's cut
 (megapo/algorithms/nat_cut.py) through policy_loss at float64 and one real learner step against the uncut batch at
 weight 0 (loss, gradients, π_old at the kept tokens, the packed token count); bad options refused at config time;
-one `megapo train` step with each stage."""
+one `megapo train` step with each stage; through update_policy, one draw per step, before the old-log-prob pass
+(the tokens it is fed, π_old at the kept tokens, the weights at the drawn positions, the train steps' loss against
+the uncut batch at weight 0)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from megapo.algorithms import policy_loss
 from megapo.algorithms.nat_cut import CUT_FIELDS, KEPT_FIELDS, cut_batch, truncated
 from megapo.algorithms.registry import get
 from megapo.algorithms.sample import FIELDS, TrainSample
-from megapo.algorithms.stages import NatUniformOptions, token_mask_weights
+from megapo.algorithms.stages import NatUniformOptions, nat_prefix_cuts, token_mask_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import algorithm_configs  # noqa: E402
@@ -299,17 +301,157 @@ def test_good_options_accepted():
 # ----------------------------------------------------------------------------- (e) one `megapo train` step
 
 
-def test_one_training_step(tmp_path, tiny_moe):
+@pytest.mark.parametrize("stages, extra", [
+    ("[{name: nat_uniform, keep: 0.5}, {name: nat_prefix}]", ()),
+    ("[{name: nat_prefix}]", ("train.mini_batches=2",)),
+])
+def test_one_training_step(tmp_path, tiny_moe, stages, extra):
     """Both stages in one run (their weights multiply; nat_prefix then cuts the batch), on the fused on-policy path
-    (the main job's one update per rollout); the stability bench's cells take the separate old-log-prob pass."""
+    (the main job's one update per rollout); nat_prefix alone with two mini-batches: the separate old-log-prob pass,
+    on the batch cut before it (the stability bench's cells take that pass)."""
     from train_runs import train_rows
 
     # ppo: the main job's gspo is sequence-level, which the cut refuses (test_bad_options_refused_at_config_time)
     rows = train_rows(tmp_path, "nat", f"model.path={tiny_moe}", "train.steps=1", "algorithm.objective=ppo",
-                      "algorithm.stages=[{name: nat_uniform, keep: 0.5}, {name: nat_prefix}]")
+                      f"algorithm.stages={stages}", *extra)
     row = rows[0]
     assert row["step"] == 1 and math.isfinite(row["train/loss"])
-    for metric in ("nat_uniform/kept_frac", "nat_prefix/kept_frac", "nat_prefix/kept_tokens_frac"):
+    assert math.isfinite(next(v for k, v in row.items() if k.endswith("mismatch/k3")))
+    for metric in ("nat_prefix/kept_frac", "nat_prefix/kept_tokens_frac") + (("nat_uniform/kept_frac",)
+                                                                             if "uniform" in stages else ()):
         key = next(k for k in row if k.endswith(metric))
         assert 0 < row[key] <= 1, (key, row[key])
     assert 0 < row["train/packed_tokens"]
+
+
+# ----------------------------------------------------------------------------- (f) one draw, before the old-log-prob pass
+
+SEED, STEP = 5, 4
+REAL_CUTS = nat_prefix_cuts  # the draw itself, before a test wraps it to count its calls
+
+
+def nat_groups(lengths: list[list[int]]):
+    """Groups of single-turn samples with the given response lengths, μ of the engine and distinct rewards."""
+    from megapo.engines.base import Sample
+    from megapo.tasks.base import Example
+    from megapo.trainer.rollout import Group
+
+    rng = np.random.default_rng(23)
+    groups = []
+    for gi, group in enumerate(lengths):
+        prompt = [20 + gi, 31, 7]
+        samples = [Sample(prompt_ids=prompt, output_ids=[int(x) for x in rng.integers(3, 200, n)],
+                          logprobs=[float(-0.05 - 0.5 * rng.random()) for _ in range(n)], finish_reason="stop",
+                          weight_version=0, routes=None) for n in group]
+        groups.append(Group(example=Example(f"{gi}+1=", str(gi + 1)), samples=samples,
+                            rewards=[float((gi + i) % 3) for i in range(len(group))]))
+    return groups
+
+
+def documented_cuts(lengths: list[int]) -> list[int]:
+    """nat_prefix's draw as documented: c ~ U{1..L} per response, the batch in order, default_rng([seed, step])."""
+    rng = np.random.default_rng([SEED, STEP])
+    return [int(rng.integers(1, n + 1)) if n else 0 for n in lengths]
+
+
+def run_update(monkeypatch, stages: list[dict], agg: str, groups):
+    """update_policy on `groups` with a recording learner (a causal stand-in model, float64): (its calls, the
+    metrics, the draws of nat_prefix's cuts this step took)."""
+    from megapo.algorithms import stages as st
+    from megapo.trainer.metrics import StepTimer
+    from megapo.trainer.update import update_policy
+    from test_self_distill import CountingLearner
+
+    draws = []
+
+    def counting(lengths, rng):
+        draws.append(list(lengths))
+        return REAL_CUTS(lengths, rng)
+
+    monkeypatch.setattr(st, "nat_prefix_cuts", counting)
+    cfg = algorithm_configs.make_cfg(n_samples=3, seed=SEED, stages=stages, loss_agg=agg)
+    cfg.train.mini_batches = 2
+    learner = CountingLearner()
+    metrics = update_policy(learner, groups, cfg, None, cfg.loss_spec(), StepTimer(), step=STEP)
+    return learner.calls, metrics, draws
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("before", [[], [{"name": "nat_uniform", "keep": 0.5}]])
+def test_the_cut_is_drawn_once_before_the_old_logprob_pass(monkeypatch, agg, before):
+    """nat_prefix alone: the old-log-prob pass reads the kept tokens only (fewer tokens fed, π_old there the full
+    pass's); beside nat_uniform (another token stage: it reads every token) that pass keeps the full responses. Either
+    way one draw per step, the stage's weights and the cut at the same positions, and each train step's policy loss
+    and gradient those of the uncut batch at weight 0 (cut: false), at float64."""
+    lengths = [[7, 4, 9], [5, 8, 3], [6, 2, 10], [4, 7, 5]]
+    flat = [n for g in lengths for n in g]
+    cuts = documented_cuts(flat)
+    assert any(c < n for c, n in zip(cuts, flat))
+    prompt = 3
+    cut_calls, metrics, draws = run_update(monkeypatch, before + [{"name": "nat_prefix"}], agg, nat_groups(lengths))
+    full_calls, _, full_draws = run_update(monkeypatch, before + [{"name": "nat_prefix", "cut": False}], agg,
+                                           nat_groups(lengths))
+    assert draws == [flat] and full_draws == [flat]  # one draw per step, on the full responses
+    passes = [c for c in cut_calls if c[0] == "logprobs"]
+    full_passes = [c for c in full_calls if c[0] == "logprobs"]
+    assert len(passes) == len(full_passes) == 1
+    fed, fed_full = sum(len(s) for s in passes[0][1]), sum(len(s) for s in full_passes[0][1])
+    assert fed_full == sum(prompt + n for n in flat)
+    if not before:  # the old-log-prob pass saw each sample up to its cut
+        assert fed == sum(prompt + c for c in cuts) and fed < fed_full
+    else:
+        assert fed == fed_full
+    trained = [c[1] for c in cut_calls if c[0] == "train_step"]
+    trained_full = [c[1] for c in full_calls if c[0] == "train_step"]
+    assert [len(b) for b in trained] == [len(b) for b in trained_full] == [6, 6]
+    cut_samples = [s for b in trained for s in b]
+    full_samples = [s for b in trained_full for s in b]
+    for s, f, c, n in zip(cut_samples, full_samples, cuts, flat):
+        assert len(s["tokens"]) == prompt + c and len(s["old_logp"]) == c
+        assert f["old_logp"] == pytest.approx(stand_in(f["tokens"])[prompt - 1:], rel=1e-12, abs=0)
+        assert s["old_logp"] == pytest.approx(f["old_logp"][:c], rel=1e-12, abs=0)  # π_old at the kept tokens
+        assert all(w == 0.0 for w in f["token_weight"][c:])  # the same positions: weight 0 after the cut
+        assert all(w > 0.0 for w in f["token_weight"][:c]) or before
+    # the normalisers' factor written out: token-mean's per train step, seq-mean-token-mean's per sample
+    for lo, hi in ((0, 6), (6, 12)):
+        for i in range(lo, hi):
+            factor = (sum(cuts[lo:hi]) / sum(flat[lo:hi]) if agg == "token-mean" else cuts[i] / flat[i])
+            want = [w * factor for w in full_samples[i]["token_weight"][:cuts[i]]]
+            assert cut_samples[i]["token_weight"] == pytest.approx(want, rel=1e-14, abs=0)
+    assert metrics["nat_prefix/kept_frac"] == pytest.approx(sum(cuts) / sum(flat), rel=1e-15)
+    assert metrics["nat_prefix/kept_tokens_frac"] == pytest.approx(sum(cuts) / sum(flat), rel=1e-15)
+    g = torch.Generator().manual_seed(9)
+    for b, bf in zip(trained, trained_full):
+        logp = [[x + 0.2 * float(torch.randn(1, generator=g)) for x in s["old_logp"]] for s in bf]
+        want, want_grad = step_loss(bf, logp, agg)
+        got, got_grad = step_loss(b, [r[:len(s["old_logp"])] for r, s in zip(logp, b)], agg)
+        assert got.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-15)
+        for w, c in zip(want_grad, got_grad):
+            assert torch.allclose(c, w[:len(c)], rtol=1e-12, atol=1e-15)
+            assert w[len(c):].abs().max().item() == 0.0 if len(w) > len(c) else True
+    if not before:  # the stability metrics of the pass: the kept tokens' k3, written out
+        mu = [s.logprobs for g_ in nat_groups(lengths) for s in g_.samples]
+        terms = []
+        for s, m, c in zip(cut_samples, mu, cuts):
+            for pi, mu_t in zip(s["old_logp"], m[:c]):
+                rho = math.exp(pi - mu_t)
+                terms.append(rho - 1 - (pi - mu_t))
+        assert metrics["mismatch/k3"] == pytest.approx(sum(terms) / len(terms), rel=1e-12)
+
+
+def stand_in(tokens):
+    from test_self_distill import stand_in_logp
+
+    return stand_in_logp(tokens).tolist()
+
+
+def test_what_keeps_the_full_old_logprob_pass():
+    """Another token stage, or an objective reading a batch-wide quantile of π_old: the passes keep the full
+    responses (the cut after the token stages); nat_prefix alone: none."""
+    from megapo.algorithms.nat_cut import early_cut_blocker
+
+    assert early_cut_blocker(algorithm_configs.make_cfg(stages=[{"name": "nat_prefix"}])) is None
+    assert early_cut_blocker(algorithm_configs.make_cfg(
+        stages=[{"name": "nat_prefix"}, {"name": "stapo"}])) == "token stage stapo"
+    assert "low_prob" in early_cut_blocker(algorithm_configs.make_cfg(stages=[{"name": "nat_prefix"}],
+                                                                      objective="lp_reg"))

@@ -20,6 +20,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
 from megapo.engines.base import SamplingParams  # noqa: E402
 from megapo.engines.embedded import EmbeddedEngine, versions_of  # noqa: E402
+from preemption import generate_preempted  # noqa: E402
 
 
 def _perturbed(model_dir, seed=1):
@@ -41,31 +42,6 @@ def _hf_token_logprobs(model, tokens, prompt_len):
     return lp[prompt_len - 1:]
 
 
-def _generate_preempted(engine, prompts, params, new_weights, preempt_at_call):
-    """engine.generate in a thread; at the preempt_at_call-th model step the engine is preempted, then the
-    trainer's sync is played: pause, load `new_weights` as version 1, resume."""
-    step, calls = engine.model.step, [0]
-
-    def counting(*a, **kw):
-        calls[0] += 1
-        if calls[0] == preempt_at_call:
-            engine.preempt()
-        return step(*a, **kw)
-
-    engine.model.step = counting
-    out = {}
-    worker = threading.Thread(target=lambda: out.setdefault("groups", engine.generate(prompts, params)))
-    worker.start()
-    while not engine._preempted.is_set() and worker.is_alive():
-        worker.join(0.01)
-    engine.pause()
-    engine.update_weights(new_weights.items(), 1)
-    engine.resume()
-    worker.join(60)
-    engine.model.step = step
-    return out["groups"]
-
-
 def test_preempted_samples_continue_on_the_new_weights(tiny_moe):
     from transformers import AutoModelForCausalLM
 
@@ -74,7 +50,7 @@ def test_preempted_samples_continue_on_the_new_weights(tiny_moe):
     engine = EmbeddedEngine(tiny_moe, seed=3)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, stop_token_ids=(10**6 - 1,), return_routes=True)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
-    groups = _generate_preempted(engine, prompts, params, new_weights, preempt_at_call=5)  # 1 prefill + 3 decode
+    groups = generate_preempted(engine, prompts, params, new_weights.items(), preempt_at_call=5)  # 1 prefill + 3 decode
 
     spanning = 0
     for prompt, group in zip(prompts, groups):
@@ -105,7 +81,7 @@ def test_a_sample_spans_at_most_max_versions(tiny_dense):
     engine = EmbeddedEngine(tiny_dense, seed=0)
     engine.max_versions = 1
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=8, stop_token_ids=(10**6 - 1,))
-    [[s]] = _generate_preempted(engine, [[4, 5, 6]], params, new_weights, preempt_at_call=3)
+    [[s]] = generate_preempted(engine, [[4, 5, 6]], params, new_weights.items(), preempt_at_call=3)
     assert s.weight_version == 1 and set(versions_of(s)) == {1} and len(s.output_ids) == 8
     assert s.prompt_ids == [4, 5, 6]
 

@@ -5,9 +5,10 @@ Checked: the mixing rule (slots, prefix shares, prefix lengths) against loops wr
 ratio (π_θ/μ on the historical prefix, π_θ/π_old on the continuation, the objective's clip on both) against the
 clipped surrogate written out, and its float64 gradient against finite differences; two steps of the loop with a
 scripted engine and a recording learner, token by token (the continuation prompts x ⊕ prefix and budgets, the mixed
-samples' tokens, μ, routes, rewards, and the trained π_old); a resumed run mixes as the unstopped one (the buffer in
-the checkpoint state, through JSON); config refusals naming the field; `megapo train` with the stage on, stopped
-after a checkpoint and resumed, against the unstopped run.
+samples' tokens, μ, routes, rewards, and the trained π_old); the old-log-prob pass's mismatch metrics over the
+tokens this step's engine sampled only and soup/prefix_k3 over the prefixes, against k3 written out; a resumed run
+mixes as the unstopped one (the buffer in the checkpoint state, through JSON); config refusals naming the field;
+`megapo train` with the stage on, stopped after a checkpoint and resumed, against the unstopped run.
 """
 
 from __future__ import annotations
@@ -229,6 +230,69 @@ def test_two_steps_token_by_token():
         assert x["old_logp"][:L] == g.samples[i].logprobs[:L]  # π_old := μ on the historical prefix
         assert x["old_logp"][L:] == pytest.approx(own[L:], rel=1e-15)  # the learner's π_old on the rest
         assert x["tokens"] == prompt + g.samples[i].output_ids
+
+
+def k3_by_hand(pairs) -> float:
+    """k3 = mean(ρ − 1 − log ρ), ρ = π/μ, over the (log π, log μ) pairs, written out."""
+    terms = [math.exp(p - m) - 1 - (p - m) for p, m in pairs]
+    return sum(terms) / len(terms)
+
+
+@pytest.mark.parametrize("mode", ["off", "r2"])
+def test_mismatch_metrics_leave_out_the_historical_prefixes(mode):
+    """The old-log-prob pass's engine-vs-learner metrics (mismatch/k3, mismatch/max_abs_dlogp, replay/kl_k3*)
+    count the tokens this step's engine sampled only; soup/prefix_k3 the historical prefixes' (μ an older policy's)."""
+    from megapo.trainer.update import old_logprob_pass
+
+    g = torch.Generator().manual_seed(4)
+    prefix = [0, 2, 0, 3]
+    batch = []
+    for i, n in enumerate([4, 5, 3, 6]):
+        tokens = [5, 9, 11] + [int(t) for t in torch.randint(3, 120, (n,), generator=g)]
+        own = stand_in_logp(tokens)[2:].tolist()
+        # μ: near π on the continuation, far off on the prefix (a stale policy)
+        mu = [v + (0.9 if t < prefix[i] else 0.05) * float(torch.randn(1, generator=g, dtype=F64))
+              for t, v in enumerate(own)]
+        batch.append({"tokens": tokens, "prompt_len": 3, "advantage": 1.0, "rollout_logp": mu})
+    cfg = make_cfg(stages=[{"name": "soup"}], routing_replay=mode)
+    learner = CountingLearner(hook=mode != "off")
+    m = old_logprob_pass(learner, batch, cfg, measure_free_kl=True, stale_prefix=prefix)
+    fresh = [(p, mu) for x, L in zip(batch, prefix) for p, mu in list(zip(x["old_logp"], x["rollout_logp"]))[L:]]
+    stale = [(p, mu) for x, L in zip(batch, prefix) for p, mu in list(zip(x["old_logp"], x["rollout_logp"]))[:L]]
+    assert len(fresh) == 18 - 5 and len(stale) == 5
+    assert m["mismatch/k3"] == pytest.approx(k3_by_hand(fresh), rel=1e-12)
+    assert m["mismatch/max_abs_dlogp"] == pytest.approx(max(abs(p - mu) for p, mu in fresh), rel=1e-12)
+    assert m["soup/prefix_k3"] == pytest.approx(k3_by_hand(stale), rel=1e-12)
+    assert m["soup/prefix_k3"] > 10 * m["mismatch/k3"]  # what counting the prefixes would have inflated
+    if mode == "r2":  # the routed and free-routing KLs of the same pass (kl_penalty in float32)
+        assert m["replay/kl_k3"] == pytest.approx(k3_by_hand(fresh), rel=1e-5)
+        assert m["replay/kl_k3_free"] == pytest.approx(k3_by_hand(fresh), rel=1e-5)
+    assert all(x["old_logp"] == pytest.approx(stand_in_logp(x["tokens"])[2:].tolist(), rel=1e-15) for x in batch)
+    assert "loss_mask" not in batch[0] or batch[0]["loss_mask"] is None  # the samples themselves untouched
+
+
+def test_the_loop_measures_the_mismatch_without_the_prefixes():
+    """update_policy on a step with mixed samples (Group.prefix_lens): mismatch/k3 over the continuations' and the
+    on-policy samples' tokens only, soup/prefix_k3 over the prefixes, both written out."""
+    from megapo.trainer.metrics import StepTimer
+    from megapo.trainer.rollout import collect_rollouts
+    from megapo.trainer.update import update_policy
+
+    tok, cfg, ex, prompt, engine, params, soup = _setup()
+    for step in (1, 2):
+        soup.step = step
+        groups, _, _ = collect_rollouts(engine, params, [(ex, prompt)], Source(), _reward(tok), cfg, soup=soup)
+    (g,) = groups
+    assert g.prefix_lens == [0, 0, 1, 1]
+    m = update_policy(CountingLearner(hook=True), groups, cfg, None, cfg.loss_spec(), StepTimer(), tokenizer=tok)
+    fresh, stale = [], []
+    for s, L in zip(g.samples, g.prefix_lens):
+        own = stand_in_logp(prompt + s.output_ids)[len(prompt) - 1:].tolist()
+        fresh += list(zip(own, s.logprobs))[L:]
+        stale += list(zip(own, s.logprobs))[:L]
+    assert len(stale) == 2
+    assert m["mismatch/k3"] == pytest.approx(k3_by_hand(fresh), rel=1e-12)
+    assert m["soup/prefix_k3"] == pytest.approx(k3_by_hand(stale), rel=1e-12)
 
 
 def _run(steps, soup, engine, cfg, tok, ex, prompt, params):

@@ -2,7 +2,9 @@
 Learning, arXiv:2510.03669), the stage thr, against the hidden reward written out here as its double sum over the
 group's correct tokens, coordinate by coordinate of the prediction errors over the group's response vocabulary (never
 the function's own output, nor its matrix form); NTHR's threshold; the reweighting 1 + p·sign(THR) on the dominant
-tokens; the learner glue (log-probs at given ids against log_softmax, the loop's two passes on the replayed routes);
+tokens; the learner glue (log-probs at given ids against log_softmax, the loop's one pass for both inputs on the
+replayed routes; the one pass against the two separate passes and transformers on the tiny MoE under TP=1, TP=2 and
+EP=2 x DP=2, the passes counted);
 split invariance of the loss on the reweighted advantages; a float64 finite-difference gradient; the refusals by
 field; the registry and the stability bench's variant."""
 
@@ -134,7 +136,43 @@ def test_learner_logp_at_reads_the_response_slots(monkeypatch):
         Learner.response_logp_at(me, [[1, 2, 3]], [1], [V])
 
 
-def test_the_loop_takes_the_two_passes_on_the_replayed_routes():
+def test_learner_hidden_logp_at_reads_both_from_one_pass(monkeypatch):
+    """Learner.response_hidden_logp_at's glue on a hand-made micro-batch (the schedule stubbed, counting its passes;
+    the head's hook standing in as the rows it kept): the kept rows and log_softmax at the given ids from ONE pass,
+    where response_hidden and response_logp_at take one each."""
+    import megapo.learner.learner as learner_mod
+    from megapo.learner.learner import Learner
+
+    monkeypatch.setattr(learner_mod, "vocab_parallel_logprobs_at", partial(vocab_parallel_logprobs_at, group=ONE))
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 4, V + 1, generator=gen, dtype=torch.float64) * 2
+    logits[..., V] = 50.0  # padding: must not count
+    rows = torch.arange(15, dtype=torch.float32).reshape(5, 3)
+    select = torch.tensor([1, 2, 5, 6, 7])
+    mb = SimpleNamespace(select=select, order=[0, 1], sizes=[2, 3], head_selected=False)  # as under sequence parallel
+    me = response_pass_stub(logits, V, mb)
+    passes, run = [], me._run
+    me._run = lambda *a, **k: passes.append(1) or run(*a, **k)
+    me._head = SimpleNamespace(keep_input=False, kept=rows)
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 4, 5]]
+    hidden, logp = Learner.response_hidden_logp_at(me, seqs, [2, 2], [5, 0, 3])
+    assert len(passes) == 1
+    assert torch.equal(hidden[0], rows[:2]) and torch.equal(hidden[1], rows[2:])
+    want = torch.log_softmax(logits.reshape(-1, V + 1)[select, :V], -1)[:, [5, 0, 3]]
+    torch.testing.assert_close(torch.cat(logp), want.float(), rtol=0, atol=1e-6)
+    assert me._head.keep_input is False and me._head.kept is None
+    me._head.kept = rows
+    Learner.response_hidden(me, seqs, [2, 2])
+    Learner.response_logp_at(me, seqs, [2, 2], [5, 0, 3])
+    assert len(passes) == 3  # the separate inputs: two passes
+    with pytest.raises(ValueError, match="^ids:"):
+        Learner.response_hidden_logp_at(me, [[1, 2, 3]], [1], [V])
+
+
+def test_the_loop_takes_one_pass_for_both_inputs_on_the_replayed_routes():
+    """update.advantage_stages with thr (reading old_hidden and old_vocab_logp): ONE learner call that returns both
+    (response_hidden_logp_at) on the replayed routes and the batch's response vocabulary, never the two separate
+    passes; the advantages are the loop's."""
     from megapo.trainer.metrics import StepTimer
     from megapo.trainer.update import advantage_stages
 
@@ -154,17 +192,84 @@ def test_the_loop_takes_the_two_passes_on_the_replayed_routes():
             calls.append(("logp_at", wanted, routes))
             return at_ids(logits, wanted)
 
+        def response_hidden_logp_at(self, sequences, prompt_lens, wanted, routes=None):
+            calls.append(("hidden_logp_at", sequences, prompt_lens, wanted, routes))
+            return hidden, at_ids(logits, wanted)
+
     groups = [SimpleNamespace(rewards=[1.0, 0.0], samples=[None, None], privileged=False),
               SimpleNamespace(rewards=[0.0, 1.0], samples=[None, None], privileged=False)]
     cfg = make_cfg(stages=[{"name": "thr"}], n_samples=2)
     metrics = advantage_stages(PassLearner(), batch, groups, cfg, 1, None, StepTimer())
     routes = [f"routes{i}" for i in range(4)]
-    assert calls == [("hidden", [s.tokens for s in batch], [2] * 4, routes), ("logp_at", ids, routes)]
+    assert calls == [("hidden_logp_at", [s.tokens for s in batch], [2] * 4, ids, routes)]
     want = ref_advantages(responses, adv, [z.tolist() for z in logits], [h.tolist() for h in hidden],
                           [[1] * len(r) for r in responses], 2, 0.5, 1.0, False)
     for s, w in zip(batch, want):
         assert s.advantage == pytest.approx(w, abs=1e-12)
     assert "thr/dominant_frac" in metrics
+
+
+def thr_batch(vocab: int):
+    """Four sequences (prompt + response) and the sorted ids of their responses' tokens."""
+    gen = torch.Generator().manual_seed(5)
+    seqs, plens = [], []
+    for p, r in [(3, 5), (5, 2), (2, 6), (4, 4)]:
+        seqs.append(torch.randint(0, vocab, (p + r,), generator=gen).tolist())
+        plens.append(p)
+    return seqs, plens, sorted({v for s, p in zip(seqs, plens) for v in s[p:]})
+
+
+def hf_hidden_logp_at(model_dir, seqs, plens, ids):
+    """Per sequence, transformers' fp32 last hidden state and log_softmax at `ids`, at the response slots."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hidden, logp = [], []
+    with torch.no_grad():
+        for s, p in zip(seqs, plens):
+            out = model(torch.tensor([s]), output_hidden_states=True)
+            hidden.append(out.hidden_states[-1][0, p - 1:len(s) - 1])
+            logp.append(torch.log_softmax(out.logits[0, p - 1:len(s) - 1].double(), -1)[:, ids])
+    return hidden, logp
+
+
+@pytest.fixture(scope="module")
+def thr_runs(tiny_moe, tmp_path_factory):
+    import json
+
+    from layout_runs import run_layout_script
+
+    tmp = tmp_path_factory.mktemp("thr_layouts")
+    vocab = json.loads((Path(tiny_moe) / "config.json").read_text())["vocab_size"]
+    seqs, plens, ids = thr_batch(vocab)
+    base = dict(model=str(tiny_moe), sequences=seqs, prompt_lens=plens, ids=ids, micro_batch_tokens=16,
+                row_tokens=1)
+    script = Path(__file__).resolve().parent / "distributed" / "thr_layouts.py"
+    results = {}
+    for world, layouts in ((1, [dict(tp=1, pp=1, ep=1, dp=1)]),
+                           (2, [dict(tp=2, pp=1, ep=1, dp=1), dict(tp=1, pp=1, ep=2, dp=2)])):
+        results.update(run_layout_script(script, dict(base, layouts=layouts), world, tmp))
+    return results, hf_hidden_logp_at(tiny_moe, seqs, plens, ids)
+
+
+def test_learner_one_pass_equals_the_two_passes_and_transformers(thr_runs):
+    """The tiny MoE's Learner.response_hidden_logp_at: ONE pass (its micro-batches forwarded once) where
+    response_hidden and response_logp_at take two, counted on Learner._run; at TP=1 both equal transformers'
+    last hidden state and log_softmax at the ids (fp32: 1e-4 / 1e-5), and under TP=2 (sequence parallel: the head's
+    input gathered) and EP=2 x DP=2 the one pass equals the two passes and TP=1."""
+    results, (hf_hidden, hf_logp) = thr_runs
+    assert set(results) == {"tp1_pp1_ep1_dp1", "tp2_pp1_ep1_dp1", "tp1_pp1_ep2_dp2"}
+    tp1 = results["tp1_pp1_ep1_dp1"]["one"]
+    for h, lp, rh, rl in zip(*tp1, hf_hidden, hf_logp):
+        torch.testing.assert_close(h, rh, rtol=0, atol=1e-4)
+        torch.testing.assert_close(lp.double(), rl, rtol=0, atol=1e-5)
+    for name, r in results.items():
+        assert r["passes"] == {"separate": 2, "one": 1}, name
+        assert r["forwards"]["one"] * 2 == r["forwards"]["separate"] > 0, name
+        for got, sep, ref in zip(r["one"], r["separate"], tp1):  # hidden, then logp
+            for g, s_, t in zip(got, sep, ref):
+                torch.testing.assert_close(g, s_, rtol=0, atol=1e-6, msg=name)
+                torch.testing.assert_close(g, t, rtol=0, atol=1e-5, msg=name)
 
 
 def stage_inputs(seed):

@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_trainer_loop import HFLearner, run_config  # noqa: E402  (the stand-in learner, defined once)
+from family_checks import max_sample_dlogp  # noqa: E402
 
 # |Δlogprob| allowed per server dtype: fp32 kernels differ from transformers' by ~1e-6; bf16 rounding grows with
 # the logits' size as training sharpens them
@@ -45,17 +46,6 @@ class RecordingEngine:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
-
-
-def _max_dlogp(model, state, samples):
-    model.load_state_dict(state)
-    worst = 0.0
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.tensor([s.prompt_ids + s.output_ids])
-            lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
-            worst = max(worst, float((lp[len(s.prompt_ids) - 1:] - torch.tensor(s.logprobs)).abs().max()))
-    return worst
 
 
 # MoE (the expert prepack must be redone on every reload) synced by broadcast (the server's worker joins the
@@ -94,9 +84,9 @@ def test_vllm_engine_learns_weights_each_step(tmp_path, family, sizes, sync, dty
             by_version.setdefault(s.weight_version, []).append(s)
         assert set(by_version) == {0, 1, 2}  # step 1 on v0, step 2 on v1, then v2
         for v, samples in by_version.items():
-            err = _max_dlogp(check, learner.snapshots[v], samples)
+            err = max_sample_dlogp(check, learner.snapshots[v], samples)
             # each version's samples fit that version's weights, and clearly better than the other versions'
-            others = [_max_dlogp(check, learner.snapshots[w], samples) for w in by_version if w != v]
+            others = [max_sample_dlogp(check, learner.snapshots[w], samples) for w in by_version if w != v]
             print(f"{dtype} v{v}: |dlogp| vs its weights {err:.2e}, vs the other versions' {min(others):.2e}")
             assert err < ATOL[dtype] and err < 0.5 * min(others), (v, err, others)
     finally:

@@ -345,6 +345,20 @@ def test_allocator_peak_sees_allocations():
     assert 4_000_000 <= allocator_peak(hold) < 4_100_000
 
 
+def test_a_missed_free_ends_when_its_address_is_allocated_again():
+    from megapo.weights.memory import peak_bytes
+
+    a, b, c = 0x1000, 0x2000, 0x3000
+    # a (100) freed on a thread the profiler missed, then a again (100) beside b (50): 150 alive, not 250
+    assert peak_bytes([(0, 100, a), (1, 50, b), (2, 100, a)]) == 150
+    # the same with the free seen: the same peak
+    assert peak_bytes([(0, 100, a), (1, 50, b), (2, -100, a), (3, 100, a)]) == 150
+    # a block from before the measure freed (-30), then 100 allocated: 70 above the start
+    assert peak_bytes([(0, -30, c), (1, 100, a)]) == 70
+    # events arrive in any order: time decides
+    assert peak_bytes([(2, 100, a), (0, 100, a), (1, 50, b)]) == 150
+
+
 @pytest.mark.parametrize("transport", ["tensor", "disk", "broadcast"])
 def test_peak_extra_memory_is_one_bucket(wide, transport, tmp_path):
     tensors, stream = fresh_copies(wide[1])

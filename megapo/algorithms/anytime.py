@@ -30,6 +30,10 @@ authors' budget_probs. With `draws` = 0 every budget of the support is summarise
 (the authors' code). ASSUMPTION (ours, `draws` = k > 0): each step draws k budgets i.i.d. from the prior, seeded by
 (train.seed, step) so a resumed run draws the same; the step's support is the distinct draws, each weighted by its
 share of the k draws (a Monte-Carlo estimate of the prior's expectation), and the formulas above run on it.
+
+Evaluation (the paper's anytime accuracy, megapo/trainer/anytime_eval.py): at each eval step the greedy thinking of
+each held-out example is cut at every budget of `eval_budgets` (default: `budgets`), the summary forced as above and
+verified; eval/anytime_acc@<b> per budget and eval/anytime_auc, their mean (`megapo bench anytime` for any model).
 """
 
 from __future__ import annotations
@@ -60,15 +64,12 @@ class AnytimeOptions:
     summaries: int = 1  # summaries drawn per (thinking, budget): the authors' n_summary
     summary_tokens: int = 16  # max new tokens of a summary (the authors': 118 behind an 8000-token thinking)
     trigger: str = ""  # the text after a truncated thinking that asks for the answer ("": the task's summary_trigger)
+    # the held-out anytime accuracy's budgets (megapo/trainer/anytime_eval.py; []: `budgets`), response tokens
+    eval_budgets: list = field(default_factory=list)
 
     def __post_init__(self):
-        b = self.budgets
-        if not isinstance(b, (list, tuple)) or not b or any(
-                isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in b):
-            raise ValueError(f"budgets: must be a non-empty list of positive ints (response tokens), got {b!r}")
-        if list(b) != sorted(set(b)):
-            raise ValueError(f"budgets: must be strictly increasing, got {b!r}")
-        self.budgets = [int(x) for x in b]
+        self.budgets = checked_budgets("budgets", self.budgets)
+        self.eval_budgets = checked_budgets("eval_budgets", self.eval_budgets) if self.eval_budgets != [] else []
         if self.prior not in PRIORS:
             raise ValueError(f"prior: must be one of {', '.join(PRIORS)}, got {self.prior!r}")
         for name, low in (("draws", 0), ("summaries", 1), ("summary_tokens", 1)):
@@ -77,6 +78,21 @@ class AnytimeOptions:
                 raise ValueError(f"{name}: must be an int >= {low}, got {v!r}")
         if not isinstance(self.trigger, str):
             raise ValueError(f"trigger: must be a string, got {self.trigger!r}")
+
+    def evaluated_budgets(self) -> list[int]:
+        """The budgets of the held-out anytime accuracy: eval_budgets, else the prior's support."""
+        return list(self.eval_budgets or self.budgets)
+
+
+def checked_budgets(name: str, b) -> list[int]:
+    """`b` as a list of ints when it is a non-empty, strictly increasing list of positive ints; else ValueError
+    naming `name` (a budgets field: the stage's options, or a command's flag)."""
+    if not isinstance(b, (list, tuple)) or not b or any(
+            isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in b):
+        raise ValueError(f"{name}: must be a non-empty list of positive ints (response tokens), got {b!r}")
+    if list(b) != sorted(set(b)):
+        raise ValueError(f"{name}: must be strictly increasing, got {b!r}")
+    return [int(x) for x in b]
 
 
 @dataclass(frozen=True)

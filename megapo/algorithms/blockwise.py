@@ -10,8 +10,12 @@ its per-block rewards from its own function, the smallest extension that leaves 
 
     block_reward: "module:function"     fn(response_text, answer) -> {block name: float, ...}, one per block
 
-(the response decoded as data.reward sees it; every name of `blocks` present). block_inputs computes the blocks and
-rewards of a batch from its groups; the stage reads them as the input `block_rewards` (pipeline.INPUTS).
+(the response decoded as data.reward sees it; every name of `blocks` present). A response with no delimiter text
+(the built-in addition task's bare digits) is cut by character counts instead, `cut_chars` (B − 1 increasing ints:
+block k ends with the token holding the cut_chars[k]-th character, char_block_ids). Assumption: the paper's blocks
+are marked-up text segments; cutting by position is this implementation's extension for such responses.
+block_inputs computes the blocks and rewards of a batch from its groups; the stage reads them as the input
+`block_rewards` (pipeline.INPUTS).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ class BlockwiseOptions:
     option_field = True  # refusals name algorithm.stages[i].<option>
     blocks: list | None = None  # the blocks' names, in order (at least 2)
     delimiters: list | None = None  # len(blocks) − 1 strings: delimiters[k] ends block k
+    # or, for responses with no delimiter text (the addition task's bare digits), len(blocks) − 1 increasing
+    # character counts: block k ends with the token holding the response's cut_chars[k]-th character
+    cut_chars: list | None = None
     block_reward: str = ""  # "module:function": fn(response, answer) -> {block name: reward}
     outcome_threshold: float = 0.5  # τ: the intermediate outcome o_i = 1[r_{i,1} >= τ]
     scale: str = "std"  # std: divide by the baseline set's population std (GRPO's); none: the difference alone
@@ -46,7 +53,9 @@ class BlockwiseOptions:
                 and len(set(b)) == len(b)):
             raise ValueError(f"blocks: must be a list of two or more distinct block names, got {b!r}")
         d = self.delimiters
-        if not (isinstance(d, (list, tuple)) and len(d) == len(b) - 1 and all(isinstance(x, str) and x for x in d)):
+        if self.cut_chars is not None:
+            _check_cut_chars(self.cut_chars, d, len(b))
+        elif not (isinstance(d, (list, tuple)) and len(d) == len(b) - 1 and all(isinstance(x, str) and x for x in d)):
             raise ValueError(f"delimiters: must be a list of len(blocks) − 1 = {len(b) - 1} non-empty strings, "
                              f"got {d!r}")
         r = self.block_reward
@@ -56,6 +65,36 @@ class BlockwiseOptions:
         check_number("outcome_threshold", self.outcome_threshold)
         check_choice("scale", self.scale, SCALES)
         check_number("eps", self.eps, above=0)
+
+
+def _check_cut_chars(cuts, delimiters, n_blocks: int) -> None:
+    """cut_chars: len(blocks) − 1 strictly increasing positive ints, and no delimiters beside them."""
+    if delimiters is not None:
+        raise ValueError(f"cut_chars: give delimiters or cut_chars, not both (delimiters={delimiters!r})")
+    if not (isinstance(cuts, (list, tuple)) and len(cuts) == n_blocks - 1
+            and all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in cuts)
+            and all(x < y for x, y in zip(cuts, cuts[1:]))):
+        raise ValueError(f"cut_chars: must be a list of len(blocks) − 1 = {n_blocks - 1} strictly increasing "
+                         f"positive character counts, got {cuts!r}")
+
+
+def char_block_ids(texts: list[str], cuts: list[int]) -> list[int]:
+    """Each token's block 0 .. len(cuts): block k ends with the token holding the response's cuts[k]-th character
+    (a token holding characters on both sides of a cut stays in the earlier block); a response shorter than a cut
+    leaves the rest of it in the block before that cut. `texts`: process_rewards.token_texts' output."""
+    owner = [i for i, t in enumerate(texts) for _ in t]  # the token holding each character
+    ids, block, start = [0] * len(texts), 0, 0
+    for c in cuts:
+        if c > len(owner):
+            break
+        end = owner[c - 1]
+        if end < start:  # the cut inside a token an earlier cut already closed: block k holds no token
+            block += 1
+            continue
+        ids[start:end + 1] = [block] * (end + 1 - start)
+        block, start = block + 1, end + 1
+    ids[start:] = [block] * (len(texts) - start)
+    return ids
 
 
 def _baselined(values: Tensor, members: Tensor, scale: str, eps: float) -> Tensor:
@@ -75,7 +114,8 @@ def outcome_conditioned_advantages(rewards: Tensor, threshold: float = 0.5, scal
     gets A_{i,k} in place of the estimator's advantage; tokens of a block a response never reached get none.
     Assumption: the abstract names the per-block advantages and a baseline from the group's samples stratified by a
     prefix-derived intermediate outcome; the outcome as the first block's reward >= τ, GRPO's std scaling within
-    each set, and a stratum of one sample giving 0 are this implementation's."""
+    each set, and a stratum of one sample giving 0 are this implementation's, and so are blocks cut by character
+    counts (cut_chars) for responses without delimiter text."""
     outcome = rewards[:, 0] >= threshold
     out = torch.empty_like(rewards)
     everyone = torch.ones_like(outcome)
@@ -103,8 +143,8 @@ class BlockInputs:
 
 def block_inputs(responses: list[list[int]], answers: list[str], group_sizes: list[int], tokenizer,
                  o: BlockwiseOptions, reward_fn=None) -> BlockInputs:
-    """Each response's token blocks (cut at o.delimiters) and its block rewards from o.block_reward (or `reward_fn`)
-    on its decoded text (end-of-sequence left out by the decoding) and its prompt's answer."""
+    """Each response's token blocks (cut at o.delimiters or o.cut_chars) and its block rewards from o.block_reward
+    (or `reward_fn`) on its decoded text (end-of-sequence left out by the decoding) and its prompt's answer."""
     from megapo.algorithms.process_rewards import block_ids, token_texts
 
     if reward_fn is None:
@@ -115,7 +155,8 @@ def block_inputs(responses: list[list[int]], answers: list[str], group_sizes: li
     ids, rows = [], []
     for tokens, answer in zip(responses, answers):
         texts = token_texts(tokenizer, list(tokens), cache)
-        ids.append(block_ids(texts, list(o.delimiters)))
+        ids.append(char_block_ids(texts, list(o.cut_chars)) if o.cut_chars is not None
+                   else block_ids(texts, list(o.delimiters)))
         rows.append(_block_row(reward_fn("".join(texts), answer), o.blocks))
     return BlockInputs(ids, torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(o.blocks)),
                        list(group_sizes))

@@ -12,8 +12,8 @@ reweights the advantages by the sign of the hidden reward with a scalar p (p > 0
 and trains on the dominant (high-influence) tokens.
 
 This module holds the math on per-sample tensors; the stage thr (algorithm.stages) runs it after the old-log-prob pass
-with two more learner forwards on the routes the train steps replay: the LM head's input (Learner.response_hidden)
-and π_old's log-probs of the batch's response vocabulary (Learner.response_logp_at).
+with one more learner forward on the routes the train steps replay, read twice at the response slots: the LM head's
+input and π_old's log-probs of the batch's response vocabulary (Learner.response_hidden_logp_at).
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def group_scores(tokens: list[Tensor], vocab_logp: list[Tensor], vocab: list[int
     "thr", "advantage_stage", "group",
     "Deng, Ren, Li, Gong, Sutherland, Li and Thrampoulidis 2026, Token Hidden Reward: Steering "
     "Exploration-Exploitation in Group Relative Deep Reinforcement Learning (arXiv:2510.03669); the score's "
-    "vectorised form and threshold from the authors' NTHR (arXiv:2505.18830) (the stage thr: two more learner "
-    "forwards, the LM head's input and π_old over the batch's response vocabulary)",
+    "vectorised form and threshold from the authors' NTHR (arXiv:2505.18830) (the stage thr: one more learner "
+    "forward, read for the LM head's input and π_old over the batch's response vocabulary)",
     THROptions,
 )
 def thr_advantages(responses: list, advantages: list[float], vocab_logp: list[Tensor], vocab: list[int],

@@ -10,8 +10,9 @@ per-token Jensen-Shannon distance between the two next-token distributions weigh
 response's tokens.
 
 The components and their verifier information come from the task (megapo.tasks.components, Task.components), per
-sample at the update (megapo/trainer/multi_reward.py, the input reward_components); the distances from one paired
-learner pass per component (Learner.response_js_distance, the input old_js_distance). The stages gdpo and mrtpo
+sample at the update (megapo/trainer/multi_reward.py, the input reward_components); the distances from one learner
+pass that packs each response with its variant per component (Learner.response_js_distances, the input
+old_js_distance). The stages gdpo and mrtpo
 (algorithm.stages) replace the estimator's advantages with theirs.
 """
 
@@ -33,8 +34,8 @@ GDPO_PAPER = ("Liu, Dong, Lu, Diao, Belcak, Liu, Chen, Yin, Wang, Cheng, Choi, K
               "the normalisation as the authors' released code computes it (NVlabs/GDPO, trl grpo_trainer)")
 MRTPO_PAPER = ("MRTPO: Each Reward to Its Relevant Tokens: Reward-Specific Token-Level Credit Assignment for "
                "Multi-Reward RL (2026; arXiv id and code not found: the weighting rule is an assumption, marked) on "
-               "GDPO's per-reward advantages (arXiv:2601.05242) (the stage mrtpo: one more paired learner forward per "
-               "reward component)")
+               "GDPO's per-reward advantages (arXiv:2601.05242) (the stage mrtpo: one more learner forward "
+               "of each response beside its variant per reward component)")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,15 @@ global_seqs does not change either. Sequence-level objectives (their loss at a t
 objectives that read sentence_end (a sentence cut in two) and the other aggregations are refused at config time
 (cut: false keeps the cut tokens at weight 0 instead). Assumption: the KL and entropy terms, which token weights do
 not scale, average over the kept tokens.
+
+The trainer draws the cuts once per step (draw_cut, from (train.seed, step) as stages.nat_prefix draws them) before
+any pass reads the batch; the stage's weights then come from that draw (PrefixCut.weights), so the stage and the cut
+see the same positions. Where nothing else needs the cut tokens (early_cut_blocker) the batch is cut right away, so
+the old-log-prob pass, the reference pass and the stability pass (r3's free routing) run on the kept tokens only:
+exact there, a causal model's log-probs (and routes) at a kept token reading only the tokens before it; the
+engine-vs-learner mismatch metrics (mismatch/*) then measure the kept tokens. Where another token stage, a
+batch-wide statistic of π_old (lp_reg's low_prob, hapo's entropy_score), the critic's GAE, a dense reward model or
+a teacher reads the batch, those passes keep the full responses and the cut comes after the token stages.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import torch
 
 from megapo.algorithms.sample import TOKEN_FIELDS, TOPK_FIELDS, MappingSample, TrainSample, as_train_samples
 
@@ -123,19 +133,92 @@ def cut_batch(batch: list[TrainSample], cuts: list[int], bounds: list[tuple[int,
     return [truncated(s, k, f) for s, k, f in zip(batch, keep, factors)], keep
 
 
-def cut_train_batch(batch: list[TrainSample], seed: int, step: int, loss, bounds: list[tuple[int, int]],
-                    free: list | None = None) -> tuple[list[TrainSample], list | None, dict]:
-    """The trainer's side: nat_prefix's cuts at (seed, step), drawn as the stage drew them (stages.nat_prefix_cuts),
-    applied to `batch` for `loss` (the run's LossSpec) and to r3's free-routing log-probs `free` (per sample, one
-    per response token). Metric nat_prefix/kept_tokens_frac: the response tokens kept, of all."""
+@dataclasses.dataclass(frozen=True)
+class PrefixCut:
+    """One step's draw of nat_prefix's cuts (draw_cut) and what follows from it, for every consumer: the stage's
+    weights, the cut batch, the normaliser factors."""
+
+    lengths: list[int]  # each sample's full response tokens
+    cuts: list[int]  # c_i ~ Uniform{1, …, L_i} (stages.nat_prefix_cuts)
+    keep: list[int]  # response tokens each sample keeps (kept_lengths)
+    factors: list[float]  # per sample, the factor on its kept weights (normaliser_factors)
+    early: bool  # the batch is cut before the old-log-prob pass (early_cut_blocker found nothing against it)
+
+    def weights(self, lengths: list[int]) -> list[torch.Tensor]:
+        """nat_prefix's Horvitz–Thompson weights of the drawn cuts (stages.nat_prefix_weights, over the full
+        responses), each cut to the sample's `lengths` now: its full or its kept response tokens."""
+        from megapo.algorithms.stages import nat_prefix_weights
+
+        if len(lengths) != len(self.lengths) or any(n not in (full, k) for n, full, k in
+                                                    zip(lengths, self.lengths, self.keep)):
+            raise ValueError(f"nat_prefix: a batch of {list(lengths)} response tokens, not the drawn batch's "
+                             f"{self.lengths} (kept: {self.keep})")
+        return [w[:n] for w, n in zip(nat_prefix_weights(self.lengths, self.cuts), lengths)]
+
+    def kept_frac(self) -> float:
+        """The stage's metric nat_prefix/kept_frac: the response tokens at a weight above 0 (t <= c_i), of all."""
+        return sum(self.cuts) / max(sum(self.lengths), 1)
+
+    def metrics(self) -> dict:
+        """nat_prefix/kept_tokens_frac: the response tokens the train steps see, of all."""
+        return {f"{_STAGE}/kept_tokens_frac": sum(self.keep) / max(sum(self.lengths), 1)}
+
+
+def early_cut_blocker(cfg) -> str | None:
+    """What in the run (a RunConfig) reads the cut tokens before the train steps, so that the old-log-prob, reference
+    and stability passes keep the full responses (None: nothing does, the batch is cut before them): another token
+    stage (its value at a kept token may read the whole response or the whole batch), a batch-wide quantile of π_old
+    (lp_reg's low_prob, hapo's entropy_score), the critic's GAE (its return at a token reads the values to the
+    response's end), a dense reward model's process advantages or a teacher (per response token of the full
+    batch)."""
+    from megapo.algorithms.loss import token_inputs
+
+    a = cfg.algorithm
+    other = next((s.name for s in a.pipeline() if s.kind == "token" and s.name != _STAGE), None)
+    if other is not None:
+        return f"token stage {other}"
+    read = {"low_prob", "entropy_score"} & set(token_inputs(a.objective, a.objective_options))
+    if read:
+        return f"objective {a.objective!r} reads {sorted(read)[0]}"
+    if a.critic.enabled:
+        return "algorithm.critic"
+    if cfg.data.reward_model.enabled and cfg.data.reward_model.dense_mode() != "off":
+        return "data.reward_model.dense"
+    if a.distill.enabled:
+        return "algorithm.distill"
+    return None
+
+
+def draw_cut(batch: list[TrainSample], seed: int, step: int, loss, bounds: list[tuple[int, int]],
+             early: bool) -> PrefixCut:
+    """nat_prefix's cuts at (seed, step), drawn once per step (stages.nat_prefix_cuts on numpy's
+    default_rng([seed, step]), the uncut `batch` in order), with the kept lengths and the normaliser factors for
+    `loss` (the run's LossSpec) over the train steps' `bounds`."""
+    from megapo.algorithms import stages
     from megapo.algorithms.aggregation import resolve
-    from megapo.algorithms.stages import nat_prefix_cuts
 
     batch = as_train_samples(batch)
     lengths = [len(s.tokens) - s.prompt_len for s in batch]
-    cuts = nat_prefix_cuts(lengths, np.random.default_rng([int(seed), int(step)]))
-    out, keep = cut_batch(batch, cuts, bounds, resolve(loss.loss_agg, loss.objective))
-    if free is not None:
-        free = [f[:k] for f, k in zip(free, keep)]
-    return out, free, {f"{_STAGE}/kept_tokens_frac": sum(keep) / max(sum(lengths), 1)}
+    cuts = stages.nat_prefix_cuts(lengths, np.random.default_rng([int(seed), int(step)]))
+    keep = kept_lengths(batch, cuts)
+    factors = normaliser_factors(policy_counts(batch, lengths), policy_counts(batch, keep), bounds,
+                                 resolve(loss.loss_agg, loss.objective))
+    return PrefixCut(lengths, cuts, keep, factors, early)
 
+
+def shorten(batch: list[TrainSample], cut: PrefixCut, free: list | None = None) -> tuple[list[TrainSample],
+                                                                                          list | None]:
+    """`batch` ended at prompt + cut.keep response tokens (truncated, weights as they are), and r3's free-routing
+    log-probs `free` (per sample, one per response token) alike."""
+    batch = as_train_samples(batch)
+    out = [truncated(s, k) for s, k in zip(batch, cut.keep)]
+    return out, None if free is None else [f[:k] for f, k in zip(free, cut.keep)]
+
+
+def rescale(batch: list[TrainSample], cut: PrefixCut) -> None:
+    """Each cut sample's token_weight (the stages' product, nat_prefix's among them) times its normaliser factor,
+    in place: after the token stages, before the train steps."""
+    for s, f in zip(as_train_samples(batch), cut.factors):
+        n = len(s.tokens) - s.prompt_len
+        weights = s.token_weight if s.token_weight is not None else [1.0] * n
+        s.token_weight = [float(w) * f for w in weights]

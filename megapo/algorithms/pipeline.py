@@ -71,7 +71,7 @@ INPUTS = {
     "privileged": "whether each sample is a privileged rollout (a correct response drawn with the reference answer "
                   "in its prompt, trained behind the original prompt)",
     # bae's (megapo/algorithms/blockwise.py): per response its token blocks and the stage's block_reward function's
-    # per-block rewards (blockwise.block_inputs); the trainer does not compute it yet (AlgorithmConfig.computed_inputs)
+    # per-block rewards (blockwise.block_inputs; the trainer's update.block_rewards)
     # OTB's (megapo/algorithms/otb.py)
     "old_sum_p2": "Σ_v π_old(v)² at each response token (one more learner forward, Learner.response_sum_p2: with "
                   "old_logp, OTB's Logit-Gradient Proxy)",
@@ -79,7 +79,8 @@ INPUTS = {
     # DelTA's (megapo/algorithms/discriminative.py)
     "old_hidden": "the LM head's input (the final hidden state) at each response token under π_old (one more learner "
                   "forward, Learner.response_hidden: DelTA's token-gradient proxy (1 − π_old(y))·h)",
-    # THR's (megapo/algorithms/hidden_reward.py), with old_hidden
+    # THR's (megapo/algorithms/hidden_reward.py), with old_hidden: both from one forward where a stage reads both
+    # (Learner.response_hidden_logp_at)
     # the attention-entropy reweighting's (megapo/algorithms/attention_entropy.py)
     "old_attention_entropy": "the entropy of one layer's head-averaged attention at each response token under π_old "
                              "(one more learner forward, Learner.response_attention_entropy)",
@@ -103,7 +104,8 @@ INPUTS = {
                          "(Task.components: a task with several named rewards)",
     "old_js_distance": "per reward component, the Jensen-Shannon distance between π_old's next-token distributions "
                        "with and without its verifier information in the prompt, at each response token (one more "
-                       "learner forward per component, Learner.response_js_distance)",
+                       "learner pass, the response forwarded once beside its variant per component, "
+                       "Learner.response_js_distances)",
     # AnytimeReasoner's (megapo/algorithms/anytime.py): from the budget rewards and summaries rank 0 drew
     # (megapo/trainer/anytime.py)
     "anytime": "per sample its per-token advantage: a thinking's BRPO advantage of each budget segment, a summary's "
@@ -155,6 +157,7 @@ class TokenContext:
     max_new_tokens: int = 0  # rollout.max_new_tokens, decs's L_max
     anytime: list | None = None  # per sample, stage anytime's per-token advantages (megapo/trainer/anytime.py)
     soup_prefix: list | None = None  # per sample, stage soup's historical prefix length (megapo/trainer/soup.py)
+    nat_cut: Any = None  # nat_cut.PrefixCut: the step's one draw of nat_prefix's cuts (None: the stage draws them)
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,9 @@ def _token_select(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict
 
 
 def _token_mask(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+    if s.name == "nat_prefix" and ctx.nat_cut is not None:  # the trainer's one draw of the step (nat_cut.draw_cut)
+        _multiply_weights(batch, ctx.nat_cut.weights([len(x.tokens) - x.prompt_len for x in batch]))
+        return {"nat_prefix/kept_frac": ctx.nat_cut.kept_frac()}
     masks = st.token_mask_weights(s.name, lengths=[len(x.tokens) - x.prompt_len for x in batch],
                                   advantages=[x.advantage for x in batch],
                                   old_logp=[x.old_logp for x in batch] if "old_logp" in s.inputs else None,

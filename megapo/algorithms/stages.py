@@ -585,8 +585,14 @@ def nat_prefix(lengths: list[int], rng) -> list[Tensor]:
     the uncut batch at weight 0 (megapo/algorithms/nat_cut.py). Assumption: the normalisers stay those of the full
     responses (the unbiased estimate of the full loss); the KL and entropy terms, unweighted, average over the kept
     tokens."""
+    return nat_prefix_weights(lengths, nat_prefix_cuts(lengths, rng))
+
+
+def nat_prefix_weights(lengths: list[int], cuts: list[int]) -> list[Tensor]:
+    """nat_prefix's weights of given cuts: L/(L − t + 1) at the tokens t ≤ c of a response of L tokens, 0 after
+    (the trainer draws the cuts once per step and hands them to the stage: megapo/algorithms/nat_cut.py)."""
     out = []
-    for n, cut in zip(lengths, nat_prefix_cuts(lengths, rng)):
+    for n, cut in zip(lengths, cuts):
         t = torch.arange(1, n + 1, dtype=torch.float64)
         out.append(torch.where(t <= cut, n / (n - t + 1), torch.zeros_like(t)))
     return out

@@ -5,6 +5,7 @@
     megapo bench stability [--grid small|full] [--out DIR] [--seeds N] [--jobs J] [--steps S] [--report-only]
     megapo bench length [--out DIR] [--methods all|a,b] [--seeds 2] [--jobs J] [--report-only]
     megapo bench tools --out DIR [--seeds 1] [--report-only]       (the multi-turn calculator task learns)
+    megapo bench anytime --model HF_DIR --budgets 20,40,80 --out FILE.json   (anytime accuracy per thinking budget)
     megapo bench routes --out FILE.json [--prompts 64] [--samples 8] [--max-new 64]   (routes' host memory)
     megapo bench floor --out FILE.json [--steps 8] [section.field=value ...]   (tools/bench/floor.py)
     megapo bench distill --student DIR --teacher DIR --out DIR [--steps 60]   (distillation vs RL alone)
@@ -18,9 +19,9 @@
     megapo bench learner-passes --baseline REV --out benchmarks/results/learner_passes.json [...]
                                                       (tools/bench/learner_passes.py)
 
-scaling, projection, stability, length, tools, routes, floor, memory, distill, second-models, share-prefix and mismatch
-parse their arguments here; the other four get the rest of the command line unchanged, as if their module had
-been run with `python -m tools.bench.<name>`.
+scaling, projection, stability, length, tools, anytime, routes, floor, memory, distill, second-models, share-prefix
+and mismatch parse their arguments here; the other four get the rest of the command line unchanged, as if their
+module had been run with `python -m tools.bench.<name>`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ OWN = {"scaling": ("tools.bench.scaling", "RL step over layouts x model sizes: J
        "floor": ("tools.bench.floor", "megapo's RL step vs a plain single-process PyTorch step (the floor)"),
        "length": ("tools.bench.length", "every length method x seeds from one warm start: accuracy vs tokens "
                                        "(summary, table, Pareto plot)"),
+       "anytime": ("tools.bench.anytime", "AnytimeReasoner's held-out accuracy of a model at each thinking budget "
+                   "(the thinking cut, the summary forced) and its mean, the area under the curve (JSON table)"),
        "tools": ("tools.bench.tools", "the multi-turn calculator task: held-out accuracy and tool use, warm start "
                                      "-> RL, per seed (summary, table, curves)"),
        "routes": ("tools.bench.routes", "host memory of routing-replay routes: one tiny batch measured, a "

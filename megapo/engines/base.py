@@ -18,7 +18,7 @@ Conventions every engine keeps:
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -45,6 +45,7 @@ class EngineCapabilities:
     partial: bool = False  # preempt(): a batch in flight stops and continues its samples on the new weights
     router_noise: bool = False  # takes a router_noise dose (rollout.router_noise: N(0, σ²) on its router logits)
     adaptive_temperature: bool = False  # samples each token at its own temperature (SamplingParams.entropy_temperature)
+    abort_rule: bool = False  # stops a row on a marker rule mid-generation (SamplingParams.abort: duet's abort)
     default_dtype: str = "bfloat16"  # the compute dtype rollout.dtype=auto resolves to
 
     def __post_init__(self) -> None:
@@ -92,6 +93,27 @@ class EntropyTemperature:
         return base * (1.0 + self.tau * h_hat)
 
 
+@dataclass(frozen=True)
+class AbortRule:
+    """A marker-gated stop inside the decode loop (DUET's abort rule, megapo/algorithms/duet.py), honoured by the
+    engines whose capabilities say abort_rule: a row still running once it holds `at` output tokens (it did not end
+    with a stop token at or before them) ends there with finish_reason "abort", its `at` tokens kept, unless
+    keep[row] or passes(its `at` output ids) (its answer marker came in time). Rows are the call's, prompt-major
+    (row = prompt * n + sample). The aborted row's tokens equal those of the same row generated without the rule,
+    cut at `at`."""
+
+    at: int  # output tokens after which a running row is judged (duet: horizon + grace)
+    keep: tuple[bool, ...]  # per row: drew "keep" before generation, never aborted here
+    passes: Callable[[list[int]], bool]  # a row's first `at` output ids -> True: it continues (marker present)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.at, bool) or not isinstance(self.at, int) or self.at < 1:
+            raise ValueError(f"AbortRule.at must be an int >= 1, got {self.at!r}")
+        object.__setattr__(self, "keep", tuple(bool(k) for k in self.keep))
+        if not callable(self.passes):
+            raise ValueError(f"AbortRule.passes must be callable, got {self.passes!r}")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -102,6 +124,7 @@ class SamplingParams:
     return_routes: bool = False
     seed: int | None = None
     entropy_temperature: EntropyTemperature | None = None  # HAPO's per-token temperature (engines that say so)
+    abort: AbortRule | None = None  # duet's in-engine abort (engines whose capabilities say abort_rule)
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:

@@ -7,6 +7,11 @@ One `generate` call is one batch of prompts x n rows:
   running rows move to the cache's front in place (no reallocation), so a step computes only running rows;
 - every row samples with the same torch.Generator, so a batch is reproducible given `SamplingParams.seed`
   (or, without one, given the engine's seed and the sequence of calls).
+- `SamplingParams.abort` (DUET's marker-gated abort, megapo.engines.base.AbortRule): at the step its rows reach
+  `abort.at` tokens, a running row that did not draw keep and whose tokens fail the marker check ends there with
+  finish_reason "abort" and leaves the batch as a finished row does (its tokens, log-probs and routes those of the
+  unstopped row, cut there; the other rows' samples unchanged); it is never continued, unlike a preempted row.
+  `tokens_decoded` counts the tokens every batch has sampled.
 - `router_noise=σ` (rollout.router_noise; 0: off, nothing drawn) adds N(0, σ²) to every MoE layer's router
   logits before the top-k, in this engine only: a controlled dose of the kernel-level router nondeterminism GPUs
   show in bf16 (engine and learner routing the same token differently). The noise moves the choice of experts
@@ -52,7 +57,7 @@ def router_noise_generator(seed: int) -> torch.Generator:
 class EmbeddedEngine(Engine):
     capabilities = EngineCapabilities(in_process=True, weight_syncs=("tensor", "disk"), rng_state=True,
                                       partial=True, router_noise=True, adaptive_temperature=True,
-                                      default_dtype="float32")
+                                      abort_rule=True, default_dtype="float32")
     max_versions = 0  # partial rollouts: most weight versions one sample may span (0: no limit)  # fp32: its log-probs and routes match the learner's
 
     def __init__(self, model_dir: str | Path | None = None, *, config: dict | None = None,
@@ -95,6 +100,7 @@ class EmbeddedEngine(Engine):
         self._running.set()
         self._preempted = threading.Event()  # set by preempt(): batches stop; their samples continue after resume()
         self._closed = False
+        self.tokens_decoded = 0  # tokens sampled by every batch so far (one per running row and decode step)
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def pause(self) -> None:
@@ -202,13 +208,17 @@ class EmbeddedEngine(Engine):
         noise_gen = None
         if self.router_noise:
             noise_gen = router_noise_generator(params.seed) if params.seed is not None else self._noise_generator
-        groups = self._run_batch([list(map(int, p)) for p in prompts], params, gen, noise_gen)
-        while any(s.finish_reason == "abort" for g in groups for s in g):  # preempted: continue on the new weights
-            groups = self._continue(groups, params, gen, noise_gen)
+        if params.abort is not None and len(params.abort.keep) != len(prompts) * params.n:
+            raise ValueError(f"SamplingParams.abort: {len(params.abort.keep)} keep draws for {len(prompts)} prompts x "
+                             f"n={params.n} rows")
+        groups, cut = self._run_batch([list(map(int, p)) for p in prompts], params, gen, noise_gen)
+        while cut:  # preempted: continue on the new weights
+            groups, cut = self._continue(groups, cut, params, gen, noise_gen)
         return groups
 
     def _run_batch(self, prompts: list[list[int]], params: SamplingParams, gen,
-                   noise_gen=None) -> list[list[Sample]]:
+                   noise_gen=None) -> tuple[list[list[Sample]], list[tuple[int, int]]]:
+        """The batch's samples, and the (prompt, sample) places of those a preemption cut (finish_reason abort)."""
         while True:
             self._running.wait()
             if self._preempted.is_set() and not self._closed:
@@ -220,25 +230,27 @@ class EmbeddedEngine(Engine):
                     with compat.device_mode_suspended():  # megapo's own loop: no device="cuda" literal to rewrite
                         return self._generate_locked(prompts, params, gen, noise_gen)
 
-    def _continue(self, groups: list[list[Sample]], params: SamplingParams, gen,
-                  noise_gen=None) -> list[list[Sample]]:
-        """The preempted samples (finish_reason abort), each continued from its tokens on the current weights
-        (one row each); a sample that would span more than max_versions versions starts again instead."""
-        cut = [(g, i) for g, group in enumerate(groups) for i, s in enumerate(group) if s.finish_reason == "abort"]
+    def _continue(self, groups: list[list[Sample]], cut: list[tuple[int, int]], params: SamplingParams, gen,
+                  noise_gen=None) -> tuple[list[list[Sample]], list[tuple[int, int]]]:
+        """The preempted samples (at the places `cut`), each continued from its tokens on the current weights
+        (one row each); a sample that would span more than max_versions versions starts again instead. A
+        continuation runs without params.abort (a row cut before its abort check runs to its end; the caller's
+        selection still judges it on the same draws, duet's post-hoc rule)."""
         restart = [self.max_versions and len(set(versions_of(groups[g][i]))) >= self.max_versions for g, i in cut]
         contexts = [groups[g][i].prompt_ids + ([] if again else groups[g][i].output_ids)
                     for (g, i), again in zip(cut, restart)]
         budgets = [params.max_new_tokens - (0 if again else len(groups[g][i].output_ids))
                    for (g, i), again in zip(cut, restart)]
-        out = [list(group) for group in groups]
+        out, recut = [list(group) for group in groups], []
         for budget in sorted(set(budgets)):
             rows = [j for j, b in enumerate(budgets) if b == budget]
-            more = self._run_batch([contexts[j] for j in rows], replace(params, n=1, max_new_tokens=budget), gen,
-                                   noise_gen)
+            more, more_cut = self._run_batch([contexts[j] for j in rows],
+                                             replace(params, n=1, max_new_tokens=budget, abort=None), gen, noise_gen)
             for j, [tail] in zip(rows, more):
                 g, i = cut[j]
                 out[g][i] = tail if restart[j] else joined(groups[g][i], tail)
-        return out
+            recut += [cut[rows[k]] for k, _ in more_cut]  # preempted again
+        return out, recut
 
     @torch.inference_mode()
     def _generate_locked(self, prompts: list[list[int]], params: SamplingParams, gen,
@@ -279,16 +291,22 @@ class EmbeddedEngine(Engine):
         stopped = torch.zeros(B, dtype=torch.bool)
         stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long)
         active = torch.arange(B)  # original row id of each live row; live rows are the cache's first rows
+        ruled = torch.zeros(B, dtype=torch.bool)  # rows params.abort ended
         preempted = False
         for t in range(max_new):
             uniform = torch.rand(B, generator=gen, dtype=torch.float64).float()[active]
             token, logp = self._sample(logits, params, uniform)
+            self.tokens_decoded += int(active.numel())
             out_tokens[active, t], out_logps[active, t] = token, logp
             lengths[active] = t + 1
             done = torch.isin(token, stop)
-            any_done = bool(done.any())
-            if any_done:
+            if bool(done.any()):
                 stopped[active[done]] = True
+            if params.abort is not None and t + 1 == params.abort.at:  # the abort check: running rows judged
+                cut_here = self._abort_check(params.abort, active, done, out_tokens)
+                ruled[active[cut_here]] = True
+                done = done | cut_here
+            any_done = bool(done.any())
             if t == max_new - 1 or (any_done and bool(done.all())):
                 break
             if self._preempted.is_set():  # partial rollouts: the unfinished rows continue on the new weights
@@ -309,8 +327,16 @@ class EmbeddedEngine(Engine):
                                 router_noise=noise)
             if want_routes:
                 routes[active, col] = torch.stack(routes_t, dim=2)[:, 0].to(self._route_dtype)
-        cut = (~stopped) & (lengths < max_new) if preempted else None
-        return self._collect(prompts, n, P, pads, out_tokens, out_logps, lengths, stopped, routes, cut)
+        cut = (~stopped) & (~ruled) & (lengths < max_new) if preempted else None
+        return self._collect(prompts, n, P, pads, out_tokens, out_logps, lengths, stopped, routes, cut, ruled)
+
+    @staticmethod
+    def _abort_check(rule, active: torch.Tensor, done: torch.Tensor, out_tokens: torch.Tensor) -> torch.Tensor:
+        """bool [running rows]: the rows `rule` ends now (not at a stop token, did not draw keep, and whose first
+        rule.at tokens do not pass its marker check)."""
+        rows = active.tolist()
+        return torch.tensor([not d and not rule.keep[r] and not rule.passes(out_tokens[r, :rule.at].tolist())
+                             for r, d in zip(rows, done.tolist())], dtype=torch.bool)
 
     def _cache_for(self, batch: int, columns: int) -> KVCache:
         """The engine's KV cache, kept between batches (fresh pages cost more than the copies that fill them);
@@ -324,11 +350,15 @@ class EmbeddedEngine(Engine):
         return self._cache
 
     def _collect(self, prompts, n, P, pads, out_tokens, out_logps, lengths, stopped, routes,
-                 cut=None) -> list[list[Sample]]:
+                 cut=None, ruled=None) -> tuple[list[list[Sample]], list[tuple[int, int]]]:
+        """The samples (finish_reason abort: cut by a preemption or ended by params.abort), and the places of
+        the preempted ones."""
         result: list[list[Sample]] = []
+        preempted: list[tuple[int, int]] = []
         tokens_l, logps_l, lengths_l = out_tokens.tolist(), out_logps.tolist(), lengths.tolist()
         stopped_l, pads_l = stopped.tolist(), pads.tolist()
         cut_l = cut.tolist() if cut is not None else [False] * len(lengths_l)
+        ruled_l = ruled.tolist() if ruled is not None else [False] * len(lengths_l)
         routes_np = routes.numpy() if routes is not None else None
         for u, prompt in enumerate(prompts):
             group = []
@@ -337,7 +367,10 @@ class EmbeddedEngine(Engine):
                 # a sample's fed positions: its prompt (after the left padding) and all its tokens but the last
                 sample_routes = routes_np[r, pads_l[u]:P + L - 1] if routes_np is not None else None
                 group.append(Sample(prompt_ids=list(prompt), output_ids=tokens_l[r][:L], logprobs=logps_l[r][:L],
-                                    finish_reason="stop" if stopped_l[r] else "abort" if cut_l[r] else "length",
+                                    finish_reason="stop" if stopped_l[r] else
+                                    "abort" if cut_l[r] or ruled_l[r] else "length",
                                     weight_version=self.weight_version, routes=sample_routes))
+                if cut_l[r]:
+                    preempted.append((u, r - u * n))
             result.append(group)
-        return result
+        return result, preempted

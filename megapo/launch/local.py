@@ -2,9 +2,10 @@
 
     rc = run_torchrun(["-m", "megapo.commands.logprobs", "--worker", ...], nproc=4, timeout_s=600)
 
-`python -m torch.distributed.run --nproc-per-node N --master-port <free port>` runs the module in
-N processes; the whole process group is killed when `timeout_s` passes, so a hung collective ends
-with a non-zero exit code (124) instead of hanging forever.
+`python -m torch.distributed.run --standalone --nproc-per-node N` runs the module in N processes (the
+rendezvous store binds port 0, so two launches at once never race for a port picked beforehand); the whole
+process group is killed when `timeout_s` passes, so a hung collective ends with a non-zero exit code (124)
+instead of hanging forever.
 
 A command runs its workers with `run_workers` (or `run_launch`, in its own process group, for `megapo launch
 local`): torchrun then runs as megapo.launch.quiet_torchrun (no ChildFailedError traceback) and the workers
@@ -21,7 +22,6 @@ import sys
 import tempfile
 from contextlib import contextmanager
 
-from megapo.net import free_port
 from megapo.worker_errors import ERROR_DIR, EXIT_FAILED, Failure, WorkersFailed, first_failure
 
 TIMEOUT_EXIT = 124
@@ -30,10 +30,12 @@ QUIET_TORCHRUN = "megapo.launch.quiet_torchrun"
 
 
 def torchrun_command(args: list[str], nproc: int, port: int | None = None) -> list[str]:
+    """torchrun on this machine: at `port` when given, else --standalone (its store binds a free port itself: a port
+    picked here first could be taken by another launch before torchrun binds it)."""
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
-    return [sys.executable, "-m", TORCHRUN, "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(port or free_port()), *args]
+    where = ["--standalone"] if port is None else ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    return [sys.executable, "-m", TORCHRUN, "--nproc-per-node", str(nproc), *where, *args]
 
 
 def quiet(cmd: list[str]) -> list[str]:

@@ -408,16 +408,28 @@ class Learner:
         (the positions prompt_len-1 .. len-2): [len - prompt_len, len(ids)] fp32, CPU, on every rank (collective;
         THR's prediction errors over the group's response vocabulary, megapo/algorithms/hidden_reward.py).
         Vocabulary-parallel (logprobs.vocab_parallel_logprobs_at: len(ids) + 1 values per token cross TP ranks)."""
-        if not ids or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < self.spec.vocab_size
-                          for v in ids):
-            raise ValueError(f"ids: one or more token ids in [0, vocab_size={self.spec.vocab_size}), got {ids!r}")
-        wanted = torch.tensor(ids, dtype=torch.long)
-
-        def logp_at(flat: torch.Tensor) -> dict:
-            at = wanted.to(flat.device).expand(flat.shape[0], -1)
-            return {"logp": vocab_parallel_logprobs_at(flat, at, vocab_size=self.spec.vocab_size).float()}
-
+        logp_at = _logp_at(ids, self.spec.vocab_size)
         return self._response_pass(sequences, prompt_lens, routes, logp_at, ("logp",))["logp"]
+
+    def response_hidden_logp_at(self, sequences: list[list[int]], prompt_lens: list[int], ids: list[int],
+                                routes=None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(response_hidden, response_logp_at) from ONE forward-only pass (collective; THR's two inputs,
+        megapo/algorithms/hidden_reward.py): per sequence the LM head's input [len - prompt_len, hidden] fp32 and
+        log p(v) for each id of `ids` [len - prompt_len, len(ids)] fp32 at each response token, both read at the same
+        selected slots of the same forward (HeadSelection keeps the head's input, gathered over TP under sequence
+        parallel; the log-probs vocabulary-parallel, as there)."""
+        logp_at = _logp_at(ids, self.spec.vocab_size)
+
+        def both(flat: torch.Tensor) -> dict:
+            hidden, self._head.kept = self._head.kept, None
+            return {"hidden": hidden.float(), **logp_at(flat)}
+
+        self._head.keep_input = True
+        try:
+            out = self._response_pass(sequences, prompt_lens, routes, both, ("hidden", "logp"))
+        finally:
+            self._head.keep_input = False
+        return out["hidden"], out["logp"]
 
     def response_hidden(self, sequences: list[list[int]], prompt_lens: list[int], routes=None) -> list[torch.Tensor]:
         """Per sequence, the LM head's input (the final hidden state, after the last norm) at each response token
@@ -474,28 +486,52 @@ class Learner:
         forward-only pass: each pair is one packing unit (packing.pair_units), so both members' logits sit in one
         micro-batch on one DP rank; `routes` (one per sequences[i], or None) are replayed there, the context
         sequences route freely. Vocabulary-parallel (divergence.vocab_parallel_js_distance: per position, four
-        values cross TP ranks, then one)."""
+        values cross TP ranks, then one). response_js_distances with one context list."""
+        _check_contexts(sequences, prompt_lens, context_sequences, context_prompt_lens, "context_sequences")
+        return [d[0] for d in self.response_js_distances(sequences, prompt_lens, [context_sequences],
+                                                         [context_prompt_lens], routes=routes)]
+
+    def response_js_distances(self, sequences: list[list[int]], prompt_lens: list[int],
+                              contexts: list[list[list[int]]], context_prompt_lens: list[list[int]], routes=None
+                              ) -> list[torch.Tensor]:
+        """Per sequence i, [K, len - prompt_len] fp32, CPU, on every rank (collective): row k the Jensen-Shannon
+        distance at each response token between the next-token distributions of sequences[i] and contexts[k][i] (the
+        same response behind x ⊕ c_k), as response_js_distance gives for each k on its own. Fewer passes than K:
+        sequence i and its partners in several context lists are one packing unit (packing.group_units), so
+        sequence i is forwarded once for all of them; as many lists per pass as fit the micro-batch token budget
+        beside the longest sequence (packing.partners_per_unit: all K in one pass where they fit, at least one).
+        `routes` (one per sequences[i], or None) are replayed, the context sequences route freely."""
+        count = len(contexts)
+        if count < 1 or len(context_prompt_lens) != count:
+            raise ValueError(f"contexts: one or more context lists, each with its prompt lengths in "
+                             f"context_prompt_lens, got {count} and {len(context_prompt_lens)}")
+        for k, (context, lens) in enumerate(zip(contexts, context_prompt_lens)):
+            _check_contexts(sequences, prompt_lens, context, lens, f"contexts[{k}]")
+        longest = max((len(s) for s in [*sequences, *(c for context in contexts for c in context)]), default=1)
+        per = packing.partners_per_unit(count, longest, self.micro_batch_tokens)
+        parts = [self._js_pass(sequences, prompt_lens, contexts[lo:lo + per], context_prompt_lens[lo:lo + per],
+                               routes) for lo in range(0, count, per)]
+        return [torch.cat([part[i] for part in parts]) for i in range(len(sequences))]
+
+    def _js_pass(self, sequences: list[list[int]], prompt_lens: list[int], contexts: list[list[list[int]]],
+                 context_prompt_lens: list[list[int]], routes) -> list[torch.Tensor]:
+        """One forward-only pass of response_js_distances over the C context lists given (checked already): per
+        sequence [C, len - prompt_len]."""
         from megapo.learner.divergence import vocab_parallel_js_distance
 
-        n = len(sequences)
-        if len(context_sequences) != n or len(context_prompt_lens) != n or len(prompt_lens) != n:
-            raise ValueError(f"context_sequences: one with its prompt length per sequence ({n}), got "
-                             f"{len(context_sequences)} and {len(context_prompt_lens)} ({len(prompt_lens)} prompt_lens)")
-        for i, (a, p, b, q) in enumerate(zip(sequences, prompt_lens, context_sequences, context_prompt_lens)):
-            if list(a[p:]) != list(b[q:]):
-                raise ValueError(f"context_sequences[{i}]: must end with sequences[{i}]'s response "
-                                 f"(its tokens after prompt_lens[{i}]={p})")
-        both = [*sequences, *context_sequences]
-        lengths = _check_sequences(both, self.spec.vocab_size)
-        starts = np.asarray([*prompt_lens, *context_prompt_lens], dtype=np.int64)
+        n, c = len(sequences), len(contexts)
+        every = [*sequences, *(s for context in contexts for s in context)]
+        lengths = _check_sequences(every, self.spec.vocab_size)
+        starts = np.asarray([*prompt_lens, *(p for lens in context_prompt_lens for p in lens)], dtype=np.int64)
         if ((starts < 1) | (starts >= lengths)).any():
             raise ValueError("prompt_lens: each in [1, len(sequence) - 1]")
         if routes is not None and self.route_hook is None:
             raise ValueError("routes: given, but this learner has no routing replay hook (routing_replay=True)")
         if self.route_hook is not None:
-            self.route_hook.set_routes(None if routes is None else [*routes, *[None] * n], both)
-        units = packing.pair_units(lengths[:n].tolist(), lengths[n:].tolist())
-        micro_batches = self._micro_batches(both, starts - 1, lengths - 1, units=units)
+            self.route_hook.set_routes(None if routes is None else [*routes, *[None] * (n * c)], every)
+        units = packing.group_units(lengths[:n].tolist(), [lengths[(j + 1) * n:(j + 2) * n].tolist()
+                                                           for j in range(c)])
+        micro_batches = self._micro_batches(every, starts - 1, lengths - 1, units=units)
         vocab = self.spec.vocab_size
 
         def collect(mb: MicroBatch, logits: torch.Tensor):
@@ -504,18 +540,21 @@ class Learner:
             at = dict(zip(mb.order, np.cumsum([0, *mb.sizes[:-1]]).tolist()))
             size = dict(zip(mb.order, mb.sizes))
             mine = [i for i in mb.order if i < n]
-            rows_p = [r for i in mine for r in range(at[i], at[i] + size[i])]
-            rows_q = [r for i in mine for r in range(at[n + i], at[n + i] + size[n + i])]
+            # sequence i's rows once per partner (i, then its partners j = 1..c), each against that partner's rows
+            rows_p = [r for i in mine for _ in range(c) for r in range(at[i], at[i] + size[i])]
+            rows_q = [r for i in mine for j in range(1, c + 1) for r in range(at[j * n + i], at[j * n + i] + size[i])]
             flat = logits.detach()
             index = lambda rows: torch.tensor(rows, dtype=torch.long, device=flat.device)
             values = vocab_parallel_js_distance(flat[index(rows_p)], flat[index(rows_q)], vocab_size=vocab)
-            return logits.new_zeros(()), {"values": values.float(), "order": mine, "sizes": [size[i] for i in mine]}
+            return logits.new_zeros(()), {"values": values.float(), "order": mine,
+                                          "sizes": [c * size[i] for i in mine]}
 
         self.model.eval()
         with torch.no_grad():
             stored = [d for d in self._run(micro_batches, collect, forward_only=True) if d["values"] is not None]
         self.model.train()
-        return self._per_sequence([(d["order"], d["values"], d["sizes"]) for d in stored], n)
+        flat_values = self._per_sequence([(d["order"], d["values"], d["sizes"]) for d in stored], n)
+        return [v.reshape(c, -1) for v in flat_values]
 
     def _response_micro_batches(self, sequences: list[list[int]], prompt_lens: list[int], routes,
                                 lengths: np.ndarray | None = None) -> list[MicroBatch]:
@@ -884,14 +923,44 @@ def _agreed_positions(routes: list, members: list[int], shared: int) -> int:
         return shared
     if any(r is None or len(r) < shared for r in given):
         return 0
+    block = np.stack([_host(r)[:shared] for r in given])
+    if (block == block[0]).all():  # the same ids in the same order (an engine prefills a prompt once): agreed
+        return shared
     # [members, shared, layers * k], each route sorted: a route is a set of experts
-    block = np.sort(np.stack([_host(r)[:shared] for r in given]), axis=-1).reshape(len(given), shared, -1)
+    block = np.sort(block, axis=-1).reshape(len(given), shared, -1)
     same = (block == block[0]).all(axis=(0, 2))
     return shared if same.all() else int(np.argmin(same))
 
 
 def _host(routes) -> np.ndarray:
     return routes.cpu().numpy() if isinstance(routes, torch.Tensor) else np.asarray(routes)
+
+
+def _check_contexts(sequences, prompt_lens, context_sequences, context_prompt_lens, name: str) -> None:
+    """Refuses (naming `name`) context sequences that are not one per sequence, each with its prompt length and
+    ending with that sequence's response (its tokens after prompt_lens[i])."""
+    n = len(sequences)
+    if len(context_sequences) != n or len(context_prompt_lens) != n or len(prompt_lens) != n:
+        raise ValueError(f"{name}: one with its prompt length per sequence ({n}), got "
+                         f"{len(context_sequences)} and {len(context_prompt_lens)} ({len(prompt_lens)} prompt_lens)")
+    for i, (a, p, b, q) in enumerate(zip(sequences, prompt_lens, context_sequences, context_prompt_lens)):
+        if list(a[p:]) != list(b[q:]):
+            raise ValueError(f"{name}[{i}]: must end with sequences[{i}]'s response "
+                             f"(its tokens after prompt_lens[{i}]={p})")
+
+
+def _logp_at(ids: list[int], vocab: int):
+    """`ids` checked -> a response pass's per-slot map: logits [N, V_local] -> {"logp": log p(v) for v in ids,
+    [N, len(ids)] fp32} (logprobs.vocab_parallel_logprobs_at)."""
+    if not ids or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab for v in ids):
+        raise ValueError(f"ids: one or more token ids in [0, vocab_size={vocab}), got {ids!r}")
+    wanted = torch.tensor(ids, dtype=torch.long)
+
+    def logp_at(flat: torch.Tensor) -> dict:
+        at = wanted.to(flat.device).expand(flat.shape[0], -1)
+        return {"logp": vocab_parallel_logprobs_at(flat, at, vocab_size=vocab).float()}
+
+    return logp_at
 
 
 def _check_sequences(sequences: list[list[int]], vocab: int) -> np.ndarray:
@@ -1025,6 +1094,11 @@ def _token_column(values: list, response: np.ndarray, name: str) -> np.ndarray:
     """One float32 value per response token of every sample, end to end; a scalar advantage is repeated."""
     if name == "advantage" and all(isinstance(v, (int, float)) for v in values):
         return np.repeat(np.asarray(values, dtype=np.float32), response)
+    if all(isinstance(v, list) for v in values) and [len(v) for v in values] == response.tolist():
+        try:  # flat lists of numbers (the engine's log-probs): one pass, not an array per sample
+            return np.fromiter(itertools.chain.from_iterable(values), dtype=np.float32, count=int(response.sum()))
+        except (TypeError, ValueError):  # nested or non-numeric: the checks below name the sample
+            pass
     parts = []
     for i, (v, n) in enumerate(zip(values, response)):
         if name == "advantage" and isinstance(v, (int, float)):

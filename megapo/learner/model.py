@@ -261,6 +261,8 @@ def layer_spec(spec: ModelSpec, config, backend: Backend):
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=backend.use_te, normalization="RMSNorm")
         for layer in block.layer_specs:
             _local_attention(layer, spec, backend)
+            if not backend.use_te:
+                compat.use_lean_experts(layer.submodules.mlp)
         return block
     experts = spec.num_experts or None
     mla = spec.mla is not None
@@ -273,6 +275,7 @@ def layer_spec(spec: ModelSpec, config, backend: Backend):
                                  multi_latent_attention=mla, normalization="RMSNorm"), spec, backend)
     if spec.linear_bias and experts:
         compat.use_local_expert_bias(layer.submodules.mlp.submodules.experts.submodules)
+    compat.use_lean_experts(layer.submodules.mlp)  # (biased experts keep megatron-core's forward: see there)
     return layer
 
 

@@ -163,10 +163,27 @@ def single_units(lengths) -> list[Unit]:
 def pair_units(lengths, partner_lengths) -> list[Unit]:
     """Unit i: sequence i and sequence len(lengths) + i (its partner), unshared, side by side in one row of one
     micro-batch on one DP rank (Learner.response_js_distance reads both members' logits together)."""
-    if len(lengths) != len(partner_lengths):
-        raise ValueError(f"partner_lengths: one per sequence ({len(lengths)}), got {len(partner_lengths)}")
+    return group_units(lengths, [partner_lengths])
+
+
+def group_units(lengths, partners: list) -> list[Unit]:
+    """Unit i: sequence i and its partner in each list of `partners` (partners[j][i] the length of sequence
+    (j + 1)·len(lengths) + i), unshared, side by side in one row of one micro-batch on one DP rank
+    (Learner.response_js_distances reads every member's logits together: sequence i's once for all its partners)."""
     n = len(lengths)
-    return [Unit((i, n + i), (int(a), int(b))) for i, (a, b) in enumerate(zip(lengths, partner_lengths))]
+    for j, part in enumerate(partners):
+        if len(part) != n:
+            name = "partner_lengths" if len(partners) == 1 else f"partners[{j}]"
+            raise ValueError(f"{name}: one per sequence ({n}), got {len(part)}")
+    return [Unit((i, *((j + 1) * n + i for j in range(len(partners)))),
+                 (int(a), *(int(part[i]) for part in partners))) for i, a in enumerate(lengths)]
+
+
+def partners_per_unit(count: int, longest: int, budget: int) -> int:
+    """How many of `count` partners a group unit takes (group_units) so that it fits a micro-batch's token
+    `budget` with sequences of up to `longest` tokens: as many as fit beside the sequence, at least one (a pair,
+    which may exceed the budget as one row does)."""
+    return max(1, min(count, budget // max(longest, 1) - 1))
 
 
 def member_row(row: PackedRow, units: list[Unit]) -> PackedRow:
@@ -248,37 +265,49 @@ class SlotMap:
 
 
 def slot_map(layout: MicroBatchLayout, units: list[Unit]) -> SlotMap:
-    """The SlotMap of a micro-batch whose rows hold `units` (PackedRow.indices are unit indices)."""
+    """The SlotMap of a micro-batch whose rows hold `units` (PackedRow.indices are unit indices). The segments
+    (a unit's shared slots, each member's own part) are listed in one pass, then written into the maps at once."""
     b, w = layout.shape
     slot = np.arange(w)
-    seq = np.full((b, w), -1, dtype=np.int64)
     used = np.asarray([row.used for row in layout.rows], dtype=np.int64)
     pos = slot[None, :] - used[:, None]  # padding: 0, 1, ... after the row's end of use
     first = np.tile(slot, (b, 1))  # padding sees only itself
-    prefix_start = np.zeros((b, w), dtype=np.int64)
-    prefix_end = np.zeros((b, w), dtype=np.int64)
+    # per segment: its row's first slot (r * w + at), length, sequence, first position, base of its unit's prefix,
+    # shared positions of its unit (0: none); then the order/start/own/split of each member's part
+    seg_at, seg_len, seg_seq, seg_pos, seg_base, seg_shared = [], [], [], [], [], []
     order, start, own, split, shared = [], [], [], [], []
     for r, row in enumerate(layout.rows):
-        at = 0
+        at = r * w
         for u in (units[i] for i in row.indices):
             base, s = at, u.shared
             if s:
-                seq[r, at:at + s], pos[r, at:at + s], first[r, at:at + s] = u.members[0], slot[:s], base
+                seg_at.append(at), seg_len.append(s), seg_seq.append(u.members[0]), seg_pos.append(0)
+                seg_base.append(at), seg_shared.append(0)
                 shared.append((u.members[0], u.members[1:], s))
                 at += s
             for m, n in zip(u.members, u.lengths):
-                k = n - s
-                seq[r, at:at + k], pos[r, at:at + k], first[r, at:at + k] = m, slot[s:n], at
-                if s:
-                    prefix_start[r, at:at + k], prefix_end[r, at:at + k] = base, base + s
-                order.append(m)
-                start.append(r * w + base)
-                own.append(r * w + at)
-                split.append(s)
-                at += k
+                seg_at.append(at), seg_len.append(n - s), seg_seq.append(m), seg_pos.append(s)
+                seg_base.append(base), seg_shared.append(s)
+                order.append(m), start.append(base), own.append(at), split.append(s)
+                at += n - s
     as_array = lambda v: np.asarray(v, dtype=np.int64)
-    return SlotMap(seq, pos, first, prefix_start, prefix_end, order, as_array(start), as_array(own), as_array(split),
-                   shared)
+    seq = np.full(b * w, -1, dtype=np.int64)
+    prefix_start = np.zeros(b * w, dtype=np.int64)
+    prefix_end = np.zeros(b * w, dtype=np.int64)
+    lengths = as_array(seg_len)
+    if lengths.sum():
+        at, base, s = as_array(seg_at), as_array(seg_base), as_array(seg_shared)
+        slots = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # offset in segment
+        flat = np.repeat(at, lengths) + slots
+        seq[flat] = np.repeat(as_array(seg_seq), lengths)
+        pos.reshape(-1)[flat] = np.repeat(as_array(seg_pos), lengths) + slots
+        # a shared segment starts its own block (first = its first slot), as does a member's part
+        first.reshape(-1)[flat] = np.repeat(at % w, lengths)
+        cut = np.repeat(s > 0, lengths)
+        prefix_start[flat[cut]] = np.repeat(base % w, lengths)[cut]
+        prefix_end[flat[cut]] = np.repeat(base % w + s, lengths)[cut]
+    return SlotMap(seq.reshape(b, w), pos, first, prefix_start.reshape(b, w), prefix_end.reshape(b, w), order,
+                   as_array(start), as_array(own), as_array(split), shared)
 
 
 def slot_tensors(smap: SlotMap, flat_tokens: np.ndarray, starts: np.ndarray, pad_id: int = 0):

@@ -49,11 +49,23 @@ class Learner(Protocol):
         """The LM head's input [tokens, hidden] at each response token, on every rank (the stage delta)."""
         ...
 
+    def response_hidden_logp_at(self, sequences: list[list[int]], prompt_lens: list[int], ids: list[int],
+                                routes: Any = None) -> tuple[list[Tensor], list[Tensor]]:
+        """(response_hidden, response_logp_at) from one forward, on every rank (the stage thr)."""
+        ...
+
     def response_js_distance(self, sequences: list[list[int]], prompt_lens: list[int],
                              context_sequences: list[list[int]], context_prompt_lens: list[int],
                              routes: Any = None) -> list[Tensor]:
         """The Jensen-Shannon distance between the next-token distributions of each sequence and its context
         sequence (the same response behind x ⊕ c) at each response token, on every rank (the stage mrtpo)."""
+        ...
+
+    def response_js_distances(self, sequences: list[list[int]], prompt_lens: list[int],
+                              contexts: list[list[list[int]]], context_prompt_lens: list[list[int]],
+                              routes: Any = None) -> list[Tensor]:
+        """Per sequence [K, tokens]: response_js_distance against each of K context lists, each sequence forwarded
+        once beside its K context sequences (fewer passes than K), on every rank (the stage mrtpo)."""
         ...
 
     def response_attention_entropy(self, sequences: list[list[int]], prompt_lens: list[int], layer: int = -1,

@@ -34,6 +34,8 @@ an off-mode learner with the hook too when it measures router disagreement (the 
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -246,7 +248,9 @@ def engine_mismatch(samples: list[TrainSample], logps: list) -> dict[str, float]
     def flat(values) -> torch.Tensor:  # tensors (the learner's) joined by torch, lists (the engine's) by numpy
         values = list(values)
         if values and all(isinstance(v, torch.Tensor) for v in values):
-            return torch.cat([v.reshape(-1) for v in values]).to(torch.float64)
+            return torch.cat([v if v.dim() == 1 else v.reshape(-1) for v in values]).to(torch.float64)
+        if all(isinstance(v, list) for v in values):  # one pass over the floats, not an array per sample
+            return torch.from_numpy(np.fromiter(itertools.chain.from_iterable(values), dtype=np.float64))
         return torch.from_numpy(np.concatenate([np.asarray(v, dtype=np.float64).reshape(-1) for v in values]))
 
     pi, mu = flat(logps), flat(s.rollout_logp for s in samples)

@@ -11,6 +11,9 @@ them behind exactly that prompt, so their log-probs are μ and (under r3) their 
 
 The estimator gives the summary groups no advantage (update.group_advantages); stage anytime then sets every
 thinking token's BRPO advantage and every summary token's r − baseline (anytime_token_advantages).
+
+draw_summaries is the one place summaries are drawn: the training step's (all budgets in one call) and the held-out
+anytime accuracy's (megapo/trainer/anytime_eval.py: greedy, one call per budget).
 """
 
 from __future__ import annotations
@@ -34,6 +37,16 @@ def ended_within(sample: Sample, budget: int) -> bool:
 def summary_prompt(sample: Sample, budget: int, trigger_ids: list[int]) -> list[int]:
     """x ⊕ z[:b] ⊕ trigger: the thinking cut at `budget` tokens (all of it when shorter), then the answer request."""
     return list(sample.prompt_ids) + list(sample.output_ids[:budget]) + list(trigger_ids)
+
+
+def draw_summaries(engine, thinkings: list[Sample], cuts: list[int], trigger_ids: list[int],
+                   params: SamplingParams) -> list[list[Sample]]:
+    """One engine call: params.n summaries behind each thinking cut at its budget and the trigger (summary_prompt).
+    The stage's training summaries and the held-out anytime accuracy (megapo/trainer/anytime_eval.py) both draw
+    theirs here."""
+    if not thinkings:
+        return []
+    return engine.generate([summary_prompt(z, b, trigger_ids) for z, b in zip(thinkings, cuts)], params)
 
 
 @dataclass(frozen=True)
@@ -79,8 +92,8 @@ class AnytimeRollouts:
         requests = summary_requests(groups, budgets)
         params = dataclasses.replace(self.params, n=self.options.summaries,
                                      max_new_tokens=self.options.summary_tokens)
-        drawn = engine.generate([summary_prompt(groups[q.gi].samples[q.g], budgets[q.s], self.trigger_ids)
-                                 for q in requests], params) if requests else []
+        drawn = draw_summaries(engine, [groups[q.gi].samples[q.g] for q in requests],
+                               [budgets[q.s] for q in requests], self.trigger_ids, params)
         scores = iter(reward_fn([(groups[q.gi].example, s) for q, samples in zip(requests, drawn) for s in samples]))
         per_request = [[next(scores) for _ in samples] for samples in drawn]
         out, extra = [], []

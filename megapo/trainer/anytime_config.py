@@ -29,7 +29,7 @@ def check_anytime(cfg) -> None:
     """Stage anytime's refusals at config time, each naming its field: a summary trigger (the stage's or the task's),
     budgets within rollout.max_new_tokens, sync rollouts (the draws follow the trainer step), a group estimator (a
     critic would value the summaries as the policy's own responses), no length reward (the advantages read the
-    verifier's scores) and not beside hdpo (both add groups)."""
+    verifier's scores) and not beside hdpo (both add groups); eval_budgets within rollout.max_new_tokens too."""
     i = stage_index(cfg)
     if i is None:
         return
@@ -39,10 +39,11 @@ def check_anytime(cfg) -> None:
         raise ConfigError(f"{where}.trigger", "anytime appends a summary trigger (the text that ends the thinking "
                           f"and asks for the answer) to each truncated response; data.task {cfg.data.task!r} has no "
                           "summary_trigger, so give one")
-    too_long = [b for b in o.budgets if b > cfg.rollout.max_new_tokens]
-    if too_long:
-        raise ConfigError(f"{where}.budgets", f"budget {too_long[0]} exceeds rollout.max_new_tokens="
-                          f"{cfg.rollout.max_new_tokens}: no response is that long")
+    for name in ("budgets", "eval_budgets"):
+        too_long = [b for b in getattr(o, name) if b > cfg.rollout.max_new_tokens]
+        if too_long:
+            raise ConfigError(f"{where}.{name}", f"budget {too_long[0]} exceeds rollout.max_new_tokens="
+                              f"{cfg.rollout.max_new_tokens}: no response is that long")
     if cfg.train.mode != "sync":
         raise ConfigError("train.mode", f"stage anytime ({where}) draws its budgets from train.seed and the trainer "
                           "step, which async rollouts do not know when they sample; use sync")

@@ -485,6 +485,19 @@ def encode_example(tokenizer, ex: Example, chat_template: bool) -> list[int]:
     return encode_prompt(tokenizer, ex.prompt, chat_template)
 
 
+def encode_examples(tokenizer, examples: Sequence[Example], chat_template: bool) -> list[list[int]]:
+    """[encode_example(tokenizer, ex, chat_template) for ex in examples], the raw-text prompts tokenized in one batch
+    call (the tokenizer's per-call overhead is most of a short prompt's cost)."""
+    plain = [i for i, ex in enumerate(examples) if not chat_template]
+    out: list[list[int] | None] = [None] * len(examples)
+    if plain:
+        bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+        batch = tokenizer([examples[i].prompt for i in plain], add_special_tokens=False)["input_ids"]
+        for i, ids in zip(plain, batch):
+            out[i] = bos + list(ids)
+    return [ids if ids is not None else encode_example(tokenizer, ex, chat_template) for ids, ex in zip(out, examples)]
+
+
 def _template_ids(tokenizer, turns: Sequence[dict[str, str]]) -> list[int]:
     ids = tokenizer.apply_chat_template(list(turns), add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
@@ -550,6 +563,13 @@ class PromptPool:
         if self._ids is not None:
             return ex, self._ids[i]
         return ex, encode_example(self.tokenizer, ex, self.chat_template)
+
+    def items(self, indices: Sequence[int]) -> list[tuple[Example, list[int]]]:
+        """[pool[i] for i in indices], a task's prompts tokenized in one call (encode_examples)."""
+        if self._ids is not None:
+            return [self[i] for i in indices]
+        examples = [self._get(i) for i in indices]
+        return list(zip(examples, encode_examples(self.tokenizer, examples, self.chat_template)))
 
 
 # ----------------------------------------------------------------------------- order

@@ -16,10 +16,16 @@ only on the kept groups' correct responses) and their steps; the trainer's train
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
+
 import torch
 
 from megapo.algorithms.length import ScoredGroup, build_group_filter, build_length_reward, check_kept, check_shaped
+from megapo.engines.base import AbortRule
 from megapo.trainer.rewards import answer_checker
+
+log = logging.getLogger(__name__)
 
 
 def length_reward_of(data, budget: int):
@@ -42,18 +48,41 @@ class LengthStage:
         if self.filter is not None:
             self.filter.seed = cfg.train.seed
         self.step = 0  # batches begun
+        self._abort_path_logged = False
         if state:
             self.load_state_dict(state)
 
-    def rollout_counts(self, examples: list, n_samples: int) -> list[int] | None:
+    def rollout_counts(self, examples: list, n_samples: int, prompt_ids: list | None = None) -> list[int] | None:
         """Each prompt's rollout count for the next round where the filter allocates them (duet), else None
-        (rollout.n_samples each)."""
+        (rollout.n_samples each); `prompt_ids`: each prompt's token ids (duet's surrogate features reads them)."""
         from megapo.algorithms.stages import prompt_key
 
         if self.filter is None or not hasattr(self.filter, "allocate"):
             return None
         return self.filter.allocate([prompt_key(ex.prompt) for ex in examples], n_samples,
-                                    [getattr(ex, "difficulty", None) for ex in examples])
+                                    [getattr(ex, "difficulty", None) for ex in examples], prompt_ids)
+
+    def abort_params(self, engine, params, counts: list[int] | None):
+        """`params` with the filter's in-engine abort rule for this round's sum(counts) rollouts (duet's
+        abort_plan, as SamplingParams.abort) where the engine can stop a request on it (EngineCapabilities.abort_rule:
+        the embedded engine), else `params` unchanged (the filter's select then aborts after generation, on the
+        same draws). Logs once which path the run takes."""
+        if counts is None or self.markers is None or not hasattr(self.filter, "abort_plan"):
+            return params
+        in_engine = engine.capabilities.abort_rule
+        if not self._abort_path_logged:
+            self._abort_path_logged = True
+            log.info(
+                "data.group_filter %s: the abort rule runs %s", type(self.filter).__name__,
+                "in the engine (an aborted rollout stops at horizon + grace tokens)" if in_engine else
+                "after generation (this engine cannot stop a request on a marker rule: rollouts run to their end)")
+        if not in_engine:
+            return params
+        plan = self.filter.abort_plan(self.step, sum(counts))
+        if plan is None:
+            return params
+        at, keep = plan
+        return replace(params, abort=AbortRule(at, tuple(keep), self.markers.passes))
 
     def begin_batch(self) -> int:
         """A new step's batch starts (its rounds share the step number); returns that step."""
@@ -214,3 +243,11 @@ class MarkerFinder:
 
         ends = [marker_end(token_texts(self.tokenizer, list(s.output_ids), self.cache), self.marker) for s in g.samples]
         return replace(scored, marker_end=torch.tensor(ends, dtype=torch.int64))
+
+    def passes(self, ids: list[int]) -> bool:
+        """Whether the response `ids` (output token ids) holds the marker, found as `find` finds it: the
+        in-engine abort's check (megapo.engines.base.AbortRule.passes) on a rollout's first horizon + grace tokens."""
+        from megapo.algorithms.duet import marker_end
+        from megapo.algorithms.process_rewards import token_texts
+
+        return marker_end(token_texts(self.tokenizer, list(ids), self.cache), self.marker) > 0

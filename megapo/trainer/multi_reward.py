@@ -6,10 +6,11 @@ the length limit gets data.truncated_reward in every component, as the scalar re
 scored). Computed from the groups the update trains on, so whatever the length stage, dynamic sampling or a group
 filter kept is what is scored.
 
-old_js_distance (collective): per component k one learner pass (Learner.response_js_distance) of each response y
-behind its prompt x and behind x ⊕ c_k (c_k the component's verifier information in the stage's template, through
-the run's prompt encoding, self_teacher.with_context), on the routes the train steps replay for (x, y); x ⊕ c_k
-routes freely (no engine routed it).
+old_js_distance (collective): one learner call (Learner.response_js_distances) on each response y behind its prompt x
+and behind x ⊕ c_k for every component k (c_k the component's verifier information in the stage's template, through
+the run's prompt encoding, self_teacher.with_context), x ⊕ y packed with its K variants in one unit so that it is
+forwarded once (one pass where the K + 1 sequences fit the micro-batch token budget, else a few), on the routes the
+train steps replay for (x, y); x ⊕ c_k routes freely (no engine routed it).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def component_rewards(groups: list, verifier, tokenizer, truncated_reward: float
 def js_distances(learner, batch: list, groups: list, rewards: ComponentRewards, template: str, encode,
                  routes=None) -> list[torch.Tensor]:
     """Per sample [K, response tokens] float64: the JS distance at each response token between π_old behind x and
-    behind x ⊕ c_k, one paired learner pass per component k (collective). `encode`: an Example -> its prompt ids."""
+    behind x ⊕ c_k, every component in one learner call (Learner.response_js_distances, collective: x ⊕ y forwarded
+    once beside its K variants). `encode`: an Example -> its prompt ids."""
     from megapo.trainer.self_teacher import with_context
 
     owners = [g for g in groups for _ in g.samples]
@@ -53,19 +55,19 @@ def js_distances(learner, batch: list, groups: list, rewards: ComponentRewards, 
     sequences = [list(s.tokens) for s in batch]
     prompt_lens = [s.prompt_len for s in batch]
     prompts: dict[tuple[int, str], list[int]] = {}  # (group, information) -> the prompt ids of x ⊕ c
-    per_component = []
+    contexts, context_lens = [], []
     for k in range(len(rewards.names)):
-        context, context_lens = [], []
+        context, lens = [], []
         for i, (g, s) in enumerate(zip(owners, batch)):
             key = (id(g), rewards.information[i][k])
             if key not in prompts:
                 prompts[key] = list(encode(with_context(g.example, key[1], template)))
             context.append(prompts[key] + list(s.tokens[s.prompt_len:]))
-            context_lens.append(len(prompts[key]))
-        per_component.append(learner.response_js_distance(sequences, prompt_lens, context, context_lens,
-                                                          routes=routes))
-    return [torch.stack([torch.as_tensor(d[i], dtype=torch.float64) for d in per_component])
-            for i in range(len(batch))]
+            lens.append(len(prompts[key]))
+        contexts.append(context)
+        context_lens.append(lens)
+    distances = learner.response_js_distances(sequences, prompt_lens, contexts, context_lens, routes=routes)
+    return [torch.as_tensor(d, dtype=torch.float64) for d in distances]
 
 
 def multi_reward_inputs(learner, batch: list, groups: list, cfg, tokenizer, reads: set, timer, routes=None) -> dict:

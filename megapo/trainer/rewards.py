@@ -245,6 +245,8 @@ class GuardedReward:
                                           response, answer)) from None
         if error is not None:
             raise RewardError(self._about(f"raised {type(error).__name__}: {error}", response, answer)) from error
+        if type(value) is float and math.isfinite(value):  # the common case, without the ABC check below
+            return value
         if isinstance(value, numbers.Real) and _finite(value):
             return float(value)
         raise RewardError(self._about(f"returned {_clip(value)} (a {type(value).__name__}); a reward must be a "

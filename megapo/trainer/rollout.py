@@ -6,6 +6,8 @@ their rewards."""
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -73,11 +75,15 @@ def make_reward_fn(cfg: RunConfig, tokenizer) -> Callable[[list], list[float]]:
 
     stop = (tokenizer.eos_token_id,)
 
+    @functools.lru_cache(maxsize=1 << 16)  # a step's responses repeat (the same answer by many samples)
+    def decode(ids: tuple[int, ...]) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+
     def response_text(sample) -> str:
         if isinstance(sample, Trajectory):  # a multi-turn trajectory: its last policy turn is the answer
             return tokenizer.decode(sample.answer_ids(stop), skip_special_tokens=True)
         ids = sample.output_ids[:-1] if sample.finish_reason == "stop" else sample.output_ids
-        return tokenizer.decode(ids, skip_special_tokens=True)
+        return decode(tuple(ids))
 
     def reward(pairs: list) -> list[float]:
         scores = fn.score_all([(response_text(sample), example.answer) for example, sample in pairs],
@@ -139,10 +145,12 @@ def collect_rollouts(engine: Engine, params, pool, source, reward_fn, cfg: RunCo
 
     def one_round() -> list[Group]:
         chosen = source.next_batch(cfg.data.prompts_per_step)
-        items = [pool[i] for i in chosen]
+        items = pool.items(chosen) if isinstance(pool, data.PromptPool) else [pool[i] for i in chosen]
         examples = [ex for ex, _ in items]
-        counts = length.rollout_counts(examples, cfg.rollout.n_samples) if length is not None else None
-        new = rollout_round(engine, params, examples, [ids for _, ids in items], reward_fn,
+        counts = length.rollout_counts(examples, cfg.rollout.n_samples, [ids for _, ids in items]) \
+            if length is not None else None
+        round_params = length.abort_params(engine, params, counts) if length is not None else params  # duet's abort
+        new = rollout_round(engine, round_params, examples, [ids for _, ids in items], reward_fn,
                             [int(i) for i in chosen], sampler, counts)
         sampled.extend(new)
         new = length.apply(new) if length is not None else new

@@ -287,7 +287,12 @@ class Run:
         r = evaluate(self.engine, get_task(cfg.data.task, cfg.data.task_options), "test", n=cfg.train.eval_prompts,
                      tokenizer=self.tokenizer, chat_template=cfg.data.chat_template,
                      max_new_tokens=cfg.rollout.max_new_tokens, turns=self.turns)
-        return r.metrics("eval/")  # accuracy, response_len, and by difficulty acc_d{k}, len/*
+        out = r.metrics("eval/")  # accuracy, response_len, and by difficulty acc_d{k}, len/*
+        if self.anytime is not None and self.turns is None:  # stage anytime: acc at each thinking budget, its AUC
+            from megapo.trainer.anytime_eval import run_anytime_eval
+
+            out.update(run_anytime_eval(cfg, self.engine, self.tokenizer, self.anytime))
+        return out
 
     def checkpoint_due(self, step: int) -> bool:
         every = self.cfg.train.ckpt_every

@@ -13,6 +13,10 @@ sets π_old := μ there). The replaced samples were drawn and are dropped.
 The buffer then keeps, per prompt, the first `mix` responses of this step's kept groups as drawn (all on-policy),
 with the trainer step and weight version: a prompt's entry is replaced at each visit. It is kept in the checkpoint
 (state_dict) so a resumed run mixes as the unstopped one.
+
+The update's engine-vs-learner metrics (the old-log-prob pass's mismatch/* and replay/kl_k3*) count the tokens this
+step's engine sampled only: a prefix's μ is the historical policy's, so its gap to π_old is staleness, not
+mismatch; soup/prefix_k3 measures the prefixes apart (batch_prefix_lens, prefix_split, prefix_mismatch).
 """
 
 from __future__ import annotations
@@ -150,6 +154,39 @@ class SoupRollouts:
                 correct[q.slot] = float(r) >= self.threshold
         return dataclasses.replace(g, samples=samples, rewards=rewards, scores=scores_g, correct=correct,
                                    prefix_lens=prefix)
+
+
+def batch_prefix_lens(groups: list) -> list[int] | None:
+    """Each sample's historical prefix length in batch order (Group.prefix_lens; 0 on a group without them), None
+    when no sample of the step has one."""
+    lens = [int(n) for g in groups for n in (g.prefix_lens or [0] * len(g.samples))]
+    return lens if any(lens) else None
+
+
+def prefix_split(samples: list, prefix_lens: list[int], prefix: bool) -> list:
+    """Copies of `samples` whose loss_mask keeps, of the policy's response tokens, those the current engine sampled
+    (each sample's tokens from its historical prefix of prefix_lens tokens on), or with `prefix` the prefix's only:
+    what the engine-vs-learner comparisons (megapo.replay.modes: policy_token_mask) count."""
+    from megapo.algorithms.sample import MappingSample, as_train_samples
+
+    out = []
+    for s, L in zip(as_train_samples(samples), prefix_lens):
+        given = s.loss_mask if s.loss_mask is not None else [1] * (len(s.tokens) - s.prompt_len)
+        mask = [int(m) if (t < L) == prefix else 0 for t, m in enumerate(given)]
+        out.append(MappingSample({**s.data, "loss_mask": mask}) if isinstance(s, MappingSample)
+                   else dataclasses.replace(s, loss_mask=mask))
+    return out
+
+
+def prefix_mismatch(samples: list, logps: list, prefix_lens: list[int]) -> dict:
+    """soup/prefix_k3: k3 = mean(ρ − 1 − log ρ), ρ = π_old/μ, over the historical prefixes' tokens (μ: the
+    historical policy's log-probs, so staleness as well as engine-vs-learner mismatch), which the mismatch/*
+    metrics leave out; {} when the step mixed no sample."""
+    from megapo.replay.modes import engine_mismatch
+
+    if not any(prefix_lens):
+        return {}
+    return {"soup/prefix_k3": engine_mismatch(prefix_split(samples, prefix_lens, prefix=True), logps)["k3"]}
 
 
 def soup_stage_index(cfg) -> int | None:

@@ -117,14 +117,18 @@ def _sentence_end_ids(cfg: RunConfig) -> list[int] | None:
 
 
 def old_logprob_pass(learner: Learner, batch: list[TrainSample], cfg: RunConfig, measure_free_kl: bool = False,
-                     free_logps: list | None = None) -> dict:
+                     free_logps: list | None = None, stale_prefix: list[int] | None = None) -> dict:
     """Set each sample's `old_logp` from the learner (collective). Under r2 the pass records the
     learner's routes and under r3 replays the engine's; either way sample.routes then holds the
     routes every train_step on this batch replays (megapo.replay.modes). Returns the pass's metrics and
     the stability metrics (modes.stability_metrics; under r3 the free-routing ones from `free_logps`, the
     samples' "own_routes" then set by modes.free_routing). `measure_free_kl` adds the engine-vs-learner
-    k3 KL with and without replay (under r3 without `free_logps`, one extra forward pass)."""
+    k3 KL with and without replay (under r3 without `free_logps`, one extra forward pass). `stale_prefix` (stage
+    soup, per sample): its first response tokens a historical policy drew, whose μ is that policy's: the
+    engine-vs-learner metrics (mismatch/*, replay/kl_*) leave them out, soup/prefix_k3 measures them
+    (megapo/trainer/soup.py)."""
     from megapo.replay.modes import mismatch_kl, old_logprobs, stability_metrics
+    from megapo.trainer.soup import prefix_mismatch, prefix_split
 
     batch = as_train_samples(batch)
     mode = cfg.algorithm.routing_replay
@@ -133,10 +137,14 @@ def old_logprob_pass(learner: Learner, batch: list[TrainSample], cfg: RunConfig,
         sample.old_logp = lp.tolist()
     free = logps if mode != "r3" else free_logps  # off / r2: this pass routed freely
     mu = [i for i, s in enumerate(batch) if s.rollout_logp is not None]  # hdpo's privileged samples have no μ
-    metrics.update(stability_metrics([batch[i] for i in mu], [logps[i] for i in mu],
+    # the tokens this step's engine sampled: not soup's historical prefixes (their μ is an older policy's)
+    seen = batch if stale_prefix is None else prefix_split(batch, stale_prefix, prefix=False)
+    metrics.update(stability_metrics([seen[i] for i in mu], [logps[i] for i in mu],
                                      None if free is None else [free[i] for i in mu]))
+    if stale_prefix is not None:
+        metrics.update(prefix_mismatch([batch[i] for i in mu], [logps[i] for i in mu], [stale_prefix[i] for i in mu]))
     if measure_free_kl and mode != "off" and all(s.rollout_logp is not None for s in batch):
-        metrics.update(mismatch_kl(learner, batch, logps, free_logps=free))
+        metrics.update(mismatch_kl(learner, seen, logps, free_logps=free))
     return metrics
 
 
@@ -343,10 +351,10 @@ def likelihood_rewards(learner: Learner, groups: list[Group], cfg: RunConfig, to
 
 
 def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Group], cfg: RunConfig, step: int,
-                     tokenizer, timer: StepTimer) -> dict:
+                     tokenizer, timer: StepTimer, nat_cut=None) -> dict:
     """The token stages at trainer step `step` (token_select's schedule, nat_prefix's cut), after the
     self-distillation stages' extra forward (collective) where one reads it, with the verdicts and hdpo's privileged
-    flags only where a stage reads them."""
+    flags only where a stage reads them; `nat_cut` (nat_cut.PrefixCut): the step's one draw of nat_prefix's cuts."""
     self_teacher, spec = None, cfg.algorithm.self_teacher()
     if spec is not None:
         with timer("self_teacher"):
@@ -359,16 +367,18 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
     if "old_sum_p2" in reads:  # OTB's (collective), after the old-log-prob pass set the routes the steps replay
         with timer("sum_p2"):
             sum_p2 = old_sum_p2(learner, batch)
-    hidden = None
-    if "old_hidden" in reads:  # DelTA's and THR's (collective): the LM head's input, on the replayed routes
+    hidden = vocab = vocab_logp = None
+    if "old_hidden" in reads and "old_vocab_logp" in reads:  # THR's (collective): both from one forward
+        with timer("hidden_vocab_logp"):
+            hidden, vocab, vocab_logp = old_hidden_vocab_logp(learner, batch)
+    elif "old_hidden" in reads:  # DelTA's (collective): the LM head's input, on the replayed routes
         with timer("hidden"):
             hidden = old_hidden(learner, batch)
     attention = None
     if "old_attention_entropy" in reads:  # the attention-entropy stage's (collective), on the replayed routes
         with timer("attention_entropy"):
             attention = old_attention_entropy(learner, batch, cfg)
-    vocab = vocab_logp = None
-    if "old_vocab_logp" in reads:  # THR's (collective): π_old over the batch's response vocabulary
+    if "old_vocab_logp" in reads and vocab is None:  # (collective): π_old over the batch's response vocabulary
         with timer("vocab_logp"):
             vocab, vocab_logp = old_vocab_logp(learner, batch)
     rewards = [r for g in groups for r in g.rewards] if "reward" in reads else None
@@ -398,13 +408,13 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
             steps = answer_steps(learner, batch, groups, cfg, tokenizer)
     from megapo.trainer.multi_reward import multi_reward_inputs
 
-    # gdpo's and mrtpo's: the task's reward components; mrtpo's JS distances (collective, one pass per component)
+    # gdpo's and mrtpo's: the task's reward components; mrtpo's JS distances (collective, the components packed)
     multi = multi_reward_inputs(learner, batch, groups, cfg, tokenizer, reads, timer, replayed_routes(batch))
     return token_stages(batch, cfg, step, self_teacher=self_teacher, correct=correct, privileged=privileged,
                         blocks=blocks, sum_p2=sum_p2, hidden=hidden, attention_entropy=attention, vocab=vocab,
                         vocab_logp=vocab_logp, rewards=rewards, first_correct=first_correct,
                         tempered_logp=tempered, answer_information=information, answer_steps=steps,
-                        anytime=anytime, soup_prefix=soup_prefix, **multi)
+                        anytime=anytime, soup_prefix=soup_prefix, nat_cut=nat_cut, **multi)
 
 
 def answer_information(learner: Learner, batch: list[TrainSample], groups: list[Group], cfg: RunConfig,
@@ -525,10 +535,25 @@ def old_attention_entropy(learner: Learner, batch: list[TrainSample], cfg: RunCo
 def old_vocab_logp(learner: Learner, batch: list[TrainSample]) -> tuple[list[int], list]:
     """(ids, per sample [response tokens, len(ids)]): log π_old of every token id in the batch's policy tokens at each
     response token (Learner.response_logp_at, collective), on the routes the train steps replay."""
-    ids = sorted({int(v) for s in batch for v, m in zip(s.tokens[s.prompt_len:], s.loss_mask or
-                                                      [1] * (len(s.tokens) - s.prompt_len)) if m})
+    ids = response_vocabulary(batch)
     return ids, learner.response_logp_at([list(s.tokens) for s in batch], [s.prompt_len for s in batch], ids,
                                          routes=replayed_routes(batch))
+
+
+def response_vocabulary(batch: list[TrainSample]) -> list[int]:
+    """The token ids of the batch's policy tokens (loss_mask 1; every response token where there is no mask),
+    sorted: the ids old_vocab_logp reads π_old at."""
+    return sorted({int(v) for s in batch for v, m in zip(s.tokens[s.prompt_len:], s.loss_mask or
+                                                         [1] * (len(s.tokens) - s.prompt_len)) if m})
+
+
+def old_hidden_vocab_logp(learner: Learner, batch: list[TrainSample]) -> tuple[list, list[int], list]:
+    """(old_hidden's values, then old_vocab_logp's ids and values) from ONE forward (Learner.response_hidden_logp_at,
+    collective) where a stage reads both (thr), on the routes the train steps replay."""
+    ids = response_vocabulary(batch)
+    hidden, logp = learner.response_hidden_logp_at([list(s.tokens) for s in batch], [s.prompt_len for s in batch],
+                                                   ids, routes=replayed_routes(batch))
+    return hidden, ids, logp
 
 
 def block_rewards(batch: list[TrainSample], groups: list[Group], cfg: RunConfig, tokenizer):
@@ -620,9 +645,12 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
     data.likelihood_reward (collective, after the reward model): each reward becomes verifier_coef · r + coef ·
     log π(reference answer | prompt, the response cut at its answer), before the advantages (likelihood_rewards).
     `teachers` (algorithm.distill, in its order, collective): their weighted reverse KLs enter the advantage.
-    `tokenizer`: the run's, for the self-distillation stages' prompts with a context (self_teacher_inputs)."""
+    `tokenizer`: the run's, for the self-distillation stages' prompts with a context (self_teacher_inputs).
+    Stage nat_prefix's cuts (option cut) are drawn once, before any pass (nat_prefix_cut); where nothing reads the
+    cut tokens the batch is cut then, so the old-log-prob, reference and stability passes run on the kept ones."""
     from megapo.replay.modes import free_routing, on_policy_step
-    from megapo.algorithms.nat_cut import cut_stage, cut_train_batch
+    from megapo.algorithms.nat_cut import cut_stage, rescale, shorten
+    from megapo.trainer.soup import batch_prefix_lens
 
     metrics: dict[str, float] = {}
     mode = cfg.algorithm.routing_replay
@@ -635,12 +663,18 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
             metrics.update(likelihood_rewards(learner, groups, cfg, tokenizer))
     batch = train_samples(groups, cfg, step, prompt_stats)
     fused, free = on_policy(cfg, learner), None
+    nat = None
+    if cut_stage(cfg.algorithm.pipeline()) is not None:  # NAT's prefix cut: drawn once, before any pass
+        nat = nat_prefix_cut(batch, groups, cfg, step, loss, fused)
+        if nat.early:  # nothing reads the cut tokens: the passes below run on the kept ones only
+            batch, _ = shorten(batch, nat)
     if mode == "r3" and (measure_free_kl or measure_free_routing):
         with timer("stability"):  # before any update: the weights π_old comes from
             free = free_routing(learner, batch)
     with timer("old_logp"):
         if not fused:
-            metrics.update(old_logprob_pass(learner, batch, cfg, measure_free_kl, free_logps=free))
+            metrics.update(old_logprob_pass(learner, batch, cfg, measure_free_kl, free_logps=free,
+                                            stale_prefix=batch_prefix_lens(groups)))
     if any(g.privileged for g in groups):  # hdpo (refused with old_policy=engine): μ of the privileged samples
         privileged_mu(batch)
     if cfg.old_policy() == "engine":
@@ -659,7 +693,7 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
         if step <= cfg.algorithm.critic.warmup_steps:  # the values first learn the returns; the policy waits
             metrics["critic/warmup"] = 1
             return metrics
-    metrics.update(advantage_stages(learner, batch, groups, cfg, step, tokenizer, timer))
+    metrics.update(advantage_stages(learner, batch, groups, cfg, step, tokenizer, timer, nat_cut=nat))
     if dense is not None:  # A_t + coef · Â_t: the RM's process advantage per token
         from megapo.trainer.reward_model import add_process_advantages
 
@@ -671,11 +705,11 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
         metrics.update(set_low_prob(batch, loss))
     if reads_token_input(loss, "entropy_score"):  # ppo clip_mode hapo: π_old's entropy scored over the batch
         metrics.update(set_entropy_scores(batch, loss))
-    if cut_stage(cfg.algorithm.pipeline()) is not None:  # NAT's prefix cut: the tokens after it leave the batch
-        bounds = [(0, len(batch))] if fused else mini_batch_bounds([len(g.samples) for g in groups],
-                                                                    cfg.train.mini_batches)
-        batch, free, cut = cut_train_batch(batch, cfg.train.seed, step, loss, bounds, free)
-        metrics.update(cut)
+    if nat is not None:  # NAT's prefix cut: the tokens after it leave the batch (if not yet), the normalisers kept
+        if not nat.early:
+            batch, free = shorten(batch, nat, free)
+        rescale(batch, nat)
+        metrics.update(nat.metrics())
     with timer("train"):
         last: dict = {}
         if fused:  # one update on the whole batch, π_old from its own forward
@@ -700,6 +734,18 @@ def update_policy(learner: Learner, groups: list[Group], cfg: RunConfig, referen
     if cfg.rollout.adaptive_temperature > 0:  # the next rollout's temperatures follow this batch's π_old entropy
         metrics.update(temperature_stats(batch))
     return metrics
+
+
+def nat_prefix_cut(batch: list[TrainSample], groups: list[Group], cfg: RunConfig, step: int, loss: LossSpec,
+                   fused: bool):
+    """Stage nat_prefix's cut of this step (nat_cut.PrefixCut), drawn once from (train.seed, `step`) on the uncut
+    `batch`, its normalisers those of the train steps' mini-batches (the whole batch when `fused`); early (the batch
+    cut before the old-log-prob pass) unless something reads the cut tokens (nat_cut.early_cut_blocker)."""
+    from megapo.algorithms.nat_cut import draw_cut, early_cut_blocker
+
+    bounds = [(0, len(batch))] if fused else mini_batch_bounds([len(g.samples) for g in groups],
+                                                                cfg.train.mini_batches)
+    return draw_cut(batch, cfg.train.seed, step, loss, bounds, early=early_cut_blocker(cfg) is None)
 
 
 def keeps_old_entropy(cfg: RunConfig) -> bool:

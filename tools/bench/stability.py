@@ -306,11 +306,17 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "otb": ("algorithm.stages=[{name: otb}]",),  # Optimal Token Baseline: one more learner pass for Σ_v π²
     "low_entropy_kl": ("algorithm.stages=[{name: low_entropy_kl}]",),  # SENT's KL-Cov on low-entropy tokens
     "delta": ("algorithm.stages=[{name: delta}]",),  # DelTA: one more learner pass for the LM head's input
-    "thr": ("algorithm.stages=[{name: thr}]",),  # Token Hidden Reward, p = 0.5 (exploitation): two more passes
+    "thr": ("algorithm.stages=[{name: thr}]",),  # Token Hidden Reward, p = 0.5 (exploitation): one more pass
     # multi-reward (addition_parts: the same problems and exact-match accuracy, its verifier as correct + format):
-    # GDPO's decoupled normalisation, and MRTPO's per-reward token credit (one more paired pass per reward)
+    # GDPO's decoupled normalisation, and MRTPO's per-reward token credit (one more pass: each response beside its
+    # variant per reward)
     "gdpo": ("data.task=addition_parts", "algorithm.stages=[{name: gdpo}]"),
     "mrtpo": ("data.task=addition_parts", "algorithm.stages=[{name: mrtpo}]"),
+    # Blockwise Advantage Estimation: the answer's digits as two blocks (the addition task's responses have no
+    # delimiter text), each with its own check (megapo/tasks/addition_blocks.py), the low half baselined among the
+    # samples whose high half is equally right
+    "bae": ("algorithm.stages=[{name: bae, blocks: [high, low], cut_chars: [2], "
+            "block_reward: 'megapo.tasks.addition_blocks:digit_halves'}]",),
     # attention-entropy reweighting (arXiv:2605.07660): one more learner pass for the last layer's attention entropies
     "attention_entropy": ("algorithm.stages=[{name: attention_entropy}]",),
     # DUET's rollout allocation (GRPO's budget of prompts × n_samples, redistributed by the pass-rate surrogate); its
