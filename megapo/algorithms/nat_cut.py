@@ -122,14 +122,22 @@ def truncated(sample: TrainSample, keep: int, factor: float = 1.0) -> TrainSampl
     return dataclasses.replace(sample, **changes)
 
 
-def cut_batch(batch: list[TrainSample], cuts: list[int], bounds: list[tuple[int, int]],
-              agg: str) -> tuple[list[TrainSample], list[int]]:
-    """`batch` cut after `cuts` response tokens per sample (kept_lengths), the weights rescaled for aggregation
-    `agg` over the train steps' `bounds`; and the response tokens each kept."""
+def kept_and_factors(batch: list[TrainSample], cuts: list[int], bounds: list[tuple[int, int]],
+                     agg: str) -> tuple[list[int], list[float]]:
+    """The response tokens each sample keeps after `cuts` (kept_lengths) and the factor on its kept weights for
+    aggregation `agg` over the train steps' `bounds` (normaliser_factors)."""
     batch = as_train_samples(batch)
     keep = kept_lengths(batch, cuts)
     full = policy_counts(batch, [len(s.tokens) - s.prompt_len for s in batch])
-    factors = normaliser_factors(full, policy_counts(batch, keep), bounds, agg)
+    return keep, normaliser_factors(full, policy_counts(batch, keep), bounds, agg)
+
+
+def cut_batch(batch: list[TrainSample], cuts: list[int], bounds: list[tuple[int, int]],
+              agg: str) -> tuple[list[TrainSample], list[int]]:
+    """`batch` cut after `cuts` response tokens per sample, the weights rescaled (kept_and_factors); and the
+    response tokens each kept."""
+    batch = as_train_samples(batch)
+    keep, factors = kept_and_factors(batch, cuts, bounds, agg)
     return [truncated(s, k, f) for s, k, f in zip(batch, keep, factors)], keep
 
 
@@ -200,9 +208,7 @@ def draw_cut(batch: list[TrainSample], seed: int, step: int, loss, bounds: list[
     batch = as_train_samples(batch)
     lengths = [len(s.tokens) - s.prompt_len for s in batch]
     cuts = stages.nat_prefix_cuts(lengths, np.random.default_rng([int(seed), int(step)]))
-    keep = kept_lengths(batch, cuts)
-    factors = normaliser_factors(policy_counts(batch, lengths), policy_counts(batch, keep), bounds,
-                                 resolve(loss.loss_agg, loss.objective))
+    keep, factors = kept_and_factors(batch, cuts, bounds, resolve(loss.loss_agg, loss.objective))
     return PrefixCut(lengths, cuts, keep, factors, early)
 
 

@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 from megapo.engines.base import Sample, SamplingParams
 from megapo.tasks.base import Example
 from megapo.trainer.anytime import draw_summaries, ended_within
+from megapo.trainer.eval import greedy_params
 
 
 @dataclass
@@ -75,12 +76,6 @@ class AnytimeEval:
                 "rows": [{"budget": b, "accuracy": a, "ended": e / n if n else 0.0, "summaries": k}
                          for b, a, e, k in zip(self.budgets, self.accuracies(), ended, self.summaries)],
                 "mean_thinking_len": sum(self.lengths) / n if n else 0.0}
-
-
-def greedy_params(eos_token_id: int, max_new_tokens: int) -> SamplingParams:
-    """Temperature 0, one sample, stop at end-of-sequence (megapo/trainer/eval.py's engine_greedy)."""
-    return SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens,
-                          stop_token_ids=(eos_token_id,), seed=0)
 
 
 def greedy_thinkings(engine, prompt_ids: Sequence[list[int]], params: SamplingParams,

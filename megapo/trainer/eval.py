@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from megapo.engines.base import Engine
+from megapo.engines.base import Engine, SamplingParams
 from megapo.tasks.base import Example
 
 GenerateFn = Callable[[list[list[int]]], list[tuple[list[int], bool]]]  # prompts -> (output ids, ended with eos)
@@ -76,14 +76,17 @@ def hf_greedy(model, tokenizer, max_new_tokens: int, batch_size: int = 256) -> G
     return generate
 
 
+def greedy_params(eos_token_id: int, max_new_tokens: int) -> SamplingParams:
+    """The held-out evaluations' sampling: temperature 0, one sample, stop at end-of-sequence, seed 0."""
+    return SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens,
+                          stop_token_ids=(eos_token_id,), seed=0)
+
+
 def engine_greedy(engine: Engine, eos_token_id: int, max_new_tokens: int, batch_size: int = 256) -> GenerateFn:
     """Greedy generation through a megapo Engine (temperature 0, one sample, stop at end-of-sequence), `batch_size`
     prompts per call: the embedded engine keeps its KV cache at the largest batch it has seen, and a cache sized
     for a whole test split instead of a training batch slowed every later training step."""
-    from megapo.engines.base import SamplingParams
-
-    params = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens,
-                            stop_token_ids=(eos_token_id,), seed=0)
+    params = greedy_params(eos_token_id, max_new_tokens)
 
     def generate(prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
         out = []
@@ -104,12 +107,10 @@ def score_trajectories(engine: Engine, tokenizer, examples: Sequence[Example], p
     """Greedy multi-turn accuracy: each example's trajectory with its environment (`turns`: envs.rollout.TurnPlay);
     the verifier reads the last policy turn (or the environment's reward), a trajectory cut short counts wrong;
     lengths count every token after the prompt, observations included."""
-    from megapo.engines.base import SamplingParams
     from megapo.envs.rollout import trajectory_metrics, trajectory_sampler
 
     eos = tokenizer.eos_token_id
-    params = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, stop_token_ids=(eos,),
-                            seed=0)
+    params = greedy_params(eos, max_new_tokens)
     sample = trajectory_sampler(turns.make_env, tokenizer, chat_template, turns.limits)
     trajectories = [g[0] for i in range(0, len(prompt_ids), batch_size)
                     for g in sample(engine, list(prompt_ids[i:i + batch_size]), list(examples[i:i + batch_size]), params)]

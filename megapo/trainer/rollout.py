@@ -7,7 +7,6 @@ their rewards."""
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 from typing import Any, Callable
 

@@ -156,10 +156,15 @@ class SoupRollouts:
                                    prefix_lens=prefix)
 
 
+def prefix_lens(groups: list) -> list[int]:
+    """Each sample's historical prefix length in batch order (Group.prefix_lens; 0 on a group without them): stage
+    soup's input soup_prefix."""
+    return [int(n) for g in groups for n in (g.prefix_lens or [0] * len(g.samples))]
+
+
 def batch_prefix_lens(groups: list) -> list[int] | None:
-    """Each sample's historical prefix length in batch order (Group.prefix_lens; 0 on a group without them), None
-    when no sample of the step has one."""
-    lens = [int(n) for g in groups for n in (g.prefix_lens or [0] * len(g.samples))]
+    """prefix_lens, or None when no sample of the step has a prefix."""
+    lens = prefix_lens(groups)
     return lens if any(lens) else None
 
 

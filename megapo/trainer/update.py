@@ -397,8 +397,11 @@ def advantage_stages(learner: Learner, batch: list[TrainSample], groups: list[Gr
         stage = next(s for s in cfg.algorithm.pipeline() if "anytime" in s.inputs)
         anytime = anytime_token_advantages(groups, stage.options.summaries)
     # stage soup's: each sample's historical prefix length (megapo/trainer/soup.py)
-    soup_prefix = [n for g in groups for n in (g.prefix_lens or [0] * len(g.samples))] \
-        if "soup_prefix" in reads else None
+    soup_prefix = None
+    if "soup_prefix" in reads:
+        from megapo.trainer.soup import prefix_lens
+
+        soup_prefix = prefix_lens(groups)
     information = steps = None
     if "answer_information" in reads:  # iapo's (collective): every prefix followed by the reference answer
         with timer("answer_information"):
