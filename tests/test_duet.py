@@ -290,6 +290,13 @@ def test_group_weights_become_every_token_weight():
     ("{horizon: 3}", "data.group_filter_options.marker"),
     ("{decay: 1.5}", "data.group_filter_options.decay"),
     ("{budget: 3}", "data.group_filter_options"),
+    # the prompt-feature surrogate's (tests/test_duet_surrogate.py)
+    ("{surrogate: bogus}", "data.group_filter_options.surrogate"),
+    ("{surrogate: features, feature_buckets: 0}", "data.group_filter_options.feature_buckets"),
+    ("{surrogate: features, feature_lr: 0}", "data.group_filter_options.feature_lr"),
+    ("{surrogate: features, feature_steps: 0}", "data.group_filter_options.feature_steps"),
+    ("{surrogate: features, feature_l2: -1}", "data.group_filter_options.feature_l2"),
+    ("{surrogate: features, feature_count: -0.5}", "data.group_filter_options.feature_count"),
 ])
 def test_bad_options_are_refused_naming_the_field(options, field):
     with pytest.raises(ConfigError) as err:

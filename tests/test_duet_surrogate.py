@@ -2,7 +2,7 @@
 Reinforcement Learning with Verifiable Rewards, arXiv:2605.08441; data.group_filter_options.surrogate: features):
 the features against a loop written out here, the fit against its gradient rule written out in float64, the
 combination with a prompt's tracker, predictions for unseen prompts on a synthetic stream against the trackers',
-a checkpoint round trip, the trainer's plumbing of the prompt ids and refusals naming the field."""
+a checkpoint round trip and the trainer's plumbing of the prompt ids (the options' refusals: tests/test_duet.py)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,17 @@ import hashlib
 import json
 import math
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
 from megapo.algorithms.duet_surrogate import FeatureSurrogate, prompt_features
 from megapo.algorithms.length import ScoredGroup, build_group_filter
-from megapo.config import ConfigError, load_config
 from megapo.engines.base import Sample, SamplingParams
 from megapo.tasks.base import Example
-from megapo.trainer.config import RunConfig
 from megapo.trainer.length_stage import LengthStage
+from test_duet import _cfg  # the duet run config, defined once
 
-CONFIG = Path(__file__).resolve().parents[1] / "megapo/configs/stability_base.yaml"
 FEATURES = {"surrogate": "features"}
 
 
@@ -194,10 +191,6 @@ def test_a_resumed_filter_allocates_as_the_unstopped_one():
         tracker_only.load_state_dict(state)
 
 
-def _cfg(*overrides) -> RunConfig:
-    return load_config(RunConfig, CONFIG, ["data.group_filter=duet", "data.dynamic_sampling=false", *overrides])
-
-
 def test_the_trainer_hands_the_prompt_ids_to_the_allocation():
     from megapo.trainer.rollout import collect_rollouts
 
@@ -225,20 +218,6 @@ def test_the_trainer_hands_the_prompt_ids_to_the_allocation():
     xs = [_features_loop([4, 5, 6], 1024), _features_loop([7, 8], 1024)]
     assert stage.filter.features.w == pytest.approx(_fit_loop(w0, xs, [1.0, 0.0], [8, 8], 1.0, 4, 1e-4), rel=1e-12)
     assert stage.filter.tracker.values  # the trackers still run beside the model
-
-
-@pytest.mark.parametrize("options, field", [
-    ("{surrogate: bogus}", "data.group_filter_options.surrogate"),
-    ("{surrogate: features, feature_buckets: 0}", "data.group_filter_options.feature_buckets"),
-    ("{surrogate: features, feature_lr: 0}", "data.group_filter_options.feature_lr"),
-    ("{surrogate: features, feature_steps: 0}", "data.group_filter_options.feature_steps"),
-    ("{surrogate: features, feature_l2: -1}", "data.group_filter_options.feature_l2"),
-    ("{surrogate: features, feature_count: -0.5}", "data.group_filter_options.feature_count"),
-])
-def test_bad_surrogate_options_are_refused_naming_the_field(options, field):
-    with pytest.raises(ConfigError) as err:
-        _cfg(f"data.group_filter_options={options}")
-    assert err.value.field == field, str(err.value)
 
 
 def test_the_default_is_the_tracker_and_the_formula_says_assumption():
