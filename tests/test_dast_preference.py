@@ -18,6 +18,7 @@ import torch
 from megapo.algorithms import entries, policy_loss
 from megapo.algorithms.dast_preference import (DastSimpoOptions, budget_pairs, dast_simpo_advantages,
                                                run_dast_simpo_stage, simpo_loss)
+from megapo.algorithms.pipeline import TokenContext, parse_stages, run_token_stages
 from megapo.algorithms.sample import TrainSample
 from megapo.cli import main
 
@@ -203,8 +204,8 @@ def test_run_stage_reads_policy_tokens_and_keeps_per_token_advantages():
              for lp, m in zip(old, masks)]
     batch[1].advantage = [0.1, -0.2]  # an earlier token stage's per-token values
     rewards, correct = [1.6, 1.3, -0.2, -0.5], [True, True, False, False]
-    ctx = SimpleNamespace(group_size=4, rewards=rewards, correct=correct)
-    metrics = run_dast_simpo_stage(batch, SimpleNamespace(options=o), ctx)
+    ctx = TokenContext(group_size=4, step=0, seed=0, kl_coef=0.0, rewards=rewards, correct=correct)
+    metrics = run_token_stages(parse_stages([{"name": "dast_simpo", "margin": 0.0}]), batch, ctx)
     mean = [(-0.5 - 1.0) / 2, (-2.0 - 0.1) / 2, -0.3, (-1.2 - 0.4) / 2]  # the observation token left out
     shift, _ = dast_simpo_advantages(torch.tensor(rewards, dtype=F64), torch.tensor(correct),
                                      torch.tensor(mean, dtype=F64), 4, o)

@@ -248,3 +248,28 @@ def test_auto_dtype_stays_bfloat16_for_a_vllm_server(tiny_moe):
                                          "rollout.engine=vllm", "algorithm.routing_replay=r2",
                                          "rollout.weight_sync=disk"])
     assert serve._served(args)["dtype"] == "bfloat16"
+
+
+def test_samples_with_equal_prefixes_share_one_decode_row(tiny_moe):
+    """A prompt's running samples whose tokens so far are equal are one state: each decode step computes one row
+    per distinct (prompt, prefix) (counted here by a loop over the samples), and every sample's log-probs and
+    routes still equal transformers' on its own sequence."""
+    engine, hf = EmbeddedEngine(tiny_moe), hf_model(tiny_moe)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]  # equal prompts of different places: states of their own
+    temperature = 0.03  # peaked: samples of one prompt often draw the same tokens
+    params = SamplingParams(n=6, temperature=temperature, max_new_tokens=9, seed=5, return_routes=True)
+    out = engine.generate(prompts, params)
+    rows = states = 0
+    for t in range(params.max_new_tokens - 1):  # after token t a sample with more tokens feeds it
+        fed = [(u, tuple(s.output_ids[:t + 1])) for u, group in enumerate(out) for s in group
+               if len(s.output_ids) > t + 1]
+        rows, states = rows + len(fed), states + len(set(fed))
+    assert engine.states_decoded == states
+    assert 0 < states < rows  # some sharing, some splitting
+    for prompt, group in zip(prompts, out):
+        for s in group:
+            logits, routes = hf_forward(hf, prompt + s.output_ids, True)
+            ref = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1:-1]
+            ref = ref.gather(1, torch.tensor(s.output_ids)[:, None])[:, 0]
+            assert np.allclose(s.logprobs, ref.numpy(), atol=1e-4)
+            assert np.array_equal(s.routes, routes[:-1].numpy())

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megapo.algorithms import entries, policy_loss
+from megapo.algorithms.pipeline import TokenContext, parse_stages, run_token_stages
 from megapo.algorithms.plackett_luce import plackett_luce_advantages, run_stage
 from megapo.algorithms.sample import TrainSample
 from megapo.cli import main
@@ -87,7 +88,8 @@ def test_stage_matches_the_loop_and_sums_policy_tokens_only():
             lg.append(sum(o * m for o, m in zip(old, mask)))
         returns.append(rg)
         sums.append(lg)
-    metrics = run_stage(batch, None, SimpleNamespace(group_size=G))
+    ctx = TokenContext(group_size=G, step=0, seed=0, kl_coef=0.0)
+    metrics = run_token_stages(parse_stages([{"name": "plackett_luce"}]), batch, ctx)  # the pipeline sets them
     want = [a for g in stage_loop(returns, sums) for a in g]
     for x, a in zip(batch, want):
         assert x.advantage == pytest.approx([a] * len(x.old_logp), rel=1e-12, abs=1e-15)

@@ -44,7 +44,7 @@ def test_engine_draws_each_token_at_its_entropy_temperature_and_reports_that_log
     t = EntropyTemperature(tau=0.4, centre=math.log(1.2), scale=0.7, top=2.0, bottom=-3.0)
     params = SamplingParams(temperature=0.9, entropy_temperature=t)
     me = SimpleNamespace(logprob_mode="scaled")
-    token, logp = EmbeddedEngine._sample(me, logits, params, uniform)
+    token, logp = EmbeddedEngine._sample(me, logits, params, uniform, torch.arange(6))  # each row its own state
     temps = [ref_temperature(r, 0.9, t) for r in logits.double().tolist()]
     assert min(temps) < 0.9 < max(temps)  # both sides of the centre are exercised
     for i, (row, temp) in enumerate(zip(logits.double().tolist(), temps)):
@@ -65,9 +65,10 @@ def test_without_statistics_the_engine_samples_as_before():
     gen = torch.Generator().manual_seed(1)
     logits, uniform = torch.randn(4, 9, generator=gen), torch.rand(4, generator=gen)
     me = SimpleNamespace(logprob_mode="scaled")
-    a = EmbeddedEngine._sample(me, logits, SamplingParams(temperature=0.7), uniform)
+    a = EmbeddedEngine._sample(me, logits, SamplingParams(temperature=0.7), uniform, torch.arange(4))
     zero = EntropyTemperature(tau=0.0, centre=0.0, scale=1.0, top=1.0, bottom=-1.0)  # τ 0: the plain temperature
-    b = EmbeddedEngine._sample(me, logits, SamplingParams(temperature=0.7, entropy_temperature=zero), uniform)
+    b = EmbeddedEngine._sample(me, logits, SamplingParams(temperature=0.7, entropy_temperature=zero), uniform,
+                               torch.arange(4))
     assert torch.equal(a[0], b[0]) and torch.allclose(a[1], b[1], rtol=0, atol=1e-7)
 
 

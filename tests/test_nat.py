@@ -117,12 +117,13 @@ def test_every_train_sample_field_is_cut():
                     routes=np.zeros((p + n - 1, 2, 2), dtype=np.int64), engine_routes=np.zeros((p + n - 1, 2, 2)),
                     own_routes=torch.zeros(p + n - 1, 2, 2), teacher_topk_ids=torch.zeros(n, 3),
                     teacher_topk_logp=[[0.0] * 3] * n, kl_weight=list(per_token), low_prob=list(per_token),
-                    entropy_score=list(per_token))
+                    entropy_score=list(per_token), mismatch_mask=[0] + [1] * (n - 1))
     c = truncated(s, k, factor=0.5)
     assert c.tokens == list(range(p + k)) and c.prompt_len == p
     for name in ("advantage", "rollout_logp", "old_logp", "old_entropy", "ref_logp", "loss_mask", "sentence_end",
-                 "teacher_topk_ids", "teacher_topk_logp", "kl_weight", "low_prob", "entropy_score"):
+                 "teacher_topk_ids", "teacher_topk_logp", "kl_weight", "low_prob", "entropy_score", "mismatch_mask"):
         assert len(getattr(c, name)) == k, name
+    assert c.mismatch_mask == [0, 1]
     assert c.token_weight == [0.0, 0.5]
     for name in ("routes", "engine_routes", "own_routes"):
         assert len(getattr(c, name)) == p + k - 1, name

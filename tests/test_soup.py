@@ -6,7 +6,9 @@ ratio (π_θ/μ on the historical prefix, π_θ/π_old on the continuation, the 
 clipped surrogate written out, and its float64 gradient against finite differences; two steps of the loop with a
 scripted engine and a recording learner, token by token (the continuation prompts x ⊕ prefix and budgets, the mixed
 samples' tokens, μ, routes, rewards, and the trained π_old); the old-log-prob pass's mismatch metrics over the
-tokens this step's engine sampled only and soup/prefix_k3 over the prefixes, against k3 written out; a resumed run
+tokens this step's engine sampled only and soup/prefix_k3 over the prefixes, against k3 written out; the learner's
+train/mismatch_* (the stage's mismatch_mask; policy_loss over shards, update_policy, a real tiny learner over several
+micro-batches) over those tokens too, and as before without prefixes, against k3 written out; a resumed run
 mixes as the unstopped one (the buffer in the checkpoint state, through JSON); config refusals naming the field;
 `megapo train` with the stage on, stopped after a checkpoint and resumed, against the unstopped run.
 """
@@ -293,6 +295,213 @@ def test_the_loop_measures_the_mismatch_without_the_prefixes():
     assert len(stale) == 2
     assert m["mismatch/k3"] == pytest.approx(k3_by_hand(fresh), rel=1e-12)
     assert m["soup/prefix_k3"] == pytest.approx(k3_by_hand(stale), rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- the learner's train/mismatch_*
+
+
+def test_stage_sets_the_mismatch_mask_only_when_it_mixed():
+    """mismatch_mask: 0 on each mixed sample's prefix, 1 after it, on every sample when the step mixed one (the
+    learner's optional fields: all samples or none); left None on a step that mixed nothing."""
+    from megapo.algorithms.pipeline import TokenContext
+
+    old, mu = [-0.1, -0.2, -0.3, -0.4], [-0.5, -0.6, -0.7, -0.8]
+    batch = [_X(4, old, mu), _X(3, old[:3], mu[:3]), _X(4, old, mu)]
+    run_soup_stage(batch, None, TokenContext(group_size=3, step=2, seed=0, kl_coef=0.0, soup_prefix=[0, 1, 3]))
+    assert [x.mismatch_mask for x in batch] == [[1, 1, 1, 1], [0, 1, 1], [0, 0, 0, 1]]
+    plain = [_X(4, old, mu), _X(4, old, mu)]
+    run_soup_stage(plain, None, TokenContext(group_size=2, step=1, seed=0, kl_coef=0.0, soup_prefix=[0, 0]))
+    assert not any(hasattr(x, "mismatch_mask") for x in plain)
+
+
+def k3_loop(rows, count_prefix: bool) -> float:
+    """k3 = mean(ρ − 1 − log ρ), ρ = exp(log π_old − log μ), float64, over each row's (old, mu, prefix,
+    loss_mask) policy tokens from its prefix on (every policy token with count_prefix), written out."""
+    total, n = 0.0, 0
+    for old, mu, prefix, policy in rows:
+        for t in range(len(old)):
+            if not policy[t] or (t < prefix and not count_prefix):
+                continue
+            d = float(old[t]) - float(mu[t])
+            total += math.exp(d) - 1.0 - d
+            n += 1
+    return total / n
+
+
+def _mismatch_rows(seed=7):
+    """Five samples (old_logp after stage soup: μ on the prefix), prefixes 0/2/0/3/1, one observation token."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for n, L in zip([5, 6, 4, 7, 3], [0, 2, 0, 3, 1]):
+        mu = (-0.3 - torch.rand(n, generator=g, dtype=F64) * 2).tolist()
+        old = [m + 0.3 * float(torch.randn(1, generator=g, dtype=F64)) for m in mu]
+        old[:L] = mu[:L]  # π_old := μ on the historical prefix (run_soup_stage)
+        policy = [1] * n
+        if n == 6:
+            policy[4] = 0  # an observation token: counted by neither
+        rows.append((old, mu, L, policy))
+    return rows
+
+
+def _padded(rows, pick):
+    T = max(len(r[0]) for r in rows)
+    return torch.tensor([[float(v) for v in pick(r)] + [0.0] * (T - len(r[0])) for r in rows], dtype=F64)
+
+
+def _shard_metrics(rows, keep: bool, global_counts=None):
+    from megapo.algorithms.loss import policy_loss
+
+    old = _padded(rows, lambda r: r[0])
+    kw = {}
+    if keep:
+        kw["mismatch_mask"] = _padded(rows, lambda r: [0] * r[2] + [1] * (len(r[0]) - r[2]))
+    if global_counts is not None:
+        kw["global_tokens"], gk = global_counts
+        if keep:
+            kw["global_mismatch_tokens"] = gk
+    mask = _padded(rows, lambda r: r[3])
+    _, m = policy_loss("ppo", old.clone(), old, torch.ones_like(old), mask, _padded(rows, lambda r: r[1]),
+                       loss_agg="token-mean", **kw)
+    return {k: float(v) for k, v in m.items()}, int(mask.sum())
+
+
+def test_policy_loss_mismatch_counts_the_continuations_over_shards():
+    """policy_loss's mismatch_k3 with a mismatch_mask: the k3 over the continuation tokens written out, on one shard
+    and over two shards reduced as the learner reduces them (metrics.reduce_metrics, each shard's policy tokens its
+    weight, the global counts given); without it (no prefixes) the all-token k3; counting the prefixes would give
+    the diluted value instead."""
+    from megapo.learner.metrics import MicroBatchMetrics, reduce_metrics
+
+    rows = _mismatch_rows()
+    fresh, diluted = k3_loop(rows, count_prefix=False), k3_loop(rows, count_prefix=True)
+    assert abs(fresh - diluted) > 0.05 * fresh  # the test can tell them apart
+    one, _ = _shard_metrics(rows, keep=True)
+    assert one["mismatch_k3"] == pytest.approx(fresh, rel=1e-12)
+    assert one["mismatch_max_abs_dlogp"] == pytest.approx(
+        max(abs(o[t] - m[t]) for o, m, L, p in rows for t in range(L, len(o)) if p[t]), rel=1e-12)
+    N = sum(sum(r[3]) for r in rows)
+    K = sum(sum(r[3][r[2]:]) for r in rows)
+    parts = []
+    for shard in (rows[:2], rows[2:]):
+        m, n = _shard_metrics(shard, keep=True, global_counts=(N, K))
+        parts.append(MicroBatchMetrics(tokens=n, values=m))
+    assert reduce_metrics(parts)["mismatch_k3"] == pytest.approx(fresh, rel=1e-12)
+    assert reduce_metrics(parts)["mismatch_k1"] == pytest.approx(
+        sum(m[t] - o[t] for o, m, L, p in rows for t in range(L, len(o)) if p[t]) / K, rel=1e-12)
+    # no prefix: the plain path, the k3 over every policy token
+    plain = [(o, m, 0, p) for o, m, _, p in rows]
+    unmasked, _ = _shard_metrics(plain, keep=False)
+    assert unmasked["mismatch_k3"] == pytest.approx(k3_loop(plain, count_prefix=True), rel=1e-12)
+    assert unmasked["mismatch_k3"] == pytest.approx(diluted, rel=1e-12)  # (π_old = μ on the ex-prefixes: ρ = 1)
+    everything, _ = _shard_metrics(plain, keep=True)  # a mask of ones: the plain path's values, bit for bit
+    assert everything == unmasked
+
+
+class LossLearner(CountingLearner):
+    """CountingLearner whose train_step returns policy_loss's metrics on the batch as one micro-batch, its inputs
+    as the learner's loss_func passes them (mismatch_mask when the samples carry one)."""
+
+    def train_step(self, batch, loss):
+        from megapo.algorithms.loss import policy_loss
+        from megapo.algorithms.sample import as_train_samples
+
+        super().train_step(batch, loss)
+        xs = as_train_samples(batch)
+        T = max(len(x.tokens) - x.prompt_len for x in xs)
+
+        def pad(values):
+            return torch.tensor([list(map(float, v)) + [0.0] * (T - len(v)) for v in values], dtype=F64)
+
+        n = [len(x.tokens) - x.prompt_len for x in xs]
+        old = pad([x.old_logp for x in xs])
+        adv = pad([[x.advantage] * k if isinstance(x.advantage, float) else x.advantage for x, k in zip(xs, n)])
+        extra = {} if xs[0].mismatch_mask is None else {"mismatch_mask": pad([x.mismatch_mask for x in xs])}
+        _, m = policy_loss(loss, old.clone(), old, adv, pad([[1] * k for k in n]), pad([x.rollout_logp for x in xs]),
+                           **extra)
+        return {"loss": 0.0, **{k: float(v) for k, v in m.items()}}
+
+
+def test_update_reports_train_mismatch_over_the_continuations():
+    """update_policy's train/mismatch_k3: on the step without prefixes the k3 over every response token (no
+    mismatch_mask reaches the learner); on the mixed step the k3 over the continuations' and on-policy samples'
+    tokens only, both written out (float64), the mask 0 on each prefix; counting the prefixes (ρ = 1 there,
+    π_old := μ) would dilute it."""
+    from megapo.trainer.metrics import StepTimer
+    from megapo.trainer.rollout import collect_rollouts
+    from megapo.trainer.update import update_policy
+
+    tok, cfg, ex, prompt, engine, params, soup = _setup()
+    for step in (1, 2):
+        soup.step = step
+        groups, _, _ = collect_rollouts(engine, params, [(ex, prompt)], Source(), _reward(tok), cfg, soup=soup)
+        (g,) = groups
+        learner = LossLearner(hook=True)
+        m = update_policy(learner, groups, cfg, None, cfg.loss_spec(), StepTimer(), tokenizer=tok)
+        trained = learner.calls[-1][1]
+        rows = []
+        for s, L in zip(g.samples, g.prefix_lens):
+            own = stand_in_logp(prompt + s.output_ids)[len(prompt) - 1:].tolist()
+            old = list(s.logprobs[:L]) + own[L:]  # π_old := μ on the prefix
+            rows.append((old, s.logprobs, L, [1] * len(own)))
+        if step == 1:
+            assert g.prefix_lens == [0, 0, 0, 0] and all(x.get("mismatch_mask") is None for x in trained)
+            assert m["train/mismatch_k3"] == pytest.approx(k3_loop(rows, count_prefix=True), rel=1e-12)
+            continue
+        assert g.prefix_lens == [0, 0, 1, 1]
+        assert [x["mismatch_mask"] for x in trained] == [[0] * L + [1] * (len(r[0]) - L)
+                                                          for r, L in zip(rows, g.prefix_lens)]
+        fresh = k3_loop(rows, count_prefix=False)
+        assert m["train/mismatch_k3"] == pytest.approx(fresh, rel=1e-12)
+        assert abs(k3_loop(rows, count_prefix=True) - fresh) > 0.05 * fresh
+
+
+LEARNER_MISMATCH = r"""
+import json, sys
+from megapo.config import OptimConfig, ParallelConfig
+from megapo.learner.learner import Learner
+
+spec = json.loads(open(sys.argv[2]).read())
+learner = Learner(sys.argv[1], ParallelConfig(), OptimConfig(lr=1e-3, grad_clip=0.0), micro_batch_tokens=12)
+out = {}
+for name, batch in spec.items():
+    m = learner.train_step(batch, "ppo", "token-mean")
+    out[name] = {k: v for k, v in m.items() if k.startswith("mismatch_")}
+learner.close()
+print(json.dumps(out))
+"""
+
+
+def test_learner_train_mismatch_counts_the_continuations(tiny_dense, tmp_path):
+    """The learner's train_step over several micro-batches: mismatch_k3 with the samples' mismatch_mask equals the
+    k3 over the continuation tokens written out (float32 inputs), without it the k3 over every policy token; the
+    two differ."""
+    import subprocess
+
+    rows = _mismatch_rows(seed=11)
+    tokens = [[7 + i, 20 + i] + [30 + 3 * i + t for t in range(len(r[0]))] for i, r in enumerate(rows)]
+
+    def batch(keep):
+        out = []
+        for tk, (old, mu, L, policy) in zip(tokens, rows):
+            s = {"tokens": tk, "prompt_len": 2, "advantage": 0.5, "old_logp": old, "rollout_logp": mu,
+                 "loss_mask": policy}
+            if keep:
+                s["mismatch_mask"] = [0] * L + [1] * (len(old) - L)
+            out.append(s)
+        return out
+
+    (tmp_path / "run.py").write_text(LEARNER_MISMATCH)
+    (tmp_path / "spec.json").write_text(json.dumps({"kept": batch(True), "plain": batch(False)}))
+    proc = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tiny_dense), str(tmp_path / "spec.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    as32 = [([float(np.float32(v)) for v in o], [float(np.float32(v)) for v in m], L, p) for o, m, L, p in rows]
+    fresh, every = k3_loop(as32, count_prefix=False), k3_loop(as32, count_prefix=True)
+    assert abs(fresh - every) > 0.05 * fresh
+    assert out["kept"]["mismatch_k3"] == pytest.approx(fresh, rel=1e-4)
+    assert out["plain"]["mismatch_k3"] == pytest.approx(every, rel=1e-4)
+    assert out["kept"]["mismatch_max_abs_dlogp"] == out["plain"]["mismatch_max_abs_dlogp"]  # (0 on the prefixes)
 
 
 def _run(steps, soup, engine, cfg, tok, ex, prompt, params):

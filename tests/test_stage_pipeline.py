@@ -6,6 +6,7 @@ objectives --stages` lists the stages."""
 
 from __future__ import annotations
 
+import re
 import sys
 from functools import partial
 from types import SimpleNamespace
@@ -184,6 +185,35 @@ def test_a_pipeline_gives_its_stage_functions_in_sequence():
         assert sample.token_weight == w.tolist()
     assert metrics["token_select/kept_frac"] == pytest.approx(float(torch.cat(weights).eq(1).double().mean()))
     assert any(x < 0 for a in per_token for x in a.tolist()) and any(x > 0 for a in per_token for x in a.tolist())
+
+
+def test_the_pipeline_sets_a_runners_advantages_after_checking_count_and_lengths():
+    """A token stage's runner returns its per-sample advantages; run_token_stages writes them, and refuses a wrong
+    count or a wrong length naming the stage and the sample, before writing any."""
+    from megapo.algorithms.pipeline import Stage, StageDecl, TokenContext, run_token_stages
+    from megapo.algorithms.sample import TrainSample
+
+    def throwaway(values):  # a stage whose runner returns `values` as its advantages
+        decl = StageDecl("token", "advantage_stage", (), lambda batch, s, ctx: (values, {}))
+        return Stage("throwaway", {}, None, decl)
+
+    def fresh():  # responses of 2 and 3 tokens
+        return [TrainSample(tokens=[7, 1, 2], prompt_len=1, advantage=0.5),
+                TrainSample(tokens=[7, 7, 1, 2, 3], prompt_len=2, advantage=-0.5)]
+
+    ctx = TokenContext(group_size=2, step=0, seed=0, kl_coef=0.0)
+    third = torch.tensor([1 / 3, -2 / 3], dtype=F64), torch.tensor([0.1, 0.2, 0.3], dtype=F64)
+    batch = fresh()
+    run_token_stages([throwaway(list(third))], batch, ctx)
+    assert [x.advantage for x in batch] == [[1 / 3, -2 / 3], [0.1, 0.2, 0.3]]  # the float64 values, as Python floats
+    for values, words in [([third[0]], "1 per-sample advantages for a batch of 2 samples"),
+                          ([third[0], third[0]], "2 advantages for sample 1, whose response has 3 tokens"),
+                          ([third[0], third[1].reshape(1, 3)],
+                           "Tensor torch.Size([1, 3]) for sample 1; expected a 1-D floating tensor")]:
+        batch = fresh()
+        with pytest.raises(ValueError, match="^" + re.escape(f"advantage: stage throwaway returned {words}") + "$"):
+            run_token_stages([throwaway(values)], batch, ctx)
+        assert [x.advantage for x in batch] == [0.5, -0.5]  # nothing written
 
 
 def test_objectives_lists_the_stages(capsys):

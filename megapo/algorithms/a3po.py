@@ -130,11 +130,10 @@ def a3po_selected(advantages: list[Tensor], shaped: list[Tensor]) -> float:
     return float(flat_a.ne(flat_s).double().mean()) if flat_a.numel() else 0.0
 
 
-def run_a3po_stage(batch: list, s, ctx) -> dict:
-    """pipeline.STAGES' runner for `a3po`: per-token advantages into sample.advantage; a3po/scaled_frac, the share of
-    the batch's tokens whose advantage it changed, and a3po/pos_scale, s₊ at this step (s₋ follows the same line)."""
+def run_a3po_stage(batch: list, s, ctx) -> tuple[list[Tensor], dict]:
+    """pipeline.STAGES' runner for `a3po`: per sample its per-token advantages; a3po/scaled_frac, the share of the
+    batch's tokens whose advantage it changed, and a3po/pos_scale, s₊ at this step (s₋ follows the same line)."""
     before = per_token_advantages([x.advantage for x in batch], [len(x.tokens) - x.prompt_len for x in batch])
     values = a3po_advantages(advantages=before, old_logp=[x.old_logp for x in batch], step=ctx.step, **s.given)
-    for x, v in zip(batch, values):
-        x.advantage = v.tolist()
-    return {"a3po/scaled_frac": a3po_selected(before, values), "a3po/pos_scale": s.options.scales_at(ctx.step)[0]}
+    return values, {"a3po/scaled_frac": a3po_selected(before, values),
+                    "a3po/pos_scale": s.options.scales_at(ctx.step)[0]}

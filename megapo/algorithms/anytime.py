@@ -191,14 +191,13 @@ def summary_baselines(info: BudgetRewards, scores: list[float], n_summaries: int
             for g, _, cut in info.slots]
 
 
-def run_anytime_stage(batch: list, s, ctx) -> dict:
-    """pipeline.STAGES' runner for `anytime`: the per-token advantages megapo/trainer/anytime.py computed from the
-    step's budget rewards (ctx.anytime) into sample.advantage; anytime/thinking_adv_abs and anytime/summary_adv_abs,
-    the mean |A| over the thinkings' and the summaries' tokens."""
+def run_anytime_stage(batch: list, s, ctx) -> tuple[list[Tensor], dict]:
+    """pipeline.STAGES' runner for `anytime`: per sample the per-token advantages megapo/trainer/anytime.py computed
+    from the step's budget rewards (ctx.anytime), as float64 tensors; anytime/thinking_adv_abs and
+    anytime/summary_adv_abs, the mean |A| over the thinkings' and the summaries' tokens."""
     if ctx.anytime is None or len(ctx.anytime) != len(batch):
         raise ValueError("anytime: stage anytime needs each sample's per-token advantages (update.advantage_stages)")
     for x, a in zip(batch, ctx.anytime):
         if len(a) != len(x.tokens) - x.prompt_len:
             raise ValueError(f"anytime: {len(a)} advantages for a response of {len(x.tokens) - x.prompt_len} tokens")
-        x.advantage = torch.as_tensor(a, dtype=torch.float64).tolist()
-    return {}
+    return [torch.as_tensor(a, dtype=torch.float64) for a in ctx.anytime], {}

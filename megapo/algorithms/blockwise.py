@@ -184,13 +184,12 @@ def blockwise_token_advantages(inputs: BlockInputs, o: BlockwiseOptions) -> list
     return out
 
 
-def run_bae_stage(batch: list, s, ctx) -> dict:
-    """pipeline.STAGES' runner for `bae`: per-token block advantages into sample.advantage."""
+def run_bae_stage(batch: list, s, ctx) -> tuple[list[Tensor], dict]:
+    """pipeline.STAGES' runner for `bae`: per sample its per-token block advantages, and the mean block rewards."""
     if ctx.blocks is None:
         raise ValueError("block_rewards: stage bae needs each response's blocks and block rewards (block_inputs)")
     values = blockwise_token_advantages(ctx.blocks, s.options)
     for x, v in zip(batch, values):
         if len(v) != len(x.tokens) - x.prompt_len:
             raise ValueError(f"block_rewards: {len(v)} token blocks for a response of {len(x.tokens) - x.prompt_len}")
-        x.advantage = v.tolist()
-    return {f"bae/reward_{b}": float(ctx.blocks.rewards[:, k].mean()) for k, b in enumerate(s.options.blocks)}
+    return values, {f"bae/reward_{b}": float(ctx.blocks.rewards[:, k].mean()) for k, b in enumerate(s.options.blocks)}

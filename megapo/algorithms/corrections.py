@@ -157,15 +157,20 @@ def batch_correction_weights(name: str, b: TokenBatch, options: dict | None) -> 
     return w, metrics
 
 
-def mismatch_from_batch(b: TokenBatch) -> dict[str, Tensor]:
+def mismatch_from_batch(b: TokenBatch, keep: Tensor | None = None) -> dict[str, Tensor]:
     """Engine (μ) vs learner (π_old) mismatch over the valid tokens, samples drawn from μ.
 
     k1 = mean(log μ - log π_old) and k3 = mean(ρ - 1 - log ρ) with ρ = π_old/μ estimate KL(μ‖π_old);
     χ² = mean(ρ²) - 1 estimates χ²(π_old‖μ); ess = (Σρ)²/(N·Σρ²) ∈ (0, 1] is the normalised
     effective sample size of the token weights; max_abs_dlogp = max |log π_old - log μ|.
+    `keep` ([S, T] 0/1, TrainSample.mismatch_mask): only its valid 1s count, the tokens whose μ this step's engine
+    gave (SOUP's historical prefixes, μ an older policy's and π_old := μ there, are 0s); with none kept the means
+    are 0.
     """
     log_rho = _log_k(b)
     rho = torch.exp(log_rho)
+    if keep is not None:
+        return _kept_mismatch(log_rho, rho, b.fmask * keep)
     m = b.fmask
     n = m.sum()
     sum_rho = (rho * m).sum()
@@ -176,6 +181,23 @@ def mismatch_from_batch(b: TokenBatch) -> dict[str, Tensor]:
         "mismatch_chi2": (sum_rho2 / n - 1).detach(),
         "mismatch_ess": (sum_rho * sum_rho / (n * sum_rho2)).detach(),
         "mismatch_max_abs_dlogp": log_rho.abs().masked_fill(~b.mask, 0).max().detach(),
+    }
+
+
+def _kept_mismatch(log_rho: Tensor, rho: Tensor, m: Tensor) -> dict[str, Tensor]:
+    """mismatch_from_batch's metrics over the tokens of 0/1 mask `m`, 0 where it keeps none (a micro-batch of
+    SOUP prefixes only adds nothing to the learner's token-weighted reduction)."""
+    n = m.sum().clamp(min=1)
+    sum_rho = (rho * m).sum()
+    sum_rho2 = (rho * rho * m).sum()
+    some = m.sum() > 0
+    zero = torch.zeros((), dtype=rho.dtype, device=rho.device)
+    return {
+        "mismatch_k1": (-(log_rho) * m).sum().detach() / n,
+        "mismatch_k3": ((rho - 1 - log_rho) * m).sum().detach() / n,
+        "mismatch_chi2": torch.where(some, sum_rho2 / n - 1, zero).detach(),
+        "mismatch_ess": torch.where(some, sum_rho * sum_rho / (n * sum_rho2.clamp(min=1e-30)), zero).detach(),
+        "mismatch_max_abs_dlogp": log_rho.abs().masked_fill(m == 0, 0).max().detach(),
     }
 
 

@@ -137,9 +137,9 @@ def mean_policy_logp(old_logp, loss_mask) -> float:
     return float((lp * m).sum() / m.sum()) if float(m.sum()) > 0 else 0.0
 
 
-def run_dast_simpo_stage(batch: list, s, ctx) -> dict:
-    """pipeline.STAGES' runner for `dast_simpo`: the whole train batch, groups of ctx.group_size contiguous; each
-    sample's advantage (its one value, or the per-token values an earlier stage set) becomes per token, each + ΔA_i."""
+def run_dast_simpo_stage(batch: list, s, ctx) -> tuple[list[Tensor], dict]:
+    """pipeline.STAGES' runner for `dast_simpo`: the whole train batch, groups of ctx.group_size contiguous; per
+    sample its advantage (its one value, or the per-token values an earlier stage set) per token, each + ΔA_i."""
     if ctx.rewards is None or ctx.correct is None:
         raise ValueError(f"reward: stage {STAGE} needs the shaped rewards and the verdicts (update.advantage_stages)")
     rewards = torch.tensor([float(r) for r in ctx.rewards], dtype=torch.float64)
@@ -147,9 +147,7 @@ def run_dast_simpo_stage(batch: list, s, ctx) -> dict:
     mean_logp = torch.tensor([mean_policy_logp(x.old_logp, x.loss_mask) for x in batch], dtype=torch.float64)
     shift, metrics = dast_simpo_advantages(rewards, correct, mean_logp, ctx.group_size, s.options)
     per_token = per_token_advantages([x.advantage for x in batch], [len(x.old_logp) for x in batch])
-    for x, a, d in zip(batch, per_token, shift.tolist()):
-        x.advantage = (a + d).tolist()
-    return metrics
+    return [a + d for a, d in zip(per_token, shift.tolist())], metrics
 
 
 # ----------------------------------------------------------------------------------------- the run's rules

@@ -134,9 +134,9 @@ def batch_temperature(old_logp: list, loss_mask: list | None, options: Distribut
     return target_temperature(entropy_estimate(old, masks), options)
 
 
-def run_dc_stage(batch: list, s, ctx) -> dict:
-    """pipeline.STAGES' runner: sample.advantage becomes the per-token A' (ctx.tempered_logp: the learner's tempered
-    pass, update.advantage_stages; ctx.correct: the verdicts)."""
+def run_dc_stage(batch: list, s, ctx) -> tuple[list[Tensor], dict]:
+    """pipeline.STAGES' runner: per sample the per-token A' (ctx.tempered_logp: the learner's tempered pass,
+    update.advantage_stages; ctx.correct: the verdicts), and the stage's metrics."""
     if ctx.tempered_logp is None:
         raise ValueError(f"old_tempered_logp: stage {STAGE} needs log π^T_old from the learner's tempered pass "
                          "(update.advantage_stages)")
@@ -145,6 +145,4 @@ def run_dc_stage(batch: list, s, ctx) -> dict:
         advantages=[x.advantage for x in batch], old_logp=[x.old_logp for x in batch],
         tempered_logp=ctx.tempered_logp, correct=ctx.correct,
         loss_mask=masks if any(m is not None for m in masks) else None, **s.given)
-    for sample, v in zip(batch, values):
-        sample.advantage = v.tolist()
-    return metrics
+    return values, metrics

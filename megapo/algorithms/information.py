@@ -129,9 +129,9 @@ def iapo_advantages(advantages: list, information: list[Tensor], o: IAPOOptions)
     return out
 
 
-def run_iapo_stage(batch: list, s, ctx) -> dict:
-    """pipeline.STAGES' runner for `iapo`: per-token advantages into sample.advantage; iapo/info_mean, the mean
-    m over the batch's response tokens, and iapo/info_std."""
+def run_iapo_stage(batch: list, s, ctx) -> tuple[list[Tensor], dict]:
+    """pipeline.STAGES' runner for `iapo`: per sample its per-token advantages; iapo/info_mean, the mean m over the
+    batch's response tokens, and iapo/info_std."""
     if ctx.answer_information is None:
         raise ValueError("answer_information: stage iapo needs each response token's information about the answer "
                          "(update.advantage_stages)")
@@ -141,10 +141,8 @@ def run_iapo_stage(batch: list, s, ctx) -> dict:
             raise ValueError(f"answer_information: {m.numel()} values for a response of "
                              f"{len(x.tokens) - x.prompt_len} tokens")
     values = iapo_advantages([x.advantage for x in batch], info, s.options)
-    for x, v in zip(batch, values):
-        x.advantage = v.tolist()
     mean, std = information_stats(info)
-    return {"iapo/info_mean": float(mean), "iapo/info_std": float(std)}
+    return values, {"iapo/info_mean": float(mean), "iapo/info_std": float(std)}
 
 
 # ----------------------------------------------------------------------------- SPAE
@@ -218,9 +216,9 @@ def saturated_steps(after: Tensor, tau: float) -> Tensor:
     return torch.cat([after.new_zeros(1), reached])[:after.numel()]
 
 
-def run_spae_stage(batch: list, s, ctx) -> dict:
-    """pipeline.STAGES' runner for `spae`: per-token advantages into sample.advantage; spae/saturated_frac, the share
-    of response tokens in steps after the potential saturated, and spae/final_potential, the mean Φ at the end."""
+def run_spae_stage(batch: list, s, ctx) -> tuple[list[Tensor], dict]:
+    """pipeline.STAGES' runner for `spae`: per sample its per-token advantages; spae/saturated_frac, the share of
+    response tokens in steps after the potential saturated, and spae/final_potential, the mean Φ at the end."""
     if ctx.answer_steps is None:
         raise ValueError("answer_steps: stage spae needs the reference answer's log-probs and entropies after each "
                          "step (update.advantage_stages)")
@@ -228,10 +226,8 @@ def run_spae_stage(batch: list, s, ctx) -> dict:
                   for p in ctx.answer_steps]
     cuts = [p.cuts for p in ctx.answer_steps]
     values = spae_advantages([x.advantage for x in batch], potentials, cuts, s.options)
-    for x, v in zip(batch, values):
-        x.advantage = v.tolist()
     tokens = sum(c[-1] for c in cuts)
     after = sum(float((step_spans(c) * saturated_steps(phi[1:], s.options.tau)).sum())
                 for phi, c in zip(potentials, cuts))
-    return {"spae/saturated_frac": after / tokens if tokens else 0.0,
+    return values, {"spae/saturated_frac": after / tokens if tokens else 0.0,
             "spae/final_potential": float(torch.stack([p[-1] for p in potentials]).mean()) if potentials else 0.0}

@@ -151,17 +151,18 @@ def _components(stage: str, ctx, n: int) -> ComponentRewards:
     return rewards
 
 
-def run_gdpo_stage(batch: list, s, ctx) -> dict:
+def run_gdpo_stage(batch: list, s, ctx) -> tuple[list[Tensor], dict]:
     """GDPO: every token of a response gets its gdpo_advantages value; metric gdpo/batch_std (the std of the summed
     group-normalised components over the batch, the last division)."""
     rewards = _components(s.name, ctx, len(batch))
     adv = gdpo_advantages(rewards.values, ctx.group_size)
-    for sample, a in zip(batch, adv.tolist()):
-        sample.advantage = [a] * (len(sample.tokens) - sample.prompt_len)
-    return {"gdpo/batch_std": batch_statistics(group_normalised(rewards.values, ctx.group_size).sum(-1))[1] - EPS}
+    values = [torch.full((len(x.tokens) - x.prompt_len,), a, dtype=torch.float64)
+              for x, a in zip(batch, adv.tolist())]
+    summed = group_normalised(rewards.values, ctx.group_size).sum(-1)
+    return values, {"gdpo/batch_std": batch_statistics(summed)[1] - EPS}
 
 
-def run_mrtpo_stage(batch: list, s, ctx) -> dict:
+def run_mrtpo_stage(batch: list, s, ctx) -> tuple[list[Tensor], dict]:
     """MRTPO: per-token advantages from each reward's GDPO advantage and its JS-distance relevance."""
     rewards = _components(s.name, ctx, len(batch))
     if ctx.js_distance is None:
@@ -169,6 +170,4 @@ def run_mrtpo_stage(batch: list, s, ctx) -> dict:
                          "each reward's verifier information (update.advantage_stages)")
     values, metrics = mrtpo_advantages(rewards, ctx.js_distance, ctx.group_size, [x.loss_mask for x in batch],
                                        s.options)
-    for sample, v in zip(batch, values):
-        sample.advantage = v.tolist()
-    return metrics
+    return values, metrics

@@ -12,6 +12,12 @@ A stage runs where its kind says: a `sequence` stage on the estimator's one adva
 the sequence stages first. Each stage is declared once, in STAGES: its kind, its registry entry (paper, options
 dataclass and formula, megapo/algorithms/stages.py) and the INPUTS it reads beyond the advantages; the loop
 computes an input only when a stage, the objective or the KL term asks for it (AlgorithmConfig.needs_*).
+
+A token stage's runner, `run(batch, stage, ctx)`, returns `(advantages, metrics)`: advantages None where it leaves
+sample.advantage alone, else per sample of the batch, in order, a 1-D floating tensor with one value per response
+token (megapo's are float64). run_token_stages is the one writer of sample.advantage: it checks the count and
+every length (a ValueError naming the stage) and sets `values.tolist()`. Other fields a runner changes (token_weight
+through _multiply_weights, kl_weight, soup's old_logp) it still sets itself.
 """
 
 from __future__ import annotations
@@ -165,6 +171,7 @@ class StageDecl:
     kind: str  # sequence | token
     registry_kind: str  # its registry entry's kind (advantage_stage | token_weight): paper, options, formula
     inputs: tuple[str, ...]  # read beyond the advantages (INPUTS); an options class adds its `token_inputs`
+    # sequence: (adv [P, n], stage, GroupRows) -> adv; token: (batch, stage, TokenContext) -> TokenResult
     run: Callable[..., Any]
 
 
@@ -209,12 +216,10 @@ def _clamp_correct(adv: Tensor, s: Stage, rows: GroupRows) -> Tensor:
     return clamp_correct_advantages(adv, rows.correct)
 
 
-# ----------------------------------------------------------------------------- token stages: the batch in place
+# ----------------------------------------------------------------------------- token stages: on the whole batch
 
-
-def _set_advantages(batch: list[TrainSample], per_token: list[Tensor]) -> None:
-    for sample, values in zip(batch, per_token):
-        sample.advantage = values.tolist()
+# a token stage's runner returns (per sample its token advantages, or None: sample.advantage left alone; its metrics)
+TokenResult = tuple[list[Tensor] | None, dict]
 
 
 def _multiply_weights(batch: list[TrainSample], weights: list[Tensor]) -> None:
@@ -223,42 +228,40 @@ def _multiply_weights(batch: list[TrainSample], weights: list[Tensor]) -> None:
         sample.token_weight = (w if before is None else w * torch.tensor(before, dtype=w.dtype)).tolist()
 
 
-def _token_advantage(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+def _token_advantage(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> TokenResult:
     adv = torch.tensor([x.advantage for x in batch], dtype=torch.float64)
-    _set_advantages(batch, st.token_advantages(
+    return st.token_advantages(
         s.name, adv, [x.old_logp for x in batch], [x.old_entropy for x in batch], group_size=ctx.group_size,
-        rollout_logp=[x.rollout_logp for x in batch], ref_logp=[x.ref_logp for x in batch], **s.given))
-    return {}
+        rollout_logp=[x.rollout_logp for x in batch], ref_logp=[x.ref_logp for x in batch], **s.given), {}
 
 
-def _future_kl(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
-    _set_advantages(batch, st.future_kl_advantages([x.advantage for x in batch], [x.old_logp for x in batch],
-                                                   [x.ref_logp for x in batch], beta=ctx.kl_coef))
-    return {}
+def _future_kl(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> TokenResult:
+    return st.future_kl_advantages([x.advantage for x in batch], [x.old_logp for x in batch],
+                                   [x.ref_logp for x in batch], beta=ctx.kl_coef), {}
 
 
-def _token_select(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+def _token_select(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> TokenResult:
     weights = st.token_select_weights([x.advantage for x in batch], [x.old_entropy for x in batch], step=ctx.step,
                                       **s.given)
     _multiply_weights(batch, weights)
-    return {"token_select/kept_frac": float(torch.cat(weights).eq(1).double().mean())}
+    return None, {"token_select/kept_frac": float(torch.cat(weights).eq(1).double().mean())}
 
 
-def _token_mask(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+def _token_mask(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> TokenResult:
     if s.name == "nat_prefix" and ctx.nat_cut is not None:  # the trainer's one draw of the step (nat_cut.draw_cut)
         _multiply_weights(batch, ctx.nat_cut.weights([len(x.tokens) - x.prompt_len for x in batch]))
-        return {"nat_prefix/kept_frac": ctx.nat_cut.kept_frac()}
+        return None, {"nat_prefix/kept_frac": ctx.nat_cut.kept_frac()}
     masks = st.token_mask_weights(s.name, lengths=[len(x.tokens) - x.prompt_len for x in batch],
                                   advantages=[x.advantage for x in batch],
                                   old_logp=[x.old_logp for x in batch] if "old_logp" in s.inputs else None,
                                   entropy=[x.old_entropy for x in batch], seed=ctx.seed, step=ctx.step, **s.given)
     _multiply_weights(batch, masks)
-    return {f"{s.name}/kept_frac": float(torch.cat(masks).gt(0).double().mean())}
+    return None, {f"{s.name}/kept_frac": float(torch.cat(masks).gt(0).double().mean())}
 
 
-def _group_credit(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
-    """A stage on group statistics (token_credit.GROUP_TOKEN_STAGES), group by group: per-token advantages into
-    sample.advantage (advantage_stage) or weights multiplying sample.token_weight (token_weight)."""
+def _group_credit(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> TokenResult:
+    """A stage on group statistics (token_credit.GROUP_TOKEN_STAGES), group by group: per-token advantages
+    (advantage_stage) or weights multiplying sample.token_weight (token_weight)."""
     reads = s.inputs
     values = token_credit.group_token_stage(
         s.name, [x.tokens[x.prompt_len:] for x in batch], group_size=ctx.group_size,
@@ -267,14 +270,13 @@ def _group_credit(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict
         entropy=[x.old_entropy for x in batch] if "old_entropy" in reads else None, **s.given)
     if s.decl.registry_kind == "token_weight":
         _multiply_weights(batch, values)
-        return {f"{s.name}/weight_mean": float(torch.cat(values).mean())} if values else {}
-    _set_advantages(batch, values)
-    return {}
+        return None, ({f"{s.name}/weight_mean": float(torch.cat(values).mean())} if values else {})
+    return values, {}
 
 
-def _self_distill(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
-    """A self-distillation stage (megapo/algorithms/self_distill.py) on the whole train batch: per-token advantages
-    into sample.advantage, or weights multiplying sample.token_weight (intro)."""
+def _self_distill(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> TokenResult:
+    """A self-distillation stage (megapo/algorithms/self_distill.py) on the whole train batch: per-token advantages,
+    or weights multiplying sample.token_weight (intro)."""
     if ctx.self_teacher is None:
         raise ValueError(f"self_teacher_logp: stage {s.name} needs the self-teacher pass "
                          "(megapo/trainer/self_teacher.py)")
@@ -284,27 +286,25 @@ def _self_distill(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict
     if s.decl.registry_kind == "token_weight":
         _multiply_weights(batch, values)
         flat = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
-        return {f"{s.name}/weight_max": float(flat.max()) if flat.numel() else 0.0}
+        return None, {f"{s.name}/weight_max": float(flat.max()) if flat.numel() else 0.0}
     before = [torch.as_tensor(x.advantage, dtype=torch.float64).reshape(-1).expand(len(v))
               for x, v in zip(batch, values)]
-    _set_advantages(batch, values)
     shift = torch.cat([v - b for v, b in zip(values, before)]) if values else torch.zeros(0, dtype=torch.float64)
     out = {f"{s.name}/adv_shift": float(shift.abs().mean()) if shift.numel() else 0.0}  # mean |A' − A| per token
     if s.name == "credit":
         out["credit/contrast_inputs"] = float(ctx.self_teacher.contrast_inputs)
-    return out
+    return values, out
 
 
-def _hdpo(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+def _hdpo(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> TokenResult:
     """HDPO (megapo/algorithms/self_distill.py): the privileged rollouts' advantage λ per token, the others' kept."""
     values = self_distill.self_distill_advantages("hdpo", lengths=[len(x.tokens) - x.prompt_len for x in batch],
                                                   advantages=[x.advantage for x in batch], teacher=None,
                                                   privileged=ctx.privileged, **s.given)
-    _set_advantages(batch, values)
-    return {"hdpo/privileged_samples": float(sum(bool(p) for p in ctx.privileged))}
+    return values, {"hdpo/privileged_samples": float(sum(bool(p) for p in ctx.privileged))}
 
 
-def _otb(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+def _otb(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> TokenResult:
     """OTB (megapo/algorithms/otb.py): A_{i,t} = R_i − B*_t, the group's energy-weighted per-token baseline in place
     of the estimator's advantage; otb/baseline_mean, the mean baseline over the batch's tokens."""
     if ctx.sum_p2 is None or ctx.rewards is None:
@@ -314,12 +314,11 @@ def _otb(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
     values = otb.otb_advantages(returns, [torch.as_tensor(x.old_logp, dtype=torch.float64) for x in batch],
                                 [torch.as_tensor(v, dtype=torch.float64) for v in ctx.sum_p2], ctx.group_size,
                                 s.options)
-    _set_advantages(batch, values)
     base = torch.cat([g - v for g, v in zip(returns, values)]) if values else torch.zeros(0, dtype=torch.float64)
-    return {"otb/baseline_mean": float(base.mean()) if base.numel() else 0.0}
+    return values, {"otb/baseline_mean": float(base.mean()) if base.numel() else 0.0}
 
 
-def _delta(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+def _delta(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> TokenResult:
     """DelTA (megapo/algorithms/discriminative.py): each token's advantage times its discriminative weight."""
     if ctx.hidden is None:
         raise ValueError(f"old_hidden: stage {s.name} needs the LM head's input at the response tokens "
@@ -328,11 +327,10 @@ def _delta(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
     weights, metrics = discriminative.delta_weights(
         adv, [torch.as_tensor(x.old_logp, dtype=torch.float64) for x in batch], ctx.hidden,
         [x.loss_mask for x in batch], s.options)
-    _set_advantages(batch, [a * w for a, w in zip(adv, weights)])
-    return metrics
+    return [a * w for a, w in zip(adv, weights)], metrics
 
 
-def _thr(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+def _thr(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> TokenResult:
     """THR (megapo/algorithms/hidden_reward.py): each dominant token's advantage scaled by the sign of its hidden
     reward."""
     if ctx.hidden is None or ctx.vocab_logp is None:
@@ -342,11 +340,10 @@ def _thr(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
     values, metrics = hidden_reward.thr_advantages(
         [x.tokens[x.prompt_len:] for x in batch], adv, ctx.vocab_logp, ctx.vocab, ctx.hidden, ctx.group_size,
         [x.loss_mask for x in batch], s.options)
-    _set_advantages(batch, values)
-    return metrics
+    return values, metrics
 
 
-def _attention_entropy(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+def _attention_entropy(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> TokenResult:
     """The attention-entropy reweighting (megapo/algorithms/attention_entropy.py): each token's advantage (the
     sample's one, or a previous stage's per-token ones) times its entropy-rank weight at this trainer step."""
     if ctx.attention_entropy is None:
@@ -354,11 +351,10 @@ def _attention_entropy(batch: list[TrainSample], s: Stage, ctx: TokenContext) ->
                          "(update.advantage_stages)")
     weights, metrics = attention_entropy.attention_entropy_weights(
         ctx.attention_entropy, [x.prompt_len for x in batch], [x.loss_mask for x in batch], ctx.step, s.options)
-    _set_advantages(batch, [torch.as_tensor(x.advantage, dtype=torch.float64) * w for x, w in zip(batch, weights)])
-    return metrics
+    return [torch.as_tensor(x.advantage, dtype=torch.float64) * w for x, w in zip(batch, weights)], metrics
 
 
-def _low_entropy_kl(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+def _low_entropy_kl(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> TokenResult:
     """SENT's low-entropy-token KL (megapo/algorithms/semantic_entropy.py): per-token KL coefficients into
     sample.kl_weight, which the loss multiplies each token's |log π_θ − log π_old| by; low_entropy_kl/coef_mean,
     their mean over the batch's tokens, and low_entropy_kl/frac, the share of tokens with a non-zero one."""
@@ -368,13 +364,13 @@ def _low_entropy_kl(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> di
     for sample, c in zip(batch, coef):
         sample.kl_weight = c.tolist()
     flat = torch.cat(coef) if coef else torch.zeros(0, dtype=torch.float64)
-    return {"low_entropy_kl/coef_mean": float(flat.mean()) if flat.numel() else 0.0,
-            "low_entropy_kl/frac": float(flat.gt(0).double().mean()) if flat.numel() else 0.0}
+    return None, {"low_entropy_kl/coef_mean": float(flat.mean()) if flat.numel() else 0.0,
+                  "low_entropy_kl/frac": float(flat.gt(0).double().mean()) if flat.numel() else 0.0}
 
 
-def _entropy_credit(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+def _entropy_credit(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> TokenResult:
     """An entropy-credit stage (megapo/algorithms/entropy_credit.py: erpo, aepo) on the whole train batch: per-token
-    advantages into sample.advantage."""
+    advantages."""
     reads = s.inputs
     values = entropy_credit.entropy_credit_advantages(
         s.name, advantages=[x.advantage for x in batch], entropy=[x.old_entropy for x in batch],
@@ -383,19 +379,25 @@ def _entropy_credit(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> di
         ref_logp=[x.ref_logp for x in batch] if "ref_logp" in reads else None, **s.given)
     before = [torch.as_tensor(x.advantage, dtype=torch.float64).reshape(-1).expand(len(v))
               for x, v in zip(batch, values)]
-    _set_advantages(batch, values)
     shift = torch.cat([v - b for v, b in zip(values, before)]) if values else torch.zeros(0, dtype=torch.float64)
-    return {f"{s.name}/adv_shift": float(shift.abs().mean()) if shift.numel() else 0.0}  # mean |A' − A| per token
+    # mean |A' − A| per token
+    return values, {f"{s.name}/adv_shift": float(shift.abs().mean()) if shift.numel() else 0.0}
 
 
-def _lopti(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> dict:
+def _soup(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> TokenResult:
+    """SOUP (megapo/algorithms/soup.py): π_old := μ on the mixed samples' historical prefixes (soup.run_soup_stage
+    sets sample.old_logp); the advantages left alone."""
+    return None, soup.run_soup_stage(batch, s, ctx)
+
+
+def _lopti(batch: list[TrainSample], s: Stage, ctx: TokenContext) -> TokenResult:
     """Lopti (megapo/algorithms/lopti.py): marks nothing on the samples; the update loop splits each update into its
     low- and high-probability steps from sample.old_logp (megapo.trainer.update.policy_updates). lopti/low_frac, the
     share of the batch's policy tokens with π_old(y_t) < η."""
     masks = lopti.low_prob_masks([x.old_logp for x in batch], s.options.eta)
     loss_masks = [x.loss_mask for x in batch]
-    return {"lopti/low_frac": lopti.low_fraction(masks, loss_masks if any(m is not None for m in loss_masks)
-                                                 else None)}
+    policy = loss_masks if any(m is not None for m in loss_masks) else None
+    return None, {"lopti/low_frac": lopti.low_fraction(masks, policy)}
 
 
 _PER_SAMPLE = ("sequence_advantage", "old_logp")
@@ -474,7 +476,7 @@ STAGES: dict[str, StageDecl] = {
     "anytime": StageDecl("token", "advantage_stage", ("anytime",), anytime.run_anytime_stage),
     # SOUP (megapo/algorithms/soup.py): π_old := μ (sample.rollout_logp, always at hand) on the historical prefixes
     # of the mixed samples; with old_policy=engine π_old is μ already and the stage changes nothing
-    "soup": StageDecl("token", "token_weight", ("old_logp", "soup_prefix"), soup.run_soup_stage),
+    "soup": StageDecl("token", "token_weight", ("old_logp", "soup_prefix"), _soup),
     # A3PO (megapo/algorithms/a3po.py): a positive response's rare tokens and a negative one's confident tokens scaled
     "a3po": StageDecl("token", "advantage_stage", ("sequence_advantage", "old_logp", "step"), a3po.run_a3po_stage),
 }
@@ -560,10 +562,40 @@ def run_sequence_stages(stages: list[Stage], adv: Tensor, rows: GroupRows) -> Te
 
 
 def run_token_stages(stages: list[Stage], batch: list[TrainSample], ctx: TokenContext) -> dict:
-    """The token stages, in order, on the whole train batch: a token advantage makes sample.advantage a per-token
-    list, a token weight multiplies sample.token_weight. Returns their metrics."""
+    """The token stages, in order, on the whole train batch: the per-token advantages a runner returns become
+    sample.advantage (_set_advantages), a token weight multiplies sample.token_weight. Returns their metrics."""
     metrics: dict[str, float] = {}
     for s in stages:
         if s.kind == "token":
-            metrics.update(s.decl.run(batch, s, ctx))
+            advantages, out = s.decl.run(batch, s, ctx)
+            if advantages is not None:
+                _set_advantages(batch, advantages, s.name)
+            metrics.update(out)
     return metrics
+
+
+def _set_advantages(batch: list[TrainSample], advantages: list, stage: str) -> None:
+    """sample.advantage := advantages[i].tolist() for every sample, after checking that there is one 1-D floating
+    tensor per sample with one value per response token; else ValueError naming the stage and the sample. The
+    token stages' one writer of sample.advantage (the runners return theirs)."""
+    if len(advantages) != len(batch):
+        raise ValueError(f"advantage: stage {stage} returned {len(advantages)} per-sample advantages for a batch of "
+                         f"{len(batch)} samples")
+    for i, (sample, values) in enumerate(zip(batch, advantages)):
+        if not (isinstance(values, Tensor) and values.dim() == 1 and values.is_floating_point()):
+            raise ValueError(f"advantage: stage {stage} returned {type(values).__name__} "
+                             f"{getattr(values, 'shape', '')} for sample {i}; expected a 1-D floating tensor")
+        n = _response_length(sample)
+        if n is not None and values.numel() != n:
+            raise ValueError(f"advantage: stage {stage} returned {values.numel()} advantages for sample {i}, whose "
+                             f"response has {n} tokens")
+    for sample, values in zip(batch, advantages):
+        sample.advantage = values.tolist()
+
+
+def _response_length(sample: TrainSample) -> int | None:
+    """The sample's response tokens; a plain dict of a test or tool without `tokens` has them as its old_logp's
+    (None: neither, nothing to check against)."""
+    if sample.tokens is not None:
+        return len(sample.tokens) - sample.prompt_len
+    return None if sample.old_logp is None else len(sample.old_logp)

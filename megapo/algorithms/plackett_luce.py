@@ -52,9 +52,10 @@ def plackett_luce_advantages(returns: Tensor, traj_logp: Tensor) -> Tensor:
     return w * (returns - (w * returns).sum(-1, keepdim=True))
 
 
-def run_stage(batch: list, s, ctx) -> dict:
+def run_stage(batch: list, s, ctx) -> tuple[list[Tensor], dict]:
     """pipeline.STAGES' runner for `plackett_luce`: the whole train batch, groups of ctx.group_size contiguous;
-    L_i sums π_old (sample.old_logp) over the tokens the policy sampled (sample.loss_mask, all when None)."""
+    L_i sums π_old (sample.old_logp) over the tokens the policy sampled (sample.loss_mask, all when None). Per
+    sample its Â_i at every token, and plackett_luce/weight_max."""
     returns, sums = [], []
     for x in batch:
         if isinstance(x.advantage, (list, tuple)):
@@ -71,9 +72,8 @@ def run_stage(batch: list, s, ctx) -> dict:
     r = torch.tensor(returns, dtype=torch.float64).view(-1, n)
     ll = torch.tensor(sums, dtype=torch.float64).view(-1, n)
     adv = plackett_luce_advantages(r, ll).reshape(-1)
-    for x, a in zip(batch, adv.tolist()):
-        x.advantage = [a] * len(x.old_logp)
-    return {f"{STAGE}/weight_max": float(torch.softmax(ll, -1).max(-1).values.mean())}
+    values = [torch.full((len(x.old_logp),), a, dtype=torch.float64) for x, a in zip(batch, adv.tolist())]
+    return values, {f"{STAGE}/weight_max": float(torch.softmax(ll, -1).max(-1).values.mean())}
 
 
 # ----------------------------------------------------------------------------------------- the objective

@@ -50,6 +50,10 @@ class TrainSample:
     # per response token: HAPO's signed entropy score ĥ in [-1, 1] of π_old's entropy over the whole train batch
     # (objectives.hapo_entropy_scores; megapo.trainer.update.set_entropy_scores), read by ppo's clip_mode hapo
     entropy_score: list[float] | None = None
+    # per response token: 1 where this step's engine sampled it, 0 where μ (rollout_logp) is an older policy's (stage
+    # soup's historical prefixes, set by megapo.algorithms.soup.run_soup_stage); the learner's engine-vs-learner
+    # metrics train/mismatch_* count the 1s only (corrections.mismatch_from_batch); None: every policy token counts
+    mismatch_mask: list[int] | None = None
 
     # ------------------------------------------------------------------------- read and set by field name
 
@@ -79,10 +83,10 @@ class TrainSample:
 FIELDS = tuple(f.name for f in fields(TrainSample))
 # per-token fields: one value per response token (advantage: or one per sample), laid end to end by the learner
 TOKEN_FIELDS = ("old_logp", "advantage", "rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end",
-                "loss_mask", "kl_weight", "low_prob", "entropy_score")
+                "loss_mask", "kl_weight", "low_prob", "entropy_score", "mismatch_mask")
 # optional ones: every sample of a batch has it or none does
 OPTIONAL_FIELDS = ("rollout_logp", "ref_logp", "token_weight", "old_entropy", "sentence_end", "loss_mask",
-                   "kl_weight", "low_prob", "entropy_score")
+                   "kl_weight", "low_prob", "entropy_score", "mismatch_mask")
 # per-token rows: k values per response token (every sample of a batch has them or none does)
 TOPK_FIELDS = ("teacher_topk_ids", "teacher_topk_logp")
 

@@ -98,15 +98,22 @@ def soup_old_logp(old_logp: list[float], mu: list[float], prefix: int) -> list[f
 
 
 def run_soup_stage(batch: list, s, ctx) -> dict:
-    """pipeline.STAGES' runner for `soup`: π_old := μ (sample.rollout_logp, the historical policy's log-probs there)
-    on each mixed sample's prefix (ctx.soup_prefix, tokens); soup/prefix_frac, the share of the batch's response
-    tokens that are historical prefixes, and soup/prefix_log_ratio, the mean log π_old − log μ over them (how far the
-    historical policy is from π_old, before the replacement)."""
+    """The stage `soup` (its runner, pipeline._soup, returns these metrics and no advantages): π_old := μ
+    (sample.rollout_logp, the historical policy's log-probs there) on each mixed sample's prefix (ctx.soup_prefix,
+    tokens); soup/prefix_frac, the share of the batch's response tokens that are historical prefixes, and
+    soup/prefix_log_ratio, the mean log π_old − log μ over them (how far the historical policy is from π_old, before
+    the replacement). When the step mixed a sample, every sample's
+    mismatch_mask (0 on its prefix, 1 after) keeps the learner's train/mismatch_* to the tokens this step's engine
+    sampled: with π_old := μ there a prefix token would add ρ = 1, diluting them; otherwise it stays None."""
     if ctx.soup_prefix is None or len(ctx.soup_prefix) != len(batch):
         raise ValueError("soup: stage soup needs each sample's prefix length (update.advantage_stages)")
+    mixed = any(ctx.soup_prefix)
     prefix_tokens, total, gap = 0, 0, 0.0
     for x, L in zip(batch, ctx.soup_prefix):
-        total += len(x.tokens) - x.prompt_len
+        n = len(x.tokens) - x.prompt_len
+        total += n
+        if mixed:  # every sample of the batch has one or none does (TrainSample's optional fields)
+            x.mismatch_mask = [0] * int(L) + [1] * (n - int(L))
         if not L:
             continue
         if x.rollout_logp is None or x.old_logp is None:

@@ -132,9 +132,9 @@ def decs_advantages(rewards: list[float], correct: list[bool], first_correct: li
     return out
 
 
-def run_decs_stage(batch: list, s, ctx) -> dict:
-    """pipeline.STAGES' runner for `decs`: per-token advantages into sample.advantage; decs/redundant_frac, the
-    share of the correct responses' tokens after their first correct answer."""
+def run_decs_stage(batch: list, s, ctx) -> tuple[list[Tensor], dict]:
+    """pipeline.STAGES' runner for `decs`: per sample its per-token advantages; decs/redundant_frac, the share of
+    the correct responses' tokens after their first correct answer."""
     if ctx.first_correct is None or ctx.rewards is None or ctx.correct is None:
         raise ValueError("first_correct: stage decs needs each correct response's answer end, the rewards and the "
                          "verdicts (update.advantage_stages)")
@@ -142,12 +142,10 @@ def run_decs_stage(batch: list, s, ctx) -> dict:
     values = decs_advantages([float(r) for r in ctx.rewards], [bool(c) for c in ctx.correct],
                              [int(a) for a in ctx.first_correct], lengths, ctx.group_size, ctx.max_new_tokens,
                              s.options)
-    for x, v in zip(batch, values):
-        x.advantage = v.tolist()
     right = [(a, n) for a, n, c in zip(ctx.first_correct, lengths, ctx.correct) if c]
     total = sum(n for _, n in right)
     redundant = sum(n - a for a, n in right if 0 <= a < n)
-    return {"decs/redundant_frac": redundant / total if total else 0.0}
+    return values, {"decs/redundant_frac": redundant / total if total else 0.0}
 
 
 # ----------------------------------------------------------------------------- DECS's curriculum batch scheduling
@@ -410,17 +408,15 @@ def bingo_advantages(rewards: list[float], correct: list[bool], old_logp: list[T
     return [torch.full((len(lp),), float(a), dtype=torch.float64) for lp, a in zip(old_logp, adv)]
 
 
-def run_bingo_stage(batch: list, s, ctx) -> dict:
-    """pipeline.STAGES' runner for `bingo`: per-token advantages into sample.advantage; bingo/lambda_dyn and
+def run_bingo_stage(batch: list, s, ctx) -> tuple[list[Tensor], dict]:
+    """pipeline.STAGES' runner for `bingo`: per sample its per-token advantages; bingo/lambda_dyn and
     bingo/insignificant_frac (the share of the batch's tokens with π_old(y_t) > threshold)."""
     if ctx.rewards is None or ctx.correct is None:
         raise ValueError("reward: stage bingo needs the rewards and the verdicts (update.advantage_stages)")
     logps = [torch.as_tensor(x.old_logp, dtype=torch.float64) for x in batch]
     values = bingo_advantages([float(r) for r in ctx.rewards], [bool(c) for c in ctx.correct], logps,
                               ctx.group_size, ctx.step, s.options)
-    for x, v in zip(batch, values):
-        x.advantage = v.tolist()
     flat = torch.cat(logps) if logps else torch.zeros(0, dtype=torch.float64)
-    return {"bingo/lambda_dyn": dynamic_weight(ctx.step, s.options),
+    return values, {"bingo/lambda_dyn": dynamic_weight(ctx.step, s.options),
             "bingo/insignificant_frac": float(flat.exp().gt(s.options.threshold).double().mean()) if flat.numel()
             else 0.0}

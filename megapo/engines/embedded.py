@@ -1,17 +1,19 @@
 """The embedded engine: in-process sampling on CPU with a KV cache, on the trainer's machine, no server.
 
 One `generate` call is one batch of prompts x n rows:
-- prefill each distinct prompt once (left-padded to the longest), then copy its cache rows into the n rows of
-  its samples in one KV cache allocated for the whole batch (prompts x n rows, prompt + max_new_tokens columns);
-- decode one token for every running row per step, in one batched forward; rows that finish leave the batch: the
-  running rows move to the cache's front in place (no reallocation), so a step computes only running rows;
+- prefill each distinct prompt once (left-padded to the longest) into one KV cache allocated for the whole batch
+  (prompts x n rows, prompt + max_new_tokens columns);
+- decode one token per running *state* per step, in one batched forward: the running samples of a prompt whose
+  tokens so far are equal share a state (one cache row, one forward), which splits when they draw different tokens
+  and leaves when its last sample finishes; the states move to the cache's front (no reallocation), so a step
+  computes each distinct running prefix once (with router noise every sample is a state of its own);
 - every row samples with the same torch.Generator, so a batch is reproducible given `SamplingParams.seed`
   (or, without one, given the engine's seed and the sequence of calls).
 - `SamplingParams.abort` (DUET's marker-gated abort, megapo.engines.base.AbortRule): at the step its rows reach
   `abort.at` tokens, a running row that did not draw keep and whose tokens fail the marker check ends there with
   finish_reason "abort" and leaves the batch as a finished row does (its tokens, log-probs and routes those of the
   unstopped row, cut there; the other rows' samples unchanged); it is never continued, unlike a preempted row.
-  `tokens_decoded` counts the tokens every batch has sampled.
+  `tokens_decoded` counts the tokens every batch has sampled, `states_decoded` the rows its decode steps computed.
 - `router_noise=σ` (rollout.router_noise; 0: off, nothing drawn) adds N(0, σ²) to every MoE layer's router
   logits before the top-k, in this engine only: a controlled dose of the kernel-level router nondeterminism GPUs
   show in bf16 (engine and learner routing the same token differently). The noise moves the choice of experts
@@ -101,6 +103,7 @@ class EmbeddedEngine(Engine):
         self._preempted = threading.Event()  # set by preempt(): batches stop; their samples continue after resume()
         self._closed = False
         self.tokens_decoded = 0  # tokens sampled by every batch so far (one per running row and decode step)
+        self.states_decoded = 0  # rows the decode steps computed so far (one per running state and step)
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def pause(self) -> None:
@@ -167,15 +170,17 @@ class EmbeddedEngine(Engine):
             self._noise_generator.set_state(state[size:].clone())
 
     # ------------------------------------------------------------------------------------------ sampling
-    def _sample(self, logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor):
-        """logits float32 [B, V], one uniform in [0, 1) per row -> (token [B], logprob [B]).
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor, state_of: torch.Tensor):
+        """logits float32 [S, V] of S states, each sample's state `state_of` [B], one uniform in [0, 1) per
+        sample -> (token [B], logprob [B]).
 
-        Inverse-CDF sampling with one uniform per row and step: a row's draw does not depend on which other
-        rows are still running, so dropping finished rows never changes the others' samples."""
+        Inverse-CDF sampling with one uniform per sample and step: a sample's draw does not depend on which other
+        samples are still running, so dropping finished ones never changes the others' samples. The distribution
+        (and its CDF) is computed once per state; each sample searches its state's CDF with its own uniform."""
         if params.temperature == 0:
             token = logits.argmax(dim=-1)
             logp = torch.log_softmax(logits, dim=-1)
-            return token, logp.gather(1, token[:, None])[:, 0]
+            return token[state_of], logp.gather(1, token[:, None])[:, 0][state_of]
         temperature = params.temperature
         if params.entropy_temperature is not None:  # HAPO: each row's own temperature from its entropy
             temperature = params.entropy_temperature.temperatures(logits, params.temperature)[:, None]
@@ -186,12 +191,12 @@ class EmbeddedEngine(Engine):
             probs, order = probs.sort(dim=-1, descending=True)
             # keep the smallest prefix whose mass reaches top_p (the top token is always kept)
             probs = probs.masked_fill((probs.cumsum(dim=-1) - probs) >= params.top_p, 0.0)
-        cdf = probs.cumsum(dim=-1)
-        pick = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True).clamp_(max=cdf.shape[1] - 1)
-        token = (order.gather(1, pick) if order is not None else pick)[:, 0]
+        cdf = probs.cumsum(dim=-1).index_select(0, state_of)
+        pick = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True).clamp_(max=cdf.shape[1] - 1)[:, 0]
+        token = order[state_of, pick] if order is not None else pick
         if self.logprob_mode == "raw":
             logp = torch.log_softmax(logits, dim=-1)
-        return token, logp.gather(1, token[:, None])[:, 0]
+        return token, logp[state_of, token]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
         self._check_open()
@@ -255,6 +260,11 @@ class EmbeddedEngine(Engine):
     @torch.inference_mode()
     def _generate_locked(self, prompts: list[list[int]], params: SamplingParams, gen,
                          noise_gen=None) -> list[list[Sample]]:
+        """One batch. The KV cache holds one row per *state*, not per sample: the running samples of one prompt
+        whose tokens so far are the same share a state (a prefix tree over each prompt's samples, cut at the
+        current step), so a decode step computes each distinct state once and its samples read its logits. A
+        state splits when its samples draw different tokens (its cache row copied to each), and leaves when its
+        last sample finishes. With router noise every sample draws its own noise: each is its own state."""
         model, n = self.model, params.n
         moe_noise = (self.spec.num_moe_layers, self.spec.experts)  # router noise per fed position (noise_gen)
         U, P, max_new = len(prompts), max(len(p) for p in prompts), params.max_new_tokens
@@ -270,17 +280,20 @@ class EmbeddedEngine(Engine):
             causal = cols[:P, None] >= cols[None, :P]
             mask = ((causal & key_ok[:, None, :P]) | torch.eye(P, dtype=torch.bool))[:, None]
         positions = (cols[None, :P] - pads[:, None]).clamp(min=0)
-        # Every sample's row in one cache, prompt-major (row = u * n + j); the last sampled token is never fed,
-        # so P + max_new - 1 columns hold every key.
-        B = U * n
+        B = U * n  # sample rows, prompt-major (row = u * n + j)
+        # the last sampled token is never fed, so P + max_new - 1 columns hold every key
         cache = self._cache_for(B, P + max_new - 1)
         want_routes = params.return_routes
         prompt_routes: list[torch.Tensor] | None = [] if want_routes else None
         noise = None if noise_gen is None else self.router_noise * torch.randn(U, P, *moe_noise, generator=noise_gen)
         logits = model.step(ids, positions, cache, 0, mask, prompt_routes, router_noise=noise)
-        cache.repeat_rows(U, n, P)
-        logits = logits.repeat_interleave(n, 0) if n > 1 else logits
-        pads_b, key_ok_b = pads.repeat_interleave(n), key_ok.repeat_interleave(n, 0)
+        # state_of[i]: the cache row (state) of the i-th running sample; prompt_of[c]: state c's prompt
+        if noise_gen is None:
+            state_of, prompt_of = torch.arange(U).repeat_interleave(n), torch.arange(U)
+        else:  # router noise differs per sample: one state each from the start
+            cache.compact(torch.arange(U).repeat_interleave(n), P)
+            logits = logits.repeat_interleave(n, 0)
+            state_of, prompt_of = torch.arange(B), torch.arange(U).repeat_interleave(n)
         routes = None
         if want_routes:  # per row, every fed position's top-k experts: [B, P + max_new - 1, L, k]
             routes = torch.zeros(B, P + max_new - 1, self.spec.num_moe_layers, self.spec.topk, dtype=self._route_dtype)
@@ -290,12 +303,13 @@ class EmbeddedEngine(Engine):
         lengths = torch.zeros(B, dtype=torch.long)
         stopped = torch.zeros(B, dtype=torch.bool)
         stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long)
-        active = torch.arange(B)  # original row id of each live row; live rows are the cache's first rows
+        active = torch.arange(B)  # original row id of each running sample
         ruled = torch.zeros(B, dtype=torch.bool)  # rows params.abort ended
         preempted = False
+        vocab = logits.shape[-1]
         for t in range(max_new):
             uniform = torch.rand(B, generator=gen, dtype=torch.float64).float()[active]
-            token, logp = self._sample(logits, params, uniform)
+            token, logp = self._sample(logits, params, uniform, state_of)
             self.tokens_decoded += int(active.numel())
             out_tokens[active, t], out_logps[active, t] = token, logp
             lengths[active] = t + 1
@@ -312,21 +326,27 @@ class EmbeddedEngine(Engine):
             if self._preempted.is_set():  # partial rollouts: the unfinished rows continue on the new weights
                 preempted = True
                 break
-            if any_done:  # finished rows leave the batch: the live ones move to the cache's front
+            if any_done:  # finished rows leave the batch
                 keep = (~done).nonzero()[:, 0]
-                active, token = active[keep], token[keep]
-                cache.compact(keep, P + t)
-                pads_b, key_ok_b = pads_b[keep], key_ok_b[keep]
+                active, token, state_of = active[keep], token[keep], state_of[keep]
+            # the next states: one per (state, token) of the running samples, in (state, token) order
+            keys, state_of = torch.unique(state_of * vocab + token, return_inverse=True)
+            parent, state_token = keys // vocab, keys % vocab
+            if len(parent) != len(prompt_of) or bool((parent != torch.arange(len(parent))).any()):
+                cache.compact(parent, P + t)  # states split or left: each new state's row from its parent's
+                prompt_of = prompt_of[parent]
             col = P + t
             routes_t: list[torch.Tensor] | None = [] if want_routes else None
-            step_mask = key_ok_b[:, None, None, :col + 1] if padded else None
+            step_mask = key_ok[prompt_of][:, None, None, :col + 1] if padded else None
             noise = None
-            if noise_gen is not None:  # every row of the batch draws, the running ones use theirs
-                noise = self.router_noise * torch.randn(B, 1, *moe_noise, generator=noise_gen)[active]
-            logits = model.step(token[:, None], (col - pads_b)[:, None], cache, col, step_mask, routes_t,
-                                router_noise=noise)
+            if noise_gen is not None:  # every row of the batch draws, the running ones use theirs (one state each)
+                drawn = torch.randn(B, 1, *moe_noise, generator=noise_gen)[active]
+                noise = self.router_noise * torch.empty_like(drawn).index_copy_(0, state_of, drawn)
+            logits = model.step(state_token[:, None], (col - pads[prompt_of])[:, None], cache, col, step_mask,
+                                routes_t, router_noise=noise)
+            self.states_decoded += len(state_token)
             if want_routes:
-                routes[active, col] = torch.stack(routes_t, dim=2)[:, 0].to(self._route_dtype)
+                routes[active, col] = torch.stack(routes_t, dim=2)[:, 0].to(self._route_dtype).index_select(0, state_of)
         cut = (~stopped) & (~ruled) & (lengths < max_new) if preempted else None
         return self._collect(prompts, n, P, pads, out_tokens, out_logps, lengths, stopped, routes, cut, ruled)
 

@@ -148,9 +148,9 @@ class TorchLMSpec:
 
 class KVCache:
     """Per-layer K [batch, cache_heads, max_len, head_dim] and V [..., v_head_dim]: a forward of B rows uses rows
-    0..B-1. Row moves (n samples per prefilled prompt, finished samples dropping out) copy into a second buffer of
-    the same shape, which then becomes the cache: no allocation per step, and one cache can serve many batches
-    (`fits`). MLA's keys and values are kept expanded per head, not as the kv latent: a decode step then costs
+    0..B-1. Row moves (a prompt's state split among its samples as they draw different tokens, finished ones
+    dropping out) copy into a second buffer of the same shape, which then becomes the cache: no allocation per step,
+    and one cache can serve many batches (`fits`). MLA's keys and values are kept expanded per head, not as the kv latent: a decode step then costs
     what a GQA one does, at more memory per token, which the small models this engine runs can afford."""
 
     def __init__(self, spec: TorchLMSpec, batch: int, max_len: int, dtype: torch.dtype):
@@ -172,15 +172,8 @@ class KVCache:
             self._spare = ([torch.empty_like(t) for t in self.k], [torch.empty_like(t) for t in self.v])
         return self._spare
 
-    def repeat_rows(self, rows: int, n: int, columns: int) -> None:
-        """Rows u * n + j (u < rows, j < n) <- row u, columns 0..columns-1."""
-        spare = self._spare_buffers()
-        for src, dst in zip(self.k + self.v, spare[0] + spare[1]):
-            dst[:rows * n].view(rows, n, *dst.shape[1:])[:, :, :, :columns].copy_(src[:rows, None, :, :columns])
-        self._swap(spare)
-
     def compact(self, keep: torch.Tensor, columns: int) -> None:
-        """Rows `keep` become rows 0..len(keep)-1, columns 0..columns-1."""
+        """Rows `keep` become rows 0..len(keep)-1, columns 0..columns-1 (a row may be taken more than once)."""
         spare = self._spare_buffers()
         for src, dst in zip(self.k + self.v, spare[0] + spare[1]):
             torch.index_select(src[:, :, :columns], 0, keep, out=dst[:len(keep), :, :columns])

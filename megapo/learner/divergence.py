@@ -36,8 +36,13 @@ def vocab_parallel_js_distance(p_logits: torch.Tensor, q_logits: torch.Tensor, *
     log_p = zp - sums[0].log().unsqueeze(-1)
     log_q = zq - sums[1].log().unsqueeze(-1)
     log_m = torch.logaddexp(log_p, log_q) - math.log(2.0)
-    # an entry with p_v = 0 adds 0 (exp underflows to 0 against a finite log-ratio; padding sits at a finite -1e30)
-    local = 0.5 * (log_p.exp() * (log_p - log_m) + log_q.exp() * (log_q - log_m)).sum(dim=-1)
+    # an entry with p_v = q_v adds exactly 0 (logaddexp's rounding would leave ~1 ulp there, whose square root
+    # shows as ~1e-8 at equal distributions); one with p_v = 0 adds 0 (exp underflows to 0 against a finite
+    # log-ratio; padding sits at a finite -1e30)
+    same = log_p == log_q
+    to_m_p = torch.where(same, 0.0, log_p - log_m)
+    to_m_q = torch.where(same, 0.0, log_q - log_m)
+    local = 0.5 * (log_p.exp() * to_m_p + log_q.exp() * to_m_q).sum(dim=-1)
     if group.size() > 1:
         torch.distributed.all_reduce(local, group=group)
     return local.clamp(min=0.0).sqrt()

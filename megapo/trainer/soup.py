@@ -14,9 +14,10 @@ The buffer then keeps, per prompt, the first `mix` responses of this step's kept
 with the trainer step and weight version: a prompt's entry is replaced at each visit. It is kept in the checkpoint
 (state_dict) so a resumed run mixes as the unstopped one.
 
-The update's engine-vs-learner metrics (the old-log-prob pass's mismatch/* and replay/kl_k3*) count the tokens this
-step's engine sampled only: a prefix's μ is the historical policy's, so its gap to π_old is staleness, not
-mismatch; soup/prefix_k3 measures the prefixes apart (batch_prefix_lens, prefix_split, prefix_mismatch).
+The update's engine-vs-learner metrics (the old-log-prob pass's mismatch/* and replay/kl_k3*, the learner's
+train/mismatch_* through TrainSample.mismatch_mask, which stage soup sets) count the tokens this step's engine
+sampled only: a prefix's μ is the historical policy's, so its gap to π_old is staleness, not mismatch;
+soup/prefix_k3 measures the prefixes apart (batch_prefix_lens, prefix_split, prefix_mismatch).
 """
 
 from __future__ import annotations

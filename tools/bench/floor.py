@@ -20,6 +20,9 @@ It is meant to be the fastest plain implementation: nothing a single process doe
 right-padded causal passes, attention by hand for one decode token where CPU SDPA is slower, row gathers by
 index_select, no per-token Python work in the sampler), and it runs without megapo.compat's device-literal mode
 (a plain program has none; megapo's learner process needs it for Megatron on CPU and pays its per-call cost).
+What it leaves to megapo are megapo's two prefix-sharing techniques: its learner holds each group's prompt once
+(train.share_prefix), and its engine decodes each distinct running prefix of a prompt's samples once (the embedded
+engine's decode states); the floor trains every sample's whole sequence and decodes every running row.
 megapo's step is the main job's: EmbeddedEngine (megapo.trainer.engine_setup) and megapo.trainer's
 collect_rollouts / update_policy / sync_weights with the config's RunConfig, so changes there show up here.
 

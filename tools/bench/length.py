@@ -99,6 +99,9 @@ METHODS: dict[str, list[str]] = {
     # marker, which this task's responses have none of
     "duet": ["data.group_filter=duet"],
     "duet_half": ["data.group_filter=duet", "data.group_filter_options={budget_scale: 0.5}"],
+    # DUET with the prompt-feature surrogate (megapo/algorithms/duet_surrogate.py, ours): a prompt never drawn before
+    # gets the logistic model's pass rate instead of the tracker's prior
+    "duet_features": ["data.group_filter=duet", "data.group_filter_options={surrogate: features}"],
     # DAST's budget preference optimisation (megapo/algorithms/dast_preference.py): the dast length reward's shaped
     # rewards make on-policy SimPO pairs in each group (a shorter correct over a longer correct, a longer incorrect
     # over a shorter incorrect, score gap > 0.1), their gradient added to GSPO's at π_old
