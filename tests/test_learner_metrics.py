@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megapo.algorithms import policy_loss
-from megapo.learner.metrics import REDUCTIONS, MicroBatchMetrics, Reduction, reduce_metrics
+from megapo.learner.metrics import MEAN_OVER, REDUCTIONS, MicroBatchMetrics, Reduction, reduce_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,6 +105,9 @@ def test_learner_reduces_each_metric_by_its_formula(tmp_path, tiny_dense):
             Reduction.MIN: lambda: min(v for _, v in values),
             Reduction.MAX: lambda: max(v for _, v in values),
             Reduction.TOKEN_MEAN: lambda: sum(n * v for n, v in values) / n_total,
+            # weighted by the micro-batch's own count (the mismatch means: its mismatch_tokens)
+            Reduction.COUNT_MEAN: lambda: (sum(mb["metrics"][MEAN_OVER[name]] * mb["metrics"][name] for mb in mbs)
+                                           / sum(mb["metrics"][MEAN_OVER[name]] for mb in mbs)),
         }[REDUCTIONS[name]]()
         assert got[name] == pytest.approx(formula, rel=1e-12, abs=1e-15), name
     # the reductions differ on this batch: a mean of the micro-batches would not give these

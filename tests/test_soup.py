@@ -348,17 +348,15 @@ def _padded(rows, pick):
     return torch.tensor([[float(v) for v in pick(r)] + [0.0] * (T - len(r[0])) for r in rows], dtype=F64)
 
 
-def _shard_metrics(rows, keep: bool, global_counts=None):
+def _shard_metrics(rows, keep: bool, global_tokens=None):
     from megapo.algorithms.loss import policy_loss
 
     old = _padded(rows, lambda r: r[0])
     kw = {}
     if keep:
         kw["mismatch_mask"] = _padded(rows, lambda r: [0] * r[2] + [1] * (len(r[0]) - r[2]))
-    if global_counts is not None:
-        kw["global_tokens"], gk = global_counts
-        if keep:
-            kw["global_mismatch_tokens"] = gk
+    if global_tokens is not None:
+        kw["global_tokens"] = global_tokens
     mask = _padded(rows, lambda r: r[3])
     _, m = policy_loss("ppo", old.clone(), old, torch.ones_like(old), mask, _padded(rows, lambda r: r[1]),
                        loss_agg="token-mean", **kw)
@@ -368,8 +366,8 @@ def _shard_metrics(rows, keep: bool, global_counts=None):
 def test_policy_loss_mismatch_counts_the_continuations_over_shards():
     """policy_loss's mismatch_k3 with a mismatch_mask: the k3 over the continuation tokens written out, on one shard
     and over two shards reduced as the learner reduces them (metrics.reduce_metrics, each shard's policy tokens its
-    weight, the global counts given); without it (no prefixes) the all-token k3; counting the prefixes would give
-    the diluted value instead."""
+    weight, the batch's policy tokens given, each shard's mismatch means weighted by its own mismatch_tokens);
+    without it (no prefixes) the all-token k3; counting the prefixes would give the diluted value instead."""
     from megapo.learner.metrics import MicroBatchMetrics, reduce_metrics
 
     rows = _mismatch_rows()
@@ -383,7 +381,7 @@ def test_policy_loss_mismatch_counts_the_continuations_over_shards():
     K = sum(sum(r[3][r[2]:]) for r in rows)
     parts = []
     for shard in (rows[:2], rows[2:]):
-        m, n = _shard_metrics(shard, keep=True, global_counts=(N, K))
+        m, n = _shard_metrics(shard, keep=True, global_tokens=N)
         parts.append(MicroBatchMetrics(tokens=n, values=m))
     assert reduce_metrics(parts)["mismatch_k3"] == pytest.approx(fresh, rel=1e-12)
     assert reduce_metrics(parts)["mismatch_k1"] == pytest.approx(

@@ -169,36 +169,22 @@ def mismatch_from_batch(b: TokenBatch, keep: Tensor | None = None) -> dict[str, 
     """
     log_rho = _log_k(b)
     rho = torch.exp(log_rho)
-    if keep is not None:
-        return _kept_mismatch(log_rho, rho, b.fmask * keep)
-    m = b.fmask
+    m = b.fmask if keep is None else b.fmask * keep
     n = m.sum()
     sum_rho = (rho * m).sum()
     sum_rho2 = (rho * rho * m).sum()
-    return {
+    out = {
+        "mismatch_tokens": n.detach(),  # the tokens the means are over (the learner weighs them by it)
         "mismatch_k1": (-(log_rho) * m).sum().detach() / n,
         "mismatch_k3": ((rho - 1 - log_rho) * m).sum().detach() / n,
         "mismatch_chi2": (sum_rho2 / n - 1).detach(),
         "mismatch_ess": (sum_rho * sum_rho / (n * sum_rho2)).detach(),
-        "mismatch_max_abs_dlogp": log_rho.abs().masked_fill(~b.mask, 0).max().detach(),
-    }
-
-
-def _kept_mismatch(log_rho: Tensor, rho: Tensor, m: Tensor) -> dict[str, Tensor]:
-    """mismatch_from_batch's metrics over the tokens of 0/1 mask `m`, 0 where it keeps none (a micro-batch of
-    SOUP prefixes only adds nothing to the learner's token-weighted reduction)."""
-    n = m.sum().clamp(min=1)
-    sum_rho = (rho * m).sum()
-    sum_rho2 = (rho * rho * m).sum()
-    some = m.sum() > 0
-    zero = torch.zeros((), dtype=rho.dtype, device=rho.device)
-    return {
-        "mismatch_k1": (-(log_rho) * m).sum().detach() / n,
-        "mismatch_k3": ((rho - 1 - log_rho) * m).sum().detach() / n,
-        "mismatch_chi2": torch.where(some, sum_rho2 / n - 1, zero).detach(),
-        "mismatch_ess": torch.where(some, sum_rho * sum_rho / (n * sum_rho2.clamp(min=1e-30)), zero).detach(),
         "mismatch_max_abs_dlogp": log_rho.abs().masked_fill(m == 0, 0).max().detach(),
     }
+    if keep is None:
+        return out
+    # a micro-batch may keep none (SOUP's prefixes only): 0, not 0/0, adds nothing to the learner's reduction
+    return {name: torch.where(n > 0, v, torch.zeros_like(v)) for name, v in out.items()}
 
 
 def mismatch_metrics(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, cu_seqlens=None) -> dict[str, Tensor]:

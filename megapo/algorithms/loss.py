@@ -99,7 +99,6 @@ def policy_loss(
     entropy_score: Tensor | None = None,
     kl_weight: Tensor | None = None,
     mismatch_mask: Tensor | None = None,
-    global_mismatch_tokens: int | float | None = None,
     loss_agg: str | None = None,
     **options: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -125,8 +124,7 @@ def policy_loss(
     global_polarity: loss_agg="balanced"'s sequence and token counts by advantage sign over the whole
     batch (aggregation.polarity_counts), so its shards, too, sum to the full-batch loss.
     mismatch_mask (0/1, TrainSample.mismatch_mask: SOUP's historical prefixes are 0) limits the mismatch_* metrics
-    to its 1s; with global_tokens the learner gives global_mismatch_tokens, the batch's policy tokens it keeps, too
-    (_mismatch).
+    to its 1s (mismatch_tokens counts them; the learner weighs each micro-batch's means by it).
     """
     spec = as_loss_spec(loss, loss_agg, options)
     entry = get("objective", spec.objective, argument="objective")
@@ -200,32 +198,8 @@ def policy_loss(
 
     metrics.update(_ratio_metrics(b, out))
     if b.rollout_logp is not None:
-        metrics.update(_mismatch(b, global_tokens, global_mismatch_tokens))
+        metrics.update(corrections.mismatch_from_batch(b, b.extra.get("mismatch_mask")))
     return loss, metrics
-
-
-# the mismatch metrics the learner reduces as token means (megapo/learner/metrics.py), the others' maximum
-_MISMATCH_MEANS = ("mismatch_k1", "mismatch_k3", "mismatch_chi2", "mismatch_ess")
-
-
-def _mismatch(b: batch_mod.TokenBatch, global_tokens, global_kept) -> dict[str, Tensor]:
-    """The mismatch_* metrics: over the valid tokens, or with a mismatch_mask (SOUP, Yang et al. 2026, SOUP:
-    Token-level Single-sample Mix-policy Reinforcement Learning: 0 on the historical prefixes, whose μ is an older
-    policy's and π_old := μ) over its 1s only. The learner weighs each micro-batch's mean by its n policy tokens
-    over the batch's N (global_tokens); a mean over the k kept ones is scaled by (k/n)·(N/K), K the batch's kept
-    tokens (global_kept), so the reduced value is the mean over the kept tokens of the whole batch."""
-    keep = b.extra.get("mismatch_mask")
-    if keep is None:
-        return corrections.mismatch_from_batch(b)
-    if global_tokens is not None and global_kept is None:
-        raise ValueError("global_mismatch_tokens: required with mismatch_mask and global_tokens (the batch's "
-                         "policy tokens the mask keeps)")
-    out = corrections.mismatch_from_batch(b, keep)
-    if global_tokens is None:  # one shard, the whole batch: its own means
-        return out
-    share = (b.fmask * keep).sum() / b.fmask.sum().clamp(min=1)  # k/n
-    scale = share * (float(global_tokens) / max(float(global_kept), 1.0))
-    return {name: v * scale if name in _MISMATCH_MEANS else v for name, v in out.items()}
 
 
 def _ratio_metrics(b: batch_mod.TokenBatch, out) -> dict[str, Tensor]:

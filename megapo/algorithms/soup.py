@@ -102,9 +102,9 @@ def run_soup_stage(batch: list, s, ctx) -> dict:
     (sample.rollout_logp, the historical policy's log-probs there) on each mixed sample's prefix (ctx.soup_prefix,
     tokens); soup/prefix_frac, the share of the batch's response tokens that are historical prefixes, and
     soup/prefix_log_ratio, the mean log π_old − log μ over them (how far the historical policy is from π_old, before
-    the replacement). When the step mixed a sample, every sample's
-    mismatch_mask (0 on its prefix, 1 after) keeps the learner's train/mismatch_* to the tokens this step's engine
-    sampled: with π_old := μ there a prefix token would add ρ = 1, diluting them; otherwise it stays None."""
+    the replacement). When the step mixed a sample, every sample's mismatch_mask (0 on its prefix, 1 after) keeps
+    the learner's train/mismatch_* to the tokens this step's engine sampled: with π_old := μ there a prefix token
+    would add ρ = 1, diluting them; otherwise it stays None."""
     if ctx.soup_prefix is None or len(ctx.soup_prefix) != len(batch):
         raise ValueError("soup: stage soup needs each sample's prefix length (update.advantage_stages)")
     mixed = any(ctx.soup_prefix)

@@ -150,8 +150,9 @@ class KVCache:
     """Per-layer K [batch, cache_heads, max_len, head_dim] and V [..., v_head_dim]: a forward of B rows uses rows
     0..B-1. Row moves (a prompt's state split among its samples as they draw different tokens, finished ones
     dropping out) copy into a second buffer of the same shape, which then becomes the cache: no allocation per step,
-    and one cache can serve many batches (`fits`). MLA's keys and values are kept expanded per head, not as the kv latent: a decode step then costs
-    what a GQA one does, at more memory per token, which the small models this engine runs can afford."""
+    and one cache can serve many batches (`fits`). MLA's keys and values are kept expanded per head, not as the kv
+    latent: a decode step then costs what a GQA one does, at more memory per token, which the small models this
+    engine runs can afford."""
 
     def __init__(self, spec: TorchLMSpec, batch: int, max_len: int, dtype: torch.dtype):
         self.batch, self.max_len = batch, max_len

@@ -640,7 +640,6 @@ class Learner:
         global_tokens = int(per_sample.sum())
         global_seqs = int((per_sample > 0).sum())  # a sample of observation tokens only adds nothing
         counts = _batch_counts(inputs, spec.objective, spec.loss_agg)  # batch-global counts an aggregation needs
-        counts.update(_mismatch_counts(inputs))  # stage soup's: the policy tokens train/mismatch_* count
         scale = len(micro_batches) * ps.get_data_parallel_world_size()  # undo the schedule's /M and DDP's /dp
         cols = inputs.columns
         from megapo.algorithms.loss import token_inputs
@@ -1005,18 +1004,6 @@ def _batch_counts(inputs: TrainInputs, objective: str, loss_agg: str) -> dict:
     owner = torch.repeat_interleave(torch.arange(len(response), device=adv.device), response.to(adv.device))
     sums = torch.zeros(len(response), dtype=torch.float64, device=adv.device).index_add_(0, owner, adv.double())
     return {"global_polarity": polarity_counts(sums.cpu(), torch.from_numpy(inputs.policy_counts()))}
-
-
-def _mismatch_counts(inputs: TrainInputs) -> dict:
-    """policy_loss's global_mismatch_tokens: the batch's policy tokens whose mismatch_mask is 1 (stage soup: the
-    tokens this step's engine sampled), so each micro-batch's mismatch_* mean is weighted to the batch's; none
-    without a mismatch_mask (one host copy of the column, only then)."""
-    if "mismatch_mask" not in inputs.columns:
-        return {}
-    keep = inputs.columns["mismatch_mask"].cpu().numpy() > 0.5
-    if inputs.policy is not None:
-        keep &= inputs.policy
-    return {"global_mismatch_tokens": int(keep.sum())}
 
 
 def _train_inputs(batch: list[TrainSample], vocab: int, *, need_old: bool, device) -> TrainInputs:

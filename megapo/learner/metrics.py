@@ -25,6 +25,9 @@ class Reduction(Enum):
     TOKEN_MEAN = "token_mean"
     # Σ_i v_i / N: v_i a micro-batch's sum over its policy tokens
     TOKEN_SUM_MEAN = "token_sum_mean"
+    # Σ_i c_i·v_i / Σ_i c_i: v_i a micro-batch's mean over c_i tokens of its own, c_i its value of the count metric
+    # MEAN_OVER names (the mismatch metrics: the tokens whose engine log-prob is this step's)
+    COUNT_MEAN = "count_mean"
 
 
 # every metric the learner's train step reduces (its own, then policy_loss's: megapo/algorithms/loss.py,
@@ -45,10 +48,13 @@ REDUCTIONS: dict[str, Reduction] = {
     "token_weight_mean": Reduction.TOKEN_MEAN,  # a token stage's weights (sample token_weight)
     "correction_weight_mean": Reduction.TOKEN_MEAN,  # the mismatch correction's weights
     "correction_masked_frac": Reduction.TOKEN_MEAN,  # share of policy tokens the correction zeroes
-    "mismatch_k1": Reduction.TOKEN_MEAN,  # engine μ vs π_old, corrections.mismatch_from_batch
-    "mismatch_k3": Reduction.TOKEN_MEAN,
-    "mismatch_chi2": Reduction.TOKEN_MEAN,  # (each micro-batch's χ², token-weighted)
-    "mismatch_ess": Reduction.TOKEN_MEAN,  # (each micro-batch's effective sample size fraction, token-weighted)
+    # engine μ vs π_old (corrections.mismatch_from_batch) over the policy tokens this step's engine sampled (all of
+    # them, or stage soup's continuations): mismatch_tokens of them
+    "mismatch_tokens": Reduction.SUM,
+    "mismatch_k1": Reduction.COUNT_MEAN,
+    "mismatch_k3": Reduction.COUNT_MEAN,
+    "mismatch_chi2": Reduction.COUNT_MEAN,  # (each micro-batch's χ², weighted by its mismatch_tokens)
+    "mismatch_ess": Reduction.COUNT_MEAN,  # (each micro-batch's effective sample size fraction, weighted alike)
     "mismatch_max_abs_dlogp": Reduction.MAX,  # max |log π_old - log μ|
     # the first teacher's top-k forward KL per policy token (megapo/algorithms/topk_distill.py: each micro-batch's
     # sum over its policy tokens); with several teachers also distill/topk_forward_kl/<j> (INDEXED below)
@@ -56,6 +62,8 @@ REDUCTIONS: dict[str, Reduction] = {
 }
 # metrics declared once for a family of names "<name>/<j>", j = 0, 1, ... (one per teacher), reduced as <name>
 INDEXED = ("distill/topk_forward_kl",)
+# a COUNT_MEAN metric -> the count metric weighting it
+MEAN_OVER = {name: "mismatch_tokens" for name in ("mismatch_k1", "mismatch_k3", "mismatch_chi2", "mismatch_ess")}
 
 
 @dataclass
@@ -71,8 +79,15 @@ def reduce_metrics(parts: list[MicroBatchMetrics]) -> dict[str, float]:
     the names first appear; N (TOKEN_MEAN, TOKEN_SUM_MEAN) counts the policy tokens of all `parts`."""
     tokens = sum(p.tokens for p in parts)
     names = list(dict.fromkeys(name for p in parts for name in p.values))
-    return {name: _reduce(reduction(name), [(p.tokens, p.values[name]) for p in parts if name in p.values], tokens)
-            for name in names}
+    return {name: _reduce_one(name, parts, tokens) for name in names}
+
+
+def _reduce_one(name: str, parts: list[MicroBatchMetrics], tokens: int) -> float:
+    how = reduction(name)
+    if how is Reduction.COUNT_MEAN:  # each value weighted by its micro-batch's own count
+        pairs = [(p.values[MEAN_OVER[name]], p.values[name]) for p in parts if name in p.values]
+        return sum(c * v for c, v in pairs) / max(sum(c for c, _ in pairs), 1)
+    return _reduce(how, [(p.tokens, p.values[name]) for p in parts if name in p.values], tokens)
 
 
 def reduction(name: str) -> Reduction:
